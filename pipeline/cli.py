@@ -1,0 +1,169 @@
+"""The `pipeline` command. Every stage: `pipeline <stage> CONFIG [--run-id R] [--round K] [--set k=v ...]`.
+
+Heavy libraries are imported inside commands so `--help` and `validate` stay instant.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.config import ConfigError, load_config
+
+app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False)
+bench_app = typer.Typer(help="Benchmarks that print numbers (ratios against a baseline in the same run).",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+ConfigArg = Annotated[Path | None, typer.Argument(help="Run config YAML (optional for an existing --run-id).")]
+RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="Run id (default: the config's run_id).")]
+RoundOpt = Annotated[int, typer.Option("--round", help="Round index k (0 = base model).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: --set rollout.m=4 (repeatable).")]
+StoreOpt = Annotated[str | None, typer.Option("--store", help="Store root (default: the config's store.root).")]
+
+
+def _fail(msg: str) -> None:
+    typer.secho(msg, fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _ctx(config, run_id, round, sets, store=None):
+    from pipeline.run import open_run
+
+    try:
+        return open_run(config, run_id, round, sets or [], store)
+    except ConfigError as e:
+        _fail(str(e))
+
+
+@app.callback()
+def _main(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug logging.")] = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+@app.command()
+def validate(config: Path, sets: SetOpt = None) -> None:
+    """Check a config file without running anything."""
+    try:
+        cfg = load_config(config, sets or [])
+    except ConfigError as e:
+        _fail(str(e))
+    typer.echo(f"{config}: ok (run_id={cfg.run_id}, benchmark={cfg.benchmark.name}, mode={cfg.rollout.mode}, "
+               f"generator={cfg.generator.model} via {cfg.generator.backend}, executor={cfg.executor.kind})")
+
+
+@app.command("prepare-model")
+def prepare_model(
+    ref: Annotated[str, typer.Argument(help="Embedded model ref.")] = "embedded:smollm2-135m-instruct",
+    force: Annotated[bool, typer.Option(help="Rebuild even if cached.")] = False,
+) -> None:
+    """Convert the embedded GGUF model into a cached HF folder (once; $PIPELINE_CACHE_DIR overrides)."""
+    from pipeline.models import ModelError, prepare_embedded
+
+    if not ref.startswith("embedded:"):
+        _fail(f"{ref}: only embedded:<name> refs need preparing")
+    try:
+        path = prepare_embedded(ref.split(":", 1)[1], force=force)
+    except ModelError as e:
+        _fail(str(e))
+    typer.echo(str(path))
+
+
+@app.command()
+def chat(
+    prompt: str,
+    model: Annotated[str, typer.Option(help="Model ref.")] = "embedded:smollm2-135m-instruct",
+    max_new_tokens: Annotated[int, typer.Option(help="Completion cap.")] = 64,
+) -> None:
+    """One greedy chat turn with a model (a smoke test of the embedded model)."""
+    from pipeline.models import load_causal_lm, load_tokenizer
+
+    tok, lm = load_tokenizer(model), load_causal_lm(model)
+    enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True).to(lm.device)
+    out = lm.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    typer.echo(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+
+
+@app.command()
+def rollout(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None) -> None:
+    """Sample agent plans / workflows for a round and write `generations` (resumes per query slot)."""
+    from pipeline.rollout import run_rollout
+
+    typer.echo(run_rollout(_ctx(config, run_id, round, sets)))
+
+
+@app.command()
+def score(
+    config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
+    only_failed: Annotated[bool, typer.Option("--only-failed", help="Re-run transient failures only.")] = False,
+) -> None:
+    """Run each workflow of a round in the sandbox and write `scores` (idempotent)."""
+    from pipeline.scoring import run_scoring
+
+    typer.echo(run_scoring(_ctx(config, run_id, round, sets), only_failed=only_failed))
+
+
+@app.command()
+def curate(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None) -> None:
+    """Build group-wise training data (screening, sharpening, advantages) into `groups`."""
+    from pipeline.curate import run_curate
+
+    typer.echo(run_curate(_ctx(config, run_id, round, sets)))
+
+
+@app.command()
+def train(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None) -> None:
+    """LoRA GRPO with advantage-masked KL on the round's groups; writes the round's checkpoint."""
+    from pipeline.train import run_train
+
+    typer.echo(run_train(_ctx(config, run_id, round, sets)))
+
+
+@app.command()
+def sql(
+    query: str,
+    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
+    out: Annotated[Path | None, typer.Option("--out", help="Write the result to .csv/.json/.parquet.")] = None,
+    limit: Annotated[int, typer.Option(help="Rows printed.")] = 50,
+) -> None:
+    """SQL over the store's views (queries, generations, scores, latest_scores, groups, ...)."""
+    import duckdb
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeline.store import Store
+
+    st = Store(store)
+    try:
+        df = st.sql(query)
+    except duckdb.Error as e:
+        _fail(f"SQL error: {e}")
+    st.refresh_catalog()
+    if out is not None:
+        writers = {".csv": df.write_csv, ".json": df.write_json, ".parquet": df.write_parquet}
+        if out.suffix not in writers:
+            _fail(f"--out {out}: use .csv, .json or .parquet")
+        writers[out.suffix](out)
+        typer.echo(f"wrote {df.height} rows to {out}")
+        return
+    table = Table(*df.columns, caption=f"{df.height} rows")
+    for row in df.head(limit).iter_rows():
+        table.add_row(*("" if v is None else str(v)[:80] for v in row))
+    Console().print(table)
+
+
+@bench_app.command("store")
+def bench_store(
+    rows: Annotated[int, typer.Option(help="Synthetic generations rows.")] = 1_000_000,
+    root: Annotated[Path | None, typer.Option(help="Scratch store root (default: a temp dir).")] = None,
+) -> None:
+    """Write N synthetic `generations` rows, then time an aggregate SQL over them."""
+    from pipeline.bench.store import main
+
+    main(rows, root)

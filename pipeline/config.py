@@ -1,0 +1,280 @@
+"""Run configuration: pydantic models, YAML loading, `--set a.b=value` overrides.
+
+Every error names the file and the field path, so a user can fix a config without reading code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StoreConfig(_Strict):
+    root: str = Field("data/runs", description="Directory holding runs' Parquet parts and catalog.duckdb.")
+
+
+class GeneratorConfig(_Strict):
+    model: str = Field(
+        "embedded:smollm2-135m-instruct",
+        description="Model ref: `embedded:smollm2-135m-instruct`, a local HF folder, or a hub id (online).",
+    )
+    backend: Literal["transformers", "vllm", "openai"] = Field(
+        "transformers", description="Generation backend: transformers (CPU default), vllm (offline), openai."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights dtype; float32 keeps logprobs comparable across backends."
+    )
+    base_url: str | None = Field(None, description="openai backend: the OpenAI-compatible server's URL.")
+    api_key_env: str = Field("OPENAI_API_KEY", description="openai backend: env var holding the API key.")
+    served_model: str | None = Field(None, description="openai backend: the model name the server knows.")
+    max_new_tokens: int = Field(512, gt=0, description="Completion length cap per sample.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of the generator.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    seed: int = Field(0, description="Sampling seed (per round it is offset by the round index).")
+    batch_size: int = Field(8, gt=0, description="Prompts per generation call (transformers/openai).")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: GPU memory fraction.")
+    max_model_len: int = Field(4096, gt=0, description="vllm: context length.")
+    enforce_eager: bool = Field(True, description="vllm: skip graph capture (fast start).")
+    tensor_parallel_size: int = Field(1, gt=0, description="vllm: tensor parallel degree.")
+    max_lora_rank: int = Field(64, gt=0, description="vllm: largest LoRA rank it can load.")
+
+
+class PriceConfig(_Strict):
+    input_per_mtok: float = Field(0.0, ge=0, description="USD per million prompt tokens.")
+    output_per_mtok: float = Field(0.0, ge=0, description="USD per million completion tokens.")
+
+
+class ExecutorConfig(_Strict):
+    kind: Literal["local", "openai"] = Field(
+        "local", description="local: the embedded model in-process; openai: any OpenAI-compatible server."
+    )
+    model: str = Field("embedded:smollm2-135m-instruct", description="Model ref (local) or served name.")
+    base_url: str | None = Field(None, description="openai: base URL, e.g. http://127.0.0.1:8000/v1.")
+    endpoints: list[str] = Field(
+        default_factory=list, description="openai: several base URLs to spread calls over (scale-out)."
+    )
+    api_key_env: str = Field("OPENAI_API_KEY", description="Env var holding the API key (never stored).")
+    temperature: float = Field(0.0, ge=0, description="Executor sampling temperature (paper: 0).")
+    max_tokens: int = Field(256, gt=0, description="Completion cap per executor call.")
+    concurrency: int = Field(8, gt=0, description="Concurrent executor requests.")
+    max_retries: int = Field(4, ge=0, description="Retries on 429/5xx/timeouts/connection errors.")
+    timeout_s: float = Field(60.0, gt=0, description="Per-call timeout in seconds.")
+    prices: PriceConfig = Field(default_factory=PriceConfig, description="Price table for cost accounting.")
+
+
+class JudgeConfig(_Strict):
+    base_url: str = Field(..., description="OpenAI-compatible endpoint of the judge model.")
+    model: str = Field(..., description="Judge model name.")
+    api_key_env: str = Field("OPENAI_API_KEY", description="Env var holding the judge's API key.")
+
+
+BenchmarkName = Literal["humaneval", "mbpp", "gsm8k", "math", "drop", "hotpotqa", "procedural"]
+
+
+class BenchmarkConfig(_Strict):
+    name: BenchmarkName = Field("procedural", description="Which benchmark supplies the queries.")
+    path: str | None = Field(None, description="Local JSONL/Parquet file in the official format.")
+    hub_id: str | None = Field(None, description="Hub dataset id (only where the hub is reachable).")
+    tasks: list[str] = Field(
+        default_factory=lambda: ["chain_sum", "basic_arithmetic"],
+        description="procedural: reasoning-gym generators to draw from.",
+    )
+    size: int = Field(100, gt=0, description="procedural: items generated in total.")
+    levels: list[int] = Field(default_factory=list, description="math: keep only these levels (e.g. [5]).")
+    split_seed: int = Field(0, description="Seed of the deterministic validate/test split.")
+    validate_fraction: float = Field(0.2, gt=0, lt=1, description="Share of items in `validate` (1:4).")
+    train_split: Literal["validate", "test"] = Field("validate", description="Split the rounds optimise on.")
+    max_queries: int | None = Field(None, gt=0, description="Use only the first N queries of the split.")
+
+
+class RolloutConfig(_Strict):
+    mode: Literal["flat", "two_level"] = Field("flat", description="flat (SPOGW) or two_level (agent/workflow).")
+    m: int = Field(16, gt=0, description="flat: workflows sampled per query.")
+    n_agents: int = Field(4, gt=0, description="two_level: agent plans per query (N_A).")
+    n_workflows: int = Field(4, gt=0, description="two_level: workflows per agent plan (N_W).")
+    tau_agent: float = Field(1.0, gt=0, description="Softmax temperature of agent exemplar buckets.")
+    tau_workflow: float = Field(1.0, gt=0, description="Softmax temperature of workflow exemplar buckets.")
+    tau_decay: float = Field(1.0, gt=0, description="Per-round multiplier of both temperatures (annealing).")
+    r_min_agent: float = Field(0.0, ge=0, le=1, description="Agents enter the exemplar pool from this reward.")
+    r_min_workflow: float = Field(0.0, ge=0, le=1, description="Workflows enter the pool from this score.")
+    max_plan_tokens: int = Field(256, gt=0, description="two_level: completion cap of an agent plan.")
+    max_workflow_chars: int = Field(20000, gt=0, description="Static check: larger workflows are invalid.")
+
+
+class RewardConfig(_Strict):
+    complexity_weight: float = Field(0.0, ge=0, description="Weight of the complexity penalty (AST/calls).")
+    cost_weight: float = Field(0.0, ge=0, description="Weight of the executor-token cost penalty.")
+    judge: JudgeConfig | None = Field(None, description="Optional LLM-as-judge for free-form answers.")
+
+
+class ScoringConfig(_Strict):
+    reps: int = Field(1, gt=0, description="Runs per workflow; the score is their mean (paper: 3).")
+    concurrency: int = Field(2, gt=0, description="Sandboxes running at once.")
+    timeout_s: float = Field(60.0, gt=0, description="Wall-clock limit per workflow run.")
+    cpu_time_s: int = Field(30, gt=0, description="CPU-time limit per workflow run.")
+    memory_mb: int = Field(1024, gt=0, description="Address-space limit of a workflow process.")
+    max_llm_calls: int = Field(20, gt=0, description="Executor-call budget per workflow run.")
+    test_timeout_s: float = Field(5.0, gt=0, description="Per-test timeout of code metrics.")
+    retry_timeouts: bool = Field(False, description="Treat `timeout` as transient for --only-failed.")
+    batch_size: int = Field(16, gt=0, description="Score rows per Parquet part.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Multi-purpose reward weights.")
+
+
+class CurationConfig(_Strict):
+    n: int = Field(14, gt=1, description="Group size before sharpening (C(m, n) groups per query).")
+    t: int = Field(4, gt=0, description="Sharpening keeps the t lowest and t highest members (2t < n).")
+    top_n: int = Field(100, gt=0, description="Variance screening keeps the top-N groups of a round.")
+    max_groups_per_query: int | None = Field(
+        1000, gt=0, description="Sample this many subsets per query when C(m, n) is larger."
+    )
+    mode: Literal["random", "random_filter", "screen", "screen_sharpen"] = Field(
+        "screen_sharpen", description="SPOGW ablation: random, random+filter, screening, screening+sharpening."
+    )
+    eps_adv: float = Field(1e-6, gt=0, description="ε in (s - mean) / (std + ε).")
+    adv_norm: Literal["batch", "query"] = Field("batch", description="two_level: normalise over batch or query.")
+    seed: int = Field(0, description="Seed of group sampling.")
+
+    @model_validator(mode="after")
+    def _sharpen_fits(self) -> CurationConfig:
+        if 2 * self.t >= self.n:
+            raise ValueError(f"needs 2*t < n, got t={self.t}, n={self.n}")
+        return self
+
+
+class TrainingConfig(_Strict):
+    lora_r: int = Field(16, gt=0, description="LoRA rank.")
+    lora_alpha: int = Field(32, gt=0, description="LoRA alpha.")
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Modules LoRA adapts.",
+    )
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    epochs: int = Field(1, gt=0, description="Passes over the round's curated data.")
+    micro_batch_size: int = Field(4, gt=0, description="Sequences per forward/backward.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimiser step.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    beta: float = Field(0.1, ge=0, description="KL weight β.")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip ε.")
+    kl_mask: bool = Field(True, description="Apply KL only where the advantage is positive (mKL).")
+    reference: Literal["previous", "base", "none"] = Field(
+        "previous", description="KL reference: previous round's checkpoint, the base model, or no KL."
+    )
+    loss_norm: Literal["sequence", "token"] = Field(
+        "sequence", description="Mean per sequence then over sequences, or over all tokens of the batch."
+    )
+    bf16: bool = Field(False, description="bf16 autocast (GPU).")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
+    max_seq_len: int = Field(2048, gt=0, description="Prompt+completion tokens kept per sequence.")
+    seed: int = Field(0, description="Training seed.")
+
+
+class RunConfig(_Strict):
+    run_id: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Run name (a folder).")
+    rounds: int = Field(3, gt=0, description="Rounds of rollout -> score -> curate -> train.")
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig)
+    curation: CurationConfig = Field(default_factory=CurationConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid config"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"  {path}: {msg}" + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" else ""))
+    return "\n".join(lines)
+
+
+def _parse_value(raw: str) -> Any:
+    """`--set` values are YAML scalars/lists: `3`, `0.1`, `true`, `null`, `[a, b]`, plain strings."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict, sets: list[str]) -> dict:
+    for item in sets:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {key}: {p} is not a section")
+            node = nxt
+        node[parts[-1]] = _parse_value(raw)
+    return data
+
+
+def config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: malformed YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return data
+
+
+def load_config(path: str | Path, sets: list[str] | None = None) -> RunConfig:
+    data = apply_overrides(read_yaml(path), sets or [])
+    return config_from_dict(data, str(path))
+
+
+def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
+    """Dotted paths whose values differ (used to refuse silently resuming a run with another config)."""
+    out: list[str] = []
+
+    def walk(x: Any, y: Any, prefix: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
+        elif x != y:
+            out.append(prefix)
+
+    walk(json.loads(a.model_dump_json()), json.loads(b.model_dump_json()), "")
+    return out

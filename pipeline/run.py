@@ -1,0 +1,90 @@
+"""Opening a run: config resolution (a run's saved config is the default) and stage bookkeeping."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    config_from_dict,
+    diff_configs,
+    load_config,
+    read_yaml,
+)
+from pipeline.store import Store
+
+
+@dataclass
+class RunContext:
+    cfg: RunConfig  # the frozen config plus this invocation's --set overrides
+    store: Store
+    run_id: str
+    round: int
+    frozen_hash: str  # hash of the saved config: manifests compare against it
+
+    def done(self, stage: str) -> bool:
+        m = self.store.manifest(self.run_id, self.round, stage)
+        return m is not None and m["config_hash"] == self.frozen_hash
+
+    def finish(self, stage: str, **counts: Any) -> dict:
+        body = self.store.write_manifest(self.run_id, self.round, stage, self.frozen_hash, **counts)
+        self.store.refresh_catalog()
+        return body
+
+    def at_round(self, round: int) -> RunContext:
+        return RunContext(self.cfg, self.store, self.run_id, round, self.frozen_hash)
+
+
+def open_run(
+    config: str | Path | None,
+    run_id: str | None = None,
+    round: int = 0,
+    sets: list[str] | None = None,
+    store_root: str | None = None,
+) -> RunContext:
+    """Resolve the config of a run and freeze it on first use.
+
+    For an existing run the saved config is the default; a CONFIG that differs from it is refused
+    (naming the fields) so a resumed run never silently changes settings. `--set` overrides apply
+    on top for this invocation only (e.g. a new executor endpoint for re-scoring).
+    """
+    sets = sets or []
+    if round < 0:
+        raise ConfigError(f"--round must be >= 0, got {round}")
+    given = load_config(config) if config else None
+    run_id = run_id or (given.run_id if given else None)
+    if not run_id:
+        raise ConfigError("give a CONFIG file or --run-id of an existing run")
+    root = store_root or (given.store.root if given else RunConfig().store.root)
+    store = Store(root)
+    saved_path = store.run_dir(run_id) / "config.yaml"
+    if saved_path.is_file():
+        frozen = config_from_dict(read_yaml(saved_path), str(saved_path))
+        if given is not None:
+            given = given.model_copy(update={"run_id": run_id})
+            changed = diff_configs(frozen, given)
+            if changed:
+                raise ConfigError(
+                    f"run {run_id!r} was started with {saved_path}; {config} differs in: {', '.join(changed)}. "
+                    "Use a new --run-id, or --set for a deliberate per-invocation change."
+                )
+    elif given is None:
+        raise ConfigError(f"run {run_id!r} not found under {store.root}; give its CONFIG file to start it")
+    else:
+        frozen = load_config(config, sets)
+        frozen = frozen.model_copy(update={"run_id": run_id})
+        frozen = config_from_dict(frozen.model_dump(), str(config))
+        saved_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = saved_path.with_suffix(".yaml.tmp")
+        tmp.write_text(frozen.to_yaml())
+        os.replace(tmp, saved_path)
+        sets = []  # already frozen into the saved config
+    cfg = frozen
+    if sets:
+        cfg = config_from_dict(apply_overrides(frozen.model_dump(mode="json"), sets), f"{saved_path} + --set")
+    return RunContext(cfg=cfg, store=store, run_id=run_id, round=round, frozen_hash=frozen.config_hash())

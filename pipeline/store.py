@@ -1,0 +1,238 @@
+"""The trajectory store: immutable Parquet parts, stage manifests and a DuckDB catalog of views.
+
+Layout (DESIGN.md §2):
+    <root>/<run_id>/config.yaml                              frozen run config
+    <root>/<run_id>/round=<k>/<table>/part-<uuid>.parquet     one file per write, never rewritten
+    <root>/<run_id>/round=<k>/_done/<stage>.json              stage manifests
+    <root>/<run_id>/round=<k>/checkpoint/                     the round's LoRA adapter
+    <root>/catalog.duckdb                                     views only, rebuilt atomically
+
+Writers never touch catalog.duckdb while working; it is rebuilt into a temp file and renamed, so a
+user holding it open in the `duckdb` CLI keeps a consistent (older) copy.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import uuid
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.schema import TABLES, schema
+
+log = logging.getLogger(__name__)
+
+CATALOG = "catalog.duckdb"
+
+_DUCK_TYPES = {
+    pa.string(): "VARCHAR",
+    pa.int32(): "INTEGER",
+    pa.int64(): "BIGINT",
+    pa.float32(): "FLOAT",
+    pa.float64(): "DOUBLE",
+    pa.bool_(): "BOOLEAN",
+}
+
+
+def _duck_type(t: pa.DataType) -> str:
+    if pa.types.is_list(t):
+        return _duck_type(t.value_type) + "[]"
+    if pa.types.is_timestamp(t):
+        return "TIMESTAMPTZ"
+    return _DUCK_TYPES[t]
+
+
+class CorruptPartWarning(UserWarning):
+    pass
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def to_arrow(table: str, rows: pa.Table | pl.DataFrame | Iterable[dict], run_id: str) -> pa.Table:
+    """Coerce rows to the table's schema; fills run_id and created_at; unknown columns are an error."""
+    sch = schema(table)
+    if isinstance(rows, pl.DataFrame):
+        rows = rows.to_arrow()
+    if not isinstance(rows, pa.Table):
+        rows = list(rows)
+        unknown = {k for r in rows for k in r} - set(sch.names)
+        if unknown:
+            raise ValueError(f"{table}: unknown columns {sorted(unknown)}")
+        rows = pa.Table.from_pylist(rows, schema=sch)
+    unknown = set(rows.column_names) - set(sch.names)
+    if unknown:
+        raise ValueError(f"{table}: unknown columns {sorted(unknown)}")
+    n = rows.num_rows
+    cols = []
+    for f in sch:
+        if f.name in rows.column_names:
+            cols.append(rows.column(f.name).cast(f.type))
+        elif f.name == "run_id":
+            cols.append(pa.array([run_id] * n, pa.string()))
+        elif f.name == "created_at":
+            cols.append(pa.array([utcnow()] * n, f.type))
+        else:
+            cols.append(pa.nulls(n, f.type))
+    return pa.Table.from_arrays(cols, schema=sch)
+
+
+class Store:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        self._footer_ok: dict[tuple[str, int, float], bool] = {}
+
+    # ---- paths -------------------------------------------------------------------------------
+    def run_dir(self, run_id: str) -> Path:
+        return self.root / run_id
+
+    def round_dir(self, run_id: str, round: int) -> Path:
+        return self.run_dir(run_id) / f"round={round}"
+
+    def checkpoint_dir(self, run_id: str, round: int) -> Path:
+        return self.round_dir(run_id, round) / "checkpoint"
+
+    def runs(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if (p / "config.yaml").is_file())
+
+    # ---- writing -------------------------------------------------------------------------------
+    def write(self, table: str, rows: pa.Table | pl.DataFrame | Iterable[dict], run_id: str, round: int) -> Path | None:
+        """Write one immutable part (temp file + rename, so readers never see half a file)."""
+        data = to_arrow(table, rows, run_id)
+        if data.num_rows == 0:
+            return None
+        d = self.round_dir(run_id, round) / table
+        d.mkdir(parents=True, exist_ok=True)
+        name = f"part-{uuid.uuid4().hex}.parquet"
+        tmp = d / f".{name}.tmp"  # hidden: globs for *.parquet never match it
+        pq.write_table(data, tmp, compression="zstd", row_group_size=128 * 1024)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, d / name)
+        return d / name
+
+    # ---- parts and reading ------------------------------------------------------------------------
+    def parts(self, table: str, run_id: str | None = None, round: int | None = None) -> list[Path]:
+        schema(table)
+        run = run_id or "*"
+        rnd = "*" if round is None else str(round)
+        return sorted(self.root.glob(f"{run}/round={rnd}/{table}/*.parquet"))
+
+    def _is_ok(self, p: Path) -> bool:
+        st = p.stat()
+        key = (str(p), st.st_size, st.st_mtime)
+        ok = self._footer_ok.get(key)
+        if ok is None:
+            try:
+                pq.read_metadata(p)
+                ok = True
+            except Exception as e:  # any unreadable footer: name the file, keep going
+                warnings.warn(f"corrupt Parquet part skipped (left in place): {p}: {e}", CorruptPartWarning,
+                              stacklevel=3)
+                ok = False
+            self._footer_ok[key] = ok
+        return ok
+
+    def good_parts(self, table: str, run_id: str | None = None, round: int | None = None) -> list[Path]:
+        return [p for p in self.parts(table, run_id, round) if self._is_ok(p)]
+
+    def corrupt_parts(self) -> list[Path]:
+        return [p for t in TABLES for p in self.parts(t) if not self._is_ok(p)]
+
+    def scan(self, table: str, run_id: str, round: int | None = None) -> pl.LazyFrame:
+        """Lazy frame over a table's readable parts, with `round` from the partition path."""
+        files = self.good_parts(table, run_id, round)
+        if not files:
+            empty = pl.from_arrow(schema(table).empty_table())
+            return empty.with_columns(pl.lit(None, pl.Int32).alias("round")).lazy()
+        return pl.scan_parquet(
+            [str(f) for f in files], hive_partitioning=True, hive_schema={"round": pl.Int32},
+            missing_columns="insert", extra_columns="ignore",
+        )
+
+    def read(self, table: str, run_id: str, round: int | None = None) -> pl.DataFrame:
+        return self.scan(table, run_id, round).collect()
+
+    # ---- DuckDB ----------------------------------------------------------------------------
+    def _view_sql(self, table: str) -> str:
+        files = self.parts(table)
+        good = [p for p in files if self._is_ok(p)]
+        if not good:
+            cols = ", ".join(f"CAST(NULL AS {_duck_type(f.type)}) AS {f.name}" for f in schema(table))
+            return f"SELECT {cols}, CAST(NULL AS INTEGER) AS round WHERE false"
+        opts = "hive_partitioning = true, union_by_name = true, hive_types = {'round': INTEGER}"
+        if len(good) == len(files):  # glob: parts written after the refresh are visible too
+            src = f"'{self.root}/*/round=*/{table}/*.parquet'"
+        else:  # a corrupt part would fail the whole glob: list the readable ones
+            src = "[" + ", ".join(f"'{p}'" for p in good) + "]"
+        return f"SELECT * FROM read_parquet({src}, {opts})"
+
+    def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
+        for t in TABLES:
+            con.execute(f"CREATE OR REPLACE VIEW {t} AS {self._view_sql(t)}")
+        con.execute(
+            "CREATE OR REPLACE VIEW latest_scores AS SELECT * FROM scores "
+            "QUALIFY row_number() OVER (PARTITION BY run_id, round, gen_id, rep "
+            "ORDER BY attempt DESC, created_at DESC) = 1"
+        )
+
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        """In-memory connection with the catalog's views (no lock on catalog.duckdb)."""
+        con = duckdb.connect()
+        self._create_views(con)
+        return con
+
+    def sql(self, query: str, params: list[Any] | None = None) -> pl.DataFrame:
+        con = self.connect()
+        try:
+            return con.execute(query, params or []).pl()
+        finally:
+            con.close()
+
+    def refresh_catalog(self) -> Path:
+        """Rebuild <root>/catalog.duckdb atomically for the `duckdb` CLI."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / CATALOG
+        tmp = self.root / f".{CATALOG}.{uuid.uuid4().hex}.tmp"
+        con = duckdb.connect(str(tmp))
+        try:
+            self._create_views(con)
+        finally:
+            con.close()
+        os.replace(tmp, final)
+        Path(str(tmp) + ".wal").unlink(missing_ok=True)
+        return final
+
+    # ---- manifests and configs ----------------------------------------------------------------
+    def _manifest_path(self, run_id: str, round: int, stage: str) -> Path:
+        return self.round_dir(run_id, round) / "_done" / f"{stage}.json"
+
+    def write_manifest(self, run_id: str, round: int, stage: str, config_hash: str, **counts: Any) -> dict:
+        path = self._manifest_path(run_id, round, stage)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"stage": stage, "round": round, "config_hash": config_hash, "finished_at": utcnow().isoformat(),
+                "counts": counts}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(body, indent=2, default=str))
+        os.replace(tmp, path)
+        return body
+
+    def manifest(self, run_id: str, round: int, stage: str) -> dict | None:
+        path = self._manifest_path(run_id, round, stage)
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def clear_manifest(self, run_id: str, round: int, stage: str) -> None:
+        self._manifest_path(run_id, round, stage).unlink(missing_ok=True)
