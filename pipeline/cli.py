@@ -167,3 +167,35 @@ def bench_store(
     from pipeline.bench.store import main
 
     main(rows, root)
+
+
+@bench_app.command("sandbox")
+def bench_sandbox() -> None:
+    """Per-workflow sandbox overhead vs a bare `python -c pass`, and throughput at concurrency 2."""
+    from pipeline.bench.sandbox import main
+
+    main()
+
+
+@bench_app.command("rollout")
+def bench_rollout() -> None:
+    """Generation tokens/s of each available backend against its raw engine on the same prompts."""
+    from pipeline.bench.rollout import main
+
+    main()
+
+
+@bench_app.command("curate")
+def bench_curate() -> None:
+    """Curation over 10,000 queries x m=16."""
+    from pipeline.bench.curate import main
+
+    main()
+
+
+@bench_app.command("train")
+def bench_train() -> None:
+    """Training-step tokens/s against TRL's GRPO loss + backward on the same model and batch."""
+    from pipeline.bench.train import main
+
+    main()

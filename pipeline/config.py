@@ -44,6 +44,9 @@ class GeneratorConfig(_Strict):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of the generator.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     seed: int = Field(0, description="Sampling seed (per round it is offset by the round index).")
+    adapter: str | None = Field(
+        None, description="LoRA adapter folder to sample with; default: the previous round's checkpoint."
+    )
     batch_size: int = Field(8, gt=0, description="Prompts per generation call (transformers/openai).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: GPU memory fraction.")
     max_model_len: int = Field(4096, gt=0, description="vllm: context length.")
