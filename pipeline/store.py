@@ -70,7 +70,8 @@ def to_arrow(table: str, rows: pa.Table | pl.DataFrame | Iterable[dict], run_id:
         unknown = {k for r in rows for k in r} - set(sch.names)
         if unknown:
             raise ValueError(f"{table}: unknown columns {sorted(unknown)}")
-        rows = pa.Table.from_pylist(rows, schema=sch)
+        present = [f for f in sch if any(f.name in r for r in rows)]
+        rows = pa.Table.from_pylist(rows, schema=pa.schema(present))
     unknown = set(rows.column_names) - set(sch.names)
     if unknown:
         raise ValueError(f"{table}: unknown columns {sorted(unknown)}")
@@ -198,7 +199,8 @@ class Store:
     def sql(self, query: str, params: list[Any] | None = None) -> pl.DataFrame:
         con = self.connect()
         try:
-            return con.execute(query, params or []).pl()
+            rel = con.sql(query, params=params)
+            return rel.pl() if rel is not None else pl.DataFrame()
         finally:
             con.close()
 

@@ -1,0 +1,80 @@
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, RunConfig, apply_overrides, diff_configs, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "spogw-humaneval.yaml"])
+def test_shipped_configs_validate(name):
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.run_id
+
+
+def test_paper_settings():
+    cfg = load_config(ROOT / "configs" / "spogw-humaneval.yaml")
+    assert (cfg.rollout.m, cfg.curation.n, cfg.curation.t, cfg.training.beta, cfg.rounds) == (16, 14, 4, 0.1, 3)
+    assert cfg.generator.model == "Qwen/Qwen2.5-7B-Instruct"
+    assert (cfg.executor.model, cfg.executor.temperature) == ("gpt-4o-mini", 0.0)
+
+
+def test_demo_is_embedded():
+    cfg = load_config(ROOT / "configs" / "demo.yaml")
+    assert cfg.generator.model.startswith("embedded:") and cfg.executor.kind == "local"
+    assert cfg.generator.backend == "transformers"
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("run_id: x\nrollout:\n  m: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:\d+:\d+: malformed YAML"):
+        load_config(p)
+
+
+def test_unknown_field_names_path(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  mm: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "c.yaml" in str(e.value) and "rollout.mm: unknown field" in str(e.value)
+
+
+def test_wrong_type_names_path_and_value(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("training:\n  beta: lots\n")
+    with pytest.raises(ConfigError, match=r"training\.beta: .*'lots'"):
+        load_config(p)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/nonexistent/x.yaml")
+
+
+def test_sharpening_constraint(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("curation:\n  n: 8\n  t: 4\n")
+    with pytest.raises(ConfigError, match="2\\*t < n"):
+        load_config(p)
+
+
+def test_set_overrides_typed_and_nested(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  m: 4\n")
+    cfg = load_config(p, ["rollout.m=8", "training.kl_mask=false", "benchmark.tasks=[chain_sum]",
+                          "executor.base_url=http://127.0.0.1:8000/v1"])
+    assert cfg.rollout.m == 8 and cfg.training.kl_mask is False
+    assert cfg.benchmark.tasks == ["chain_sum"] and cfg.executor.base_url.endswith("/v1")
+    with pytest.raises(ConfigError, match="rollout.nope: unknown field"):
+        load_config(p, ["rollout.nope=1"])
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        apply_overrides({}, ["rollout.m"])
+
+
+def test_diff_and_hash():
+    a, b = RunConfig(), RunConfig()
+    assert diff_configs(a, b) == [] and a.config_hash() == b.config_hash()
+    b.rollout.m = 3
+    assert diff_configs(a, b) == ["rollout.m"] and a.config_hash() != b.config_hash()

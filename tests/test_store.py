@@ -1,0 +1,120 @@
+import warnings
+
+import duckdb
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import ConfigError
+from pipeline.run import open_run
+from pipeline.store import CorruptPartWarning, Store
+
+
+def _score(gen, rep, attempt, status, score):
+    return {"gen_id": gen, "query_id": "q", "rep": rep, "attempt": attempt, "status": status, "score": score}
+
+
+def test_write_is_immutable_parts_with_round_partition(tmp_path):
+    st = Store(tmp_path)
+    p1 = st.write("generations", [{"gen_id": "a", "kind": "workflow", "token_ids": [1, 2]}], "r1", 0)
+    p2 = st.write("generations", [{"gen_id": "b", "kind": "agent"}], "r1", 1)
+    assert p1 != p2 and p1.parent == tmp_path / "r1" / "round=0" / "generations"
+    assert not list(tmp_path.rglob("*.tmp")), "temp files must be renamed away"
+    df = st.read("generations", "r1").sort("gen_id")
+    assert df["gen_id"].to_list() == ["a", "b"] and df["round"].to_list() == [0, 1]
+    assert df["run_id"].to_list() == ["r1", "r1"] and df["token_ids"][0].to_list() == [1, 2]
+    assert st.read("generations", "r1", round=1)["gen_id"].to_list() == ["b"]
+
+
+def test_unknown_column_rejected(tmp_path):
+    with pytest.raises(ValueError, match="unknown columns"):
+        Store(tmp_path).write("scores", [{"gen_id": "a", "bogus": 1}], "r", 0)
+
+
+def test_empty_store_views_have_schema(tmp_path):
+    st = Store(tmp_path)
+    assert st.sql("select count(*) as n from generations")["n"][0] == 0
+    assert "round" in st.sql("select * from latest_scores").columns
+    assert st.read("scores", "r").height == 0
+
+
+def test_latest_scores_takes_last_attempt(tmp_path):
+    st = Store(tmp_path)
+    st.write("scores", [_score("a", 0, 0, "executor_error", 0.0), _score("b", 0, 0, "ok", 1.0)], "r", 0)
+    st.write("scores", [_score("a", 0, 1, "ok", 0.5)], "r", 0)
+    df = st.sql("select gen_id, attempt, status, score from latest_scores order by gen_id")
+    assert df.rows() == [("a", 1, "ok", 0.5), ("b", 0, "ok", 1.0)]
+
+
+def test_catalog_opens_read_only_in_duckdb(tmp_path):
+    st = Store(tmp_path)
+    st.write("generations", [{"gen_id": "a", "kind": "workflow"}], "r", 0)
+    path = st.refresh_catalog()
+    con = duckdb.connect(str(path), read_only=True)
+    assert con.execute("select count(*) from generations").fetchone()[0] == 1
+    # parts written after the refresh are visible through the glob views
+    st.write("generations", [{"gen_id": "b", "kind": "workflow"}], "r", 0)
+    assert con.execute("select count(*) from generations").fetchone()[0] == 2
+    con.close()
+    st.refresh_catalog()  # rebuilding while nobody holds it, and again, works
+
+
+def test_corrupt_part_is_named_skipped_and_kept(tmp_path):
+    st = Store(tmp_path)
+    st.write("generations", [{"gen_id": "a", "kind": "workflow"}], "r", 0)
+    bad = st.write("generations", [{"gen_id": "b", "kind": "workflow"}], "r", 0)
+    bad.write_bytes(b"PAR1 this is not parquet")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fresh = Store(tmp_path)
+        assert fresh.read("generations", "r")["gen_id"].to_list() == ["a"]
+        assert fresh.sql("select gen_id from generations")["gen_id"].to_list() == ["a"]
+        fresh.refresh_catalog()
+    assert any(issubclass(x.category, CorruptPartWarning) and str(bad) in str(x.message) for x in w)
+    assert bad.exists(), "corrupt parts are never deleted"
+    assert fresh.corrupt_parts() == [bad]
+
+
+def test_manifest_roundtrip(tmp_path):
+    st = Store(tmp_path)
+    assert st.manifest("r", 0, "rollout") is None
+    st.write_manifest("r", 0, "rollout", "abc", rows=3)
+    m = st.manifest("r", 0, "rollout")
+    assert m["config_hash"] == "abc" and m["counts"] == {"rows": 3}
+
+
+def test_schema_types_survive(tmp_path):
+    st = Store(tmp_path)
+    p = st.write("groups", [{"group_id": "g", "members": ["a", "b"], "advantages": [1.0, -1.0],
+                             "kl_mask": [True, False], "kept": True}], "r", 2)
+    sch = pq.read_schema(p)
+    assert str(sch.field("kl_mask").type) == "list<element: bool>"
+    df = st.read("groups", "r")
+    assert df.schema["advantages"] == pl.List(pl.Float64) and df["round"][0] == 2
+
+
+def test_open_run_freezes_config_and_refuses_changes(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_id: x\nstore:\n  root: {tmp_path / 'store'}\nrollout:\n  m: 4\n")
+    ctx = open_run(cfg, round=0, sets=["rollout.m=6"])
+    assert ctx.cfg.rollout.m == 6 and (tmp_path / "store" / "x" / "config.yaml").is_file()
+    # the saved config is the default for an existing run id
+    again = open_run(None, run_id="x", round=1, store_root=str(tmp_path / "store"))
+    assert again.cfg.rollout.m == 6 and again.frozen_hash == ctx.frozen_hash
+    # a per-invocation --set applies without changing the frozen hash
+    o = open_run(None, run_id="x", sets=["executor.timeout_s=5"], store_root=str(tmp_path / "store"))
+    assert o.cfg.executor.timeout_s == 5 and o.frozen_hash == ctx.frozen_hash
+    with pytest.raises(ConfigError, match="differs in: rollout.m"):
+        open_run(cfg, round=0)
+    with pytest.raises(ConfigError, match="not found"):
+        open_run(None, run_id="nope", store_root=str(tmp_path / "store"))
+
+
+def test_stage_done_tracks_config_hash(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_id: x\nstore:\n  root: {tmp_path}\n")
+    ctx = open_run(cfg)
+    assert not ctx.done("rollout")
+    ctx.finish("rollout", rows=0)
+    assert ctx.done("rollout") and (tmp_path / "catalog.duckdb").is_file()
+    assert not ctx.at_round(1).done("rollout")
