@@ -14,6 +14,7 @@ Flows never call stage code directly: they call `run_stage`, which
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib
 import json
@@ -83,10 +84,8 @@ def call_stage(ctx: RunContext, stage: str, only_failed: bool = False) -> dict:
 
 def _die_with_parent() -> None:
     """Child side of Popen: SIGKILL when the parent dies (Linux), so a killed run leaves no writer behind."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[str], only_failed: bool) -> dict:

@@ -48,12 +48,15 @@ def _main(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug l
 
 @app.command()
 def validate(config: Path, sets: SetOpt = None) -> None:
-    """Check a config file without running anything."""
+    """Check a config file, and that its benchmark data loads, without running anything."""
+    from pipeline.benchmarks import BenchmarkError, load_benchmark
+
     try:
         cfg = load_config(config, sets or [])
-    except ConfigError as e:
+        n = len(load_benchmark(cfg.benchmark).items())
+    except (ConfigError, BenchmarkError) as e:
         _fail(str(e))
-    typer.echo(f"{config}: ok (run_id={cfg.run_id}, benchmark={cfg.benchmark.name}, mode={cfg.rollout.mode}, "
+    typer.echo(f"{config}: ok (run_id={cfg.run_id}, {n} {cfg.benchmark.name} queries, mode={cfg.rollout.mode}, "
                f"generator={cfg.generator.model} via {cfg.generator.backend}, executor={cfg.executor.kind})")
 
 
@@ -199,3 +202,72 @@ def bench_train() -> None:
     from pipeline.bench.train import main
 
     main()
+
+
+@app.command("run")
+def run_cmd(
+    config: Annotated[Path, typer.Argument(help="Run config YAML.")],
+    run_id: RunIdOpt = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", help="Rounds (default: the config's).")] = None,
+    retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
+) -> None:
+    """All rounds without a Prefect server (same skip/resume/retry rules as the iterate flow)."""
+    from flows.iterate import run_direct
+    from flows.stages import StageError
+    from pipeline.report import build_report
+    from pipeline.store import Store
+
+    try:
+        summary = run_direct(config, rounds, run_id, retries=retries)
+    except (ConfigError, StageError) as e:
+        _fail(str(e))
+    for r in summary["rounds"]:
+        mean = "n/a" if r["mean_score"] is None else f"{r['mean_score']:.3f}"
+        typer.echo(f"round {r['round']}: mean score {mean}, stage wall s {r['wall_s']}")
+    typer.echo(f"report: {build_report(Store(summary['store']), summary['run_id'])}")
+
+
+@app.command()
+def report(
+    run_id: Annotated[str, typer.Argument(help="Run id.")],
+    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
+    out: Annotated[Path | None, typer.Option("--out", help="HTML path (default <store>/<run_id>/report.html).")] = None,
+) -> None:
+    """HTML report of a run: per-round plots and a summary table; prints the per-round numbers."""
+    from pipeline.report import build_report, round_stats, stage_timings
+    from pipeline.store import Store
+
+    st = Store(store)
+    try:
+        path = build_report(st, run_id, out)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    tim = stage_timings(st, run_id)
+    for r in round_stats(st, run_id).iter_rows(named=True):
+        walls = {t["stage"]: t["wall_s"] for t in tim.filter(tim["round"] == r["round"]).iter_rows(named=True)}
+        mean = "n/a" if r["mean_score"] is None else f"{r['mean_score']:.3f}"
+        typer.echo(f"round {r['round']}: mean score {mean}, workflows {r['workflows']}, "
+                   f"valid {r['valid_share']}, stage wall s {walls}, round wall s {sum(walls.values()):.1f}")
+    typer.echo(f"report: {path}")
+
+
+@app.command()
+def evaluate(
+    run_id: Annotated[str, typer.Argument(help="The trained run.")],
+    round: Annotated[int, typer.Option("--round", help="Checkpoint of this round (-1: base model).")],
+    split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
+    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
+    sets: SetOpt = None,
+) -> None:
+    """Roll out and score a round's checkpoint on a split, in the derived run <run_id>-eval-r<k>."""
+    from flows.stages import StageError, record_timing, run_stage
+    from pipeline.evaluate import EVAL_STAGES, eval_summary, open_eval_run
+    from pipeline.store import Store
+
+    try:
+        ctx = open_eval_run(store, run_id, round, split, sets or [])
+        for stage in EVAL_STAGES:
+            record_timing(ctx.store.root, ctx.run_id, run_stage(stage, ctx.run_id, 0, str(ctx.store.root), sets))
+    except (ConfigError, StageError) as e:
+        _fail(str(e))
+    typer.echo(eval_summary(Store(ctx.store.root), ctx.run_id))

@@ -53,8 +53,8 @@ class Benchmark(ABC):
 
 
 def split_items(items: list[Item], seed: int, validate_fraction: float = 0.2) -> dict[str, list[Item]]:
-    """Deterministic validate/test split (1:4 by default): order by a seeded hash of the item id,
-    so the split of an item never depends on which other items were loaded."""
+    """Deterministic validate/test split (exactly 1:4 by default): rank items by a seeded hash of
+    their id, so the split depends on the ids and the seed, never on the file's row order."""
     def key(it: Item) -> str:
         return hashlib.sha256(f"{seed}:{it.id}".encode()).hexdigest()
 

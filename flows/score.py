@@ -1,0 +1,24 @@
+"""The `score` flow: (re-)score one round, e.g. the rows that failed while the executor was down.
+
+`score/rescore` runs it with only_failed=True: only failed rows get a new attempt (appended; the
+`latest_scores` view picks it), nothing is trained. A later `iterate` with the same run id then
+finds the score manifest complete and continues from curation.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.iterate import stage_task
+from pipeline.store import Store
+
+
+@flow(name="score", log_prints=True)
+def score(run_id: str, round: int = 0, only_failed: bool = True, store: str = "data/runs",
+          sets: list[str] | None = None, retries: int = 2, retry_delay_s: float = 20.0) -> dict:
+    """Score round `round` of `run_id`; `sets` are per-invocation overrides (e.g. a new executor endpoint)."""
+    root = str(Store(store).root)
+    res = stage_task.with_options(retries=retries, retry_delay_seconds=retry_delay_s).submit(
+        stage="score", run_id=run_id, round=round, store_root=root, sets=sets, only_failed=only_failed).result()
+    print(f"score {run_id} round {round}: {res['counts']}")
+    return res

@@ -1,0 +1,81 @@
+"""The generation interface every backend implements (DESIGN.md §4).
+
+Logprob convention (all backends): `token_logprobs[t]` is the log-probability of the sampled token under
+the distribution it was actually drawn from: log_softmax(logits / temperature), renormalised over the
+top-p nucleus, in fp32. At temperature 1 and top_p 1 that is the model's own distribution; at temperature
+0 (greedy) it is the raw model distribution. (vLLM: `logprobs_mode="processed_logprobs"`.)
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+class GenerationError(RuntimeError):
+    """Generation cannot start or failed (bad backend, adapter, tokenizer, server); says how to fix it."""
+
+
+def adapter_id(adapter: str) -> tuple[str, int, str]:
+    """(name, positive int id, absolute path) of a LoRA adapter folder. Stable per path, so re-using an adapter
+    hits vLLM's LoRA cache; a folder that is not a peft adapter is an error."""
+    path = Path(adapter).resolve()
+    if not (path / "adapter_config.json").is_file():
+        raise GenerationError(f"{adapter}: not a LoRA adapter folder (no adapter_config.json)")
+    crc = zlib.crc32(str(path).encode())
+    return f"adapter-{crc:08x}", crc % (2**31 - 1) + 1, str(path)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise GenerationError(f"n and max_new_tokens must be >= 1, got {self}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise GenerationError(f"need temperature >= 0 and 0 < top_p <= 1, got {self}")
+
+    def to_json(self, **extra: object) -> str:
+        return json.dumps({**asdict(self), "logprobs": "processed", **extra}, sort_keys=True)
+
+
+@dataclass
+class Completion:
+    text: str  # decoded completion, special tokens skipped
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the sampled tokens, the final EOS included when it stopped there
+    token_logprobs: list[float] | None  # per token (see module doc); None when the server gave none
+    finish_reason: str  # stop | length
+    retokenized: bool = False  # token ids re-derived from the text with the generator's tokenizer
+    extra: dict = field(default_factory=dict)
+
+
+class Generator(ABC):
+    """A loaded generator: `generate(prompts, sampling, adapter)` -> per prompt, `sampling.n` completions.
+
+    Prompts are fully rendered texts (chat template applied); backends tokenize them without adding
+    special tokens so every backend sees the same prompt ids.
+    """
+
+    backend: str
+
+    @abstractmethod
+    def generate(self, prompts: list[str], sampling: Sampling, adapter: str | None = None) -> list[list[Completion]]:
+        ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free the engine (GPU memory, server sessions)."""
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,125 @@
+"""`transformers` backend: batched `model.generate` with left padding, an optional merged peft adapter,
+and fp32 logprobs of the sampled tokens recorded while sampling (no second forward pass).
+
+The sampling itself is exactly `model.generate(do_sample=True, temperature=T, top_p=p)`: we pass the same
+temperature and top-p warpers in the same order, followed by a recorder that only reads the scores, so
+the random stream and the tokens are identical to the raw call with the same seed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+from pipeline.generation.base import Completion, Generator, Sampling, adapter_id
+from pipeline.models import load_causal_lm, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class _LogprobRecorder(LogitsProcessor):
+    """Keeps log_softmax of the final (processed) scores of step t and, once step t's token is known
+    (the last column of input_ids at step t+1, or of the output), gathers its logprob."""
+
+    def __init__(self) -> None:
+        self.prev: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def gather(self, tokens: torch.Tensor) -> None:
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(1, tokens[:, None]).squeeze(1))
+            self.prev = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.gather(input_ids[:, -1])
+        self.prev = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+
+class TransformersGenerator(Generator):
+    backend = "transformers"
+
+    def __init__(self, model_ref: str, dtype: str = "float32", device: str | None = None):
+        self.model_ref = model_ref
+        self.dtype = dtype
+        self.device = device
+        self.tokenizer = load_tokenizer(model_ref)
+        self.tokenizer.padding_side = "left"
+        self.model = load_causal_lm(model_ref, dtype=dtype, device=device)
+        self.adapter: str | None = None
+
+    def _use_adapter(self, adapter: str | None) -> None:
+        """Merge the LoRA adapter into a fresh copy of the base weights (merged: no LoRA cost per token)."""
+        if adapter == self.adapter:
+            return
+        model = load_causal_lm(self.model_ref, dtype=self.dtype, device=self.device) if self.adapter else self.model
+        if adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapter_id(adapter)[2]).merge_and_unload().eval()
+        self.model, self.adapter = model, adapter
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        enc = self.tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+        return {k: v.to(self.model.device) for k, v in enc.items()}
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[str], sampling: Sampling, adapter: str | None = None) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        self._use_adapter(adapter)
+        enc = self.encode(prompts)
+        recorder = _LogprobRecorder()
+        procs: list[LogitsProcessor] = []
+        sample = sampling.temperature > 0
+        if sample and sampling.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(sampling.temperature))
+        if sample and sampling.top_p < 1.0:
+            procs.append(TopPLogitsWarper(sampling.top_p))
+        procs.append(recorder)
+        torch.manual_seed(sampling.seed)
+        t0 = time.perf_counter()
+        out = self.model.generate(
+            **enc, do_sample=sample, temperature=1.0, top_p=1.0, top_k=0,
+            max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
+            logits_processor=LogitsProcessorList(procs), pad_token_id=self.tokenizer.pad_token_id,
+        )
+        seqs = out if isinstance(out, torch.Tensor) else out.sequences
+        recorder.gather(seqs[:, -1])
+        logprobs = torch.stack(recorder.steps, dim=1).cpu() if recorder.steps else torch.zeros(seqs.shape[0], 0)
+        log.debug("generate: %d x %d in %.2fs", len(prompts), sampling.n, time.perf_counter() - t0)
+        return self._unpack(enc, seqs.cpu(), logprobs, sampling)
+
+    def _unpack(self, enc: dict, seqs: torch.Tensor, logprobs: torch.Tensor,
+                sampling: Sampling) -> list[list[Completion]]:
+        width = enc["input_ids"].shape[1]
+        mask = enc["attention_mask"].cpu().bool()
+        ids = enc["input_ids"].cpu()
+        eos = set(self._eos_ids())
+        results: list[list[Completion]] = []
+        for i in range(ids.shape[0]):
+            prompt_ids = ids[i][mask[i]].tolist()
+            row: list[Completion] = []
+            for j in range(sampling.n):
+                k = i * sampling.n + j  # generate repeats each prompt n times in place
+                toks = seqs[k, width:].tolist()
+                stop = next((t for t, tok in enumerate(toks) if tok in eos), None)
+                toks = toks if stop is None else toks[: stop + 1]
+                row.append(Completion(
+                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                    prompt_token_ids=prompt_ids,
+                    token_ids=toks,
+                    token_logprobs=logprobs[k, : len(toks)].tolist(),
+                    finish_reason="length" if stop is None else "stop",
+                ))
+            results.append(row)
+        return results
+
+    def _eos_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return list(eos) if isinstance(eos, list | tuple) else [eos]

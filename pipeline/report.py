@@ -1,0 +1,174 @@
+"""`pipeline report RUN_ID`: one HTML page with per-round plots and a summary table of a run.
+
+All numbers come from the store's DuckDB views (`Store.sql`); stage wall times from the run's
+append-only timings.jsonl (written by the flows). The page embeds plotly.js, so it opens offline.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+import polars as pl
+
+from pipeline.schema import STATUSES
+from pipeline.store import Store
+
+# Per round: generations and valid share, per-generation mean scores (mean over reps of the latest
+# attempt), executor usage, curated groups and training metrics. FULL JOINs: a round that stopped
+# early still shows what it has.
+_ROUND_SQL = """
+WITH g AS (
+  SELECT round, count(*) AS workflows, avg(CASE WHEN valid THEN 1.0 ELSE 0.0 END) AS valid_share
+  FROM generations WHERE run_id = $run AND kind = 'workflow' GROUP BY round),
+per_gen AS (
+  SELECT round, gen_id, avg(score) AS s FROM latest_scores WHERE run_id = $run GROUP BY round, gen_id),
+s AS (SELECT round, count(*) AS scored, avg(s) AS mean_score, max(s) AS best_score FROM per_gen GROUP BY round),
+u AS (
+  SELECT round, sum(llm_calls)::BIGINT AS llm_calls, sum(tokens_in)::BIGINT AS tokens_in,
+         sum(tokens_out)::BIGINT AS tokens_out,
+         sum(cost_usd) AS cost_usd
+  FROM latest_scores WHERE run_id = $run GROUP BY round),
+c AS (SELECT round, count(*) FILTER (WHERE kept) AS groups_kept FROM groups WHERE run_id = $run GROUP BY round),
+t AS (
+  SELECT round, count(*) AS steps, avg(loss) AS loss, avg(kl) AS kl, avg(clip_frac) AS clip_frac,
+         sum(tokens)::BIGINT AS train_tokens
+  FROM train_metrics WHERE run_id = $run GROUP BY round),
+r AS (SELECT round FROM g UNION SELECT round FROM s UNION SELECT round FROM c UNION SELECT round FROM t)
+SELECT r.round, workflows, valid_share, scored, mean_score, best_score, llm_calls, tokens_in, tokens_out,
+       cost_usd, groups_kept, steps, loss, kl, clip_frac, train_tokens
+FROM r LEFT JOIN g USING (round) LEFT JOIN s USING (round) LEFT JOIN u USING (round)
+       LEFT JOIN c USING (round) LEFT JOIN t USING (round)
+ORDER BY r.round
+"""
+
+
+def round_stats(store: Store, run_id: str) -> pl.DataFrame:
+    """One row per round: workflows, valid_share, scored, mean_score, best_score, usage, groups, training."""
+    return store.sql(_ROUND_SQL.replace("$run", "?"), [run_id] * 5)
+
+
+def score_distribution(store: Store, run_id: str) -> pl.DataFrame:
+    return store.sql(
+        "SELECT round, gen_id, avg(score) AS score FROM latest_scores WHERE run_id = ? GROUP BY round, gen_id "
+        "ORDER BY round, gen_id", [run_id])
+
+
+def status_counts(store: Store, run_id: str) -> pl.DataFrame:
+    return store.sql(
+        "SELECT round, status, count(*) AS n FROM latest_scores WHERE run_id = ? GROUP BY round, status "
+        "ORDER BY round, status", [run_id])
+
+
+def train_curves(store: Store, run_id: str) -> pl.DataFrame:
+    return store.sql(
+        "SELECT round, step, loss, kl, clip_frac, tokens FROM train_metrics WHERE run_id = ? ORDER BY round, step",
+        [run_id])
+
+
+def stage_timings(store: Store, run_id: str) -> pl.DataFrame:
+    """Wall seconds per (round, stage): the last run of each stage that did work (skips are 0 s)."""
+    path = store.run_dir(run_id) / "timings.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = [r for r in rows if not r.get("skipped")]
+    if not rows:
+        return pl.DataFrame(schema={"round": pl.Int64, "stage": pl.String, "wall_s": pl.Float64})
+    return (pl.DataFrame(rows).group_by("round", "stage", maintain_order=True).agg(pl.col("wall_s").last())
+            .sort("round"))
+
+
+def _figures(store: Store, run_id: str, stats: pl.DataFrame) -> list[tuple[str, object]]:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rounds = stats["round"].to_list()
+    figs: list[tuple[str, object]] = []
+
+    dist = score_distribution(store, run_id)
+    fig = go.Figure([go.Box(y=dist.filter(pl.col("round") == r)["score"].to_list(), name=f"round {r}",
+                            boxpoints="all", jitter=0.4) for r in dist["round"].unique().sort().to_list()])
+    fig.update_layout(yaxis_title="score per workflow (mean over reps)")
+    figs.append(("Score distribution", fig))
+
+    fig = go.Figure([go.Scatter(x=rounds, y=stats["mean_score"].to_list(), name="mean", mode="lines+markers"),
+                     go.Scatter(x=rounds, y=stats["best_score"].to_list(), name="best", mode="lines+markers")])
+    fig.update_layout(xaxis_title="round", yaxis_title="score", xaxis_dtick=1)
+    figs.append(("Mean and best score", fig))
+
+    fig = go.Figure(go.Bar(x=rounds, y=stats["valid_share"].to_list()))
+    fig.update_layout(xaxis_title="round", yaxis_title="share of valid workflows", yaxis_range=[0, 1], xaxis_dtick=1)
+    figs.append(("Valid workflows", fig))
+
+    st = status_counts(store, run_id)
+    present = [s for s in STATUSES if s in set(st["status"].to_list())]
+    fig = go.Figure([go.Bar(x=st.filter(pl.col("status") == s)["round"].to_list(),
+                            y=st.filter(pl.col("status") == s)["n"].to_list(), name=s) for s in present])
+    fig.update_layout(barmode="stack", xaxis_title="round", yaxis_title="runs", xaxis_dtick=1)
+    figs.append(("Status counts", fig))
+
+    tc = train_curves(store, run_id).with_row_index("global_step")
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("loss", "KL", "clip fraction"))
+    for r in tc["round"].unique().sort().to_list():
+        part = tc.filter(pl.col("round") == r)
+        for col, name in enumerate(("loss", "kl", "clip_frac"), start=1):
+            fig.add_trace(go.Scatter(x=part["global_step"].to_list(), y=part[name].to_list(), mode="lines+markers",
+                                     name=f"round {r}", legendgroup=str(r), showlegend=col == 1), row=1, col=col)
+    fig.update_xaxes(title_text="optimiser step (all rounds)")
+    figs.append(("Training: loss, KL, clip fraction", fig))
+
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    for name in ("tokens_in", "tokens_out", "train_tokens"):
+        fig.add_trace(go.Bar(x=rounds, y=stats[name].to_list(), name=name), secondary_y=False)
+    fig.add_trace(go.Scatter(x=rounds, y=stats["cost_usd"].to_list(), name="executor cost (USD)",
+                             mode="lines+markers"), secondary_y=True)
+    fig.update_yaxes(title_text="tokens", secondary_y=False)
+    fig.update_yaxes(title_text="USD", secondary_y=True)
+    fig.update_layout(xaxis_title="round", xaxis_dtick=1)
+    figs.append(("Tokens and cost", fig))
+
+    tim = stage_timings(store, run_id)
+    fig = go.Figure([go.Bar(x=tim.filter(pl.col("stage") == s)["round"].to_list(),
+                            y=tim.filter(pl.col("stage") == s)["wall_s"].to_list(), name=s)
+                     for s in tim["stage"].unique(maintain_order=True).to_list()])
+    fig.update_layout(barmode="stack", xaxis_title="round", yaxis_title="wall seconds", xaxis_dtick=1)
+    figs.append(("Wall time per stage", fig))
+    return figs
+
+
+def _table(df: pl.DataFrame) -> str:
+    def cell(v: object) -> str:
+        if v is None:
+            return ""
+        return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in df.columns)
+    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in df.iter_rows())
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def build_report(store: Store, run_id: str, out: Path | None = None) -> Path:
+    """Write the run's HTML report (default <store>/<run_id>/report.html) and return its path."""
+    if not (store.run_dir(run_id) / "config.yaml").is_file():
+        known = ", ".join(store.runs()) or "none"
+        raise FileNotFoundError(f"run {run_id!r} not found under {store.root} (runs: {known})")
+    stats = round_stats(store, run_id)
+    tim = stage_timings(store, run_id)
+    walls = (tim.pivot(on="stage", index="round", values="wall_s") if tim.height else pl.DataFrame())
+    summary = stats.join(walls.rename({c: f"{c}_s" for c in walls.columns if c != "round"}), on="round",
+                         how="left") if walls.height else stats
+    parts = []
+    for i, (title, fig) in enumerate(_figures(store, run_id, stats)):
+        fig.update_layout(height=380, margin={"t": 30})
+        parts.append(f"<h2>{html.escape(title)}</h2>" + fig.to_html(full_html=False, include_plotlyjs=i == 0))
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>run {html.escape(run_id)}</title><style>body{{font-family:sans-serif;margin:2em}}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style>"
+        f"</head><body><h1>Run {html.escape(run_id)}</h1><p>store: {html.escape(str(store.root))}</p>"
+        f"<h2>Summary per round</h2>{_table(summary)}{''.join(parts)}</body></html>"
+    )
+    out = out or store.run_dir(run_id) / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    return out

@@ -1,0 +1,225 @@
+"""Inside the sandbox: runs one workflow (or one test suite) and reports over the run channel.
+
+Stdlib only: the zygote imports this before forking, so a child starts with everything loaded.
+Everything here runs with the sandbox's identity and limits; nothing here is trusted by the parent,
+which parses only bounded JSON lines from the channel.
+
+Channel: newline-delimited JSON. Parent -> child: the payload, then replies `{"id", "texts"|"error"}`.
+Child -> parent: helper requests `{"op": "llm", "id", ...}`, output chunks are kept locally, and one
+final `{"op": "result", ...}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import doctest  # noqa: F401  (pre-imported for workflows that use it)
+import io
+import json
+import math  # noqa: F401
+import os
+import re  # noqa: F401
+import resource
+import signal
+import socket
+import sys
+import traceback
+import typing  # noqa: F401
+
+RUN_FD = 3
+MAX_TEXT = 4000  # chars of a traceback / failure message sent back
+
+
+class OutputLimitExceeded(Exception):
+    """The workflow printed more than its output cap."""
+
+
+class HelperError(RuntimeError):
+    """A helper call was refused or failed in the parent (budget, executor error)."""
+
+
+class _CappedWriter(io.TextIOBase):
+    """stdout/stderr of the workflow: keeps the head, raises once the cap is passed."""
+
+    def __init__(self, cap: int):
+        self.cap, self.size, self.head = cap, 0, []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self.size += len(s)
+        if self.size > self.cap:
+            raise OutputLimitExceeded(f"output limit exceeded: more than {self.cap} chars printed")
+        if sum(map(len, self.head)) < MAX_TEXT:
+            self.head.append(s)
+        return len(s)
+
+    def text(self) -> str:
+        return "".join(self.head)[:MAX_TEXT]
+
+
+def _short_tb(e: BaseException) -> str:
+    return "".join(traceback.format_exception(e))[-MAX_TEXT:]
+
+
+def _arrange_fds(run_fd: int, nofile: int) -> None:
+    if run_fd != RUN_FD:
+        os.dup2(run_fd, RUN_FD)
+        os.close(run_fd)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(RUN_FD + 1, 65536)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+
+# ---- test suites (hidden tests in the parent's suite mode; public tests via run_tests) ---------------
+def _alarm(_sig, _frame):
+    raise TimeoutError("test timed out")
+
+
+def run_suite(program: str, tests: list[str], timeout_s: float) -> dict:
+    """Exec `program`, then each test with a per-test timer. Returns {"exec_fail_case": msg} when the
+    program itself fails, else {"passed", "total", "failures": [{test, error_type, message, traceback}]}."""
+    signal.signal(signal.SIGALRM, _alarm)
+    ns: dict = {"__name__": "__main__"}
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        exec(compile(program, "<solution>", "exec"), ns)
+    except BaseException as e:  # any failure of untrusted code is a result
+        return {"exec_fail_case": f"{type(e).__name__}: {e}"[:MAX_TEXT]}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    failures = []
+    for t in tests:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            exec(compile(t, "<test>", "exec"), ns)
+        except BaseException as e:
+            failures.append({"test": t[:MAX_TEXT], "error_type": type(e).__name__, "message": str(e)[:MAX_TEXT],
+                             "traceback": _short_tb(e)})
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    return {"passed": len(tests) - len(failures), "total": len(tests), "failures": failures}
+
+
+async def _run_tests_forked(code: str, tests: list[str], timeout_s: float) -> str | list | dict:
+    """`run_tests` helper: the public tests run in a forked grandchild so the candidate code cannot
+    disturb the workflow's own state; a hard deadline covers code that blocks in C."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            out = run_suite(code, tests, timeout_s)
+            os.write(w, json.dumps(out).encode()[: 1 << 20])
+        finally:
+            os._exit(0)
+    os.close(w)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 21)
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(r, "rb"))
+    try:
+        raw = await asyncio.wait_for(reader.read(), timeout_s * (len(tests) + 1) + 1)
+    except TimeoutError:
+        raw = b""
+    finally:
+        transport.close()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+    try:
+        out = json.loads(raw)
+    except ValueError:
+        return {"exec_fail_case": "tests crashed or timed out"}
+    if "exec_fail_case" in out:
+        return out
+    return out["failures"] or "no error"
+
+
+# ---- the workflow run ------------------------------------------------------------------------------
+class _Channel:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+        self.pending: dict[int, asyncio.Future] = {}
+        self.next_id = 0
+
+    async def pump(self) -> None:
+        while line := await self.reader.readline():
+            msg = json.loads(line)
+            fut = self.pending.pop(msg.get("id"), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(HelperError("parent closed the channel"))
+
+    async def send(self, msg: dict) -> None:
+        self.writer.write(json.dumps(msg).encode() + b"\n")
+        await self.writer.drain()
+
+    async def call(self, op: str, **kw) -> dict:
+        self.next_id += 1
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[self.next_id] = fut
+        await self.send({"op": op, "id": self.next_id, **kw})
+        return await fut
+
+
+async def _workflow(ch: _Channel, payload: dict) -> dict:
+    public = payload.get("public_tests") or {}
+
+    async def llm(messages, temperature=None, n=1, role="", instructions=""):
+        if not isinstance(messages, str | list):
+            raise TypeError("llm(messages): messages must be a str or a list of {role, content} dicts")
+        reply = await ch.call("llm", messages=messages, temperature=temperature, n=n, role=str(role),
+                              instructions=str(instructions))
+        if "error" in reply:
+            raise HelperError(reply["error"])
+        return reply["texts"]
+
+    async def run_tests(code, entry_point=None):
+        code, name = str(code), public.get("entry_point")
+        if entry_point and name and entry_point != name:  # public tests call the benchmark's name
+            code += f"\n{name} = {entry_point}\n"
+        return await _run_tests_forked(code, list(public.get("tests") or []), float(public.get("timeout_s", 5.0)))
+
+    ns = {"__name__": "workflow", "__builtins__": builtins, "llm": llm, "run_tests": run_tests}
+    try:
+        exec(compile(payload["code"], "<workflow>", "exec"), ns)
+        answer = await ns["solve"](payload["problem"])
+    except BaseException as e:  # any failure of the workflow, SystemExit included, is its result
+        return {"op": "result", "error": _short_tb(e)}
+    if answer is None:
+        return {"op": "result", "error": "solve() returned None"}
+    return {"op": "result", "answer": answer if isinstance(answer, str) else str(answer)}
+
+
+async def _amain(mode: str) -> None:
+    reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=RUN_FD), limit=1 << 26)
+    ch = _Channel(reader, writer)
+    payload = json.loads(await reader.readline())
+    cap = int(payload.get("output_chars", 1 << 20))
+    sys.stdout = sys.stderr = out = _CappedWriter(cap)
+    if mode == "suite":
+        result = {"op": "result", "suite": run_suite(payload["program"], payload["tests"], payload["timeout_s"])}
+    else:
+        pump = asyncio.ensure_future(ch.pump())
+        result = await _workflow(ch, payload)
+        pump.cancel()
+    result["stdout"] = out.text()
+    await ch.send(result)
+
+
+def main(run_fd: int, mode: str) -> None:
+    """Entry point in the forked child (after the zygote's setup); exits the process."""
+    _arrange_fds(run_fd, 64)
+    try:
+        asyncio.run(_amain(mode))
+        code = 0
+    except BaseException:  # the parent sees "no result" and the exit code
+        code = 3
+    os._exit(code)

@@ -1,0 +1,318 @@
+"""The train stage: LoRA GRPO with advantage-masked KL on a round's curated groups (DESIGN.md §6).
+
+Data: every member of every kept group is one sequence (prompt_token_ids + token_ids, the loss on
+the completion only) with its group advantage; a workflow kept in several groups appears several
+times. π_old = the adapter as loaded (previous round's checkpoint, or a fresh LoRA = the base model),
+recomputed here in fp32 once before the first step; the reference is that same model by default.
+
+Crash safety: the checkpoint is saved to a temp folder and renamed into place; `train_metrics` and
+the `checkpoints` row are written once, at the end, after the adapter is saved. A re-run without
+the stage manifest deletes those parts and any checkpoint folder of the unfinished attempt and
+starts the round's training over.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+from pipeline.grpo import GrpoTerms, grpo_mkl_loss, grpo_mkl_terms
+
+__all__ = ["grpo_mkl_loss", "grpo_mkl_terms", "run_train", "TrainSequence", "Batch", "collate", "completion_logprobs"]
+
+log = logging.getLogger(__name__)
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@dataclass
+class TrainSequence:
+    gen_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float
+    gen_logprobs: list[float] | None  # as sampled (diagnostics only)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] right-padded
+    attention_mask: torch.Tensor  # [B, T]
+    src: torch.Tensor  # [N] flat positions (b*T + p-1) of the hidden states that predict completion tokens
+    tgt: torch.Tensor  # [N] the completion token ids
+    dst: torch.Tensor  # [N] flat positions (b*Tc + j) in the [B, Tc] completion grid
+    completion_mask: torch.Tensor  # [B, Tc]
+    advantages: torch.Tensor  # [B]
+
+
+def collate(seqs: list[TrainSequence], pad_id: int, device: torch.device | str = "cpu") -> Batch:
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
+    t, tc = max(lengths), max(len(s.completion_ids) for s in seqs)
+    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
+    att = torch.zeros((len(seqs), t), dtype=torch.long)
+    cmask = torch.zeros((len(seqs), tc))
+    src, tgt, dst = [], [], []
+    for b, s in enumerate(seqs):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        ids[b, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+        att[b, : p + c] = 1
+        cmask[b, :c] = 1
+        src.append(torch.arange(b * t + p - 1, b * t + p + c - 1))
+        dst.append(torch.arange(b * tc, b * tc + c))
+        tgt.append(torch.tensor(s.completion_ids))
+    adv = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
+    return Batch(ids.to(device), att.to(device), torch.cat(src).to(device), torch.cat(tgt).to(device),
+                 torch.cat(dst).to(device), cmask.to(device), adv.to(device))
+
+
+def _split_causal_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(decoder, lm_head) of an HF causal LM, unwrapping PEFT (LoRA layers are injected in place)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, base.base_model_prefix), base.get_output_embeddings()
+
+
+def completion_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """[B, Tc] log-probs of the completion tokens (0 on padding). The head runs only on the flattened
+    hidden states of the N predicting positions: [N, H] @ [H, V], never [B, T, V]."""
+    decoder, head = _split_causal_lm(model)
+    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
+    logits = head(h).float()
+    logp = logits.gather(1, batch.tgt[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    b, tc = batch.completion_mask.shape
+    return logp.new_zeros(b * tc).scatter(0, batch.dst, logp).view(b, tc)
+
+
+# ---- data -----------------------------------------------------------------------------------------
+
+
+def load_sequences(ctx) -> tuple[list[TrainSequence], dict]:
+    """Kept groups' members joined to their generations; the completion tail is cut to max_seq_len."""
+    max_len = ctx.cfg.training.max_seq_len
+    groups = ctx.store.read("groups", ctx.run_id, ctx.round).filter(pl.col("kept"))
+    info = {"sequences_truncated": 0, "sequences_dropped": 0}
+    if groups.height == 0:
+        return [], info
+    members = (groups.select("group_id", "members", "advantages").explode("members", "advantages")
+               .rename({"members": "gen_id", "advantages": "advantage"}))
+    gens = (ctx.store.scan("generations", ctx.run_id, ctx.round)
+            .select("gen_id", "prompt_token_ids", "token_ids", "token_logprobs")
+            .unique("gen_id", keep="first").collect())
+    rows = members.join(gens, on="gen_id", how="left", maintain_order="left")
+    seqs = []
+    for r in rows.iter_rows(named=True):
+        prompt, comp = r["prompt_token_ids"], r["token_ids"]
+        if not prompt or not comp or len(prompt) >= max_len:
+            info["sequences_dropped"] += 1  # no generation row, no tokens, or a prompt longer than the cap
+            continue
+        glp = r["token_logprobs"]
+        if len(prompt) + len(comp) > max_len:
+            info["sequences_truncated"] += 1
+            comp = comp[: max_len - len(prompt)]
+            glp = glp[: len(comp)] if glp else glp
+        seqs.append(TrainSequence(r["gen_id"], list(prompt), list(comp), float(r["advantage"]),
+                             list(glp) if glp and len(glp) == len(comp) else None))
+    if info["sequences_dropped"]:
+        log.warning("%d group members skipped (missing generation, empty completion or prompt >= max_seq_len)",
+                    info["sequences_dropped"])
+    return seqs, info
+
+
+# ---- model ----------------------------------------------------------------------------------------
+
+
+def adapter_complete(path: Path) -> bool:
+    return all((path / f).is_file() for f in ADAPTER_FILES)
+
+
+def load_policy(ctx, device: str):
+    """Base model (fp32) + the previous round's adapter, trainable; a fresh LoRA at round 0."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from pipeline.models import load_causal_lm
+
+    tc = ctx.cfg.training
+    base = load_causal_lm(ctx.cfg.generator.model, dtype="float32", device=device)
+    if ctx.round == 0:
+        lora = LoraConfig(task_type="CAUSAL_LM", r=tc.lora_r, lora_alpha=tc.lora_alpha, lora_dropout=tc.lora_dropout,
+                          target_modules=list(tc.target_modules))
+        return get_peft_model(base, lora)
+    prev = ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1)
+    if not adapter_complete(prev):
+        raise RuntimeError(f"round {ctx.round} trains on round {ctx.round - 1}'s adapter, but {prev} is missing or "
+                           f"incomplete: run `pipeline train --run-id {ctx.run_id} --round {ctx.round - 1}` first")
+    return PeftModel.from_pretrained(base, str(prev), is_trainable=True)
+
+
+@torch.no_grad()
+def reference_logprobs(model, seqs: list[TrainSequence], mbs: int, pad_id: int, device: str,
+                       disable_adapter: bool = False, desc: str = "old logprobs") -> dict[str, torch.Tensor]:
+    """Per unique gen_id, fp32 completion log-probs of `model` in eval mode (no dropout)."""
+    from tqdm import tqdm
+
+    was_training = model.training
+    model.eval()
+    uniq = list({s.gen_id: s for s in seqs}.values())
+    out = {}
+    try:
+        for i in tqdm(range(0, len(uniq), mbs), desc=desc, unit="batch", leave=False):
+            chunk = uniq[i: i + mbs]
+            batch = collate(chunk, pad_id, device)
+            if disable_adapter:
+                with model.disable_adapter():
+                    lp = completion_logprobs(model, batch)
+            else:
+                lp = completion_logprobs(model, batch)
+            for b, s in enumerate(chunk):
+                out[s.gen_id] = lp[b, : len(s.completion_ids)].cpu()
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _pad_rows(rows: list[torch.Tensor], tc: int, device) -> torch.Tensor:
+    out = torch.zeros(len(rows), tc)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = r
+    return out.to(device)
+
+
+def _plan_steps(n: int, tc, rng: np.random.Generator) -> list[list[list[int]]]:
+    """Epochs of shuffled micro-batches grouped into optimiser steps: steps[i] = [micro-batch indices]."""
+    steps = []
+    for _ in range(tc.epochs):
+        order = rng.permutation(n)
+        micro = [order[i: i + tc.micro_batch_size].tolist() for i in range(0, n, tc.micro_batch_size)]
+        steps += [micro[i: i + tc.grad_accum] for i in range(0, len(micro), tc.grad_accum)]
+    return steps
+
+
+# ---- the stage -----------------------------------------------------------------------------------------
+
+
+def _clear_unfinished(ctx, ckpt: Path) -> None:
+    stale = ctx.store.parts("train_metrics", ctx.run_id, ctx.round) + ctx.store.parts("checkpoints", ctx.run_id,
+                                                                                       ctx.round)
+    if stale or ckpt.exists():
+        log.warning("restarting round %d training: removing %d part(s) and the checkpoint of an unfinished attempt",
+                    ctx.round, len(stale))
+    for p in stale:
+        p.unlink()
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+
+
+def save_adapter_atomic(model, dest: Path) -> None:
+    """save_pretrained into a temp folder next to `dest`, then rename: `dest` is whole or absent."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        for f in ADAPTER_FILES:
+            with open(tmp / f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _lr_scheduler(optimizer, tc, total_steps: int):
+    from transformers import get_scheduler
+
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[tc.lr_schedule]
+    return get_scheduler(name, optimizer, num_warmup_steps=tc.warmup_steps, num_training_steps=max(total_steps, 1))
+
+
+def run_train(ctx) -> dict:
+    """Train the round's adapter on its curated groups and write the round's checkpoint."""
+    from tqdm import tqdm
+
+    from pipeline.models import load_tokenizer
+
+    ckpt = ctx.store.checkpoint_dir(ctx.run_id, ctx.round)
+    if ctx.done("train") and adapter_complete(ckpt):
+        return {"skipped": True, **ctx.store.manifest(ctx.run_id, ctx.round, "train")["counts"]}
+    _clear_unfinished(ctx, ckpt)
+    tc = ctx.cfg.training
+    torch.manual_seed(tc.seed + ctx.round)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seqs, info = load_sequences(ctx)
+    if not seqs:
+        log.warning("round %d has no kept groups: the checkpoint is the unchanged adapter", ctx.round)
+    pad_id = load_tokenizer(ctx.cfg.generator.model).pad_token_id or 0
+    model = load_policy(ctx, device)
+    if tc.gradient_checkpointing:
+        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mbs = tc.micro_batch_size
+    old = reference_logprobs(model, seqs, mbs, pad_id, device)
+    if tc.reference == "none":
+        ref = None
+    elif tc.reference == "base" and ctx.round > 0:
+        ref = reference_logprobs(model, seqs, mbs, pad_id, device, disable_adapter=True, desc="ref logprobs")
+    else:  # previous round's checkpoint = π_old (at round 0 both are the base model: a fresh LoRA is a no-op)
+        ref = old
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
+    steps = _plan_steps(len(seqs), tc, np.random.default_rng(tc.seed + ctx.round)) if seqs else []
+    steps_per_epoch = math.ceil(len(steps) / tc.epochs) if steps else 0
+    sched = _lr_scheduler(optimizer, tc, len(steps))
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=tc.bf16)
+    model.train()
+    metrics = []
+    for step, micro in enumerate(tqdm(steps, desc=f"train round {ctx.round}", unit="step")):
+        t0 = time.perf_counter()
+        lr = sched.get_last_lr()[0]
+        acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
+        tokens, mism, mism_n = 0, 0.0, 0
+        for mb in micro:
+            chunk = [seqs[i] for i in mb]
+            batch = collate(chunk, pad_id, device)
+            tcol = batch.completion_mask.shape[1]
+            old_lp = _pad_rows([old[s.gen_id] for s in chunk], tcol, device)
+            ref_lp = None if ref is None else _pad_rows([ref[s.gen_id] for s in chunk], tcol, device)
+            with autocast:
+                logp = completion_logprobs(model, batch)
+            terms: GrpoTerms = grpo_mkl_terms(logp.float(), old_lp, ref_lp, batch.advantages, batch.completion_mask,
+                                              tc.beta if ref is not None else 0.0, tc.clip_eps, tc.kl_mask,
+                                              norm=tc.loss_norm)
+            (terms.loss / len(micro)).backward()
+            for k in acc:
+                acc[k] += float(getattr(terms, k).detach()) / len(micro)
+            tokens += int(batch.completion_mask.sum())
+            for s in chunk:
+                if s.gen_logprobs is not None:
+                    mism += float((torch.tensor(s.gen_logprobs) - old[s.gen_id]).abs().sum())
+                    mism_n += len(s.gen_logprobs)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
+        optimizer.step()
+        sched.step()
+        optimizer.zero_grad(set_to_none=True)
+        metrics.append({"step": step, "epoch": step // steps_per_epoch, **acc, "lr": lr,
+                        "grad_norm": float(grad_norm), "tokens": tokens,
+                        "logp_mismatch": mism / mism_n if mism_n else None, "wall_s": time.perf_counter() - t0})
+    model.eval()
+    save_adapter_atomic(model, ckpt)
+    ctx.store.write("train_metrics", metrics, ctx.run_id, ctx.round)
+    ctx.store.write("checkpoints", [{"path": str(ckpt), "base_model": ctx.cfg.generator.model,
+                                     "parent_round": ctx.round - 1 if ctx.round > 0 else None,
+                                     "rows_used": len(seqs)}], ctx.run_id, ctx.round)
+    mismatch = [m["logp_mismatch"] for m in metrics if m["logp_mismatch"] is not None]
+    counts = {"sequences": len(seqs), "generations": len(old), "steps": len(steps),
+              "tokens": sum(m["tokens"] for m in metrics), **info,
+              "final_loss": metrics[-1]["loss"] if metrics else None,
+              "logp_mismatch": float(np.mean(mismatch)) if mismatch else None, "checkpoint": str(ckpt)}
+    ctx.finish("train", **counts)
+    return counts

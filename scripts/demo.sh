@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The README's demo through Prefect: start a local Prefect server (SQLite, 127.0.0.1) unless
+# PREFECT_API_URL is set, serve the deployments, trigger iterate/demo, watch it to the end, then
+# print the per-round mean score, the wall time per stage and where the report is.
+#   bash scripts/demo.sh              a new run (RUN_ID=demo-<time>; RUN_ID=... resumes that run)
+#   bash scripts/demo.sh stop         stop the server and the deployments this script started
+# The server and the served deployments keep running afterwards, so `prefect deployment run
+# iterate/demo`, the UI (http://127.0.0.1:4200) and score/rescore work from any shell.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[[ -n "${VIRTUAL_ENV:-}" ]] || . .venv/bin/activate
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+STATE="${PREFECT_HOME:-$HOME/.prefect}/workflow-grpo"  # pids and logs of what this script starts
+mkdir -p "$STATE"
+PORT=${PREFECT_PORT:-4200}
+
+alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+if [[ "${1:-}" == stop ]]; then
+  for f in "$STATE/serve.pid" "$STATE/server.pid"; do
+    if alive "$f"; then kill "$(cat "$f")" && echo "stopped $(basename "$f" .pid) (pid $(cat "$f"))"; fi
+    rm -f "$f"
+  done
+  exit 0
+fi
+
+T0=$(date +%s)
+if [[ -z "${PREFECT_API_URL:-}" ]]; then
+  export PREFECT_API_URL="http://127.0.0.1:$PORT/api"
+  if ! curl -sf "$PREFECT_API_URL/health" >/dev/null; then
+    echo "starting a Prefect server on 127.0.0.1:$PORT (SQLite under ${PREFECT_HOME:-~/.prefect}; log $STATE/server.log)"
+    nohup prefect server start --host 127.0.0.1 --port "$PORT" >"$STATE/server.log" 2>&1 &
+    echo $! >"$STATE/server.pid"
+    for _ in $(seq 180); do curl -sf "$PREFECT_API_URL/health" >/dev/null && break; sleep 1; done
+    curl -sf "$PREFECT_API_URL/health" >/dev/null || { echo "Prefect server did not start; see $STATE/server.log"; exit 1; }
+  fi
+  # Persist the URL in the active Prefect profile: `prefect deployment run ...` then works from any shell.
+  prefect config set PREFECT_API_URL="$PREFECT_API_URL" >/dev/null
+fi
+echo "Prefect API: $PREFECT_API_URL (UI: ${PREFECT_API_URL%/api})"
+
+if ! alive "$STATE/serve.pid"; then
+  echo "serving the deployments (log $STATE/serve.log)"
+  nohup python -m flows.serve >"$STATE/serve.log" 2>&1 &
+  echo $! >"$STATE/serve.pid"
+fi
+for _ in $(seq 120); do prefect deployment inspect iterate/demo >/dev/null 2>&1 && break; sleep 1; done
+prefect deployment inspect iterate/demo >/dev/null 2>&1 || { echo "deployments not served; see $STATE/serve.log"; exit 1; }
+
+RUN_ID=${RUN_ID:-demo-$(date -u +%Y%m%d-%H%M%S)}
+echo "running iterate/demo with run_id=$RUN_ID (flow logs follow)"
+tail -n0 -F "$STATE/serve.log" &
+TAIL=$!
+trap 'kill $TAIL 2>/dev/null || true' EXIT
+rc=0
+prefect deployment run iterate/demo --param run_id="$RUN_ID" --watch --watch-interval 5 || rc=$?
+sleep 2; kill $TAIL 2>/dev/null || true
+echo
+echo "demo wall time: $(( $(date +%s) - T0 )) s (flow state: $([[ $rc == 0 ]] && echo completed || echo FAILED))"
+pipeline report "$RUN_ID" --store data/runs
+echo "resume this run: RUN_ID=$RUN_ID bash scripts/demo.sh | stop the server: bash scripts/demo.sh stop"
+exit $rc

@@ -1,0 +1,199 @@
+"""Flow wiring: skip/resume, retries, permanent failures, re-score, evaluate (fake stages), and one real round."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from prefect.testing.utilities import prefect_test_harness
+
+from flows import stages
+from flows.evaluate import evaluate
+from flows.iterate import iterate, run_direct
+from flows.score import score
+from flows.stages import StageError, run_stage
+from pipeline.evaluate import eval_run_id
+from pipeline.run import open_run
+from pipeline.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def harness():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+class FakeStages:
+    """Stage functions that write a row and a manifest like the real ones; knobs inject failures."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+        self.fail: dict[str, list[BaseException]] = {}  # stage -> exceptions to raise, in order
+        self.score_leaves_failures = 0  # score calls that return without a manifest
+
+    def make(self, stage):
+        def fn(ctx, only_failed=False):
+            self.calls.append((stage, ctx.round) if not only_failed else ("rescore", ctx.round))
+            if self.fail.get(stage):
+                raise self.fail[stage].pop(0)
+            if stage == "score" and self.score_leaves_failures:
+                self.score_leaves_failures -= 1
+                return {"failed": 1}
+            if stage == "score":
+                ctx.store.write("scores", [{"gen_id": f"g{ctx.round}", "rep": 0, "attempt": 0, "status": "ok",
+                                            "score": 0.25 * (ctx.round + 1)}], ctx.run_id, ctx.round)
+            ctx.finish(stage, rows=1)
+            return {"rows": 1}
+        return fn
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(stages, "stage_function", self.make)
+        monkeypatch.setattr(stages, "ISOLATED_STAGES", frozenset())  # fakes live in this process only
+        return self
+
+
+def _config(tmp_path: Path, rounds: int = 2) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(f"run_id: t\nrounds: {rounds}\nstore:\n  root: {tmp_path / 'runs'}\n")
+    return p
+
+
+def test_iterate_runs_rounds_in_order_and_resumes(harness, tmp_path, monkeypatch):
+    fake = FakeStages().install(monkeypatch)
+    out = iterate(str(_config(tmp_path)), run_id="r", in_process=True, retry_delay_s=0)
+    assert fake.calls == [(s, k) for k in (0, 1) for s in ("rollout", "score", "curate", "train")]
+    assert [r["mean_score"] for r in out["rounds"]] == [0.25, 0.5]
+    assert Store(tmp_path / "runs").manifest("r", 1, "train")["counts"] == {"rows": 1}
+    # a second run with the same id does nothing: every manifest is complete
+    fake.calls.clear()
+    iterate(str(_config(tmp_path)), run_id="r", in_process=True, retry_delay_s=0)
+    assert fake.calls == []
+    timings = [json.loads(x) for x in (tmp_path / "runs" / "r" / "timings.jsonl").read_text().splitlines()]
+    assert len(timings) == 16 and sum(t["skipped"] for t in timings) == 8
+
+
+def test_half_done_round_resumes_at_the_missing_stage(harness, tmp_path, monkeypatch):
+    fake = FakeStages().install(monkeypatch)
+    ctx = open_run(_config(tmp_path, rounds=1), "r")
+    ctx.finish("rollout", rows=4)  # rollout finished before a crash
+    iterate(str(_config(tmp_path, rounds=1)), run_id="r", in_process=True, retry_delay_s=0)
+    assert fake.calls == [("score", 0), ("curate", 0), ("train", 0)]
+
+
+def test_transient_failure_retries_then_succeeds(harness, tmp_path, monkeypatch):
+    fake = FakeStages().install(monkeypatch)
+    fake.fail["curate"] = [ConnectionError("executor went away")]
+    fake.score_leaves_failures = 1  # score returns with work left once: retried, resumes
+    iterate(str(_config(tmp_path, rounds=1)), run_id="r", in_process=True, retry_delay_s=0)
+    assert fake.calls == [("rollout", 0), ("score", 0), ("score", 0), ("curate", 0), ("curate", 0), ("train", 0)]
+
+
+def test_permanent_failure_stops_the_run_naming_stage_round_reason(harness, tmp_path, monkeypatch):
+    fake = FakeStages().install(monkeypatch)
+    fake.fail["train"] = [ValueError("no curated rows")]
+    state = iterate(str(_config(tmp_path, rounds=2)), run_id="r", in_process=True, retry_delay_s=0,
+                    return_state=True)
+    assert state.is_failed()
+    assert "round 0 train: ValueError: no curated rows" in state.message
+    assert fake.calls.count(("train", 0)) == 1, "a permanent failure is not retried"
+    assert ("rollout", 1) not in fake.calls
+
+
+def test_outage_then_rescore_then_iterate_continues_from_curation(harness, tmp_path, monkeypatch):
+    fake = FakeStages().install(monkeypatch)
+    fake.score_leaves_failures = 3  # executor down for the first attempt and both retries
+    state = iterate(str(_config(tmp_path, rounds=1)), run_id="r", in_process=True, retry_delay_s=0,
+                    return_state=True)
+    assert state.is_failed() and "round 0 score" in state.message and "work left" in state.message
+    fake.calls.clear()
+    res = score("r", 0, only_failed=True, store=str(tmp_path / "runs"), retry_delay_s=0)
+    assert res["counts"] == {"rows": 1} and fake.calls == [("rescore", 0)], "re-score trains nothing"
+    fake.calls.clear()
+    iterate(str(_config(tmp_path, rounds=1)), run_id="r", in_process=True, retry_delay_s=0)
+    assert fake.calls == [("curate", 0), ("train", 0)]
+
+
+def test_evaluate_writes_only_a_derived_run(harness, tmp_path, monkeypatch):
+    fake = FakeStages().install(monkeypatch)
+    iterate(str(_config(tmp_path, rounds=1)), run_id="r", in_process=True, retry_delay_s=0)
+    st = Store(tmp_path / "runs")
+    st.checkpoint_dir("r", 0).mkdir(parents=True)
+    before = sorted(p.relative_to(st.root) for p in (st.root / "r").rglob("*.parquet"))
+    fake.calls.clear()
+    out = evaluate("r", 0, store=str(st.root), in_process=True, retry_delay_s=0)
+    assert out["eval_run_id"] == "r-eval-r0" and out["mean_score"] == 0.25
+    assert fake.calls == [("rollout", 0), ("score", 0)]
+    assert sorted(p.relative_to(st.root) for p in (st.root / "r").rglob("*.parquet")) == before
+    ev = open_run(None, "r-eval-r0", 0, store_root=str(st.root)).cfg
+    assert ev.benchmark.train_split == "test" and ev.generator.adapter == str(st.checkpoint_dir("r", 0))
+
+
+def test_evaluate_refuses_a_round_without_checkpoint(tmp_path, monkeypatch):
+    FakeStages().install(monkeypatch)
+    open_run(_config(tmp_path, rounds=1), "r")
+    from pipeline.config import ConfigError
+    from pipeline.evaluate import open_eval_run
+
+    with pytest.raises(ConfigError, match="no checkpoint for round 3"):
+        open_eval_run(str(tmp_path / "runs"), "r", 3)
+    assert eval_run_id("r", -1) == "r-eval-base" and eval_run_id("r", 2, "validate") == "r-eval-validate-r2"
+
+
+def test_direct_path_needs_no_prefect(tmp_path, monkeypatch):
+    fake = FakeStages().install(monkeypatch)
+    fake.fail["rollout"] = [TimeoutError("slow server")]
+    out = run_direct(_config(tmp_path, rounds=1), run_id="d", retry_delay_s=0)
+    assert fake.calls[:2] == [("rollout", 0), ("rollout", 0)] and out["rounds"][0]["mean_score"] == 0.25
+
+
+def test_child_process_reports_permanent_error(tmp_path):
+    open_run(_config(tmp_path, rounds=1), "r")  # no generations: a real curate in a child would need data
+    bad = tmp_path / "runs" / "r" / "config.yaml"
+    bad.write_text(bad.read_text().replace("rounds: 1", "rounds: -1"))  # the child cannot open the run
+    with pytest.raises(StageError) as e:
+        stages._run_child("curate", "r", 0, str(tmp_path / "runs"), [], False)
+    assert not e.value.transient and "rounds" in e.value.reason
+
+
+def test_child_killed_by_signal_is_transient(tmp_path, monkeypatch):
+    # A stage child killed by SIGKILL (OOM killer, operator) must be retried, not fail the run.
+    script = tmp_path / "killme.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    real_run = stages.subprocess.run
+    monkeypatch.setattr(stages.subprocess, "run", lambda cmd, **kw: real_run([sys.executable, str(script)], **kw))
+    with pytest.raises(StageError) as e:
+        stages._run_child("score", "r", 0, str(tmp_path), [], False)
+    assert e.value.transient and "signal 9" in e.value.reason
+
+
+def test_run_stage_skips_completed_stage_without_calling_it(tmp_path, monkeypatch):
+    fake = FakeStages().install(monkeypatch)
+    ctx = open_run(_config(tmp_path, rounds=1), "r")
+    ctx.finish("curate", groups=7)
+    res = run_stage("curate", "r", 0, str(ctx.store.root))
+    assert res["skipped"] and res["counts"] == {"groups": 7} and fake.calls == []
+
+
+@pytest.mark.slow
+def test_one_real_round_end_to_end(harness, tmp_path):
+    """Real stages, embedded model, child processes: one tiny round through the Prefect flow."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text((REPO / "tests" / "data" / "tiny_flow.yaml").read_text() + f"store:\n  root: {tmp_path / 'runs'}\n")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    out = iterate(str(cfg), rounds=1, run_id="e2e", retry_delay_s=1)
+    st = Store(tmp_path / "runs")
+    for stage in ("rollout", "score", "curate", "train"):
+        assert st.manifest("e2e", 0, stage) is not None, stage
+    n_gen = st.sql("select count(*) n from generations where run_id='e2e' and kind='workflow'")["n"][0]
+    n_scored = st.sql("select count(distinct gen_id) n from latest_scores where run_id='e2e'")["n"][0]
+    assert n_gen > 0 and n_scored == n_gen
+    assert out["rounds"][0]["mean_score"] is not None and 0.0 <= out["rounds"][0]["mean_score"] <= 1.0

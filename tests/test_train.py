@@ -1,0 +1,200 @@
+"""The train stage on a synthetic store: completions sampled from the real embedded model, scores set by hand."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.train import TrainSequence, collate, completion_logprobs
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+torch.set_num_threads(2)
+
+MODEL = "embedded:smollm2-135m-instruct"
+QUESTIONS = ["Write a workflow that adds two numbers.", "Write a workflow that answers a riddle."]
+SCORES = [1.0, 0.0, 1.0, 0.0]  # per query: with n=3, t=1 every kept group holds one 1 (A>0) and one 0 (A<0)
+
+
+def test_completion_logprobs_match_full_logits():
+    """The flattened-positions head equals log_softmax of the full forward at the same positions."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(cfg).eval()
+    seqs = [TrainSequence("a", [1, 2, 3], [4, 5], 1.0, None), TrainSequence("b", [6, 7], [8, 9, 10, 11], -1.0, None)]
+    batch = collate(seqs, pad_id=0)
+    assert batch.completion_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    got = completion_logprobs(lm, batch)
+    for b, s in enumerate(seqs):
+        ids = torch.tensor([s.prompt_ids + s.completion_ids])
+        full = torch.log_softmax(lm(ids).logits[0], -1)
+        p = len(s.prompt_ids)
+        want = torch.stack([full[p - 1 + j, tok] for j, tok in enumerate(s.completion_ids)])
+        torch.testing.assert_close(got[b, : len(s.completion_ids)], want, rtol=1e-5, atol=1e-5)
+        assert torch.all(got[b, len(s.completion_ids):] == 0)
+
+
+# ---- synthetic round from the real model -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def samples():
+    """4 sampled completions per question, with generation-time logprobs (raw distribution)."""
+    from pipeline.models import load_causal_lm, load_tokenizer
+
+    tok, lm = load_tokenizer(MODEL), load_causal_lm(MODEL, dtype="float32", device="cpu")
+    torch.manual_seed(0)
+    out = []
+    for q, question in enumerate(QUESTIONS):
+        prompt_text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                              tokenize=False)
+        prompt = tok(prompt_text, return_tensors="pt")
+        gen = lm.generate(**prompt, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=20,
+                          num_return_sequences=len(SCORES), output_scores=True, return_dict_in_generate=True,
+                          pad_token_id=tok.pad_token_id)
+        lps = lm.compute_transition_scores(gen.sequences, gen.scores, normalize_logits=True)
+        p = prompt["input_ids"].shape[1]
+        for slot in range(len(SCORES)):
+            comp = gen.sequences[slot, p:]
+            keep = comp != tok.pad_token_id
+            keep[: int(keep.sum())] = True  # eos may equal pad: keep the first one
+            comp_ids = comp[keep].tolist()
+            out.append({"gen_id": f"q{q}-w{slot}", "kind": "workflow", "query_id": f"q{q}", "slot": slot,
+                        "prompt_text": prompt_text, "text": tok.decode(comp_ids),
+                        "prompt_token_ids": prompt["input_ids"][0].tolist(), "token_ids": comp_ids,
+                        "token_logprobs": lps[slot, : len(comp_ids)].tolist(), "valid": True, "model": MODEL})
+    return out
+
+
+def _open(tmp_path, sets):
+    from pipeline.run import open_run
+
+    return open_run("configs/demo.yaml", f"t{uuid.uuid4().hex[:6]}", 0,
+                    [f"store.root={tmp_path}", "curation.top_n=8", *sets])
+
+
+def _seed_round(ctx, samples) -> None:
+    ctx.store.write("generations", samples, ctx.run_id, ctx.round)
+    ctx.store.write("scores", [{"gen_id": s["gen_id"], "query_id": s["query_id"], "rep": 0, "attempt": 0,
+                                "status": "ok", "score": SCORES[s["slot"]]} for s in samples], ctx.run_id, ctx.round)
+
+
+def _mean_logp(adapter, samples) -> dict[str, float]:
+    """Mean per-token logprob of each sample under the base model (+ adapter)."""
+    from peft import PeftModel
+
+    from pipeline.models import load_causal_lm
+
+    lm = load_causal_lm(MODEL, dtype="float32", device="cpu")
+    if adapter is not None:
+        lm = PeftModel.from_pretrained(lm, str(adapter))
+    lm.eval()
+    seqs = [TrainSequence(s["gen_id"], s["prompt_token_ids"], s["token_ids"], 0.0, None) for s in samples]
+    with torch.no_grad():
+        lp = completion_logprobs(lm, collate(seqs, pad_id=0))
+    return {s.gen_id: float(lp[b, : len(s.completion_ids)].mean()) for b, s in enumerate(seqs)}
+
+
+@pytest.mark.slow
+def test_mechanism_curate_then_train_moves_logprobs(tmp_path, samples):
+    from pipeline.curate import run_curate
+    from pipeline.train import run_train
+
+    ctx = _open(tmp_path, ["training.lr=3e-3", "training.epochs=3", "training.lora_dropout=0.0",
+                           "training.micro_batch_size=4"])
+    _seed_round(ctx, samples)
+    cur = run_curate(ctx)
+    assert cur["groups_kept"] == 8 and cur["queries_left_out"] == 0
+    counts = run_train(ctx)
+    assert counts["sequences"] == 16 and counts["steps"] == 12
+    # the trainer's fp32 old logprobs agree with the sampler's raw logprobs
+    assert counts["logp_mismatch"] < 1e-3
+    before, after = _mean_logp(None, samples), _mean_logp(ctx.store.checkpoint_dir(ctx.run_id, 0), samples)
+    pos = [s["gen_id"] for s in samples if SCORES[s["slot"]] == 1.0]
+    neg = [s["gen_id"] for s in samples if SCORES[s["slot"]] == 0.0]
+    mean = lambda d, ids: float(np.mean([d[i] for i in ids]))  # noqa: E731
+    print(f"\nmechanism: A>0 mean logp {mean(before, pos):.4f} -> {mean(after, pos):.4f}; "
+          f"A<0 {mean(before, neg):.4f} -> {mean(after, neg):.4f}")
+    assert mean(after, pos) > mean(before, pos)
+    assert mean(after, neg) < mean(before, neg)
+    # the store holds one metrics row per step and the checkpoint row
+    m = ctx.store.read("train_metrics", ctx.run_id, 0)
+    assert sorted(m["step"].to_list()) == list(range(12))
+    assert m["tokens"].sum() == counts["tokens"] > 0
+    ck = ctx.store.read("checkpoints", ctx.run_id, 0)
+    assert ck.height == 1 and ck["rows_used"][0] == 16
+
+
+@pytest.mark.slow
+def test_crash_restart_then_skip_then_next_round(tmp_path, samples, monkeypatch):
+    from peft import PeftModel
+
+    from pipeline.curate import run_curate
+    from pipeline.models import load_causal_lm
+    from pipeline.store import Store
+    from pipeline.train import run_train
+
+    ctx = _open(tmp_path, ["training.epochs=1", "training.micro_batch_size=8", "training.reference=base"])
+    _seed_round(ctx, samples)
+    run_curate(ctx)
+    # crash after the adapter and the metrics are written, before the checkpoints row and the manifest
+    real_write = Store.write
+
+    def crashing_write(self, table, rows, run_id, round):
+        if table == "checkpoints":
+            raise RuntimeError("simulated crash")
+        return real_write(self, table, rows, run_id, round)
+
+    monkeypatch.setattr(Store, "write", crashing_write)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_train(ctx)
+    monkeypatch.setattr(Store, "write", real_write)
+    assert ctx.store.manifest(ctx.run_id, 0, "train") is None
+    counts = run_train(ctx)  # restarts cleanly: no duplicated metrics
+    assert counts["steps"] == 2
+    assert sorted(ctx.store.read("train_metrics", ctx.run_id, 0)["step"].to_list()) == [0, 1]
+    assert ctx.store.read("checkpoints", ctx.run_id, 0).height == 1
+    assert run_train(ctx)["skipped"] is True
+    assert ctx.store.read("train_metrics", ctx.run_id, 0).height == 2
+    ckpt0 = ctx.store.checkpoint_dir(ctx.run_id, 0)
+    assert not [p for p in ckpt0.parent.iterdir() if p.name.endswith(".tmp")]
+
+    # round 1 refuses to start without round 0's adapter, then trains on top of it (reference = base)
+    ctx1 = ctx.at_round(1)
+    _seed_round(ctx1, samples)
+    run_curate(ctx1)
+    moved = ckpt0.with_name("moved")
+    ckpt0.rename(moved)
+    with pytest.raises(RuntimeError, match="round 0"):
+        run_train(ctx1)
+    moved.rename(ckpt0)
+    c1 = run_train(ctx1)
+    assert c1["steps"] == 2 and c1["sequences"] == 16
+    row = ctx1.store.read("checkpoints", ctx.run_id, 1)
+    assert row["parent_round"][0] == 0
+    lm = PeftModel.from_pretrained(load_causal_lm(MODEL, device="cpu"), str(ctx1.store.checkpoint_dir(ctx.run_id, 1)))
+    w0 = PeftModel.from_pretrained(load_causal_lm(MODEL, device="cpu"), str(ckpt0))
+    a1 = dict(lm.named_parameters())
+    changed = [k for k, v in w0.named_parameters() if "lora_B" in k and not torch.equal(v, a1[k])]
+    assert changed  # round 1 continued from round 0's weights and moved them
+
+
+@pytest.mark.slow
+def test_empty_round_writes_unchanged_adapter(tmp_path, samples):
+    from pipeline.curate import run_curate
+    from pipeline.train import run_train
+
+    ctx = _open(tmp_path, [])
+    ctx.store.write("generations", samples, ctx.run_id, 0)
+    ctx.store.write("scores", [{"gen_id": s["gen_id"], "rep": 0, "attempt": 0, "status": "ok", "score": 0.5}
+                               for s in samples], ctx.run_id, 0)
+    assert run_curate(ctx)["groups_kept"] == 0  # every query is all-equal: filtered
+    counts = run_train(ctx)
+    assert counts["sequences"] == 0 and counts["steps"] == 0
+    assert (ctx.store.checkpoint_dir(ctx.run_id, 0) / "adapter_model.safetensors").is_file()
