@@ -56,15 +56,19 @@ def stage_task(stage: str, run_id: str, round: int, store_root: str, sets: list[
 
 
 def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call: StageCall,
-               after_round: Callable[[str, str, int], None] | None = None) -> dict:
-    """Open (freeze) the run once, then call each stage of each round in order; returns a summary."""
-    ctx = open_run(resolve_config(config), run_id)
+               after_round: Callable[[str, str, int], None] | None = None, sets: list[str] | None = None) -> dict:
+    """Open (freeze) the run once, then call each stage of each round in order; returns a summary.
+
+    `sets` are per-invocation overrides (`key=value`, as `--set`) given to every stage; the first call
+    of a new run freezes them into its config.
+    """
+    ctx = open_run(resolve_config(config), run_id, 0, sets)
     store_root, run_id = str(ctx.store.root), ctx.run_id
     rounds = rounds or ctx.cfg.rounds
     walls: dict[int, dict[str, float]] = {}
     for k in range(rounds):
         for stage in STAGES:
-            res = call(stage=stage, run_id=run_id, round=k, store_root=store_root)
+            res = call(stage=stage, run_id=run_id, round=k, store_root=store_root, sets=sets)
             walls.setdefault(k, {})[stage] = res["wall_s"]
         if after_round is not None:
             after_round(run_id, store_root, k)
@@ -78,14 +82,14 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
 
 
 def run_direct(config: str | Path, rounds: int | None = None, run_id: str | None = None,
-               retries: int = 2, retry_delay_s: float = 20.0) -> dict:
+               retries: int = 2, retry_delay_s: float = 20.0, sets: list[str] | None = None) -> dict:
     """`pipeline run`: the same rounds without Prefect, with the same skip/resume and retry rules."""
     log = logging.getLogger("pipeline.run")
 
-    def call(stage: str, run_id: str, round: int, store_root: str) -> dict:
+    def call(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None) -> dict:
         for attempt in range(retries + 1):
             try:
-                res = run_stage(stage, run_id, round, store_root)
+                res = run_stage(stage, run_id, round, store_root, sets)
                 break
             except StageError as e:
                 if not e.transient or attempt == retries:
@@ -97,18 +101,19 @@ def run_direct(config: str | Path, rounds: int | None = None, run_id: str | None
                  res["counts"])
         return res
 
-    return run_rounds(config, rounds, run_id, call)
+    return run_rounds(config, rounds, run_id, call, sets=sets)
 
 
 @flow(name="iterate", log_prints=True)
 def iterate(config: str = DEMO_CONFIG, rounds: int | None = None, run_id: str | None = None,
             evaluate_split: str | None = None, retries: int = 2, retry_delay_s: float = 20.0,
-            in_process: bool = False) -> dict:
+            in_process: bool = False, sets: list[str] | None = None) -> dict:
     """Run `rounds` rounds (default: the config's) of rollout -> score -> curate -> train.
 
     Re-running with the same run_id skips completed stages and resumes a half-done one.
     evaluate_split: also score each round's checkpoint on this split (e.g. "test") in a derived run.
     in_process: run every stage in the flow's process (debugging; models then stay in memory).
+    sets: per-invocation overrides, e.g. ["executor.base_url=http://h:8000/v1"] (frozen on a new run).
     """
     staged = stage_task.with_options(retries=retries, retry_delay_seconds=retry_delay_s)
 
@@ -122,7 +127,7 @@ def iterate(config: str = DEMO_CONFIG, rounds: int | None = None, run_id: str | 
             evaluate(run_id, k, evaluate_split, store_root, retries=retries, retry_delay_s=retry_delay_s,
                      in_process=in_process)
 
-    summary = run_rounds(config, rounds, run_id, call, after_round)
+    summary = run_rounds(config, rounds, run_id, call, after_round, sets)
     for r in summary["rounds"]:
         print(f"run {summary['run_id']} round {r['round']}: mean score {_fmt(r['mean_score'])}, "
               f"best {_fmt(r['best_score'])}, stage wall s {r['wall_s']}")

@@ -19,6 +19,7 @@ import ctypes
 import importlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -74,6 +75,10 @@ def call_stage(ctx: RunContext, stage: str, only_failed: bool = False) -> dict:
     fn = stage_function(stage)
     try:
         counts = fn(ctx, only_failed=only_failed) if stage == "score" else fn(ctx)
+        if stage == "score" and not only_failed and not ctx.done(stage):
+            # rows that failed transiently (executor down) get one new attempt per call; Prefect
+            # retries of this stage therefore heal a short outage without a separate re-score
+            counts = fn(ctx, only_failed=True)
     except Exception as e:
         raise StageError(stage, ctx.round, f"{type(e).__name__}: {e}", is_transient(e)) from e
     if not ctx.done(stage):
@@ -88,11 +93,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def launcher(stage: str) -> list[str]:
+    """The child's interpreter command: $PIPELINE_LAUNCHER_<STAGE> (e.g. `accelerate launch --num_processes 1`)
+    or this Python. The rest of the command line is `-m flows.stages ...`, which both accept."""
+    custom = os.environ.get(f"PIPELINE_LAUNCHER_{stage.upper()}", "").strip()
+    return shlex.split(custom) if custom else [sys.executable]
+
+
 def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[str], only_failed: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="stage-") as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "flows.stages", stage, "--run-id", run_id, "--round", str(round),
-               "--store", store_root, "--result", str(result)]
+        cmd = launcher(stage) + ["-m", "flows.stages", stage, "--run-id", run_id, "--round", str(round),
+                                 "--store", store_root, "--result", str(result)]
         cmd += ["--only-failed"] if only_failed else []
         for s in sets:
             cmd += ["--set", s]

@@ -96,9 +96,16 @@ def chat(
 @app.command()
 def rollout(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None) -> None:
     """Sample agent plans / workflows for a round and write `generations` (resumes per query slot)."""
-    from pipeline.rollout import run_rollout
+    from pipeline.benchmarks.base import BenchmarkError
+    from pipeline.generation import GenerationError
+    from pipeline.models import ModelError
+    from pipeline.prompting import PromptError
+    from pipeline.rollout import RolloutError, run_rollout
 
-    typer.echo(run_rollout(_ctx(config, run_id, round, sets)))
+    try:
+        typer.echo(run_rollout(_ctx(config, run_id, round, sets)))
+    except (RolloutError, GenerationError, PromptError, ModelError, BenchmarkError) as e:
+        _fail(f"rollout: {e}")
 
 
 @app.command()
@@ -210,6 +217,7 @@ def run_cmd(
     run_id: RunIdOpt = None,
     rounds: Annotated[int | None, typer.Option("--rounds", help="Rounds (default: the config's).")] = None,
     retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
+    sets: SetOpt = None,
 ) -> None:
     """All rounds without a Prefect server (same skip/resume/retry rules as the iterate flow)."""
     from flows.iterate import run_direct
@@ -218,7 +226,7 @@ def run_cmd(
     from pipeline.store import Store
 
     try:
-        summary = run_direct(config, rounds, run_id, retries=retries)
+        summary = run_direct(config, rounds, run_id, retries=retries, sets=sets or [])
     except (ConfigError, StageError) as e:
         _fail(str(e))
     for r in summary["rounds"]:

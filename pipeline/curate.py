@@ -334,7 +334,7 @@ def _left_out_reason(states: Sequence[str]) -> str | None:
     bad = {s: sum(1 for x in states if x == s) for s in ("unscored", "transient") if s in states}
     if not bad:
         return None
-    return "left out: " + ", ".join(f"{k} workflows {v}" for v, k in bad.items())
+    return "left out: " + ", ".join(f"{k} of {len(states)} workflows {v}" for v, k in bad.items())
 
 
 def _row(qid: str, gid: str, level: str, members: Sequence[str], scores: Sequence[float | None], *,

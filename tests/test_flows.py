@@ -89,9 +89,10 @@ def test_half_done_round_resumes_at_the_missing_stage(harness, tmp_path, monkeyp
 def test_transient_failure_retries_then_succeeds(harness, tmp_path, monkeypatch):
     fake = FakeStages().install(monkeypatch)
     fake.fail["curate"] = [ConnectionError("executor went away")]
-    fake.score_leaves_failures = 1  # score returns with work left once: retried, resumes
+    fake.score_leaves_failures = 2  # the normal pass and the only-failed pass both leave work: Prefect retries
     iterate(str(_config(tmp_path, rounds=1)), run_id="r", in_process=True, retry_delay_s=0)
-    assert fake.calls == [("rollout", 0), ("score", 0), ("score", 0), ("curate", 0), ("curate", 0), ("train", 0)]
+    assert fake.calls == [("rollout", 0), ("score", 0), ("rescore", 0), ("score", 0), ("curate", 0), ("curate", 0),
+                          ("train", 0)]
 
 
 def test_permanent_failure_stops_the_run_naming_stage_round_reason(harness, tmp_path, monkeypatch):
@@ -107,7 +108,7 @@ def test_permanent_failure_stops_the_run_naming_stage_round_reason(harness, tmp_
 
 def test_outage_then_rescore_then_iterate_continues_from_curation(harness, tmp_path, monkeypatch):
     fake = FakeStages().install(monkeypatch)
-    fake.score_leaves_failures = 3  # executor down for the first attempt and both retries
+    fake.score_leaves_failures = 6  # executor down: both passes of the first attempt and of both retries
     state = iterate(str(_config(tmp_path, rounds=1)), run_id="r", in_process=True, retry_delay_s=0,
                     return_state=True)
     assert state.is_failed() and "round 0 score" in state.message and "work left" in state.message
@@ -197,3 +198,15 @@ def test_one_real_round_end_to_end(harness, tmp_path):
     n_scored = st.sql("select count(distinct gen_id) n from latest_scores where run_id='e2e'")["n"][0]
     assert n_gen > 0 and n_scored == n_gen
     assert out["rounds"][0]["mean_score"] is not None and 0.0 <= out["rounds"][0]["mean_score"] <= 1.0
+
+
+def test_launcher_switch_runs_the_child_under_accelerate(tmp_path, monkeypatch):
+    # `accelerate launch` as the train/curate launcher: the child's result still comes back to the flow.
+    open_run(_config(tmp_path, rounds=1), "r")
+    bad = tmp_path / "runs" / "r" / "config.yaml"
+    bad.write_text(bad.read_text().replace("rounds: 1", "rounds: -1"))
+    monkeypatch.setenv("PIPELINE_LAUNCHER_CURATE", "accelerate launch --num_processes 1 --cpu")
+    assert stages.launcher("curate")[:2] == ["accelerate", "launch"] and stages.launcher("train") == [sys.executable]
+    with pytest.raises(StageError) as e:
+        stages._run_child("curate", "r", 0, str(tmp_path / "runs"), [], False)
+    assert not e.value.transient and "rounds" in e.value.reason

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import zlib
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
@@ -67,9 +67,17 @@ class Generator(ABC):
 
     backend: str
 
-    @abstractmethod
     def generate(self, prompts: list[str], sampling: Sampling, adapter: str | None = None) -> list[list[Completion]]:
-        ...
+        if not prompts:
+            return []
+        if sampling.temperature == 0 and sampling.n > 1:  # engines allow greedy only with n=1: repeat the prompt
+            flat = self._generate([p for p in prompts for _ in range(sampling.n)], replace(sampling, n=1), adapter)
+            return [[c for row in flat[i : i + sampling.n] for c in row] for i in range(0, len(flat), sampling.n)]
+        return self._generate(prompts, sampling, adapter)
+
+    @abstractmethod
+    def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None) -> list[list[Completion]]:
+        """Non-empty prompts; greedy calls come with n=1."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine (GPU memory, server sessions)."""

@@ -3,7 +3,8 @@ and fp32 logprobs of the sampled tokens recorded while sampling (no second forwa
 
 The sampling itself is exactly `model.generate(do_sample=True, temperature=T, top_p=p)`: we pass the same
 temperature and top-p warpers in the same order, followed by a recorder that only reads the scores, so
-the random stream and the tokens are identical to the raw call with the same seed.
+the random stream and the tokens are identical to the raw call with the same seed. transformers would add
+top_k=50 when none is given; we pass top_k=0 (off, as in vLLM) so every backend samples the same distribution.
 """
 
 from __future__ import annotations
@@ -67,14 +68,12 @@ class TransformersGenerator(Generator):
         return {k: v.to(self.model.device) for k, v in enc.items()}
 
     @torch.inference_mode()
-    def generate(self, prompts: list[str], sampling: Sampling, adapter: str | None = None) -> list[list[Completion]]:
-        if not prompts:
-            return []
+    def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None) -> list[list[Completion]]:
+        sample = sampling.temperature > 0
         self._use_adapter(adapter)
         enc = self.encode(prompts)
         recorder = _LogprobRecorder()
         procs: list[LogitsProcessor] = []
-        sample = sampling.temperature > 0
         if sample and sampling.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(sampling.temperature))
         if sample and sampling.top_p < 1.0:
@@ -82,10 +81,11 @@ class TransformersGenerator(Generator):
         procs.append(recorder)
         torch.manual_seed(sampling.seed)
         t0 = time.perf_counter()
+        warp = dict(temperature=1.0, top_p=1.0, top_k=0) if sample else {}  # our warpers replace the built-in ones
         out = self.model.generate(
-            **enc, do_sample=sample, temperature=1.0, top_p=1.0, top_k=0,
-            max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
-            logits_processor=LogitsProcessorList(procs), pad_token_id=self.tokenizer.pad_token_id,
+            **enc, do_sample=sample, **warp, max_new_tokens=sampling.max_new_tokens,
+            num_return_sequences=sampling.n, logits_processor=LogitsProcessorList(procs),
+            pad_token_id=self.tokenizer.pad_token_id,
         )
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         recorder.gather(seqs[:, -1])

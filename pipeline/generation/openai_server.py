@@ -82,9 +82,7 @@ class OpenAIGenerator(Generator):
             self._loaded.add(name)
         return name
 
-    def generate(self, prompts: list[str], sampling: Sampling, adapter: str | None = None) -> list[list[Completion]]:
-        if not prompts:
-            return []
+    def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None) -> list[list[Completion]]:
         model = self._adapter_model(adapter)
         with ThreadPoolExecutor(max(1, min(self.concurrency, len(prompts)))) as pool:
             return list(pool.map(lambda ip: self._one(model, ip[1], sampling, ip[0]), enumerate(prompts)))

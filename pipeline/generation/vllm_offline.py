@@ -8,7 +8,6 @@ it to 1) and runs the engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Any
 
 from pipeline.generation.base import Completion, GenerationError, Generator, Sampling, adapter_id
@@ -79,22 +78,17 @@ class VLLMGenerator(Generator):
     def inputs(self, prompts: list[str]) -> list[dict[str, list[int]]]:
         return [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids} for p in prompts]
 
-    def generate(self, prompts: list[str], sampling: Sampling, adapter: str | None = None) -> list[list[Completion]]:
-        if not prompts:
-            return []
+    def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None) -> list[list[Completion]]:
         lora = None
         if adapter is not None:
             if not self.lora_enabled:
                 raise GenerationError("this vLLM engine was started without enable_lora; cannot apply an adapter")
             lora = lora_request(adapter)
-        if sampling.temperature == 0 and sampling.n > 1:  # vLLM allows greedy only with n=1: repeat the prompt
-            one = replace(sampling, n=1)
-            outs = self.llm.generate([x for x in self.inputs(prompts) for _ in range(sampling.n)], self.params(one),
-                                     lora_request=lora, use_tqdm=False)
-            flat = [_completion(list(o.prompt_token_ids), o.outputs[0]) for o in outs]
-            return [flat[i : i + sampling.n] for i in range(0, len(flat), sampling.n)]
         outs = self.llm.generate(self.inputs(prompts), self.params(sampling), lora_request=lora, use_tqdm=False)
         return [[_completion(list(o.prompt_token_ids), c) for c in o.outputs] for o in outs]
+
+    def close(self) -> None:
+        self.llm = None  # the in-process engine goes with its last reference
 
 
 def _completion(prompt_ids: list[int], c: Any) -> Completion:

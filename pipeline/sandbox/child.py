@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import doctest  # noqa: F401  (pre-imported for workflows that use it)
 import io
 import json
@@ -126,10 +127,8 @@ async def _run_tests_forked(code: str, tests: list[str], timeout_s: float) -> st
         raw = b""
     finally:
         transport.close()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         os.waitpid(pid, 0)
     try:
         out = json.loads(raw)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import asyncio
 import atexit
+import contextlib
 import fcntl
 import json
 import math
@@ -158,7 +159,7 @@ class Sandbox:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         root = str(Path(__file__).resolve().parents[2])
         boot = f"import sys; sys.path.insert(0, {root!r}); from pipeline.sandbox.zygote import main; main()"
-        log = tempfile.TemporaryFile()
+        log = tempfile.TemporaryFile()  # noqa: SIM115  (the zygote's stderr, read only if it fails to start)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}  # no secrets reach the zygote
         self._proc = subprocess.Popen([sys.executable, "-I", "-c", boot, str(theirs.fileno())],
                                       pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
@@ -223,13 +224,16 @@ class Sandbox:
         writer = None
         try:
             try:
-                await loop.run_in_executor(None, self._submit, {"uid": uid, "mode": mode, "limits": limits.child()},
-                                           [run_theirs.fileno(), st_theirs.fileno()])
+                self._submit({"uid": uid, "mode": mode, "limits": limits.child()},
+                             [run_theirs.fileno(), st_theirs.fileno()])
             finally:
                 run_theirs.close()
                 st_theirs.close()
             st_ours.setblocking(False)
-            pid = json.loads(await loop.sock_recv(st_ours, 65536))["pid"]
+            started = json.loads(await loop.sock_recv(st_ours, 65536) or b'{"error": "sandbox zygote died"}')
+            if "pid" not in started:
+                raise SandboxError(f"could not start a sandboxed run: {started.get('error')}")
+            pid = started["pid"]
             reader, writer = await asyncio.open_unix_connection(sock=run_ours, limit=limits.max_message_bytes)
 
             async def reply(msg: dict) -> None:
@@ -279,10 +283,8 @@ class Sandbox:
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 _default: Sandbox | None = None
@@ -364,6 +366,9 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
         res.status, res.error = "timeout", f"wall timeout after {limits.timeout_s:g}s"
     elif out["oversized"]:
         res.status, res.error = "exec_error", "malformed or oversized message from the workflow"
+    elif (out["exit"] or {}).get("leftover"):
+        res.status = "killed"
+        res.error = f"left {out['exit']['leftover']} process(es) running after solve() returned; all were killed"
     elif "answer" in result:
         res.answer = _truncate(str(result["answer"]), MAX_ANSWER_CHARS)
     elif "error" in result:

@@ -18,8 +18,8 @@ and later `{"exit": ...}`. Closing the control socket makes the zygote kill all 
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
-import errno
 import json
 import os
 import resource
@@ -81,7 +81,9 @@ class Zygote:
         mnt = _libc.unshare(CLONE_NEWNS) == 0 and _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
         self.iso["mount_namespace"] = mnt
         ro = tmp = False
+        hidden: list[str] = []
         if mnt:
+            hidden = _expose_python()
             ro = _libc.mount(b"none", b"/", None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) == 0
             if not ro:
                 notes.append(_err("root file system stays writable"))
@@ -92,6 +94,9 @@ class Zygote:
         else:
             notes.append(_err("no mount namespace: work dirs are plain dirs without a size quota"))
         self.iso["readonly_root"], self.iso["private_tmp"] = ro, tmp
+        self.iso["hidden_dirs"] = hidden
+        if self.privileged and not hidden and _blocked(_python_paths()):
+            notes.append("the Python install is not readable by the sandbox uid: only pre-imported modules work")
         self.tmp_mounts = mnt and tmp
         base = tempfile.gettempdir() if tmp else tempfile.mkdtemp(prefix="pipeline-sbx-")
         self.base = os.path.join(base, ".runs") if tmp else base
@@ -170,30 +175,42 @@ class Zygote:
 
     def _kill_orphans(self) -> bool:
         """Unprivileged fallback: orphans re-parented to this subreaper that are not runs."""
-        me, found = os.getpid(), False
-        try:
-            kids = open(f"/proc/{me}/task/{me}/children").read().split()
-        except OSError:
-            return False
-        for k in map(int, kids):
+        found = False
+        for k in self._children():
             if k not in self.runs:
                 found |= _kill_group(k)
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(k, signal.SIGKILL)
                     found = True
-                except ProcessLookupError:
-                    pass
         return found
+
+    def _children(self) -> list[int]:
+        me = os.getpid()
+        try:
+            with open(f"/proc/{me}/task/{me}/children") as f:
+                return [int(k) for k in f.read().split()]
+        except OSError:
+            return []
+
+    def _leftovers(self, uid: int) -> int:
+        """Processes of a finished run still alive: its orphans were re-parented to us (subreaper)."""
+        n = 0
+        for k in self._children():
+            if k in self.runs:
+                continue
+            with contextlib.suppress(OSError), open(f"/proc/{k}/status") as f:
+                n += any(ln.startswith("Uid:") and int(ln.split()[1]) == uid for ln in f)
+        return n
 
     def finish_exited(self) -> None:
         for pid in [p for p, r in self.runs.items() if r["exit"] is not None]:
             run = self.runs.pop(pid)
+            if self.privileged:
+                run["exit"]["leftover"] = self._leftovers(run["uid"])
             swept = self.sweep(run, pid)
             self._cleanup_workdir(run["workdir"])
-            try:
+            with contextlib.suppress(OSError):
                 _send(run["status"], {"exit": run["exit"], "swept_rounds": swept})
-            except OSError:
-                pass
             run["status"].close()
 
     def kill_all(self) -> None:
@@ -227,12 +244,60 @@ class Zygote:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                         fds.frombytes(raw[: len(raw) - len(raw) % fds.itemsize])
                 if len(fds) == 2:
-                    self.start(json.loads(data), fds[0], fds[1])
+                    try:
+                        self.start(json.loads(data), fds[0], fds[1])
+                    except Exception as e:  # e.g. fork failing under memory pressure: report, keep serving
+                        with contextlib.suppress(OSError):
+                            os.write(fds[1], json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+                            os.close(fds[1])
+                            os.close(fds[0])
                 else:
                     for fd in fds:
                         os.close(fd)
             self.reap()
             self.finish_exited()
+
+
+def _python_paths() -> list[str]:
+    paths = {sys.prefix, sys.base_prefix, *[p for p in sys.path if p and os.path.isdir(p)]}
+    return sorted(os.path.realpath(p) for p in paths)
+
+
+def _blocked(paths: list[str]) -> dict[str, list[str]]:
+    """{ancestor that others cannot traverse: [paths under it the sandbox must still read]}."""
+    out: dict[str, list[str]] = {}
+    for p in paths:
+        parts = p.split("/")
+        for i in range(2, len(parts)):
+            a = "/".join(parts[:i])
+            if not os.stat(a).st_mode & 0o001:
+                out.setdefault(a, []).append(p)
+                break
+    return out
+
+
+def _expose_python() -> list[str]:
+    """Children run as another uid: a Python installed under e.g. /root (0700) would be unreadable. In
+    our mount namespace, cover each such ancestor with an empty read-only tmpfs and bind back only the
+    Python dirs; the rest of it (home dirs, keys) stays hidden. Returns the covered dirs."""
+    covered = []
+    for anc, paths in _blocked(_python_paths()).items():
+        keep = [p for p in paths if not any(p != q and p.startswith(q + "/") for q in paths)]
+        staged = []
+        for i, p in enumerate(keep):  # bind the originals aside before the ancestor is covered
+            st = tempfile.mkdtemp(prefix=f".keep{i}-")
+            _libc.mount(p.encode(), st.encode(), None, MS_BIND | MS_REC, None)
+            staged.append((st, p))
+        if not _mount_tmpfs(anc, "size=1m,mode=0755"):
+            continue
+        for st, p in staged:
+            os.makedirs(p, mode=0o755, exist_ok=True)
+            _libc.mount(st.encode(), p.encode(), None, MS_BIND | MS_REC, None)
+            _libc.umount2(st.encode(), MNT_DETACH)
+            os.rmdir(st)
+        _libc.mount(b"none", anc.encode(), None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+        covered.append(anc)
+    return covered
 
 
 def _kill_group(pgid: int) -> bool:

@@ -1,0 +1,75 @@
+"""`pipeline bench sandbox`: per-workflow sandbox overhead against a bare `python -c pass` subprocess
+(measured in the same run), and trivial-workflow throughput at concurrency 2. Goal: <= 30 ms overhead,
+>= 40 workflows/s."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+
+from pipeline.sandbox import Limits, Sandbox, run_workflow
+
+TRIVIAL = "async def solve(problem):\n    return problem\n"
+
+
+def _bare_python_ms(n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+async def _sequential_ms(sb: Sandbox, n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        t = time.perf_counter()
+        r = await run_workflow(TRIVIAL, str(i), sandbox=sb, limits=Limits())
+        out.append((time.perf_counter() - t) * 1000)
+        if r.status != "ok":
+            raise RuntimeError(f"trivial workflow failed: {r.status}: {r.error}")
+    return out
+
+
+async def _throughput(sb: Sandbox, n: int, concurrency: int) -> float:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> str:
+        async with sem:
+            return (await run_workflow(TRIVIAL, str(i), sandbox=sb, limits=Limits())).status
+
+    t = time.perf_counter()
+    statuses = await asyncio.gather(*(one(i) for i in range(n)))
+    dt = time.perf_counter() - t
+    if set(statuses) != {"ok"}:
+        raise RuntimeError(f"trivial workflows failed: {statuses}")
+    return n / dt
+
+
+def main(n: int = 100) -> None:
+    sb = Sandbox()
+    t = time.perf_counter()
+    iso = sb.ensure_started()
+    start_ms = (time.perf_counter() - t) * 1000
+    try:
+        asyncio.run(_sequential_ms(sb, 5))  # warm-up
+        bare = statistics.median(_bare_python_ms(20))
+        seq = statistics.median(asyncio.run(_sequential_ms(sb, n)))
+        rate = asyncio.run(_throughput(sb, 2 * n, 2))
+    finally:
+        sb.close()
+    active = [k for k, v in iso.items() if v is True]
+    print(f"isolation: {', '.join(active)}" + (f"; notes: {iso['notes']}" if iso.get("notes") else ""))
+    print(f"zygote start (once):                 {start_ms:8.1f} ms")
+    print(f"bare `python -c pass` subprocess:    {bare:8.1f} ms (median of 20)")
+    print(f"sandboxed trivial workflow:          {seq:8.1f} ms (median of {n}, sequential)")
+    print(f"overhead vs bare python:             {seq - bare:8.1f} ms  (ratio {seq / bare:.2f}x; goal <= 30 ms)")
+    print(f"throughput at concurrency 2:         {rate:8.1f} workflows/s (goal >= 40)")
+
+
+if __name__ == "__main__":
+    main()

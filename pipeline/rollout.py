@@ -1,0 +1,229 @@
+"""The rollout stage: sample agent plans / workflows for round k and write `queries` and `generations`.
+
+Flat (SPOGW): m workflows per query. Two-level: N_A agent plans per query, then N_W workflows per plan.
+One prompt per (query) or (agent), sampled n times; its exemplars are drawn once per prompt.
+Idempotent per (query, parent, slot): gen_ids are deterministic, so a re-run samples only missing slots
+(two-level: missing agents first, then the missing workflows of the agents that exist). Every generation
+call writes one Parquet part, so a crash loses at most the call in flight.
+Row conventions: `latency_s` is the call's wall time divided by the samples it returned; `token_logprobs`
+follow pipeline/generation/base.py; `adapter_round` is the round whose checkpoint sampled (null: base model
+or an explicit generator.adapter, whose path is in `sampling`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pipeline.benchmarks.base import Item, load_benchmark
+from pipeline.exemplars import Pools, load_pools, pick_exemplars, tau_at
+from pipeline.generation import BACKENDS, Completion, Generator, Sampling, make_generator
+from pipeline.models import load_tokenizer
+from pipeline.prompting import agent_prompt, render, require_chat_template, workflow_prompt
+from pipeline.run import RunContext
+from pipeline.workflow import check_workflow, extract_code
+
+log = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """The rollout cannot start (missing adapter, bad backend); nothing has been written."""
+
+
+@dataclass
+class Request:
+    """One prompt and the slots it fills (n = len(slots))."""
+
+    kind: str  # agent | workflow
+    query_id: str
+    parent_id: str | None
+    gen_ids: list[str]
+    slots: list[int]
+    prompt_text: str
+    exemplar_ids: list[str]
+    max_new_tokens: int
+
+
+def gen_id(round: int, query_id: str, kind: str, slot: int, parent_id: str | None = None) -> str:
+    """Unique within a run: the round, the query and the slot path (agent a<i>, workflow w<j>)."""
+    if parent_id is not None:
+        return f"{parent_id}-w{slot}"
+    return f"r{round}-{query_id}-{'a' if kind == 'agent' else 'w'}{slot}"
+
+
+def resolve_adapter(ctx: RunContext) -> tuple[str | None, int | None]:
+    """(adapter folder, its round): generator.adapter if set, else round k−1's checkpoint, base model at k=0."""
+    if ctx.cfg.generator.adapter:
+        path, rnd = Path(ctx.cfg.generator.adapter).expanduser(), None
+    elif ctx.round > 0:
+        path, rnd = ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1), ctx.round - 1
+    else:
+        return None, None
+    if not (path / "adapter_config.json").is_file():
+        hint = ("set generator.adapter to an existing peft adapter folder" if rnd is None
+                else f"train round {rnd} first (`pipeline train CONFIG --run-id {ctx.run_id} --round {rnd}`)")
+        raise RolloutError(f"adapter folder {path} is missing (no adapter_config.json): {hint}")
+    return str(path.resolve()), rnd
+
+
+def _rng(seed: int, key: str) -> random.Random:
+    return random.Random(zlib.crc32(f"{seed}:{key}".encode()))
+
+
+def _validate(kind: str, text: str, max_chars: int) -> str | None:
+    if kind == "agent":
+        return None if text.strip() else "empty plan"
+    return check_workflow(extract_code(text), max_chars)
+
+
+class _Rollout:
+    def __init__(self, ctx: RunContext, items: list[Item], family: str, tokenizer, pools: Pools,
+                 adapter: str | None, adapter_round: int | None):
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.items, self.family, self.tokenizer, self.pools = items, family, tokenizer, pools
+        self.adapter, self.adapter_round = adapter, adapter_round
+        self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, ctx.round)
+        self.tau_w = tau_at(self.cfg.rollout.tau_workflow, self.cfg.rollout.tau_decay, ctx.round)
+
+    def existing(self) -> dict[str, dict]:
+        df = self.ctx.store.read("generations", self.ctx.run_id, self.ctx.round)
+        return {r["gen_id"]: r for r in df.select("gen_id", "kind", "query_id", "text").iter_rows(named=True)}
+
+    def _request(self, kind: str, item: Item, n: int, have: dict, parent: dict | None = None) -> Request | None:
+        parent_id = parent["gen_id"] if parent else None
+        slots = [s for s in range(n) if gen_id(self.ctx.round, item.id, kind, s, parent_id) not in have]
+        if not slots:
+            return None
+        key = parent_id or f"{kind}:{item.id}"
+        rng = _rng(self.cfg.generator.seed, f"{self.ctx.round}:{key}")
+        if kind == "agent":
+            shown = pick_exemplars(self.pools.agent_pool(item.id), self.tau_a, rng)
+            user, max_tokens = agent_prompt(item.prompt, shown), self.cfg.rollout.max_plan_tokens
+        else:
+            plan = parent["text"] if parent else None
+            shown = pick_exemplars(self.pools.workflow_pool(item.id, plan), self.tau_w, rng)
+            user, max_tokens = workflow_prompt(item.prompt, self.family, shown, plan), self.cfg.generator.max_new_tokens
+        return Request(kind, item.id, parent_id, [gen_id(self.ctx.round, item.id, kind, s, parent_id) for s in slots],
+                       slots, render(self.tokenizer, user), [s.gen_id for s in shown], max_tokens)
+
+    def requests(self, have: dict) -> list[Request]:
+        """What is missing now: flat workflows, or two-level agents, then workflows under existing agents."""
+        mode, out = self.cfg.rollout.mode, []
+        for item in self.items:
+            if mode == "flat":
+                out.append(self._request("workflow", item, self.cfg.rollout.m, have))
+                continue
+            out.append(self._request("agent", item, self.cfg.rollout.n_agents, have))
+            agents = sorted((r for r in have.values() if r["kind"] == "agent" and r["query_id"] == item.id),
+                            key=lambda r: r["gen_id"])
+            out += [self._request("workflow", item, self.cfg.rollout.n_workflows, have, a) for a in agents]
+        return [r for r in out if r is not None]
+
+    def sampling(self, batch: list[Request]) -> Sampling:
+        g = self.cfg.generator
+        seed = (g.seed + zlib.crc32(f"{self.ctx.round}:{batch[0].gen_ids[0]}".encode())) % 2**31
+        return Sampling(n=len(batch[0].slots), temperature=g.temperature, top_p=g.top_p,
+                        max_new_tokens=batch[0].max_new_tokens, seed=seed)
+
+    def rows(self, req: Request, comps: list[Completion], sampling: Sampling, latency: float) -> list[dict]:
+        g = self.cfg.generator
+        rows = []
+        for gid, slot, c in zip(req.gen_ids, req.slots, comps, strict=True):
+            reason = _validate(req.kind, c.text, self.cfg.rollout.max_workflow_chars)
+            rows.append(dict(
+                gen_id=gid, kind=req.kind, parent_id=req.parent_id, query_id=req.query_id, slot=slot,
+                prompt_text=req.prompt_text, text=c.text, prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids,
+                token_logprobs=c.token_logprobs, model=g.model, backend=g.backend, adapter_round=self.adapter_round,
+                sampling=sampling.to_json(adapter=self.adapter), exemplar_ids=req.exemplar_ids,
+                finish_reason=c.finish_reason, valid=reason is None, invalid_reason=reason,
+                retokenized=c.retokenized, latency_s=latency,
+            ))
+        return rows
+
+    def sample(self, gen: Generator, requests: list[Request], bar: tqdm) -> int:
+        written = 0
+        for batch in _batches(requests, self.cfg.generator.batch_size):
+            sampling = self.sampling(batch)
+            t0 = time.perf_counter()
+            outs = gen.generate([r.prompt_text for r in batch], sampling, self.adapter)
+            latency = (time.perf_counter() - t0) / max(1, sampling.n * len(batch))
+            rows = [row for r, comps in zip(batch, outs, strict=True) for row in self.rows(r, comps, sampling, latency)]
+            self.ctx.store.write("generations", rows, self.ctx.run_id, self.ctx.round)
+            written += len(rows)
+            bar.update(len(rows))
+        return written
+
+
+def _batches(requests: list[Request], size: int) -> Iterator[list[Request]]:
+    """Consecutive requests with the same n and token cap, at most `size` prompts per generation call."""
+    batch: list[Request] = []
+    for r in requests:
+        if batch and (len(batch) == size or (len(r.slots), r.max_new_tokens) !=
+                      (len(batch[0].slots), batch[0].max_new_tokens)):
+            yield batch
+            batch = []
+        batch.append(r)
+    if batch:
+        yield batch
+
+
+def _write_queries(ctx: RunContext, items: list[Item]) -> int:
+    have = set(ctx.store.read("queries", ctx.run_id, ctx.round)["query_id"].to_list())
+    rows = [dict(split=ctx.cfg.benchmark.train_split, query_id=it.id, benchmark=ctx.cfg.benchmark.name,
+                 prompt=it.prompt, reference=json.dumps(it.reference), meta=json.dumps(it.meta))
+            for it in items if it.id not in have]
+    ctx.store.write("queries", rows, ctx.run_id, ctx.round)
+    return len(rows)
+
+
+def _counts(ctx: RunContext, sampled: int) -> dict:
+    df = ctx.store.read("generations", ctx.run_id, ctx.round)
+    return dict(generations=df.height, agents=int((df["kind"] == "agent").sum()),
+                workflows=int((df["kind"] == "workflow").sum()), valid=int(df["valid"].sum()), sampled_now=sampled)
+
+
+def run_rollout(ctx: RunContext) -> dict:
+    """Sample what round `ctx.round` is missing; all input checks happen before anything is written."""
+    cfg = ctx.cfg
+    if ctx.done("rollout"):
+        return {"skipped": "already done", **ctx.store.manifest(ctx.run_id, ctx.round, "rollout")["counts"]}
+    if cfg.generator.backend not in BACKENDS:
+        raise RolloutError(f"unknown generation backend {cfg.generator.backend!r}; use one of {', '.join(BACKENDS)}")
+    adapter, adapter_round = resolve_adapter(ctx)
+    tokenizer = load_tokenizer(cfg.generator.model)
+    require_chat_template(tokenizer, cfg.generator.model)
+    bench = load_benchmark(cfg.benchmark)
+    items = bench.items()
+    pools = load_pools(ctx.store, ctx.run_id, ctx.round, cfg.rollout.r_min_agent, cfg.rollout.r_min_workflow)
+    ro = _Rollout(ctx, items, bench.family, tokenizer, pools, adapter, adapter_round)
+    have = ro.existing()
+    todo = ro.requests(have)
+    gen = make_generator(cfg.generator, enable_lora=adapter is not None) if todo else None
+    _write_queries(ctx, items)
+    sampled = 0
+    if gen is not None:
+        total = sum(len(r.slots) for r in todo)
+        if cfg.rollout.mode == "two_level":  # workflows of agents sampled in this run are not known yet
+            missing_agents = sum(len(r.slots) for r in todo if r.kind == "agent")
+            total += missing_agents * cfg.rollout.n_workflows
+        try:
+            with tqdm(total=total, desc=f"rollout r{ctx.round}", unit="gen") as bar:
+                while todo:
+                    sampled += ro.sample(gen, todo, bar)
+                    # two-level: the agents just written unlock their workflows; flat finishes in one pass
+                    todo = ro.requests(ro.existing()) if cfg.rollout.mode == "two_level" else []
+        finally:
+            gen.close()
+    counts = _counts(ctx, sampled)
+    ctx.finish("rollout", queries=len(items), **counts)
+    log.info("rollout round %d: %s", ctx.round, counts)
+    return {"queries": len(items), **counts}
+

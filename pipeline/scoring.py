@@ -1,0 +1,243 @@
+"""The scoring stage: run each workflow generation of a round `reps` times in the sandbox and write `scores`.
+
+Idempotency and crash safety: a (gen_id, rep) is *finished* once its row is in a Parquet part of the
+store. Rows are written in parts of `scoring.batch_size` as runs finish (and whatever is buffered on
+SIGINT/exceptions); a kill -9 loses only the unwritten buffer, which the next invocation runs again.
+Each invocation plans from the store: a (gen_id, rep) without a row runs as attempt 0; with
+`--only-failed`, one whose latest attempt is transient (`executor_error`, and `timeout` when
+`scoring.retry_timeouts`) runs as attempt + 1. Final rows are never re-run, so nothing is duplicated.
+The `score` manifest is written only when every (gen_id, rep) has a final status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+from tqdm import tqdm
+
+from pipeline.benchmarks.base import Benchmark, Item, load_benchmark
+from pipeline.reward import reward
+from pipeline.run import RunContext
+from pipeline.sandbox import Limits, default_sandbox, run_workflow
+from pipeline.schema import FINAL_STATUSES
+from pipeline.workflow import check_workflow, extract_code
+
+log = logging.getLogger(__name__)
+MAX_ANSWER_CHARS = 20_000
+
+
+@dataclass(frozen=True)
+class Job:
+    gen_id: str
+    query_id: str
+    rep: int
+    attempt: int
+
+
+def transient_statuses(retry_timeouts: bool) -> set[str]:
+    return {"executor_error", "timeout"} if retry_timeouts else {"executor_error"}
+
+
+def latest_attempts(scores: pl.DataFrame) -> dict[tuple[str, int], tuple[str, int]]:
+    """(gen_id, rep) -> (status, attempt) of the latest attempt."""
+    if scores.height == 0:
+        return {}
+    last = scores.sort(["attempt", "created_at"]).group_by(["gen_id", "rep"]).last()
+    return {(r["gen_id"], r["rep"]): (r["status"], r["attempt"]) for r in last.iter_rows(named=True)}
+
+
+def plan(gens: list[tuple[str, str]], latest: dict[tuple[str, int], tuple[str, int]], reps: int,
+         only_failed: bool, transient: set[str]) -> list[Job]:
+    """The runs to do now. gens: (gen_id, query_id). Missing rows run as attempt 0 (normal run);
+    transient latest attempts run again as attempt + 1 (--only-failed); final ones never."""
+    jobs = []
+    for gen_id, query_id in gens:
+        for rep in range(reps):
+            prev = latest.get((gen_id, rep))
+            if prev is None and not only_failed:
+                jobs.append(Job(gen_id, query_id, rep, 0))
+            elif prev is not None and only_failed and prev[0] in transient:
+                jobs.append(Job(gen_id, query_id, rep, prev[1] + 1))
+    return jobs
+
+
+def _items(queries: pl.DataFrame) -> dict[str, Item]:
+    out = {}
+    for r in queries.unique("query_id", keep="first").iter_rows(named=True):
+        out[r["query_id"]] = Item(r["query_id"], r["prompt"], json.loads(r["reference"] or "{}"),
+                                  json.loads(r["meta"] or "{}"))
+    return out
+
+
+def _gold(item: Item) -> str:
+    ref = item.reference
+    for key in ("answer", "answers", "gold"):
+        if key in ref:
+            return json.dumps(ref[key]) if not isinstance(ref[key], str) else ref[key]
+    return json.dumps(ref)
+
+
+class _Scorer:
+    """Per-invocation state: benchmark, executor, judge, limits; `score(job)` -> one `scores` row."""
+
+    def __init__(self, ctx: RunContext, bench: Benchmark, texts: dict[str, str], items: dict[str, Item]):
+        cfg = ctx.cfg
+        self.cfg, self.bench, self.texts, self.items = cfg, bench, texts, items
+        self.limits = Limits.from_config(cfg.scoring)
+        self._executor = self._judge = None
+
+    @property
+    def executor(self):
+        if self._executor is None:
+            from pipeline.executors import make_executor
+
+            self._executor = make_executor(self.cfg.executor)
+        return self._executor
+
+    async def _metric(self, item: Item, answer: str) -> tuple[float, dict]:
+        if hasattr(self.bench, "ascore"):
+            m = await self.bench.ascore(item, answer)
+        else:  # the other benchmarks' metrics are sync and pure
+            m = await asyncio.to_thread(self.bench.score, item, answer)
+        details = {"metric": m.details}
+        judge_cfg = self.cfg.scoring.reward.judge
+        if judge_cfg is not None and self.bench.family != "code":
+            if self._judge is None:
+                from pipeline.judge import Judge
+
+                self._judge = Judge(judge_cfg)
+            j = await self._judge.grade(item.prompt, _gold(item), answer)
+            details.update(benchmark_metric=m.score, judge=j.details)
+            return j.score, details
+        return m.score, details
+
+    async def score(self, job: Job) -> dict:
+        item = self.items[job.query_id]
+        code = extract_code(self.texts[job.gen_id] or "")
+        row: dict[str, Any] = {"gen_id": job.gen_id, "query_id": job.query_id, "rep": job.rep,
+                               "attempt": job.attempt, "metric": 0.0, "llm_calls": 0, "tokens_in": 0,
+                               "tokens_out": 0, "cost_usd": 0.0, "wall_s": 0.0}
+        details: dict[str, Any] = {}
+        reason = check_workflow(code, self.cfg.rollout.max_workflow_chars)
+        if reason is not None:
+            row.update(status="invalid", error=reason)
+        else:
+            public = None
+            if self.bench.family == "code" and item.meta.get("public_tests") is not None:
+                public = {"entry_point": item.meta.get("entry_point"), "tests": item.meta["public_tests"],
+                          "timeout_s": self.cfg.scoring.test_timeout_s}
+            res = await run_workflow(code, item.prompt, executor=self.executor,
+                                     limits=self.limits, public_tests=public,
+                                     max_chars=self.cfg.rollout.max_workflow_chars)
+            row.update(status=res.status, error=res.error, llm_calls=res.llm_calls, tokens_in=res.tokens_in,
+                       tokens_out=res.tokens_out, cost_usd=res.cost_usd, wall_s=res.wall_s,
+                       answer=None if res.answer is None else res.answer[:MAX_ANSWER_CHARS])
+            details["sandbox"] = res.details
+            if res.status == "ok":
+                try:
+                    row["metric"], more = await self._metric(item, res.answer)
+                    details.update(more)
+                except Exception as e:  # an executor-backed judge failing is transient; anything else is not
+                    from pipeline.executors import ExecutorError
+
+                    transient = isinstance(e, ExecutorError)
+                    row.update(status="executor_error" if transient else "exec_error",
+                               error=f"metric failed: {type(e).__name__}: {e}"[:4000])
+        w = self.cfg.scoring.reward
+        parts = reward(row["metric"], code, row["tokens_in"], row["tokens_out"], w.complexity_weight, w.cost_weight)
+        row.update(score=parts.score, complexity=parts.complexity, cost=parts.cost)
+        details["reward"] = {"ast_nodes": parts.ast_nodes, "helper_calls": parts.helper_calls,
+                             "complexity_weight": w.complexity_weight, "cost_weight": w.cost_weight}
+        row["details"] = json.dumps(details, default=str)
+        return row
+
+    def needs_executor(self, job: Job) -> bool:
+        return "llm" in (self.texts[job.gen_id] or "")  # a cheap guess: only to decide on warm-up
+
+    async def aclose(self) -> None:
+        for x in (self._executor, self._judge):
+            if x is not None:
+                await x.aclose()
+
+
+async def _run(ctx: RunContext, scorer: _Scorer, jobs: list[Job]) -> dict[str, int]:
+    cfg, counts = ctx.cfg.scoring, {}
+    buf: list[dict] = []
+    sem = asyncio.Semaphore(cfg.concurrency)
+
+    def flush() -> None:
+        if buf:
+            ctx.store.write("scores", list(buf), ctx.run_id, ctx.round)
+            buf.clear()
+
+    async def one(job: Job) -> dict:
+        async with sem:
+            return await scorer.score(job)
+
+    if any(scorer.needs_executor(j) for j in jobs):
+        await scorer.executor.start()
+    tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+    try:
+        with tqdm(total=len(jobs), desc=f"score round {ctx.round}", unit="run") as bar:
+            for fut in asyncio.as_completed(tasks):
+                row = await fut
+                counts[row["status"]] = counts.get(row["status"], 0) + 1
+                buf.append(row)
+                if len(buf) >= cfg.batch_size:
+                    flush()
+                bar.update()
+    finally:  # SIGINT (asyncio cancels us) or an error: keep every finished row
+        for t in tasks:
+            t.cancel()
+        flush()
+        await scorer.aclose()
+    return counts
+
+
+def run_scoring(ctx: RunContext, only_failed: bool = False) -> dict:
+    """Score the round's workflow generations (see the module doc); returns counts."""
+    store, cfg = ctx.store, ctx.cfg
+    gens = store.read("generations", ctx.run_id, ctx.round).filter(pl.col("kind") == "workflow")
+    gens = gens.unique("gen_id", keep="first").sort(["query_id", "gen_id"])
+    if gens.height == 0:
+        raise ValueError(f"run {ctx.run_id!r} round {ctx.round}: no workflow generations; run `pipeline rollout` first")
+    items = _items(store.read("queries", ctx.run_id, ctx.round))
+    missing = sorted(set(gens["query_id"]) - set(items))
+    if missing:
+        raise ValueError(f"run {ctx.run_id!r} round {ctx.round}: generations reference queries without a "
+                         f"`queries` row: {missing[:5]}")
+    transient = transient_statuses(cfg.scoring.retry_timeouts)
+    pairs = list(zip(gens["gen_id"], gens["query_id"], strict=True))
+    jobs = plan(pairs, latest_attempts(store.read("scores", ctx.run_id, ctx.round)), cfg.scoring.reps,
+                only_failed, transient)
+    counts: dict[str, int] = {}
+    if jobs:
+        bench = load_benchmark(cfg.benchmark)
+        if hasattr(bench, "test_timeout_s"):
+            bench.test_timeout_s = cfg.scoring.test_timeout_s
+        iso = default_sandbox().ensure_started()
+        for note in iso.get("notes", []):
+            log.warning("sandbox: %s", note)
+        scorer = _Scorer(ctx, bench, dict(zip(gens["gen_id"], gens["text"], strict=True)), items)
+        counts = asyncio.run(_run(ctx, scorer, jobs))
+    latest = latest_attempts(store.read("scores", ctx.run_id, ctx.round))
+    total = len(pairs) * cfg.scoring.reps
+    final = {k: s for k, (s, _) in latest.items() if s in FINAL_STATUSES or (s == "timeout" and s not in transient)}
+    by_status: dict[str, int] = {}
+    for s, _ in latest.values():
+        by_status[s] = by_status.get(s, 0) + 1
+    out = {"ran": len(jobs), "ran_by_status": counts, "runs": total, "by_status": by_status,
+           "left": total - len(final)}
+    if out["left"] == 0:
+        ctx.finish("score", runs=total, workflows=len(pairs), by_status=by_status)
+        out["done"] = True
+    else:
+        out["done"] = False
+        log.warning("%d of %d runs not final (missing or transient); re-run `pipeline score` (--only-failed for "
+                    "transient failures)", out["left"], total)
+    return out

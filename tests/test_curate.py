@@ -1,0 +1,281 @@
+"""Curation: combinations by rank, SPOGW groups and ablations, two-level advantages, the curate stage."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import numpy as np
+import pytest
+
+from pipeline.curate import (
+    assign_buckets,
+    candidate_groups,
+    curate_flat,
+    sharpen,
+    spogw_groups,
+    two_level_advantages,
+    unrank_combinations,
+)
+
+EPS = 1e-6
+
+
+def test_assign_buckets_quantiles():
+    assert assign_buckets([0.0, 0.5, 1.0]) == ["S", "M", "F"]
+    assert assign_buckets([1.0, 1.0]) == ["F", "F"]
+    assert assign_buckets([]) == []
+
+
+# ---- combinations --------------------------------------------------------------------------------
+
+
+def test_unrank_colex_order_hand_listed():
+    got = unrank_combinations(np.arange(10), 5, 3).tolist()
+    assert got == [[0, 1, 2], [0, 1, 3], [0, 2, 3], [1, 2, 3], [0, 1, 4],
+                   [0, 2, 4], [1, 2, 4], [0, 3, 4], [1, 3, 4], [2, 3, 4]]
+
+
+def test_unrank_beyond_int64_uses_exact_python_ints():
+    m, n = 70, 35
+    total = math.comb(m, n)
+    assert total > 2**63
+    got = unrank_combinations(np.array([0, 1, total - 1], dtype=object), m, n)
+    assert got[0].tolist() == list(range(35))
+    assert got[1].tolist() == [*range(34), 35]  # rank 1 = C(35, 35)
+    assert got[2].tolist() == list(range(35, 70))
+
+
+def test_candidates_exhaustive_streamed_in_chunks():
+    chunks = list(candidate_groups(12, 6, None, np.random.default_rng(0), chunk=100))
+    assert all(len(c) <= 100 for c in chunks) and len(chunks) == 10
+    rows = np.concatenate(chunks)
+    assert len(rows) == math.comb(12, 6) == len({tuple(r) for r in rows.tolist()})
+    assert np.all(np.diff(rows, axis=1) > 0)
+
+
+def test_candidates_sampled_without_replacement_when_too_many():
+    rows = np.concatenate(list(candidate_groups(16, 8, 1000, np.random.default_rng(0))))
+    assert rows.shape == (1000, 8) and len({tuple(r) for r in rows.tolist()}) == 1000
+    assert rows.min() >= 0 and rows.max() <= 15 and np.all(np.diff(rows, axis=1) > 0)
+    big = np.concatenate(list(candidate_groups(70, 35, 5, np.random.default_rng(0))))  # C(70,35) > 2^63
+    assert big.shape == (5, 35) and len({tuple(r) for r in big.tolist()}) == 5
+
+
+def test_exhaustive_enumeration_of_huge_sets_is_refused():
+    with pytest.raises(ValueError, match="max_groups_per_query"):
+        next(candidate_groups(70, 35, None, np.random.default_rng(0)))
+
+
+# ---- flat SPOGW ---------------------------------------------------------------------------------------
+
+
+def test_screen_and_sharpen_hand_computed():
+    # groups of [0, 1, .5, .2] (n=3): {0,1,2} var 1/6, {0,1,3} var .56/3, {0,2,3} .38/9, {1,2,3} .98/9
+    res = curate_flat({"q": [0.0, 1.0, 0.5, 0.2], "flat": [0.4] * 4}, n=3, t=1, top_n=2)
+    assert res.dropped == {"flat": "all 4 scores equal (0.4)"}
+    assert res.candidates == {"q": 4}
+    g1, g2 = res.groups
+    assert g1.variance == pytest.approx(0.56 / 3) and g2.variance == pytest.approx(1 / 6)
+    assert g1.members == (0, 1) and g1.scores == (0.0, 1.0)  # {0,1,3} sharpened to its min and max
+    assert g2.members == (0, 1)
+    assert g1.advantages == pytest.approx((-0.5 / (0.5 + EPS), 0.5 / (0.5 + EPS)))
+    assert g1.kl_mask == (False, True)
+
+
+def test_sharpen_with_2t_equal_n_minus_1():
+    # n=5, t=2: drops only the median; kept [.1,.3,.7,.9] -> mean .5, std sqrt(.1)
+    (g,) = spogw_groups({"q": [0.1, 0.9, 0.5, 0.3, 0.7]}, n=5, t=2, top_n=10)
+    assert g.members == (0, 3, 4, 1)
+    assert g.variance == pytest.approx(0.08)  # screening variance: all five, before sharpening
+    s = math.sqrt(0.1) + EPS
+    assert g.advantages == pytest.approx((-0.4 / s, -0.2 / s, 0.2 / s, 0.4 / s))
+    assert g.kl_mask == (False, False, True, True)
+
+
+def test_sharpen_ties_broken_by_member_index():
+    assert sharpen(np.array([0, 1, 2, 3, 4]), np.array([0.0, 1.0, 1.0, 0.0, 0.5]), 2).tolist() == [0, 3, 1, 2]
+    assert sharpen(np.array([5, 2]), np.array([1.0, 0.0]), 1).tolist() == [2, 5]
+
+
+def test_all_equal_group_in_a_varied_query_gets_zero_advantages():
+    res = curate_flat({"q": [0.0, 0.0, 0.0, 1.0]}, n=3, t=1, top_n=10, mode="screen")
+    assert [g.members for g in res.groups] == [(0, 1, 3), (0, 2, 3), (1, 2, 3), (0, 1, 2)]
+    assert res.groups[0].variance == pytest.approx(2 / 9)
+    last = res.groups[-1]
+    assert last.variance == 0.0 and last.advantages == (0.0, 0.0, 0.0) and last.kl_mask == (False,) * 3
+    # screening without sharpening keeps all n members: [0,0,1] -> mean 1/3, std sqrt(2)/3
+    s = math.sqrt(2) / 3 + EPS
+    assert res.groups[0].advantages == pytest.approx((-1 / 3 / s, -1 / 3 / s, 2 / 3 / s))
+
+
+def test_fewer_workflows_than_n():
+    res = curate_flat({"two": [0.0, 1.0], "one": [0.5], "three": [0.2, 0.8, 0.5]}, n=5, t=1, top_n=10)
+    assert res.dropped == {"one": "fewer than 2 scored workflows (1)"}
+    by_q = {g.query_id: g for g in res.groups}
+    assert by_q["two"].members == (0, 1)  # 2 <= 2t: nothing to sharpen away
+    assert by_q["three"].members == (0, 1)  # 3 > 2t: the median (0.5) goes
+    assert by_q["three"].variance == pytest.approx(0.06)
+
+
+def test_top_n_is_over_the_whole_round():
+    res = curate_flat({"low": [0.4, 0.5, 0.6], "high": [0.0, 1.0, 0.0]}, n=3, t=1, top_n=1)
+    assert [g.query_id for g in res.groups] == ["high"]
+
+
+def test_sampled_groups_when_c_m_n_exceeds_the_cap():
+    scores = {"q": np.linspace(0, 1, 16).tolist()}
+    res = curate_flat(scores, n=8, t=2, top_n=5, max_groups_per_query=50, seed=1)
+    assert res.candidates == {"q": 50} and len(res.groups) == 5
+    assert [g.variance for g in res.groups] == sorted((g.variance for g in res.groups), reverse=True)
+    again = curate_flat(scores, n=8, t=2, top_n=5, max_groups_per_query=50, seed=1)
+    assert [g.members for g in again.groups] == [g.members for g in res.groups]  # deterministic per seed
+
+
+def test_random_modes():
+    scores = {"flat": [0.5, 0.5, 0.5], "q": [0.0, 0.3, 1.0, 0.6]}
+    rnd = curate_flat(scores, n=3, t=1, top_n=3, mode="random", seed=0)
+    assert rnd.dropped == {} and rnd.candidates == {"flat": 1, "q": 4}
+    assert len(rnd.groups) == 3 and all(len(g.members) == 3 for g in rnd.groups)  # no sharpening
+    assert len({(g.query_id, g.members) for g in rnd.groups}) == 3
+    everything = curate_flat(scores, n=3, t=1, top_n=100, mode="random")
+    assert len(everything.groups) == 5
+    flt = curate_flat(scores, n=3, t=1, top_n=100, mode="random_filter")
+    assert "flat" in flt.dropped and len(flt.groups) == 4
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="2t < n"):
+        curate_flat({"q": [0, 1]}, n=4, t=2, top_n=1)
+    with pytest.raises(ValueError, match="mode"):
+        curate_flat({"q": [0, 1]}, n=3, t=1, top_n=1, mode="best")
+
+
+# ---- two-level ---------------------------------------------------------------------------------------
+
+
+def test_two_level_batch_normalisation_hand_computed():
+    out = two_level_advantages({"q1": [[1.0, 0.0], [1.0, 1.0]], "q2": [[0.0, 0.0], [0.5]]}, eps_adv=0.0)
+    q1, q2 = out
+    # agent rewards [.5, 1 | 0, .5]: mean .5, std sqrt(.125)
+    assert q1.agent_rewards.tolist() == [0.5, 1.0] and q2.agent_rewards.tolist() == [0.0, 0.5]
+    sa = math.sqrt(0.125)
+    np.testing.assert_allclose(np.concatenate([q1.agent_advantages, q2.agent_advantages]), [0, 0.5 / sa, -0.5 / sa, 0])
+    # workflow scores [1,0,1,1,0,0,.5]: mean .5, std sqrt(1.5/7)
+    sw = math.sqrt(1.5 / 7)
+    np.testing.assert_allclose(q1.workflow_advantages[0], [0.5 / sw, -0.5 / sw])
+    np.testing.assert_allclose(q2.workflow_advantages[1], [0.0])
+    assert q1.agent_buckets == ["S", "F"] and q1.workflow_buckets == [["F", "S"], ["F", "F"]]
+
+
+def test_two_level_per_query_normalisation():
+    (q1,) = two_level_advantages({"q1": [[1.0, 0.0], [1.0, 1.0]]}, eps_adv=0.0, norm="query")
+    np.testing.assert_allclose(q1.agent_advantages, [-1.0, 1.0])  # [.5, 1]: mean .75, std .25
+    s = math.sqrt(3) / 4  # [1, 0, 1, 1]: mean .75
+    np.testing.assert_allclose(np.concatenate(q1.workflow_advantages), [0.25 / s, -0.75 / s, 0.25 / s, 0.25 / s])
+
+
+def test_two_level_agent_without_workflows_earns_zero():
+    (q,) = two_level_advantages({"q": [[], [1.0]]}, norm="query")
+    assert q.agent_rewards.tolist() == [0.0, 1.0]
+    assert q.agent_advantages == pytest.approx([-0.5 / (0.5 + EPS), 0.5 / (0.5 + EPS)])
+    assert q.workflow_advantages[1].tolist() == [0.0]  # a single workflow: no spread, no signal
+
+
+# ---- the stage on a store --------------------------------------------------------------------------------
+
+
+def _ctx(tmp_path, sets=()):
+    from pipeline.run import open_run
+
+    return open_run("configs/demo.yaml", f"c{uuid.uuid4().hex[:6]}", 0, [f"store.root={tmp_path}", *sets])
+
+
+def _gen(gen_id, qid, slot, kind="workflow", parent=None, valid=True):
+    return {"gen_id": gen_id, "query_id": qid, "slot": slot, "kind": kind, "parent_id": parent, "valid": valid,
+            "prompt_token_ids": [1, 2], "token_ids": [3, 4]}
+
+
+def _score(gen_id, status="ok", score=1.0, rep=0, attempt=0):
+    return {"gen_id": gen_id, "rep": rep, "attempt": attempt, "status": status, "score": score}
+
+
+def test_run_curate_flat_left_out_invalid_and_reps(tmp_path):
+    from pipeline.curate import run_curate
+
+    ctx = _ctx(tmp_path, ["scoring.reps=2", "scoring.retry_timeouts=true", "curation.top_n=100"])
+    gens, scores = [], []
+    for q in ("a", "b", "c", "d", "e"):
+        gens += [_gen(f"{q}{i}", q, i) for i in range(4)]
+    # a: rep means [0.5, 1, 0, 0(invalid)]; the first attempt of a0/rep1 was a transient error, re-scored
+    scores += [_score("a0", score=1.0), _score("a0", "executor_error", None, rep=1),
+               _score("a0", score=0.0, rep=1, attempt=1), _score("a1", rep=0), _score("a1", rep=1),
+               _score("a2", score=0.0), _score("a2", score=0.0, rep=1),
+               _score("a3", "invalid", None), _score("a3", "invalid", None, rep=1)]
+    # b: one workflow has only one of two reps -> left out; c: latest is executor_error -> left out
+    scores += [_score(f"b{i}", rep=r) for i in range(4) for r in range(2) if (i, r) != (3, 1)]
+    scores += [_score(f"c{i}", rep=r) for i in range(4) for r in range(2)]
+    scores += [_score("c2", "executor_error", None, rep=1, attempt=1)]
+    # d: a timeout is transient when retry_timeouts; e: all equal -> filtered
+    scores += [_score(f"d{i}", "timeout" if i == 0 else "ok", 0.0, rep=r) for i in range(4) for r in range(2)]
+    scores += [_score(f"e{i}", score=0.5, rep=r) for i in range(4) for r in range(2)]
+    ctx.store.write("generations", gens, ctx.run_id, 0)
+    ctx.store.write("scores", scores, ctx.run_id, 0)
+    counts = run_curate(ctx)
+    assert counts["queries"] == 5 and counts["queries_left_out"] == 3 and counts["queries_filtered"] == 1
+    assert counts["candidate_groups"] == 4 and counts["groups_kept"] == 4  # C(4,3) groups of query a
+    g = ctx.store.read("groups", ctx.run_id, 0)
+    kept = g.filter(g["kept"])
+    assert set(kept["query_id"]) == {"a"} and kept["level"].unique().to_list() == ["flat"]
+    best = kept.sort("variance", descending=True).row(0, named=True)
+    # a's scores [.5, 1, 0, 0]: {1,2,3} = [1, 0, 0] has the top variance 2/9, sharpened to a2 (0) and a1 (1)
+    assert best["members"] == ["a2", "a1"] and best["member_scores"] == [0.0, 1.0]
+    assert best["variance"] == pytest.approx(2 / 9) and best["kl_mask"] == [False, True]
+    reasons = {r["query_id"]: r["reason"] for r in g.filter(~g["kept"]).iter_rows(named=True)}
+    assert reasons["b"] == "left out: 1 of 4 workflows unscored"
+    assert reasons["c"] == "left out: 1 of 4 workflows transient"
+    assert reasons["d"] == "left out: 1 of 4 workflows transient"
+    assert reasons["e"].startswith("filtered: all 4 scores equal")
+    assert "a" not in reasons  # all 4 candidate groups kept
+    assert run_curate(ctx)["skipped"] is True
+    assert ctx.store.read("groups", ctx.run_id, 0).height == g.height
+
+
+def test_run_curate_flat_records_screened_out_summary(tmp_path):
+    from pipeline.curate import run_curate
+
+    ctx = _ctx(tmp_path, ["curation.top_n=1"])
+    ctx.store.write("generations", [_gen(f"q{i}", "q", i) for i in range(4)], ctx.run_id, 0)
+    ctx.store.write("scores", [_score(f"q{i}", score=s) for i, s in enumerate([0.0, 0.3, 1.0, 0.6])], ctx.run_id, 0)
+    run_curate(ctx)
+    g = ctx.store.read("groups", ctx.run_id, 0)
+    assert g.filter(g["kept"]).height == 1
+    (row,) = g.filter(~g["kept"]).iter_rows(named=True)
+    assert row["reason"].startswith("screened out: 3 of 4 candidate groups below the top-1 variance cut")
+    assert row["members"] == ["q0", "q1", "q2", "q3"]
+
+
+def test_run_curate_two_level(tmp_path):
+    from pipeline.curate import run_curate
+
+    ctx = _ctx(tmp_path, ["rollout.mode=two_level"])
+    gens = [_gen("A0", "q", 0, "agent"), _gen("A1", "q", 1, "agent"), _gen("A2", "q", 2, "agent", valid=False),
+            _gen("w00", "q", 0, parent="A0"), _gen("w01", "q", 1, parent="A0"), _gen("w10", "q", 0, parent="A1"),
+            _gen("B0", "r", 0, "agent"), _gen("v00", "r", 0, parent="B0")]  # r: v00 unscored -> left out
+    ctx.store.write("generations", gens, ctx.run_id, 0)
+    ctx.store.write("scores", [_score("w00", score=1.0), _score("w01", score=0.0), _score("w10", score=1.0)],
+                    ctx.run_id, 0)
+    counts = run_curate(ctx)
+    assert counts["queries"] == 2 and counts["queries_left_out"] == 1
+    g = ctx.store.read("groups", ctx.run_id, 0).sort("group_id")
+    agents = g.filter((g["level"] == "agent") & g["kept"]).row(0, named=True)
+    assert agents["members"] == ["A0", "A1", "A2"] and agents["member_scores"] == [0.5, 1.0, 0.0]
+    s = math.sqrt(1 / 6)  # rewards [.5, 1, 0] (invalid plan earned 0): mean .5
+    assert agents["advantages"] == pytest.approx([0.0, 0.5 / (s + EPS), -0.5 / (s + EPS)])
+    assert agents["kl_mask"] == [False, True, False] and agents["buckets"] == ["M", "F", "S"]
+    wf = {r["members"][0]: r for r in g.filter(g["level"] == "workflow").iter_rows(named=True)}
+    sw = math.sqrt(2 / 9)  # workflow scores [1, 0, 1]: mean 2/3
+    assert wf["w00"]["advantages"] == pytest.approx([(1 / 3) / (sw + EPS), -(2 / 3) / (sw + EPS)])
+    assert wf["w00"]["buckets"] == ["F", "S"]
+    left = g.filter(~g["kept"]).row(0, named=True)
+    assert left["query_id"] == "r" and left["reason"] == "left out: 1 of 1 workflows unscored"

@@ -1,0 +1,238 @@
+"""Executors: the openai client against a real local HTTP server that injects faults (refused connections,
+500, 429 + Retry-After, responses slower than the timeout, malformed JSON), the backoff maths, and the
+local executor on the embedded model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pipeline.config import ExecutorConfig, PriceConfig
+from pipeline.executors import (
+    Completion,
+    ExecutorError,
+    LocalExecutor,
+    OpenAIExecutor,
+    backoff_delay,
+    cost_usd,
+    make_executor,
+    parse_retry_after,
+)
+
+
+class FaultServer:
+    """OpenAI-compatible /v1/chat/completions on 127.0.0.1. Each request takes the next mode from
+    `script` (then `default`): ok | 500 | 429 | slow | malformed | drop | 400."""
+
+    def __init__(self, default: str = "ok", slow_s: float = 1.5):
+        self.script: list[str] = []
+        self.default, self.slow_s = default, slow_s
+        self.reply: str | None = None  # fixed completion text instead of the echo
+        self.requests: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    mode = outer.script.pop(0) if outer.script else outer.default
+                    outer.requests.append({"mode": mode, "body": body})
+                    outer.in_flight += 1
+                    outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
+                try:
+                    outer.respond(self, mode, body)
+                finally:
+                    with outer.lock:
+                        outer.in_flight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def respond(self, h: BaseHTTPRequestHandler, mode: str, body: dict) -> None:
+        def send(code: int, payload: bytes, headers: dict | None = None) -> None:
+            h.send_response(code)
+            h.send_header("Content-Type", "application/json")
+            h.send_header("Content-Length", str(len(payload)))
+            for k, v in (headers or {}).items():
+                h.send_header(k, v)
+            h.end_headers()
+            h.wfile.write(payload)
+
+        if mode == "drop":
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if mode == "slow":
+            time.sleep(self.slow_s)
+            mode = "ok"
+        if mode == "500":
+            return send(500, b'{"error": {"message": "boom"}}')
+        if mode == "400":
+            return send(400, b'{"error": {"message": "bad request"}}')
+        if mode == "429":
+            return send(429, b'{"error": {"message": "slow down"}}', {"Retry-After": "1"})
+        if mode == "malformed":
+            return send(200, b'{"choices": [ this is not json')
+        last = body["messages"][-1]["content"]
+        n = body.get("n") or 1
+        out = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+               "choices": [{"index": i, "message": {"role": "assistant",
+                                                    "content": self.reply or f"echo {i}: {last}"},
+                            "finish_reason": "stop"} for i in range(n)],
+               "usage": {"prompt_tokens": 7, "completion_tokens": 3 * n, "total_tokens": 7 + 3 * n}}
+        send(200, json.dumps(out).encode())
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = FaultServer()
+    yield s
+    s.close()
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def executor(url: str | list[str], sleeps: list | None = None, **kw) -> OpenAIExecutor:
+    urls = url if isinstance(url, list) else [url]
+    cfg = ExecutorConfig(kind="openai", model="m", base_url=urls[0], endpoints=urls if len(urls) > 1 else [],
+                         timeout_s=kw.pop("timeout_s", 0.5), max_retries=kw.pop("max_retries", 2),
+                         prices=PriceConfig(input_per_mtok=1.0, output_per_mtok=2.0), **kw)
+
+    async def fake_sleep(d):
+        if sleeps is not None:
+            sleeps.append(d)
+
+    return OpenAIExecutor(cfg, sleep=fake_sleep)
+
+
+def complete(ex, *args, **kw) -> Completion:
+    async def go():
+        try:
+            return await ex.complete(*args, **kw)
+        finally:
+            await ex.aclose()
+    return asyncio.run(go())
+
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_ok_completion_usage_and_cost(server):
+    c = complete(executor(server.url), MSG, n=2)
+    assert c.texts == ["echo 0: hi", "echo 1: hi"]
+    assert (c.tokens_in, c.tokens_out) == (7, 6)
+    assert c.cost_usd == pytest.approx((7 * 1.0 + 6 * 2.0) / 1e6)
+    body = server.requests[0]["body"]
+    assert body["temperature"] == 0.0 and body["max_tokens"] == 256 and body["model"] == "m"
+
+
+@pytest.mark.parametrize("fault", ["500", "429", "slow", "malformed", "drop"])
+def test_fault_is_retried_then_succeeds(server, fault):
+    sleeps: list[float] = []
+    server.script = [fault]
+    c = complete(executor(server.url, sleeps), MSG)
+    assert c.texts == ["echo 0: hi"]
+    assert [r["mode"] for r in server.requests] == [fault, "ok"]
+    assert len(sleeps) == 1
+    if fault == "429":
+        assert sleeps[0] >= 1.0  # Retry-After is honoured as a floor
+
+
+@pytest.mark.parametrize("fault", ["500", "429", "slow", "malformed"])
+def test_persistent_fault_gives_executor_error(server, fault):
+    server.default = fault
+    sleeps: list[float] = []
+    with pytest.raises(ExecutorError, match="gave up after 3 attempts"):
+        complete(executor(server.url, sleeps, max_retries=2), MSG)
+    assert len(server.requests) == 3 and len(sleeps) == 2
+
+
+def test_connection_refused_is_retried_then_fails():
+    sleeps: list[float] = []
+    with pytest.raises(ExecutorError, match="APIConnectionError"):
+        complete(executor(f"http://127.0.0.1:{free_port()}/v1", sleeps, max_retries=3), MSG)
+    assert len(sleeps) == 3
+
+
+def test_client_error_is_not_retried(server):
+    server.default = "400"
+    with pytest.raises(ExecutorError, match="BadRequestError"):
+        complete(executor(server.url), MSG)
+    assert len(server.requests) == 1
+
+
+def test_concurrency_limit_and_endpoint_spreading():
+    a, b = FaultServer(default="slow", slow_s=0.2), FaultServer(default="slow", slow_s=0.2)
+    try:
+        ex = executor([a.url, b.url], timeout_s=5, concurrency=2)
+
+        async def go():
+            try:
+                return await asyncio.gather(*(ex.complete(MSG) for _ in range(6)))
+            finally:
+                await ex.aclose()
+        assert len(asyncio.run(go())) == 6
+        assert len(a.requests) == len(b.requests) == 3  # round robin
+        assert a.max_in_flight + b.max_in_flight <= 2 + 1  # per server at most the global limit
+        assert max(a.max_in_flight, b.max_in_flight) <= 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_backoff_and_retry_after_parsing():
+    assert backoff_delay(0, None, rng=lambda: 1.0) == 0.5
+    assert backoff_delay(3, None, rng=lambda: 0.5) == 2.0  # 0.5 * 2**3 * 0.5
+    assert backoff_delay(10, None, rng=lambda: 1.0) == 30.0  # capped
+    assert backoff_delay(0, 4.0, rng=lambda: 0.1) == 4.0  # Retry-After is a floor
+    assert backoff_delay(0, 1e6, rng=lambda: 0.1) == 120.0  # ... capped
+    assert parse_retry_after({"retry-after": "2.5"}) == 2.5
+    assert parse_retry_after({"retry-after-ms": "1500", "retry-after": "9"}) == 1.5
+    assert parse_retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == 0.0  # a past date
+    assert parse_retry_after({"retry-after": "soon"}) is None and parse_retry_after({}) is None
+    assert cost_usd(PriceConfig(input_per_mtok=0.15, output_per_mtok=0.6), 1_000_000, 500_000) == pytest.approx(0.45)
+
+
+def test_make_executor_checks_config():
+    with pytest.raises(ValueError, match="base_url"):
+        make_executor(ExecutorConfig(kind="openai"))
+    assert isinstance(make_executor(ExecutorConfig(kind="local")), LocalExecutor)
+
+
+@pytest.mark.slow
+def test_local_executor_batches_and_is_greedy():
+    ex = LocalExecutor(ExecutorConfig(kind="local", max_tokens=12))
+
+    async def go():
+        await ex.start()
+        return await asyncio.gather(ex.complete([{"role": "user", "content": "What is 2+2?"}], n=2),
+                                    ex.complete([{"role": "user", "content": "What is 2+2?"}]),
+                                    ex.complete([{"role": "user", "content": "Name a colour."}]))
+    a, b, c = asyncio.run(go())
+    assert ex.generate_calls <= 2  # three concurrent requests, batched
+    assert len(a.texts) == 2 and a.texts[0] == a.texts[1] == b.texts[0] != ""  # greedy: deterministic
+    assert c.texts[0] != a.texts[0]
+    assert 0 < a.tokens_out <= 12 and a.tokens_in > 5

@@ -1,0 +1,147 @@
+"""Generation backends: the transformers backend against raw `model.generate`, logprobs, adapters, bad input."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from pipeline.config import GeneratorConfig
+from pipeline.generation import GenerationError, Sampling, adapter_id, make_generator
+from pipeline.models import load_causal_lm, load_tokenizer
+
+MODEL = "embedded:smollm2-135m-instruct"
+QUESTIONS = ["Say hi.", "Write a Python function that adds two numbers and explain it briefly."]
+
+
+def make_adapter(path, seed: int = 0, scale: float = 0.05) -> str:
+    """A fresh LoRA adapter on the embedded model with random B weights (so it changes outputs)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(load_causal_lm(MODEL, device="cpu"),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, scale)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def chat_prompts(tok, questions=QUESTIONS) -> list[str]:
+    return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in questions]
+
+
+def teacher_forced(model, prompt_ids, token_ids, temperature=1.0) -> list[float]:
+    """log_softmax(logits / T) of `token_ids` given the prompt, by one forward pass."""
+    ids = torch.tensor([prompt_ids + token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids)[:, None]).squeeze(1).tolist()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    torch.set_num_threads(2)
+    return make_generator(GeneratorConfig(model=MODEL, backend="transformers"))
+
+
+@pytest.mark.slow
+def test_same_tokens_as_raw_generate(hf):
+    prompts = chat_prompts(hf.tokenizer)  # different lengths: left padding is exercised
+    sampling = Sampling(n=2, temperature=0.7, top_p=0.9, max_new_tokens=24, seed=11)
+    got = hf.generate(prompts, sampling)
+    enc = hf.encode(prompts)
+    torch.manual_seed(11)
+    raw = hf.model.generate(**enc, do_sample=True, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=24,
+                            num_return_sequences=2, pad_token_id=hf.tokenizer.pad_token_id)
+    width = enc["input_ids"].shape[1]
+    for i, row in enumerate(got):
+        assert len(row) == 2
+        for j, c in enumerate(row):
+            assert c.token_ids == raw[2 * i + j, width:].tolist()[: len(c.token_ids)]
+            assert c.prompt_token_ids == hf.tokenizer(prompts[i], add_special_tokens=False).input_ids
+            assert len(c.token_logprobs) == len(c.token_ids)
+            assert c.finish_reason == ("stop" if c.token_ids[-1] == hf.tokenizer.eos_token_id else "length")
+            assert c.text == hf.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    assert got[0][0].token_ids != got[0][1].token_ids  # n samples are distinct draws
+
+
+@pytest.mark.slow
+def test_logprobs_are_the_sampling_distribution(hf):
+    prompts = chat_prompts(hf.tokenizer, QUESTIONS[1:])
+    for temperature in (0.8, 1.0):
+        c = hf.generate(prompts, Sampling(n=1, temperature=temperature, max_new_tokens=16, seed=3))[0][0]
+        ref = teacher_forced(hf.model, c.prompt_token_ids, c.token_ids, temperature)
+        assert c.token_logprobs == pytest.approx(ref, abs=1e-4)
+    greedy = hf.generate(prompts, Sampling(n=2, temperature=0.0, max_new_tokens=16))[0]
+    assert greedy[0].token_ids == greedy[1].token_ids
+    assert greedy[0].token_logprobs == pytest.approx(
+        teacher_forced(hf.model, greedy[0].prompt_token_ids, greedy[0].token_ids), abs=1e-4)
+    # top-p renormalises over the nucleus: each logprob is >= the plain tempered one
+    c = hf.generate(prompts, Sampling(n=1, temperature=1.0, top_p=0.5, max_new_tokens=16, seed=5))[0][0]
+    plain = teacher_forced(hf.model, c.prompt_token_ids, c.token_ids)
+    assert all(a >= b - 1e-5 for a, b in zip(c.token_logprobs, plain, strict=True))
+    assert any(a > b + 1e-3 for a, b in zip(c.token_logprobs, plain, strict=True))
+
+
+@pytest.mark.slow
+def test_adapter_changes_outputs_and_matches_peft(hf, tmp_path):
+    from peft import PeftModel
+
+    adapter = make_adapter(tmp_path / "lora")
+    prompts = chat_prompts(hf.tokenizer, QUESTIONS[1:])
+    greedy = Sampling(n=1, temperature=0.0, max_new_tokens=20)
+    base = hf.generate(prompts, greedy)[0][0]
+    tuned = hf.generate(prompts, greedy, adapter=adapter)[0][0]
+    assert tuned.token_ids != base.token_ids
+    peft = PeftModel.from_pretrained(load_causal_lm(MODEL, device="cpu"), adapter).eval()
+    assert tuned.token_logprobs == pytest.approx(teacher_forced(peft, tuned.prompt_token_ids, tuned.token_ids),
+                                                 abs=1e-4)
+    assert hf.generate(prompts, greedy)[0][0].token_ids == base.token_ids  # back to the base weights
+
+
+def test_bad_input_is_refused(tmp_path):
+    with pytest.raises(GenerationError, match="unknown generation backend 'tgi'"):
+        make_generator(GeneratorConfig().model_copy(update={"backend": "tgi"}))
+    with pytest.raises(GenerationError, match="not a LoRA adapter folder"):
+        adapter_id(str(tmp_path / "missing"))
+    with pytest.raises(GenerationError, match="n and max_new_tokens"):
+        Sampling(n=0)
+    with pytest.raises(GenerationError, match="top_p"):
+        Sampling(top_p=0)
+    with pytest.raises(GenerationError, match="needs generator.base_url"):
+        make_generator(GeneratorConfig(backend="openai"))
+
+
+def test_server_down_is_a_clear_error():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = GeneratorConfig(backend="openai", base_url=f"http://127.0.0.1:{port}/v1")
+    with pytest.raises(GenerationError, match="not reachable"):
+        make_generator(cfg)
+
+
+def test_openai_backend_retokenizes_for_other_servers():
+    """Against a non-vLLM server the completion is re-tokenized and flagged (a fake server, logic only)."""
+    from types import SimpleNamespace
+
+    from pipeline.generation.openai_server import OpenAIGenerator
+
+    gen = OpenAIGenerator.__new__(OpenAIGenerator)
+    gen.tokenizer, gen.is_vllm = load_tokenizer(MODEL), False
+    choice = SimpleNamespace(text="Hello there", finish_reason="stop", model_extra={},
+                             logprobs=SimpleNamespace(token_logprobs=[-0.5, -0.25]))
+    c = gen._completion([1, 2], choice)
+    assert c.retokenized and c.token_ids == gen.tokenizer("Hello there").input_ids + [gen.tokenizer.eos_token_id]
+    assert c.token_logprobs is None  # 2 server logprobs for 3 tokens: not aligned, not kept
+    vllm_choice = SimpleNamespace(text="Hi", finish_reason="length", token_ids=[5, 6],
+                                  logprobs=SimpleNamespace(token_logprobs=[-0.5, -0.25]))
+    gen.is_vllm = True
+    c = gen._completion([1, 2], vllm_choice)
+    assert not c.retokenized and c.token_ids == [5, 6] and c.token_logprobs == [-0.5, -0.25]
+    assert c.finish_reason == "length"

@@ -1,0 +1,236 @@
+"""Hostile workflows: each is contained, gets a non-ok status, leaves no process behind, and a benign
+workflow running next to it is unaffected. Limits are small so the whole file runs in seconds.
+
+Fork-bomb and disk-fill cases need the real isolation (privilege drop to a dedicated uid, tmpfs work
+dirs): without it (not root) they are skipped rather than risk the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline.sandbox import Limits, Sandbox, run_workflow
+from pipeline.sandbox.client import UID_BASE, UID_COUNT
+
+LIMITS = Limits(timeout_s=3, cpu_s=1, memory_mb=512, nproc=16, disk_mb=8, file_mb=4, output_chars=10_000)
+SECRET = "pipeline-test-secret-" + uuid.uuid4().hex
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    sb = Sandbox()
+    sb.ensure_started()
+    yield sb
+    sb.close()
+
+
+def isolated(sb: Sandbox) -> bool:
+    iso = sb.isolation
+    return bool(iso.get("privilege_drop") and iso.get("mount_namespace") and iso.get("private_tmp"))
+
+
+def sandbox_procs() -> list[int]:
+    """Live processes owned by a sandbox uid."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            uid = next(int(ln.split()[1]) for ln in (d / "status").read_text().splitlines() if ln.startswith("Uid:"))
+            state = next(ln.split()[1] for ln in (d / "status").read_text().splitlines() if ln.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        if UID_BASE <= uid < UID_BASE + UID_COUNT and state != "Z":
+            out.append(int(d.name))
+    return out
+
+
+BENIGN = "async def solve(problem):\n    return problem[::-1]\n"
+
+
+def run_next_to_benign(sb: Sandbox, code: str, problem: str = "abc", limits: Limits = LIMITS):
+    async def both():
+        return await asyncio.gather(run_workflow(code, problem, limits=limits, sandbox=sb),
+                                    run_workflow(BENIGN, "benign", limits=limits, sandbox=sb))
+    hostile, benign = asyncio.run(both())
+    assert benign.status == "ok" and benign.answer == "ngineb", benign
+    assert hostile.status != "ok", hostile
+    if sb.isolation.get("uid_sweep"):
+        assert sandbox_procs() == [], "a sandbox process survived the run"
+    return hostile
+
+
+def test_infinite_loop(sandbox):
+    r = run_next_to_benign(sandbox, "async def solve(problem):\n    while True:\n        pass\n")
+    assert r.status in ("killed", "timeout")
+    assert "CPU" in r.error or "timeout" in r.error
+
+
+def test_async_infinite_loop_hits_wall_timeout(sandbox):
+    code = "import asyncio\nasync def solve(problem):\n    while True:\n        await asyncio.sleep(0.05)\n"
+    r = run_next_to_benign(sandbox, code)
+    assert r.status == "timeout"
+
+
+def test_memory_bomb(sandbox):
+    code = "async def solve(problem):\n    xs = []\n    while True:\n        xs.append(bytearray(50 * 1024 * 1024))\n"
+    r = run_next_to_benign(sandbox, code)
+    assert r.status in ("exec_error", "killed")
+    assert r.status == "killed" or "MemoryError" in r.error
+
+
+def test_fork_bomb(sandbox):
+    if not isolated(sandbox):
+        pytest.skip("needs privilege drop to a dedicated uid (RLIMIT_NPROC is not enforced for root)")
+    # the bomb forks until RLIMIT_NPROC stops it; children keep forking and sleeping
+    code = ("import os, time\nasync def solve(problem):\n    while True:\n        try:\n            os.fork()\n"
+            "        except OSError:\n            time.sleep(0.2)\n")
+    r = run_next_to_benign(sandbox, code)
+    assert r.status in ("timeout", "killed", "exec_error")
+
+
+def test_detached_grandchild_is_killed(sandbox):
+    if not sandbox.isolation.get("uid_sweep"):
+        pytest.skip("tracking detached processes needs the per-run uid")
+    code = ("import subprocess\nasync def solve(problem):\n"
+            "    subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+            "    subprocess.Popen(['sh', '-c', 'sleep 300 &'], start_new_session=True)\n"
+            "    return 'spawned'\n")
+    r = run_next_to_benign(sandbox, code)
+    assert r.status == "killed" and "left" in r.error
+
+
+def test_disk_fill_many_files(sandbox):
+    if not isolated(sandbox):
+        pytest.skip("needs the private size-limited tmpfs work dir")
+    code = ("async def solve(problem):\n    i = 0\n    while True:\n"
+            "        with open(f'f{i}', 'wb') as f:\n            f.write(b'x' * 1024 * 1024)\n        i += 1\n")
+    r = run_next_to_benign(sandbox, code)
+    assert r.status == "exec_error" and "No space left" in r.error
+
+
+def test_disk_fill_one_big_file_and_shared_tmp(sandbox):
+    if not isolated(sandbox):
+        pytest.skip("needs the private size-limited tmpfs work dir")
+    big = ("async def solve(problem):\n    with open('big', 'wb') as f:\n        while True:\n"
+           "            f.write(b'x' * 65536)\n")
+    r = run_next_to_benign(sandbox, big)
+    assert r.status == "exec_error" and "File too large" in r.error  # RLIMIT_FSIZE (Python ignores SIGXFSZ)
+    tmp = ("async def solve(problem):\n    i = 0\n    while True:\n"
+           "        with open(f'/dev/shm/f{i}', 'wb') as f:\n            f.write(b'x' * 1024 * 1024)\n        i += 1\n")
+    r = run_next_to_benign(sandbox, tmp)
+    assert r.status == "exec_error" and "No space left" in r.error
+
+
+def test_huge_stdout(sandbox):
+    r = run_next_to_benign(sandbox, "async def solve(problem):\n    while True:\n        print('x' * 1000)\n")
+    assert r.status == "exec_error" and "output limit" in r.error
+    # raw writes to fd 1 go to /dev/null: harmless, ends at the wall timeout
+    code = "import os\nasync def solve(problem):\n    while True:\n        os.write(1, b'y' * 65536)\n"
+    r = run_next_to_benign(sandbox, code)
+    assert r.status in ("timeout", "killed")
+
+
+def test_reading_parent_environment_for_secrets(sandbox, monkeypatch):
+    if not sandbox.isolation.get("privilege_drop"):
+        pytest.skip("same uid as the parent: /proc/<parent>/environ is readable without the privilege drop")
+    monkeypatch.setenv("PIPELINE_TEST_SECRET", SECRET)
+    code = ("import os, glob\nasync def solve(problem):\n"
+            "    found = [v for v in os.environ.values() if 'secret' in v]\n"
+            "    paths = [f'/proc/{os.getppid()}/environ', f'/proc/{problem}/environ']\n"
+            "    for p in paths + glob.glob('/proc/*/environ'):\n"
+            "        try:\n            data = open(p, 'rb').read().decode(errors='replace')\n"
+            "        except OSError:\n            continue\n"
+            "        found += [x for x in data.split('\\0') if 'SECRET' in x]\n"
+            "    if not found:\n        raise PermissionError('no secrets readable')\n"
+            "    return repr(found)\n")
+    r = run_next_to_benign(sandbox, code, problem=str(os.getpid()))
+    assert SECRET not in (r.answer or "") + (r.error or "")
+    assert r.status == "exec_error" and "no secrets readable" in r.error
+
+
+def test_writing_outside_its_directory(sandbox):
+    if not (sandbox.isolation.get("privilege_drop") or sandbox.isolation.get("readonly_root")):
+        pytest.skip("neither another uid nor a read-only root: the parent's files are writable")
+    target = Path.cwd() / f"pwned-{uuid.uuid4().hex}"
+    code = f"async def solve(problem):\n    open({str(target)!r}, 'w').write('x')\n    return 'wrote'\n"
+    r = run_next_to_benign(sandbox, code)
+    assert r.status == "exec_error" and not target.exists()
+    code = "async def solve(problem):\n    open('/etc/passwd', 'a').write('x')\n    return 'x'\n"
+    r = run_next_to_benign(sandbox, code)
+    assert r.status == "exec_error"
+
+
+def test_opening_network_connections(sandbox):
+    if not sandbox.isolation.get("net_namespace"):
+        pytest.skip("no network namespace on this machine")
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.setblocking(False)
+    port = srv.getsockname()[1]
+    code = ("import socket\nasync def solve(problem):\n"
+            "    s = socket.create_connection(('127.0.0.1', int(problem)), timeout=1)\n    return 'connected'\n")
+    try:
+        r = run_next_to_benign(sandbox, code, problem=str(port))
+        assert r.status == "exec_error" and "OSError" in r.error or "unreachable" in r.error.lower()
+        with pytest.raises(BlockingIOError):
+            srv.accept()  # nothing ever reached the listener
+    finally:
+        srv.close()
+
+
+def test_os_exit(sandbox):
+    r = run_next_to_benign(sandbox, "import os\nasync def solve(problem):\n    os._exit(0)\n")
+    assert r.status == "exec_error" and "without an answer" in r.error
+
+
+def test_killing_its_parent(sandbox):
+    if not sandbox.isolation.get("privilege_drop"):
+        pytest.skip("same uid as the parent: it could really kill the test process")
+    code = ("import os, signal\nasync def solve(problem):\n"
+            "    for pid in (os.getppid(), int(problem)):\n        os.kill(pid, signal.SIGKILL)\n    return 'done'\n")
+    r = run_next_to_benign(sandbox, code, problem=str(os.getpid()))
+    assert r.status == "exec_error" and "PermissionError" in r.error
+    # kill(-1) reaches only processes of its own uid (not itself): the neighbour and the zygote live on
+    r = run_next_to_benign(sandbox, "import os, signal\nasync def solve(problem):\n    os.kill(-1, signal.SIGKILL)\n")
+    assert r.status == "exec_error" and "returned None" in r.error
+
+
+def test_recursion_bombs(sandbox):
+    code = "async def solve(problem):\n    def f(n):\n        return f(n + 1)\n    return f(0)\n"
+    r = run_next_to_benign(sandbox, code)
+    assert r.status == "exec_error" and "RecursionError" in r.error
+    code = ("import sys\nasync def solve(problem):\n    sys.setrecursionlimit(10**9)\n"
+            "    def f(n):\n        return f(n + 1)\n    return f(0)\n")
+    r = run_next_to_benign(sandbox, code)
+    assert r.status in ("killed", "exec_error")
+
+
+def test_blocking_in_c_code(sandbox):
+    r = run_next_to_benign(sandbox, "import time\nasync def solve(problem):\n    time.sleep(600)\n")
+    assert r.status == "timeout"
+    # catastrophic regex backtracking: CPU-bound inside C, holds the GIL
+    code = "import re\nasync def solve(problem):\n    return str(re.match(r'(a+)+$', 'a' * 64 + 'b'))\n"
+    r = run_next_to_benign(sandbox, code)
+    assert r.status in ("timeout", "killed")
+
+
+def test_scoring_stage_goes_on_after_hostile_rows(sandbox):
+    """Many hostile runs at once, then the sandbox still serves ordinary runs."""
+    codes = ["async def solve(p):\n    while True:\n        pass\n",
+             "import os\nasync def solve(p):\n    os._exit(3)\n",
+             "async def solve(p):\n    raise ValueError('x')\n"]
+
+    async def many():
+        return await asyncio.gather(*(run_workflow(c, "p", limits=LIMITS, sandbox=sandbox) for c in codes * 2),
+                                    *(run_workflow(BENIGN, str(i), limits=LIMITS, sandbox=sandbox) for i in range(6)))
+    res = asyncio.run(many())
+    assert [r.status for r in res[:6]] == ["killed", "exec_error", "exec_error"] * 2
+    assert [r.answer for r in res[6:]] == [str(i)[::-1] for i in range(6)]

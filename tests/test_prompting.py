@@ -1,0 +1,87 @@
+"""Prompt templates and their rendering with the generator's chat template."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from pipeline.models import load_tokenizer
+from pipeline.prompting import (
+    FAMILIES,
+    PromptError,
+    Shown,
+    agent_prompt,
+    example,
+    exemplar_block,
+    render,
+    require_chat_template,
+    workflow_prompt,
+)
+from pipeline.workflow import check_workflow, extract_code
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("embedded:smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_example_workflows_satisfy_the_contract(family):
+    assert check_workflow(example(family)) is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_workflow_prompt_shows_contract_example_and_task(family):
+    text = workflow_prompt("What is 2 + 3?", family)
+    assert "async def solve(problem: str) -> str" in text
+    assert "await llm(messages" in text
+    assert example(family) in text
+    assert text.rstrip().endswith("defining `async def solve(problem)`.")
+    assert "What is 2 + 3?" in text
+    assert ("run_tests(code, entry_point)" in text) == (family == "code")  # run_tests exists for code tasks only
+    assert "Score" not in text  # round 0: no exemplars
+    # the example shown is the one a reader extracts first: the model is asked for the same shape
+    assert check_workflow(extract_code(text)) is None
+
+
+def test_unknown_family_is_an_error():
+    with pytest.raises(PromptError, match="unknown benchmark family 'poetry'"):
+        workflow_prompt("x", "poetry")
+
+
+def test_exemplar_block_lists_scores_and_fenced_code():
+    shown = [Shown("g1", 0.75, "async def solve(problem):\n    return '1'\n"), Shown("g2", 0.0, "bad")]
+    block = exemplar_block(shown, code=True)
+    assert "Score 0.75:\n```python\nasync def solve(problem):\n    return '1'\n```" in block
+    assert "Score 0.00:\n```python\nbad\n```" in block
+    assert exemplar_block([], code=True) == ""
+    plans = exemplar_block([Shown("a1", 0.5, "solver then reviewer")], code=False)
+    assert "Score 0.50:\nsolver then reviewer" in plans and "```" not in plans
+
+
+def test_workflow_under_plan_and_agent_prompts():
+    text = workflow_prompt("Add 1 and 2.", "math", [Shown("w", 1.0, "async def solve(p):\n    return '3'")],
+                           plan="Ask a solver, then a verifier.")
+    assert "Plan to follow:\nAsk a solver, then a verifier." in text
+    assert "Score 1.00:" in text and text.index("Plan to follow") < text.index("Task:")
+    plan = agent_prompt("Add 1 and 2.", [Shown("a", 0.25, "one solver")])
+    assert "Score 0.25:\none solver" in plan and "Add 1 and 2." in plan and "no code" in plan
+
+
+def test_render_uses_the_chat_template(tok):
+    text = render(tok, workflow_prompt("What is 2 + 3?", "procedural"))
+    assert text.startswith("<|im_start|>system\nYou are an expert Python programmer.")
+    assert "<|im_start|>user\nA workflow is Python code" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    # short enough for the demo generator's context with room for the completion
+    assert len(tok(text, add_special_tokens=False).input_ids) < 400
+
+
+def test_tokenizer_without_chat_template_is_refused(tok):
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    with pytest.raises(PromptError, match="no chat template"):
+        require_chat_template(plain, "some/base-model")
+    with pytest.raises(PromptError, match="no chat template"):
+        render(plain, "hi")

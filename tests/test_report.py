@@ -1,0 +1,94 @@
+"""The run report: per-round numbers (checked by hand) and the HTML page."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.report import build_report, round_stats, stage_timings, status_counts
+from pipeline.store import Store
+
+
+@pytest.fixture
+def store(tmp_path):
+    st = Store(tmp_path)
+    st.run_dir("r").mkdir(parents=True)
+    (st.run_dir("r") / "config.yaml").write_text("run_id: r\n")
+    gens = [{"gen_id": g, "kind": "workflow", "valid": v} for g, v in (("a", True), ("b", True), ("c", False))]
+    gens.append({"gen_id": "p", "kind": "agent", "valid": True})  # agents are not workflows
+    st.write("generations", gens, "r", 0)
+    st.write("scores", [
+        # a: two reps; rep 0 failed first (executor_error), its retry (attempt 1) scored 1.0 -> a = (1.0 + 0.5) / 2
+        {"gen_id": "a", "rep": 0, "attempt": 0, "status": "executor_error", "score": 0.0, "tokens_in": 100},
+        {"gen_id": "a", "rep": 0, "attempt": 1, "status": "ok", "score": 1.0, "tokens_in": 10, "tokens_out": 2,
+         "cost_usd": 0.5, "llm_calls": 1},
+        {"gen_id": "a", "rep": 1, "attempt": 0, "status": "ok", "score": 0.5, "tokens_in": 20, "tokens_out": 3,
+         "cost_usd": 0.25, "llm_calls": 2},
+        {"gen_id": "b", "rep": 0, "attempt": 0, "status": "ok", "score": 0.0, "tokens_in": 5},
+        {"gen_id": "b", "rep": 1, "attempt": 0, "status": "timeout", "score": 0.0},
+        {"gen_id": "c", "rep": 0, "attempt": 0, "status": "invalid", "score": 0.0},
+        {"gen_id": "c", "rep": 1, "attempt": 0, "status": "invalid", "score": 0.0},
+    ], "r", 0)
+    st.write("groups", [{"group_id": "g1", "kept": True}, {"group_id": "g2", "kept": False}], "r", 0)
+    st.write("train_metrics", [{"step": 0, "loss": 1.0, "kl": 0.0, "clip_frac": 0.0, "tokens": 40},
+                               {"step": 1, "loss": 0.5, "kl": 0.2, "clip_frac": 0.5, "tokens": 60}], "r", 0)
+    st.write("scores", [{"gen_id": "d", "rep": 0, "attempt": 0, "status": "ok", "score": 0.25}], "r", 1)
+    st.write("scores", [{"gen_id": "x", "rep": 0, "attempt": 0, "status": "ok", "score": 1.0}], "other", 0)
+    lines = [{"round": 0, "stage": "rollout", "skipped": False, "wall_s": 3.0},
+             {"round": 0, "stage": "score", "skipped": False, "wall_s": 7.0},  # crashed attempt
+             {"round": 0, "stage": "score", "skipped": False, "wall_s": 5.0},  # the resumed one counts
+             {"round": 0, "stage": "rollout", "skipped": True, "wall_s": 0.0}]
+    (st.run_dir("r") / "timings.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return st
+
+
+def test_round_stats_hand_computed(store):
+    s = round_stats(store, "r").to_dicts()
+    assert [r["round"] for r in s] == [0, 1]
+    r0, r1 = s
+    assert r0["workflows"] == 3 and r0["valid_share"] == pytest.approx(2 / 3)
+    assert r0["scored"] == 3 and r0["mean_score"] == pytest.approx((0.75 + 0.0 + 0.0) / 3)
+    assert r0["best_score"] == pytest.approx(0.75)
+    # latest attempts only: the failed attempt's 100 tokens are not counted
+    assert (r0["tokens_in"], r0["tokens_out"], r0["llm_calls"]) == (35, 5, 3)
+    assert r0["cost_usd"] == pytest.approx(0.75)
+    assert r0["groups_kept"] == 1 and r0["steps"] == 2
+    assert r0["loss"] == pytest.approx(0.75) and r0["kl"] == pytest.approx(0.1) and r0["clip_frac"] == 0.25
+    assert r0["train_tokens"] == 100
+    assert r1["mean_score"] == 0.25 and r1["workflows"] is None and r1["steps"] is None
+
+
+def test_status_counts_use_latest_attempt(store):
+    got = {(r["round"], r["status"]): r["n"] for r in status_counts(store, "r").to_dicts()}
+    assert got == {(0, "ok"): 3, (0, "timeout"): 1, (0, "invalid"): 2, (1, "ok"): 1}
+
+
+def test_stage_timings_keep_last_non_skipped(store):
+    t = {(r["round"], r["stage"]): r["wall_s"] for r in stage_timings(store, "r").to_dicts()}
+    assert t == {(0, "rollout"): 3.0, (0, "score"): 5.0}
+
+
+def test_html_report_has_every_section(store, tmp_path):
+    path = build_report(store, "r", tmp_path / "out" / "rep.html")
+    page = path.read_text()
+    for title in ("Score distribution", "Mean and best score", "Valid workflows", "Status counts",
+                  "Training: loss, KL, clip fraction", "Tokens and cost", "Wall time per stage", "Summary per round"):
+        assert f"<h2>{title}</h2>" in page, title
+    assert page.count("plotly.js v") >= 1 and "Plotly.newPlot" in page  # plotly.js inlined: opens offline
+    assert "<td>0.25</td>" in page  # round 1 mean score in the summary table
+    assert "<th>score_s</th>" in page
+
+
+def test_report_cli_prints_numbers_and_path(store):
+    res = CliRunner().invoke(app, ["report", "r", "--store", str(store.root)])
+    assert res.exit_code == 0, res.output
+    assert "round 0: mean score 0.250" in res.output and "round wall s 8.0" in res.output
+    assert f"report: {store.run_dir('r') / 'report.html'}" in res.output
+
+
+def test_report_unknown_run_is_a_clear_error(store):
+    res = CliRunner().invoke(app, ["report", "nope", "--store", str(store.root)])
+    assert res.exit_code == 2 and "run 'nope' not found" in res.output and "runs: r" in res.output

@@ -1,0 +1,250 @@
+"""The rollout stage: rows, idempotent resume, two-level order, exemplars from earlier rounds, bad input."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import polars as pl
+import pytest
+import torch
+
+import pipeline.rollout as rollout
+from pipeline.benchmarks.base import Benchmark, Item, MetricResult
+from pipeline.config import config_from_dict
+from pipeline.generation import Completion, GenerationError, Generator, Sampling
+from pipeline.prompting import PromptError
+from pipeline.rollout import RolloutError, gen_id, run_rollout
+from pipeline.run import RunContext
+from pipeline.store import Store
+
+WORKFLOW = ("```python\nasync def solve(problem):\n    return (await llm([{'role': 'user', 'content': problem}]))[0]\n"
+            "```\n")
+
+
+class TinyBench(Benchmark):
+    name, family = "tiny", "math"
+
+    def load(self) -> list[Item]:
+        return [Item(f"q{i}", f"What is {i} + {i}?", {"answer": str(2 * i)}, {"level": i}) for i in range(3)]
+
+    def items(self, split=None) -> list[Item]:
+        return self.load()[: self.cfg.max_queries or 3]
+
+    def score(self, item, answer) -> MetricResult:
+        return MetricResult(float(answer == item.reference["answer"]))
+
+
+class FakeGen(Generator):
+    """Deterministic completions; `fail_after` calls raise to simulate a crash mid-rollout."""
+
+    backend = "fake"
+
+    def __init__(self, fail_after: int | None = None):
+        self.calls: list[tuple[list[str], Sampling, str | None]] = []
+        self.fail_after = fail_after
+
+    def _generate(self, prompts, sampling, adapter):
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise RuntimeError("crash")
+        self.calls.append((prompts, sampling, adapter))
+        out = []
+        for p in prompts:
+            plan = "Plan to follow" not in p and "short plan" in p
+            text = "ask a solver, then a verifier" if plan else ("not code" if "1 + 1" in p else WORKFLOW)
+            out.append([Completion(text, [1, 2], [7, 8, 2], [-0.5, -0.25, -0.125], "stop") for _ in range(sampling.n)])
+        return out
+
+
+def make_ctx(tmp_path, round=0, **sections) -> RunContext:
+    data = {"run_id": "t", "store": {"root": str(tmp_path)}, "benchmark": {"max_queries": 2},
+            "generator": {"batch_size": 2}, "rollout": {"m": 3}}
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v)
+    cfg = config_from_dict(data)
+    return RunContext(cfg, Store(tmp_path), "t", round, cfg.config_hash())
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    gens: list[FakeGen] = []
+
+    def factory(fail_after=None):
+        def make(cfg, enable_lora=False, **_):
+            g = FakeGen(fail_after)
+            g.enable_lora = enable_lora
+            gens.append(g)
+            return g
+        monkeypatch.setattr(rollout, "make_generator", make)
+        return gens
+
+    monkeypatch.setattr(rollout, "load_benchmark", lambda cfg: TinyBench(cfg))
+    return factory
+
+
+def test_flat_rows_and_queries(tmp_path, fake):
+    gens = fake()
+    ctx = make_ctx(tmp_path)
+    counts = run_rollout(ctx)
+    assert counts == dict(queries=2, generations=6, agents=0, workflows=6, valid=3, sampled_now=6)
+    df = ctx.store.read("generations", "t", 0).sort("gen_id")
+    assert df["gen_id"].to_list() == [f"r0-q{q}-w{s}" for q in range(2) for s in range(3)]
+    assert df["valid"].to_list() == [True] * 3 + [False] * 3  # q1's text is not code: kept, flagged
+    assert df["invalid_reason"][3] == "no top-level `async def solve(problem)`"
+    row = df.row(0, named=True)
+    assert row["kind"] == "workflow" and row["parent_id"] is None and row["slot"] == 0 and row["round"] == 0
+    assert row["token_ids"] == [7, 8, 2] and row["token_logprobs"] == [-0.5, -0.25, -0.125]
+    assert row["prompt_token_ids"] == [1, 2] and row["valid"] and row["invalid_reason"] is None
+    assert row["adapter_round"] is None and row["exemplar_ids"] == [] and row["finish_reason"] == "stop"
+    assert "What is 0 + 0?" in row["prompt_text"] and row["prompt_text"].startswith("<|im_start|>system")
+    assert json.loads(row["sampling"]) == {"adapter": None, "logprobs": "processed", "max_new_tokens": 512,
+                                           "n": 3, "seed": json.loads(row["sampling"])["seed"],
+                                           "temperature": 1.0, "top_p": 1.0}
+    assert row["model"] == "embedded:smollm2-135m-instruct" and row["backend"] == "transformers"
+    q = ctx.store.read("queries", "t", 0).sort("query_id")
+    assert q["query_id"].to_list() == ["q0", "q1"] and q["split"].to_list() == ["validate"] * 2
+    assert json.loads(q["reference"][1]) == {"answer": "2"} and json.loads(q["meta"][1]) == {"level": 1}
+    assert q["benchmark"].to_list() == ["procedural"] * 2
+    assert len(gens[0].calls) == 1 and gens[0].calls[0][1].n == 3  # 2 prompts per call, 3 samples each
+    assert ctx.done("rollout")
+    assert run_rollout(ctx)["skipped"] == "already done"  # finished: no second sampling
+    assert len(gens) == 1
+
+
+def test_invalid_workflows_are_kept_and_flagged(tmp_path, fake, monkeypatch):
+    fake()
+    monkeypatch.setattr(FakeGen, "_generate", lambda self, prompts, s, a: [
+        [Completion(t, [1], [3], [-1.0], "length") for t in ("def solve(p): pass", "")][: s.n] for _ in prompts])
+    ctx = make_ctx(tmp_path, rollout={"m": 2})
+    run_rollout(ctx)
+    df = ctx.store.read("generations", "t", 0).sort("gen_id")
+    assert df["valid"].to_list() == [False] * 4
+    reasons = df["invalid_reason"].to_list()[:2]
+    assert reasons == ["solve must be `async def`", "no top-level `async def solve(problem)`"]
+
+
+def test_resume_after_crash_samples_only_missing(tmp_path, fake):
+    gens = fake(fail_after=1)
+    ctx = make_ctx(tmp_path, benchmark={"max_queries": 3}, generator={"batch_size": 1})
+    with pytest.raises(RuntimeError, match="crash"):
+        run_rollout(ctx)
+    assert ctx.store.read("generations", "t", 0).height == 3  # the first call's part survived
+    assert not ctx.done("rollout")
+    fake()
+    counts = run_rollout(ctx)
+    assert counts["generations"] == 9 and counts["sampled_now"] == 6
+    assert sorted(p for g in gens[1].calls for p in g[0]) == sorted(gens[1].calls[0][0] + gens[1].calls[1][0])
+    assert len(gens[1].calls) == 2  # q1, q2 only
+    df = ctx.store.read("generations", "t", 0)
+    assert df["gen_id"].n_unique() == 9 and ctx.store.read("queries", "t", 0).height == 3
+
+
+def test_two_level_agents_then_workflows_and_resume(tmp_path, fake):
+    gens = fake(fail_after=2)
+    ctx = make_ctx(tmp_path, rollout={"mode": "two_level", "n_agents": 2, "n_workflows": 2, "max_plan_tokens": 7},
+                   benchmark={"max_queries": 2}, generator={"batch_size": 2})
+    with pytest.raises(RuntimeError, match="crash"):
+        run_rollout(ctx)  # call 1: the 2 queries' agents; call 2: workflows of q0's agents; then crash
+    done = set(ctx.store.read("generations", "t", 0)["gen_id"].to_list())
+    assert {"r0-q0-a0", "r0-q0-a1", "r0-q1-a0", "r0-q1-a1"} <= done and len(done) == 8
+    assert gens[0].calls[0][1].max_new_tokens == 7  # plans use max_plan_tokens
+    fake()
+    counts = run_rollout(ctx)
+    assert counts == dict(queries=2, generations=12, agents=4, workflows=8, valid=8, sampled_now=4)
+    df = ctx.store.read("generations", "t", 0)
+    wf = df.filter(df["kind"] == "workflow").sort("gen_id")
+    assert wf["gen_id"].to_list()[:2] == ["r0-q0-a0-w0", "r0-q0-a0-w1"]
+    assert wf["parent_id"].to_list()[:2] == ["r0-q0-a0"] * 2
+    assert all("Plan to follow:\nask a solver, then a verifier" in p for p in wf["prompt_text"])
+    assert gen_id(0, "q1", "workflow", 1, "r0-q1-a0") in set(wf["gen_id"])
+
+
+def kind_is(kind: str):
+    return pl.col("kind") == kind
+
+
+def _round0_scores(ctx: RunContext) -> list[str]:
+    """Scores spread over [0, 1] so the pool has F, M and S buckets."""
+    gids = sorted(ctx.store.read("generations", "t", 0).filter(kind_is("workflow"))["gen_id"].to_list())
+    ctx.store.write("scores", [dict(gen_id=g, rep=0, attempt=0, status="ok", score=i / (len(gids) - 1))
+                               for i, g in enumerate(gids)], "t", 0)
+    return gids
+
+
+def test_round1_exemplars_come_from_round0_scores(tmp_path, fake):
+    gens = fake()
+    ctx = make_ctx(tmp_path, rollout={"mode": "two_level", "n_agents": 2, "n_workflows": 2})
+    run_rollout(ctx)
+    gids = _round0_scores(ctx)
+    ckpt = ctx.store.checkpoint_dir("t", 0)
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text("{}")  # the fake generator only needs the folder to exist
+    ctx1 = ctx.at_round(1)
+    run_rollout(ctx1)
+    assert gens[-1].enable_lora and all(c[2] == str(ckpt.resolve()) for c in gens[-1].calls)
+    df = ctx1.store.read("generations", "t", 1)
+    assert set(df["adapter_round"].to_list()) == {0}
+    agents, wfs = df.filter(kind_is("agent")), df.filter(kind_is("workflow"))
+    r0_agents = set(ctx.store.read("generations", "t", 0).filter(kind_is("agent"))["gen_id"])
+    for ids, prompt in zip(agents["exemplar_ids"], agents["prompt_text"], strict=True):
+        assert len(ids) == 2 and set(ids) <= r0_agents and "Score " in prompt
+    for ids in wfs["exemplar_ids"]:
+        assert len(ids) == 2 and set(ids) <= set(gids)
+
+
+@pytest.mark.parametrize("case", ["adapter", "backend", "template", "server"])
+def test_bad_input_writes_nothing(tmp_path, fake, monkeypatch, case):
+    fake()
+    if case == "adapter":
+        ctx = make_ctx(tmp_path, round=1)
+        err, match = RolloutError, r"adapter folder .*round=0/checkpoint is missing.*train round 0 first"
+    elif case == "backend":
+        ctx = make_ctx(tmp_path)
+        ctx.cfg.generator.__dict__["backend"] = "tgi"  # past config validation, as a stale object could be
+        err, match = RolloutError, "unknown generation backend 'tgi'"
+    elif case == "template":
+        from pipeline.models import load_tokenizer
+
+        tok = load_tokenizer("embedded:smollm2-135m-instruct")
+        tok.chat_template = None
+        monkeypatch.setattr(rollout, "load_tokenizer", lambda ref: tok)
+        ctx = make_ctx(tmp_path)
+        err, match = PromptError, "no chat template"
+    else:
+        from pipeline.generation import make_generator
+
+        monkeypatch.setattr(rollout, "make_generator", make_generator)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = make_ctx(tmp_path, generator={"backend": "openai", "base_url": f"http://127.0.0.1:{port}/v1"})
+        err, match = GenerationError, "not reachable"
+    with pytest.raises(err, match=match):
+        run_rollout(ctx)
+    assert list(tmp_path.rglob("*.parquet")) == [] and not ctx.done("rollout")
+
+
+@pytest.mark.slow
+def test_real_transformers_rollout_round0_and_adapter_round1(tmp_path, monkeypatch):
+    """The embedded model end to end: flat round 0 with the base model, round 1 with round 0's adapter."""
+    from test_generation import make_adapter
+
+    torch.set_num_threads(2)
+    monkeypatch.setattr(rollout, "load_benchmark", lambda cfg: TinyBench(cfg))
+    ctx = make_ctx(tmp_path, benchmark={"max_queries": 1}, rollout={"m": 2},
+                   generator={"max_new_tokens": 12, "temperature": 0.0})
+    assert run_rollout(ctx)["generations"] == 2
+    make_adapter(ctx.store.checkpoint_dir("t", 0))
+    ctx1 = ctx.at_round(1)
+    run_rollout(ctx1)
+    r0 = ctx.store.read("generations", "t", 0).sort("gen_id")
+    r1 = ctx1.store.read("generations", "t", 1).sort("gen_id")
+    for df in (r0, r1):
+        for row in df.iter_rows(named=True):
+            assert len(row["token_ids"]) == len(row["token_logprobs"]) > 0
+            assert all(lp <= 0 for lp in row["token_logprobs"])
+            assert row["backend"] == "transformers" and not row["retokenized"] and row["latency_s"] > 0
+    t0, t1 = r0["token_ids"].to_list(), r1["token_ids"].to_list()
+    assert t0[0] == t0[1]  # greedy: both slots agree
+    assert r1["adapter_round"].to_list() == [0, 0]
+    assert t1[0] != t0[0]  # the adapter changed the policy

@@ -1,0 +1,162 @@
+"""The sandbox's ordinary behaviour: answers, errors, helpers over the pipe, budget, accounting, run_tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from pipeline.executors import Completion
+from pipeline.sandbox import Limits, Sandbox, build_messages, run_test_suite, run_workflow, run_workflow_sync
+
+LIMITS = Limits(timeout_s=5, cpu_s=3, max_llm_calls=3)
+
+
+@pytest.fixture(scope="module")
+def sb():
+    s = Sandbox()
+    s.ensure_started()
+    yield s
+    s.close()
+
+
+class FakeExecutor:
+    """Echoes the conversation; counts tokens as characters; fails on demand."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.calls = fail, []
+
+    async def complete(self, messages, temperature=None, n=1, max_tokens=None):
+        self.calls.append({"messages": messages, "temperature": temperature, "n": n})
+        if self.fail:
+            raise ConnectionError("endpoint down")
+        text = json.dumps(messages)
+        return Completion([f"{i}:{text}" for i in range(n)], tokens_in=len(text), tokens_out=2, cost_usd=0.5)
+
+
+def run(sb, code, problem="p", **kw):
+    kw.setdefault("limits", LIMITS)
+    return asyncio.run(run_workflow(code, problem, sandbox=sb, **kw))
+
+
+def test_answer_and_isolated_process(sb):
+    code = ("import os\nasync def solve(problem):\n"
+            "    return '|'.join([problem, str(os.listdir('.')), ','.join(sorted(os.environ))])\n")
+    r1, r2 = run(sb, code, "hello"), run(sb, code, "again")
+    assert r1.status == "ok" and r2.status == "ok"
+    problem, listing, env = r1.answer.split("|")
+    assert problem == "hello" and listing == "[]"  # a fresh empty work dir per run
+    assert env == "HOME,LANG,PATH,PYTHONDONTWRITEBYTECODE,TMPDIR"  # scrubbed environment
+    assert r1.details["exit"]["code"] == 0 and r1.wall_s > 0
+
+
+def test_non_str_answer_is_stringified_and_none_is_an_error(sb):
+    assert run(sb, "async def solve(p):\n    return 42\n").answer == "42"
+    r = run(sb, "async def solve(p):\n    return None\n")
+    assert r.status == "exec_error" and "None" in r.error
+
+
+def test_exception_is_exec_error_with_traceback(sb):
+    r = run(sb, "async def solve(p):\n    print('thinking')\n    raise KeyError('boom')\n")
+    assert r.status == "exec_error" and "KeyError: 'boom'" in r.error and "<workflow>" in r.error
+    assert r.details["stdout"] == "thinking\n"
+
+
+def test_invalid_workflow_never_runs(sb):
+    r = run(sb, "def solve(p):\n    return p\n")
+    assert r.status == "invalid" and "async" in r.error and r.details == {}
+    assert run(sb, "async def solve(p):\n  return (\n").status == "invalid"
+    assert run(sb, "async def solve(p):\n    return p\n", max_chars=10).status == "invalid"
+
+
+def test_wall_timeout(sb):
+    r = run(sb, "import asyncio\nasync def solve(p):\n    await asyncio.sleep(30)\n", limits=Limits(timeout_s=0.5))
+    assert r.status == "timeout" and "0.5s" in r.error
+
+
+def test_llm_helper_counts_tokens_cost_and_builds_system_message(sb):
+    ex = FakeExecutor()
+    code = ("import asyncio\nasync def solve(problem):\n"
+            "    a, b = await asyncio.gather(llm(problem, role='Solver.', instructions='Be brief.'),\n"
+            "                                llm([{'role': 'user', 'content': 'x'}], temperature=0.7, n=2))\n"
+            "    return str(len(a)) + str(len(b))\n")
+    r = run(sb, code, "2+2?", executor=ex)
+    assert r.status == "ok" and r.answer == "12"
+    assert r.llm_calls == 2 and r.tokens_out == 4 and r.cost_usd == pytest.approx(1.0)
+    first = next(c for c in ex.calls if c["n"] == 1)
+    assert first["messages"] == [{"role": "system", "content": "Solver.\nBe brief."},
+                                 {"role": "user", "content": "2+2?"}]
+    assert first["temperature"] is None  # the executor's configured default (paper: 0)
+    assert r.tokens_in == sum(len(json.dumps(c["messages"])) for c in ex.calls)
+
+
+def test_llm_budget_is_enforced(sb):
+    code = ("async def solve(problem):\n    out = []\n    for i in range(5):\n        try:\n"
+            "            await llm('q')\n            out.append('ok')\n        except Exception as e:\n"
+            "            out.append(str(e))\n    return '|'.join(out)\n")
+    r = run(sb, code, executor=FakeExecutor())
+    assert r.status == "ok" and r.llm_calls == 3
+    assert r.answer.split("|") == ["ok"] * 3 + ["llm call budget exhausted (3 calls)"] * 2
+    assert r.details["budget_exhausted"] is True
+
+
+def test_bad_llm_arguments_are_the_workflows_error(sb):
+    r = run(sb, "async def solve(p):\n    return (await llm('q', n=100))[0]\n", executor=FakeExecutor())
+    assert r.status == "exec_error" and "bad llm() call" in r.error
+    r = run(sb, "async def solve(p):\n    return (await llm([{'role': 'x'}]))[0]\n", executor=FakeExecutor())
+    assert r.status == "exec_error" and "messages must be" in r.error
+
+
+def test_executor_failure_is_executor_error_even_if_caught(sb):
+    code = ("async def solve(p):\n    try:\n        await llm('q')\n    except Exception:\n        pass\n"
+            "    return 'x'\n")
+    r = run(sb, code, executor=FakeExecutor(fail=True))
+    assert r.status == "executor_error" and "endpoint down" in r.error
+
+
+def test_run_tests_helper(sb):
+    public = {"entry_point": "add", "tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"], "timeout_s": 2}
+    code = ("async def solve(problem):\n    good = await run_tests('def add(a, b):\\n    return a + b', 'add')\n"
+            "    bad = await run_tests('def plus(a, b):\\n    return a - b', 'plus')\n"
+            "    broken = await run_tests('def add(:', 'add')\n"
+            "    slow = await run_tests('def add(a, b):\\n    while True: pass', 'add')\n"
+            "    import json\n    return json.dumps([good, bad, broken, slow])\n")
+    r = run(sb, code, public_tests=public, limits=Limits(timeout_s=20, cpu_s=15))
+    good, bad, broken, slow = json.loads(r.answer)
+    assert good == "no error"
+    assert [f["error_type"] for f in bad] == ["AssertionError", "AssertionError"]
+    assert bad[0]["test"] == public["tests"][0]
+    assert set(bad[0]) == {"test", "error_type", "message", "traceback"}
+    assert "exec_fail_case" in broken and "SyntaxError" in broken["exec_fail_case"]
+    assert [f["error_type"] for f in slow] == ["TimeoutError", "TimeoutError"]
+
+
+def test_run_test_suite(sb):
+    rep = asyncio.run(run_test_suite("def f(x):\n    return x * 2\n", ["assert f(2) == 4", "assert f(3) == 7"],
+                                     timeout_s=2, sandbox=sb))
+    assert rep["passed"] == 1 and rep["total"] == 2 and rep["failures"][0]["test"] == "assert f(3) == 7"
+    rep = asyncio.run(run_test_suite("import time\ntime.sleep(60)\n", ["assert True"], timeout_s=0.5, sandbox=sb))
+    assert "exec_fail_case" in rep and "timed out" in rep["exec_fail_case"]
+
+
+def test_sync_wrapper():
+    r = run_workflow_sync("async def solve(p):\n    return p * 2\n", "ab")
+    assert r.status == "ok" and r.answer == "abab"
+
+
+def test_build_messages():
+    assert build_messages("hi") == [{"role": "user", "content": "hi"}]
+    assert build_messages("hi", role="R", instructions="") == [{"role": "system", "content": "R"},
+                                                               {"role": "user", "content": "hi"}]
+    merged = build_messages([{"role": "system", "content": "S"}, {"role": "user", "content": "u"}], instructions="I")
+    assert merged[0] == {"role": "system", "content": "I\nS"} and len(merged) == 2
+    for bad in ([], [{"role": "tool", "content": "x"}], [{"role": "user"}], 3):
+        with pytest.raises(ValueError):
+            build_messages(bad)
+
+
+def test_isolation_report(sb):
+    iso = sb.isolation
+    assert {"privilege_drop", "net_namespace", "mount_namespace", "readonly_root", "notes"} <= set(iso)
+    assert isinstance(iso["notes"], list)

@@ -1,0 +1,240 @@
+"""The scoring stage: planning, reward maths, the judge, end-to-end runs on a real store (procedural and
+HumanEval), executor faults recovered by --only-failed, and kill -9 / SIGINT in the middle of a run."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from test_executors import FaultServer, free_port
+
+from pipeline.benchmarks.base import load_benchmark
+from pipeline.config import JudgeConfig
+from pipeline.judge import Judge, parse_verdict
+from pipeline.reward import code_stats, combine, complexity_term, cost_term, reward
+from pipeline.run import open_run
+from pipeline.scoring import Job, latest_attempts, plan, run_scoring, transient_statuses
+
+# ---- pure parts -------------------------------------------------------------------------------------
+
+
+def test_plan_runs_missing_then_only_transient_failures():
+    gens = [("a", "q"), ("b", "q"), ("c", "q")]
+    latest = {("a", 0): ("ok", 0), ("b", 0): ("executor_error", 2), ("b", 1): ("timeout", 0), ("c", 1): ("killed", 0)}
+    t = transient_statuses(retry_timeouts=False)
+    assert plan(gens, latest, 2, False, t) == [Job("a", "q", 1, 0), Job("c", "q", 0, 0)]
+    assert plan(gens, latest, 2, True, t) == [Job("b", "q", 0, 3)]
+    assert plan(gens, latest, 2, True, transient_statuses(True)) == [Job("b", "q", 0, 3), Job("b", "q", 1, 1)]
+
+
+def test_latest_attempts_picks_the_highest_attempt():
+    import polars as pl
+
+    df = pl.DataFrame({"gen_id": ["a", "a", "b"], "rep": [0, 0, 0], "attempt": [1, 0, 0],
+                       "status": ["ok", "executor_error", "invalid"], "created_at": [2, 1, 3]})
+    assert latest_attempts(df) == {("a", 0): ("ok", 1), ("b", 0): ("invalid", 0)}
+
+
+def test_reward_maths():
+    assert code_stats("x = 1") == (5, 0)  # Module, Assign, Name, Store, Constant
+    code = "async def solve(p):\n    a = await llm(p)\n    return await run_tests(a[0], 'f')\n"
+    nodes, calls = code_stats(code)
+    assert calls == 2 and nodes == sum(1 for _ in ast.walk(ast.parse(code)))
+    assert code_stats("def (") == (0, 0)
+    assert complexity_term(1000, 5) == pytest.approx(0.5)  # 0.5 * 1000/2000 + 0.5 * 5/10
+    assert complexity_term(10**6, 100) == 1.0
+    assert cost_term(15_000, 5_000) == 1.0 and cost_term(1000, 1000) == pytest.approx(0.1)
+    assert combine(0.8, 0.5, 0.25, 0.2, 0.4) == pytest.approx(0.6)  # 0.8 - 0.1 - 0.1
+    assert combine(0.1, 1.0, 1.0, 1.0, 1.0) == 0.0 and combine(1.0, 0.0, 0.0) == 1.0
+    parts = reward(1.0, code, 1000, 1000, complexity_weight=0.0, cost_weight=0.5)
+    assert parts.metric == 1.0 and parts.cost == pytest.approx(0.1) and parts.score == pytest.approx(0.95)
+    assert parts.helper_calls == 2 and parts.complexity == pytest.approx(complexity_term(nodes, 2))
+
+
+def test_judge_verdicts():
+    assert parse_verdict("CORRECT") == 1.0 and parse_verdict("incorrect.") == 0.0
+    assert parse_verdict("The answer is INCORRECT, not CORRECT") == 0.0 and parse_verdict("maybe") is None
+    srv = FaultServer()
+    srv.reply = "CORRECT"
+    srv.script = ["500"]  # retried like any executor call
+    try:
+        import asyncio
+
+        async def go():
+            j = Judge(JudgeConfig(base_url=srv.url, model="judge"), timeout_s=5, max_retries=1)
+            try:
+                return await j.grade("1+1?", "2", "two")
+            finally:
+                await j.aclose()
+        res = asyncio.run(go())
+    finally:
+        srv.close()
+    assert res.score == 1.0 and res.details["judge_parsed"] is True
+    prompt = srv.requests[-1]["body"]["messages"][0]["content"]
+    assert "1+1?" in prompt and "Gold answer:\n2" in prompt and "Candidate answer:\ntwo" in prompt
+
+
+# ---- end to end on a store ------------------------------------------------------------------------------
+
+SOLVER = """```python
+import re
+async def solve(problem):
+    expr = re.search(r"problem: (.*) =", problem).group(1)
+    return str(eval(expr))
+```"""
+LLM_WF = "async def solve(problem):\n    return (await llm(problem, instructions='Answer with a number.'))[0]\n"
+SLEEPER = "import asyncio\nasync def solve(problem):\n    await asyncio.sleep(0.3)\n    return '0'\n"
+
+
+def make_run(tmp_path: Path, workflows: list[str], benchmark: dict | None = None, n_queries: int = 2,
+             **scoring) -> tuple[Path, str]:
+    """A run whose round 0 holds `n_queries` queries and each workflow once per query."""
+    cfg = yaml.safe_load(Path("configs/demo.yaml").read_text())
+    cfg["store"]["root"] = str(tmp_path / "store")
+    cfg["run_id"] = "t"
+    cfg["benchmark"] = benchmark or {"name": "procedural", "tasks": ["chain_sum"], "size": 10}
+    cfg["executor"] = {"kind": "openai", "model": "m", "base_url": f"http://127.0.0.1:{free_port()}/v1",
+                       "max_retries": 1, "timeout_s": 2}
+    cfg["scoring"] = {"timeout_s": 10, "cpu_time_s": 5, "concurrency": 2, **scoring}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    ctx = open_run(path, "t", 0)
+    items = load_benchmark(ctx.cfg.benchmark).load()[:n_queries]
+    ctx.store.write("queries", [{"split": "validate", "query_id": it.id, "benchmark": ctx.cfg.benchmark.name,
+                                 "prompt": it.prompt, "reference": json.dumps(it.reference),
+                                 "meta": json.dumps(it.meta)} for it in items], "t", 0)
+    ctx.store.write("generations", [{"gen_id": f"{it.id}#{k}", "kind": "workflow", "query_id": it.id, "slot": k,
+                                     "text": w} for it in items for k, w in enumerate(workflows)], "t", 0)
+    ctx.store.write("generations", [{"gen_id": f"{it.id}#plan", "kind": "agent", "query_id": it.id, "slot": 0,
+                                     "text": "a plan, not a workflow"} for it in items], "t", 0)
+    return path, str(tmp_path / "store")
+
+
+def scores(store_root: str):
+    from pipeline.store import Store
+
+    return Store(store_root).read("scores", "t", 0)
+
+
+def test_stage_scores_recovers_executor_faults_with_only_failed(tmp_path):
+    path, root = make_run(tmp_path, [SOLVER, "def solve(p): return 1", "async def solve(p):\n    return 1 / 0\n",
+                                     LLM_WF], reps=2, batch_size=3)
+    # the executor endpoint is down: the llm workflow's runs are executor_error, everything else final
+    out = run_scoring(open_run(path, "t", 0))
+    assert out["runs"] == 16 and out["ran"] == 16 and out["left"] == 4 and out["done"] is False
+    assert out["by_status"] == {"ok": 4, "invalid": 4, "exec_error": 4, "executor_error": 4}
+    ctx = open_run(path, "t", 0)
+    assert not ctx.done("score")
+    df = scores(root)
+    solver = df.filter(df["gen_id"].str.ends_with("#0"))
+    assert solver["score"].to_list() == [1.0] * 4 and solver["metric"].to_list() == [1.0] * 4
+    invalid = df.filter(df["status"] == "invalid")
+    assert invalid["score"].to_list() == [0.0] * 4 and "async" in invalid["error"][0]  # kept, scored 0
+    assert json.loads(solver["details"][0])["reward"]["ast_nodes"] > 0
+
+    # a plain re-run does nothing; --only-failed against a healthy endpoint completes the round
+    assert run_scoring(open_run(path, "t", 0))["ran"] == 0
+    srv = FaultServer()
+    srv.reply = "7"
+    try:
+        ctx = open_run(path, "t", 0, sets=[f"executor.base_url={srv.url}"])
+        out = run_scoring(ctx, only_failed=True)
+    finally:
+        srv.close()
+    assert out["ran"] == 4 and out["left"] == 0 and out["done"] is True and ctx.done("score")
+    df = scores(root)
+    assert df.height == 20
+    retried = df.filter(df["attempt"] == 1)
+    assert retried["status"].to_list() == ["ok"] * 4 and retried["llm_calls"].to_list() == [1] * 4
+    assert retried["tokens_in"].to_list() == [7] * 4 and retried["answer"].to_list() == ["7"] * 4
+    assert df.select(["gen_id", "rep", "attempt"]).is_duplicated().sum() == 0
+    assert run_scoring(ctx, only_failed=True)["ran"] == 0  # nothing transient is left
+
+
+def test_stage_on_humaneval_with_public_tests(tmp_path):
+    from pipeline.benchmarks.code import canonical_humaneval_answers
+
+    answers = canonical_humaneval_answers()
+    good = ("async def solve(problem):\n    import json\n    code = json.loads(ANSWERS)[problem_id(problem)]\n"
+            "    report = await run_tests(code, ENTRY[problem_id(problem)])\n"
+            "    assert report == 'no error', report\n    return code\n")
+    ids = ["HumanEval/0", "HumanEval/2"]
+    prelude = (f"import json\nANSWERS = {json.dumps(json.dumps({i: answers[i] for i in ids}))}\n"
+               "ENTRY = {'HumanEval/0': 'has_close_elements', 'HumanEval/2': 'truncate_number'}\n"
+               "def problem_id(p):\n    return 'HumanEval/0' if 'has_close_elements' in p else 'HumanEval/2'\n")
+    broken = "async def solve(problem):\n    return problem + '    return None\\n'\n"
+    path, root = make_run(tmp_path, [prelude + good, broken], benchmark={"name": "humaneval"}, n_queries=3)
+    out = run_scoring(open_run(path, "t", 0))
+    assert out["done"] is True
+    df = scores(root).sort("gen_id")
+    by_gen = dict(zip(df["gen_id"], df["score"], strict=True))
+    assert by_gen == {"HumanEval/0#0": 1.0, "HumanEval/0#1": 0.0, "HumanEval/1#0": 0.0, "HumanEval/1#1": 0.0,
+                      "HumanEval/2#0": 1.0, "HumanEval/2#1": 0.0}
+    # HumanEval/1 is not in the workflow's table: it fails (exec_error), the round still completes
+    assert dict(zip(df["gen_id"], df["status"], strict=True))["HumanEval/1#0"] == "exec_error"
+
+
+def _sandbox_procs() -> list[int]:
+    from test_hostile import sandbox_procs
+
+    return sandbox_procs()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_interrupted_stage_loses_and_duplicates_nothing(tmp_path, sig):
+    path, root = make_run(tmp_path, [SLEEPER] * 6, n_queries=2, batch_size=2, concurrency=2)
+    boot = "import sys; from pipeline.cli import app; sys.argv[0] = 'pipeline'; app()"
+    proc = subprocess.Popen([sys.executable, "-c", boot, "score", str(path), "--run-id", "t"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=os.getcwd())
+    parts_dir = Path(root) / "t" / "round=0" / "scores"
+    deadline = time.monotonic() + 120
+    while not list(parts_dir.glob("*.parquet")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    proc.wait(60)
+    before = scores(root)
+    assert 2 <= before.height < 12  # interrupted mid-way, with at least one batch written
+    if sig == signal.SIGKILL:
+        assert before.height % 2 == 0  # only whole batches: the buffer died with the process
+    deadline = time.monotonic() + 30  # the orphaned zygote notices and kills its runs
+    while _sandbox_procs() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _sandbox_procs() == []
+
+    out = run_scoring(open_run(path, "t", 0))
+    after = scores(root)
+    assert out["done"] is True and out["ran"] == 12 - before.height
+    assert after.height == 12 and after.select(["gen_id", "rep"]).is_duplicated().sum() == 0
+    kept = after.filter(after["gen_id"].is_in(before["gen_id"].to_list()))
+    assert sorted(kept["created_at"].to_list()) == sorted(before["created_at"].to_list())  # untouched
+
+
+@pytest.mark.slow
+def test_stage_with_the_local_executor(tmp_path):
+    path, root = make_run(tmp_path, [LLM_WF], n_queries=1)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["executor"] = {"kind": "local", "model": "embedded:smollm2-135m-instruct", "max_tokens": 8}
+    cfg["scoring"]["timeout_s"] = 120
+    (tmp_path / "local.yaml").write_text(yaml.safe_dump({**cfg, "run_id": "t"}))
+    ctx = open_run(tmp_path / "local.yaml", "t2", 0)
+    ctx.store.write("queries", scores_free_copy(root, "queries"), "t2", 0)
+    ctx.store.write("generations", scores_free_copy(root, "generations"), "t2", 0)
+    out = run_scoring(ctx)
+    assert out["done"] is True and out["by_status"] == {"ok": 1}
+    row = ctx.store.read("scores", "t2", 0).row(0, named=True)
+    assert row["llm_calls"] == 1 and 0 < row["tokens_out"] <= 8 and row["tokens_in"] > 10 and row["answer"]
+    assert row["metric"] in (0.0, 1.0) and row["score"] == row["metric"]
+
+
+def scores_free_copy(root: str, table: str):
+    from pipeline.store import Store
+
+    return Store(root).read(table, "t", 0).drop(["round", "run_id", "created_at"], strict=False)
