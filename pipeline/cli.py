@@ -112,11 +112,12 @@ def rollout(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt =
 def score(
     config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
     only_failed: Annotated[bool, typer.Option("--only-failed", help="Re-run transient failures only.")] = False,
+    store: StoreOpt = None,
 ) -> None:
     """Run each workflow of a round in the sandbox and write `scores` (idempotent)."""
     from pipeline.scoring import run_scoring
 
-    typer.echo(run_scoring(_ctx(config, run_id, round, sets), only_failed=only_failed))
+    typer.echo(run_scoring(_ctx(config, run_id, round, sets, store), only_failed=only_failed))
 
 
 @app.command()
@@ -188,11 +189,18 @@ def bench_sandbox() -> None:
 
 
 @bench_app.command("rollout")
-def bench_rollout() -> None:
+def bench_rollout(
+    backends: Annotated[str, typer.Option(help="Comma list of backends to measure.")] = "transformers,vllm,openai",
+    prompts: Annotated[int, typer.Option(help="Rendered workflow prompts per call.")] = 8,
+    n: Annotated[int, typer.Option(help="Samples per prompt.")] = 2,
+    max_new_tokens: Annotated[int, typer.Option(help="Completion cap.")] = 64,
+    reps: Annotated[int, typer.Option(help="Timed runs of each side (best is kept).")] = 2,
+    openai_url: Annotated[str | None, typer.Option(help="A running OpenAI-compatible server's /v1 URL.")] = None,
+) -> None:
     """Generation tokens/s of each available backend against its raw engine on the same prompts."""
     from pipeline.bench.rollout import main
 
-    main()
+    main(backends, prompts, n, max_new_tokens, reps, openai_url)
 
 
 @bench_app.command("curate")

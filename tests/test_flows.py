@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -182,6 +185,125 @@ def test_run_stage_skips_completed_stage_without_calling_it(tmp_path, monkeypatc
     ctx.finish("curate", groups=7)
     res = run_stage("curate", "r", 0, str(ctx.store.root))
     assert res["skipped"] and res["counts"] == {"groups": 7} and fake.calls == []
+
+
+# ---- real stages (embedded model, sandbox, local executor) ----------------------------------------------
+
+# Hand-written workflows with different scores on basic_arithmetic ("Calculate 478 / 1 + -682."), so the
+# round has score variance (real groups, real training) and executor calls that an outage can break.
+SCRIPTED = [
+    "async def solve(problem):\n"
+    "    expr = problem.split('Calculate', 1)[1].strip().rstrip('.')\n"
+    "    v = eval(expr)\n"
+    "    return str(int(v)) if float(v).is_integer() else str(v)\n",
+    "async def solve(problem):\n"
+    "    out = await llm([{'role': 'user', 'content': problem}])\n"
+    "    return out[0]\n",
+    "import time\n\nasync def solve(problem):\n    time.sleep(1.5)\n    return '0'\n",
+]
+
+
+def scripted_rollout(ctx) -> None:
+    """Stand-in for the sampling step only: queries and generations rows as rollout writes them (real
+    benchmark items, real token ids), then the rollout manifest. Everything after it is real."""
+    from pipeline.benchmarks.base import load_benchmark
+    from pipeline.models import load_tokenizer
+
+    tok = load_tokenizer(ctx.cfg.generator.model)
+    items = load_benchmark(ctx.cfg.benchmark).items()
+    ctx.store.write("queries", [{"split": "validate", "query_id": it.id, "benchmark": "procedural", "prompt": it.prompt,
+                                 "reference": json.dumps(it.reference), "meta": json.dumps(it.meta)} for it in items],
+                    ctx.run_id, ctx.round)
+    rows = []
+    for it in items:
+        prompt = f"Write a workflow for: {it.prompt}"
+        for slot, code in enumerate(SCRIPTED):
+            text = f"```python\n{code}```"
+            rows.append({"gen_id": f"r{ctx.round}-{it.id}-w{slot}", "kind": "workflow", "query_id": it.id,
+                         "slot": slot, "prompt_text": prompt, "text": text, "valid": True,
+                         "prompt_token_ids": tok(prompt)["input_ids"], "token_ids": tok(text)["input_ids"],
+                         "model": ctx.cfg.generator.model, "backend": "scripted", "finish_reason": "stop"})
+    ctx.store.write("generations", rows, ctx.run_id, ctx.round)
+    ctx.finish("rollout", workflows=len(rows))
+
+
+def _scripted_config(tmp_path: Path, **scoring) -> Path:
+    import yaml
+
+    data = yaml.safe_load((REPO / "tests" / "data" / "tiny_flow.yaml").read_text())
+    data["run_id"], data["store"] = "scripted", {"root": str(tmp_path / "runs")}
+    data["benchmark"]["max_queries"] = 2
+    data["scoring"].update(scoring)
+    cfg = tmp_path / "scripted.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    return cfg
+
+
+def _score_keys(st: Store, run_id: str) -> list[tuple[str, int, int]]:
+    df = st.read("scores", run_id, 0)
+    return list(zip(df["gen_id"], df["rep"], df["attempt"], strict=True))
+
+
+@pytest.mark.slow
+def test_kill_9_during_scoring_then_resume_loses_and_duplicates_nothing(tmp_path):
+    """`pipeline run` killed with SIGKILL (whole process group) mid-scoring, then run again with the same id."""
+    cfg = _scripted_config(tmp_path, batch_size=1, concurrency=1, reps=2)  # one part per row, in order
+    st = Store(tmp_path / "runs")
+    scripted_rollout(open_run(cfg, "k"))
+    gen_parts = sorted(st.parts("generations", "k", 0))
+    cmd = [str(Path(sys.executable).parent / "pipeline"), "run", str(cfg), "--run-id", "k", "--rounds", "1"]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while len(st.parts("scores", "k", 0)) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole run: `pipeline run` and its stage child
+    proc.wait()
+    assert st.manifest("k", 0, "score") is None, "the kill must land during scoring"
+    before = _score_keys(st, "k")
+    assert 2 <= len(before) < 12
+    time.sleep(1)  # the stage child dies with its parent (PR_SET_PDEATHSIG): nothing writes after this
+    assert _score_keys(st, "k") == before
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    after = _score_keys(st, "k")
+    assert set(before) <= set(after), "a finished row was lost"
+    assert len(after) == len(set(after)) == 12, "a row was duplicated or is missing (2 queries x 3 workflows x 2)"
+    assert {a for _, _, a in after} == {0}
+    assert sorted(st.parts("generations", "k", 0)) == gen_parts, "rollout was repeated"
+    timings = [json.loads(x) for x in (st.run_dir("k") / "timings.jsonl").read_text().splitlines()]
+    assert timings[0] == {**timings[0], "stage": "rollout", "skipped": True}
+    for stage in ("score", "curate", "train"):
+        assert st.manifest("k", 0, stage) is not None
+    best = st.sql("select max(score) s from latest_scores where run_id = 'k'")["s"][0]
+    assert best > 0.9, "the exact workflow scores"
+    assert st.manifest("k", 0, "train")["counts"]["steps"] > 0, "score variance gives real training data"
+
+
+@pytest.mark.slow
+def test_executor_outage_then_rescore_then_iterate_continues_from_curation(harness, tmp_path):
+    cfg = _scripted_config(tmp_path)
+    st = Store(tmp_path / "runs")
+    scripted_rollout(open_run(cfg, "o"))
+    down = ["executor.kind=openai", "executor.base_url=http://127.0.0.1:9/v1", "executor.max_retries=0"]
+    state = iterate(str(cfg), run_id="o", sets=down, retries=1, retry_delay_s=0, return_state=True)
+    assert state.is_failed() and "round 0 score" in state.message and "work left" in state.message
+    statuses = st.sql("select status, count(*) n from latest_scores where run_id='o' group by 1")
+    assert dict(statuses.iter_rows()) == {"ok": 4, "executor_error": 2}
+    assert st.manifest("o", 0, "curate") is None
+    res = score("o", 0, only_failed=True, store=str(st.root), retry_delay_s=0)
+    assert res["counts"]["ran"] == 2 and res["counts"]["left"] == 0
+    assert st.manifest("o", 0, "train") is None and not st.checkpoint_dir("o", 0).exists(), "re-score trains nothing"
+    keys = _score_keys(st, "o")
+    assert sorted(g for g, _, _ in keys if not g.endswith("w1")) == sorted({g for g, _, _ in keys} - {
+        g for g, _, _ in keys if g.endswith("w1")}), "rows that had a final status were never run again"
+    assert "executor_error" not in set(st.sql("select status from latest_scores where run_id='o'")["status"])
+    n_lines = len((st.run_dir("o") / "timings.jsonl").read_text().splitlines())
+    iterate(str(cfg), run_id="o", retry_delay_s=0)
+    new = [json.loads(x) for x in (st.run_dir("o") / "timings.jsonl").read_text().splitlines()[n_lines:]]
+    assert [(t["stage"], t["skipped"]) for t in new] == [("rollout", True), ("score", True), ("curate", False),
+                                                         ("train", False)]
+    assert (st.checkpoint_dir("o", 0) / "adapter_config.json").is_file()
 
 
 @pytest.mark.slow

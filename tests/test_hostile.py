@@ -232,5 +232,7 @@ def test_scoring_stage_goes_on_after_hostile_rows(sandbox):
         return await asyncio.gather(*(run_workflow(c, "p", limits=LIMITS, sandbox=sandbox) for c in codes * 2),
                                     *(run_workflow(BENIGN, str(i), limits=LIMITS, sandbox=sandbox) for i in range(6)))
     res = asyncio.run(many())
-    assert [r.status for r in res[:6]] == ["killed", "exec_error", "exec_error"] * 2
+    # the busy loop meets its CPU limit or, on a loaded machine, the wall timeout first
+    assert [r.status if r.status != "timeout" else "killed" for r in res[:6]] == ["killed", "exec_error",
+                                                                                 "exec_error"] * 2
     assert [r.answer for r in res[6:]] == [str(i)[::-1] for i in range(6)]

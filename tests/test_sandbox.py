@@ -68,6 +68,8 @@ def test_invalid_workflow_never_runs(sb):
     assert r.status == "invalid" and "async" in r.error and r.details == {}
     assert run(sb, "async def solve(p):\n  return (\n").status == "invalid"
     assert run(sb, "async def solve(p):\n    return p\n", max_chars=10).status == "invalid"
+    r = run(sb, "async def solve(p):\n    *a = p\n    return a\n")  # parses, but does not compile
+    assert r.status == "invalid" and "starred assignment" in r.error
 
 
 def test_wall_timeout(sb):

@@ -97,6 +97,7 @@ SLEEPER = "import asyncio\nasync def solve(problem):\n    await asyncio.sleep(0.
 def make_run(tmp_path: Path, workflows: list[str], benchmark: dict | None = None, n_queries: int = 2,
              **scoring) -> tuple[Path, str]:
     """A run whose round 0 holds `n_queries` queries and each workflow once per query."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = yaml.safe_load(Path("configs/demo.yaml").read_text())
     cfg["store"]["root"] = str(tmp_path / "store")
     cfg["run_id"] = "t"
@@ -180,6 +181,29 @@ def test_stage_on_humaneval_with_public_tests(tmp_path):
                       "HumanEval/2#0": 1.0, "HumanEval/2#1": 0.0}
     # HumanEval/1 is not in the workflow's table: it fails (exec_error), the round still completes
     assert dict(zip(df["gen_id"], df["status"], strict=True))["HumanEval/1#0"] == "exec_error"
+
+
+def test_stage_with_judge_and_reward_weights(tmp_path):
+    srv = FaultServer()
+    srv.reply = "INCORRECT"
+    try:
+        path, root = make_run(tmp_path, [SOLVER], n_queries=1)
+        sets = [f"scoring.reward.judge.base_url={srv.url}", "scoring.reward.judge.model=judge"]
+        out = run_scoring(open_run(path, "t", 0, sets=sets))
+    finally:
+        srv.close()
+    assert out["done"] is True
+    row = scores(root).row(0, named=True)
+    details = json.loads(row["details"])
+    assert row["status"] == "ok" and row["metric"] == 0.0 and details["benchmark_metric"] == 1.0
+    assert details["judge"]["judge_reply"] == "INCORRECT"
+    # the penalties: stored as components, weighted into the score
+    path2, root2 = make_run(tmp_path / "w", [SOLVER], n_queries=1)
+    out = run_scoring(open_run(path2, "t", 0, sets=["scoring.reward.complexity_weight=1.0"]))
+    row = scores(root2).row(0, named=True)
+    nodes, calls = code_stats(SOLVER.split("```python\n")[1].split("```")[0])
+    assert row["metric"] == 1.0 and row["complexity"] == pytest.approx(complexity_term(nodes, calls))
+    assert row["score"] == pytest.approx(1.0 - row["complexity"]) and row["cost"] == 0.0
 
 
 def _sandbox_procs() -> list[int]:

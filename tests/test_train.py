@@ -76,7 +76,7 @@ def _open(tmp_path, sets):
     from pipeline.run import open_run
 
     return open_run("configs/demo.yaml", f"t{uuid.uuid4().hex[:6]}", 0,
-                    [f"store.root={tmp_path}", "curation.top_n=8", *sets])
+                    [f"store.root={tmp_path}", "curation.top_n=8", *sets], store_root=str(tmp_path))
 
 
 def _seed_round(ctx, samples) -> None:
@@ -174,6 +174,8 @@ def test_crash_restart_then_skip_then_next_round(tmp_path, samples, monkeypatch)
     with pytest.raises(RuntimeError, match="round 0"):
         run_train(ctx1)
     moved.rename(ckpt0)
+    ctx1.cfg.training.bf16 = True  # the GPU code paths also run on CPU: bf16 autocast, gradient checkpointing
+    ctx1.cfg.training.gradient_checkpointing = True
     c1 = run_train(ctx1)
     assert c1["steps"] == 2 and c1["sequences"] == 16
     row = ctx1.store.read("checkpoints", ctx.run_id, 1)
@@ -198,3 +200,27 @@ def test_empty_round_writes_unchanged_adapter(tmp_path, samples):
     counts = run_train(ctx)
     assert counts["sequences"] == 0 and counts["steps"] == 0
     assert (ctx.store.checkpoint_dir(ctx.run_id, 0) / "adapter_model.safetensors").is_file()
+
+
+def test_two_level_sequences_carry_their_level_advantage(tmp_path):
+    from test_curate import _ctx, _gen, _score
+
+    from pipeline.curate import run_curate
+    from pipeline.train import load_sequences
+
+    ctx = _ctx(tmp_path, ["rollout.mode=two_level", "training.max_seq_len=3"])
+    gens = [_gen("A0", "q", 0, "agent"), _gen("A1", "q", 1, "agent"),
+            _gen("w00", "q", 0, parent="A0"), _gen("w01", "q", 1, parent="A0"), _gen("w10", "q", 0, parent="A1")]
+    gens[4]["prompt_token_ids"] = [1, 2, 3]  # prompt as long as max_seq_len: nothing left to train on
+    ctx.store.write("generations", gens, ctx.run_id, 0)
+    ctx.store.write("scores", [_score("w00", score=1.0), _score("w01", score=0.0), _score("w10", score=1.0)],
+                    ctx.run_id, 0)
+    run_curate(ctx)
+    seqs, info = load_sequences(ctx)
+    adv = {s.gen_id: s.advantage for s in seqs}
+    # agents: rewards [.5, 1] -> A^A = [-1, 1]; workflows [1, 0, 1] (batch): mean 2/3, std sqrt(2/9)
+    assert adv["A0"] == pytest.approx(-1.0, abs=1e-5) and adv["A1"] == pytest.approx(1.0, abs=1e-5)
+    sw = np.sqrt(2 / 9)
+    assert adv["w00"] == pytest.approx((1 / 3) / sw, abs=1e-5) and adv["w01"] == pytest.approx(-(2 / 3) / sw, abs=1e-5)
+    assert "w10" not in adv and info == {"sequences_truncated": 4, "sequences_dropped": 1}
+    assert all(s.prompt_ids == [1, 2] and s.completion_ids == [3] for s in seqs)  # completion tail cut to the cap

@@ -165,8 +165,8 @@ def test_rollout_through_vllm_offline_and_server(tmp_path, monkeypatch, engine, 
                        rollout={"mode": mode, "m": 2, "n_agents": 2, "n_workflows": 1, "max_plan_tokens": 8},
                        generator={"backend": backend, **small, **extra})
         shutil.copytree(adapter, ctx.store.checkpoint_dir("t", 0))
-        counts = run = rollout.run_rollout(ctx)
-        assert counts["generations"] == (4 if mode == "flat" else 8) and run["sampled_now"] == counts["generations"]
+        counts = rollout.run_rollout(ctx)
+        assert counts["generations"] == (4 if mode == "flat" else 8) == counts["sampled_now"]
         df = ctx.store.read("generations", "t", 1)
         assert set(df["backend"]) == {backend} and set(df["adapter_round"]) == {0}
         for row in df.iter_rows(named=True):

@@ -318,7 +318,7 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
     """Run `solve(problem)` of a workflow in the sandbox. `public_tests` ({entry_point, tests: [assert
     snippets], timeout_s}) back the `run_tests` helper. Never raises for anything the workflow does."""
     limits = limits or Limits()
-    reason = check_workflow(code, max_chars)
+    reason = check_workflow(code, max_chars) or _compile_error(code)
     if reason is not None:
         return SandboxResult("invalid", error=reason)
     res = SandboxResult("ok")
@@ -379,6 +379,15 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
         res.status, res.error = "exec_error", _exit_reason(out["exit"])
     res.details = notes
     return res
+
+
+def _compile_error(code: str) -> str | None:
+    """Errors the parser lets through but the compiler does not (e.g. `*a = b`); compiling runs nothing."""
+    try:
+        compile(code, "<workflow>", "exec")
+    except (SyntaxError, ValueError) as e:
+        return f"compile error: {getattr(e, 'msg', e)} (line {getattr(e, 'lineno', '?')})"
+    return None
 
 
 def run_workflow_sync(code: str, problem: str, **kw: Any) -> SandboxResult:
