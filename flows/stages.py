@@ -82,7 +82,8 @@ def call_stage(ctx: RunContext, stage: str, only_failed: bool = False) -> dict:
     except Exception as e:
         raise StageError(stage, ctx.round, f"{type(e).__name__}: {e}", is_transient(e)) from e
     if not ctx.done(stage):
-        raise StageError(stage, ctx.round, f"returned {counts} with work left (no manifest); retry resumes it",
+        hint = " (executor errors: once it is back, score/rescore re-runs them)" if stage == "score" else ""
+        raise StageError(stage, ctx.round, f"work left, no manifest written: {counts}; re-running resumes it{hint}",
                          transient=True)
     return dict(counts or {})
 

@@ -60,7 +60,8 @@ def open_run(
     run_id = run_id or (given.run_id if given else None)
     if not run_id:
         raise ConfigError("give a CONFIG file or --run-id of an existing run")
-    root = store_root or (given.store.root if given else RunConfig().store.root)
+    # the store root may itself come from a --set (a new run can be put anywhere)
+    root = store_root or (load_config(config, sets).store.root if given else RunConfig().store.root)
     store = Store(root)
     saved_path = store.run_dir(run_id) / "config.yaml"
     if saved_path.is_file():

@@ -81,14 +81,27 @@ def _split_causal_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return getattr(base, base.base_model_prefix), base.get_output_embeddings()
 
 
-def completion_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def _head_logprobs(head: torch.nn.Module, h: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    logits = head(h).float()
+    return logits.gather(1, tgt[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
+def completion_logprobs(model: torch.nn.Module, batch: Batch, head_chunk: int = 2048) -> torch.Tensor:
     """[B, Tc] log-probs of the completion tokens (0 on padding). The head runs only on the flattened
-    hidden states of the N predicting positions: [N, H] @ [H, V], never [B, T, V]."""
+    hidden states of the N predicting positions: [N, H] @ [H, V], never [B, T, V]; above `head_chunk`
+    positions it runs in checkpointed chunks, so at most [head_chunk, V] logits live at once (large vocabularies)."""
+    from torch.utils.checkpoint import checkpoint
+
     decoder, head = _split_causal_lm(model)
     hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
-    logits = head(h).float()
-    logp = logits.gather(1, batch.tgt[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    if h.shape[0] <= head_chunk:
+        logp = _head_logprobs(head, h, batch.tgt)
+    else:
+        run = (lambda *a: checkpoint(_head_logprobs, *a, use_reentrant=False)) if torch.is_grad_enabled() else \
+            _head_logprobs
+        logp = torch.cat([run(head, h[i: i + head_chunk], batch.tgt[i: i + head_chunk])
+                          for i in range(0, h.shape[0], head_chunk)])
     b, tc = batch.completion_mask.shape
     return logp.new_zeros(b * tc).scatter(0, batch.dst, logp).view(b, tc)
 

@@ -3,6 +3,7 @@
 # PREFECT_API_URL is set, serve the deployments, trigger iterate/demo, watch it to the end, then
 # print the per-round mean score, the wall time per stage and where the report is.
 #   bash scripts/demo.sh              a new run (RUN_ID=demo-<time>; RUN_ID=... resumes that run)
+#   bash scripts/demo.sh up           only start the server and serve the deployments
 #   bash scripts/demo.sh stop         stop the server and the deployments this script started
 # The server and the served deployments keep running afterwards, so `prefect deployment run
 # iterate/demo`, the UI (http://127.0.0.1:4200) and score/rescore work from any shell.
@@ -46,6 +47,10 @@ if ! alive "$STATE/serve.pid"; then
 fi
 for _ in $(seq 120); do prefect deployment inspect iterate/demo >/dev/null 2>&1 && break; sleep 1; done
 prefect deployment inspect iterate/demo >/dev/null 2>&1 || { echo "deployments not served; see $STATE/serve.log"; exit 1; }
+if [[ "${1:-}" == up ]]; then
+  echo "deployments served: iterate/demo iterate/default score/rescore evaluate/default"
+  exit 0
+fi
 
 RUN_ID=${RUN_ID:-demo-$(date -u +%Y%m%d-%H%M%S)}
 echo "running iterate/demo with run_id=$RUN_ID (flow logs follow)"

@@ -51,6 +51,8 @@ class FakeStages:
             if stage == "score":
                 ctx.store.write("scores", [{"gen_id": f"g{ctx.round}", "rep": 0, "attempt": 0, "status": "ok",
                                             "score": 0.25 * (ctx.round + 1)}], ctx.run_id, ctx.round)
+            if stage == "train":
+                ctx.store.checkpoint_dir(ctx.run_id, ctx.round).mkdir(parents=True)
             ctx.finish(stage, rows=1)
             return {"rows": 1}
         return fn
@@ -127,7 +129,6 @@ def test_evaluate_writes_only_a_derived_run(harness, tmp_path, monkeypatch):
     fake = FakeStages().install(monkeypatch)
     iterate(str(_config(tmp_path, rounds=1)), run_id="r", in_process=True, retry_delay_s=0)
     st = Store(tmp_path / "runs")
-    st.checkpoint_dir("r", 0).mkdir(parents=True)
     before = sorted(p.relative_to(st.root) for p in (st.root / "r").rglob("*.parquet"))
     fake.calls.clear()
     out = evaluate("r", 0, store=str(st.root), in_process=True, retry_delay_s=0)
@@ -136,6 +137,14 @@ def test_evaluate_writes_only_a_derived_run(harness, tmp_path, monkeypatch):
     assert sorted(p.relative_to(st.root) for p in (st.root / "r").rglob("*.parquet")) == before
     ev = open_run(None, "r-eval-r0", 0, store_root=str(st.root)).cfg
     assert ev.benchmark.train_split == "test" and ev.generator.adapter == str(st.checkpoint_dir("r", 0))
+
+
+def test_iterate_evaluates_each_round_when_asked(harness, tmp_path, monkeypatch):
+    fake = FakeStages().install(monkeypatch)
+    iterate(str(_config(tmp_path, rounds=2)), run_id="r", in_process=True, retry_delay_s=0, evaluate_split="test")
+    per_round = ["rollout", "score", "curate", "train", "rollout", "score"]  # the eval run's two stages after train
+    assert [c[0] for c in fake.calls] == per_round * 2
+    assert {p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()} == {"r", "r-eval-r0", "r-eval-r1"}
 
 
 def test_evaluate_refuses_a_round_without_checkpoint(tmp_path, monkeypatch):
@@ -154,6 +163,57 @@ def test_direct_path_needs_no_prefect(tmp_path, monkeypatch):
     fake.fail["rollout"] = [TimeoutError("slow server")]
     out = run_direct(_config(tmp_path, rounds=1), run_id="d", retry_delay_s=0)
     assert fake.calls[:2] == [("rollout", 0), ("rollout", 0)] and out["rounds"][0]["mean_score"] == 0.25
+
+
+def test_task_runner_specs():
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from flows.runners import RunnerSpecError, task_runner_from_spec
+
+    r = task_runner_from_spec("thread:3")
+    assert isinstance(r, ThreadPoolTaskRunner) and r._max_workers == 3
+    with pytest.raises(RunnerSpecError, match="unknown task runner"):
+        task_runner_from_spec("slurm")
+
+
+def test_stages_run_on_dask_workers(harness, tmp_path, monkeypatch):
+    """Scale-out switch: the same flow with a Dask task runner (optional extra: skipped without prefect-dask)."""
+    prefect_dask = pytest.importorskip("prefect_dask")
+    distributed = pytest.importorskip("distributed")
+    fake = FakeStages().install(monkeypatch)
+    workers = []
+    make = fake.make
+
+    def on_worker(stage):
+        fn = make(stage)
+
+        def wrapped(ctx, only_failed=False):
+            workers.append(distributed.get_worker().address)  # raises outside a Dask worker
+            return fn(ctx, only_failed)
+        return wrapped
+
+    monkeypatch.setattr(stages, "stage_function", on_worker)
+    # threads, not processes: the fakes above exist only in this process
+    runner = prefect_dask.DaskTaskRunner(cluster_kwargs={"n_workers": 1, "processes": False, "dashboard_address": None})
+    out = iterate.with_options(task_runner=runner)(str(_config(tmp_path, rounds=1)), run_id="dk", in_process=True,
+                                                    retry_delay_s=0)
+    assert len(workers) == 4 and out["rounds"][0]["mean_score"] == 0.25
+
+
+def test_cli_run_and_evaluate(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    FakeStages().install(monkeypatch)
+    res = CliRunner().invoke(app, ["run", str(_config(tmp_path)), "--run-id", "c", "--retries", "0"])
+    assert res.exit_code == 0, res.output
+    assert "round 0: mean score 0.250" in res.output and "round 1: mean score 0.500" in res.output
+    assert (tmp_path / "runs" / "c" / "report.html").is_file()
+    res = CliRunner().invoke(app, ["evaluate", "c", "--round", "2", "--store", str(tmp_path / "runs")])
+    assert res.exit_code == 2 and "no checkpoint for round 2" in res.output
+    res = CliRunner().invoke(app, ["evaluate", "c", "--round", "1", "--store", str(tmp_path / "runs")])
+    assert res.exit_code == 0 and "'eval_run_id': 'c-eval-r1'" in res.output and "'mean_score': 0.25" in res.output
 
 
 def test_child_process_reports_permanent_error(tmp_path):

@@ -8,6 +8,7 @@ dirs): without it (not root) they are skipped rather than risk the machine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import uuid
@@ -16,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.sandbox import Limits, Sandbox, run_workflow
-from pipeline.sandbox.client import UID_BASE, UID_COUNT
 
-LIMITS = Limits(timeout_s=3, cpu_s=1, memory_mb=512, nproc=16, disk_mb=8, file_mb=4, output_chars=10_000)
+# a generous wall limit where the outcome must not depend on machine load; SHORT where a timeout is the point
+LIMITS = Limits(timeout_s=15, cpu_s=1, memory_mb=512, nproc=16, disk_mb=8, file_mb=4, output_chars=10_000)
+SHORT = dataclasses.replace(LIMITS, timeout_s=3)
 SECRET = "pipeline-test-secret-" + uuid.uuid4().hex
 
 
@@ -35,18 +37,19 @@ def isolated(sb: Sandbox) -> bool:
     return bool(iso.get("privilege_drop") and iso.get("mount_namespace") and iso.get("private_tmp"))
 
 
-def sandbox_procs() -> list[int]:
-    """Live processes owned by a sandbox uid."""
+def sandbox_procs(uids) -> list[int]:
+    """Live processes owned by one of `uids`."""
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            uid = next(int(ln.split()[1]) for ln in (d / "status").read_text().splitlines() if ln.startswith("Uid:"))
-            state = next(ln.split()[1] for ln in (d / "status").read_text().splitlines() if ln.startswith("State:"))
+            status = (d / "status").read_text().splitlines()
+            uid = next(int(ln.split()[1]) for ln in status if ln.startswith("Uid:"))
+            state = next(ln.split()[1] for ln in status if ln.startswith("State:"))
         except (OSError, StopIteration):
             continue
-        if UID_BASE <= uid < UID_BASE + UID_COUNT and state != "Z":
+        if uid in uids and state != "Z":
             out.append(int(d.name))
     return out
 
@@ -62,19 +65,19 @@ def run_next_to_benign(sb: Sandbox, code: str, problem: str = "abc", limits: Lim
     assert benign.status == "ok" and benign.answer == "ngineb", benign
     assert hostile.status != "ok", hostile
     if sb.isolation.get("uid_sweep"):
-        assert sandbox_procs() == [], "a sandbox process survived the run"
+        assert sandbox_procs(sb.uids) == [], "a sandbox process survived the run"
     return hostile
 
 
 def test_infinite_loop(sandbox):
-    r = run_next_to_benign(sandbox, "async def solve(problem):\n    while True:\n        pass\n")
+    r = run_next_to_benign(sandbox, "async def solve(problem):\n    while True:\n        pass\n", limits=SHORT)
     assert r.status in ("killed", "timeout")
     assert "CPU" in r.error or "timeout" in r.error
 
 
 def test_async_infinite_loop_hits_wall_timeout(sandbox):
     code = "import asyncio\nasync def solve(problem):\n    while True:\n        await asyncio.sleep(0.05)\n"
-    r = run_next_to_benign(sandbox, code)
+    r = run_next_to_benign(sandbox, code, limits=SHORT)
     assert r.status == "timeout"
 
 
@@ -91,7 +94,7 @@ def test_fork_bomb(sandbox):
     # the bomb forks until RLIMIT_NPROC stops it; children keep forking and sleeping
     code = ("import os, time\nasync def solve(problem):\n    while True:\n        try:\n            os.fork()\n"
             "        except OSError:\n            time.sleep(0.2)\n")
-    r = run_next_to_benign(sandbox, code)
+    r = run_next_to_benign(sandbox, code, limits=SHORT)
     assert r.status in ("timeout", "killed", "exec_error")
 
 
@@ -133,7 +136,7 @@ def test_huge_stdout(sandbox):
     assert r.status == "exec_error" and "output limit" in r.error
     # raw writes to fd 1 go to /dev/null: harmless, ends at the wall timeout
     code = "import os\nasync def solve(problem):\n    while True:\n        os.write(1, b'y' * 65536)\n"
-    r = run_next_to_benign(sandbox, code)
+    r = run_next_to_benign(sandbox, code, limits=SHORT)
     assert r.status in ("timeout", "killed")
 
 
@@ -214,11 +217,11 @@ def test_recursion_bombs(sandbox):
 
 
 def test_blocking_in_c_code(sandbox):
-    r = run_next_to_benign(sandbox, "import time\nasync def solve(problem):\n    time.sleep(600)\n")
+    r = run_next_to_benign(sandbox, "import time\nasync def solve(problem):\n    time.sleep(600)\n", limits=SHORT)
     assert r.status == "timeout"
     # catastrophic regex backtracking: CPU-bound inside C, holds the GIL
     code = "import re\nasync def solve(problem):\n    return str(re.match(r'(a+)+$', 'a' * 64 + 'b'))\n"
-    r = run_next_to_benign(sandbox, code)
+    r = run_next_to_benign(sandbox, code, limits=SHORT)
     assert r.status in ("timeout", "killed")
 
 

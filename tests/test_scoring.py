@@ -9,18 +9,21 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 from test_executors import FaultServer, free_port
+from test_hostile import sandbox_procs
 
 from pipeline.benchmarks.base import load_benchmark
 from pipeline.config import JudgeConfig
 from pipeline.judge import Judge, parse_verdict
 from pipeline.reward import code_stats, combine, complexity_term, cost_term, reward
 from pipeline.run import open_run
+from pipeline.sandbox.client import UID_COUNT
 from pipeline.scoring import Job, latest_attempts, plan, run_scoring, transient_statuses
 
 # ---- pure parts -------------------------------------------------------------------------------------
@@ -95,15 +98,15 @@ SLEEPER = "import asyncio\nasync def solve(problem):\n    await asyncio.sleep(0.
 
 
 def make_run(tmp_path: Path, workflows: list[str], benchmark: dict | None = None, n_queries: int = 2,
-             **scoring) -> tuple[Path, str]:
+             executor: dict | None = None, **scoring) -> tuple[Path, str]:
     """A run whose round 0 holds `n_queries` queries and each workflow once per query."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = yaml.safe_load(Path("configs/demo.yaml").read_text())
     cfg["store"]["root"] = str(tmp_path / "store")
     cfg["run_id"] = "t"
     cfg["benchmark"] = benchmark or {"name": "procedural", "tasks": ["chain_sum"], "size": 10}
-    cfg["executor"] = {"kind": "openai", "model": "m", "base_url": f"http://127.0.0.1:{free_port()}/v1",
-                       "max_retries": 1, "timeout_s": 2}
+    cfg["executor"] = executor or {"kind": "openai", "model": "m", "base_url": f"http://127.0.0.1:{free_port()}/v1",
+                                   "max_retries": 1, "timeout_s": 2}
     cfg["scoring"] = {"timeout_s": 10, "cpu_time_s": 5, "concurrency": 2, **scoring}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -206,17 +209,14 @@ def test_stage_with_judge_and_reward_weights(tmp_path):
     assert row["score"] == pytest.approx(1.0 - row["complexity"]) and row["cost"] == 0.0
 
 
-def _sandbox_procs() -> list[int]:
-    from test_hostile import sandbox_procs
-
-    return sandbox_procs()
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_interrupted_stage_loses_and_duplicates_nothing(tmp_path, sig):
     path, root = make_run(tmp_path, [SLEEPER] * 6, n_queries=2, batch_size=2, concurrency=2)
     boot = "import sys; from pipeline.cli import app; sys.argv[0] = 'pipeline'; app()"
+    # a uid range of its own, so that other sandboxes on the machine cannot be mistaken for survivors
+    uids = range(1_000_000 + (os.getpid() % 10_000) * UID_COUNT, 1_000_000 + (os.getpid() % 10_000 + 1) * UID_COUNT)
     proc = subprocess.Popen([sys.executable, "-c", boot, "score", str(path), "--run-id", "t"],
+                            env={**os.environ, "PIPELINE_SANDBOX_UID_BASE": str(uids.start)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=os.getcwd())
     parts_dir = Path(root) / "t" / "round=0" / "scores"
     deadline = time.monotonic() + 120
@@ -229,9 +229,10 @@ def test_interrupted_stage_loses_and_duplicates_nothing(tmp_path, sig):
     if sig == signal.SIGKILL:
         assert before.height % 2 == 0  # only whole batches: the buffer died with the process
     deadline = time.monotonic() + 30  # the orphaned zygote notices and kills its runs
-    while _sandbox_procs() and time.monotonic() < deadline:
+    assert (Path(tempfile.gettempdir()) / "pipeline-sandbox-uids" / str(uids.start)).exists()  # the range was used
+    while sandbox_procs(uids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _sandbox_procs() == []
+    assert sandbox_procs(uids) == []
 
     out = run_scoring(open_run(path, "t", 0))
     after = scores(root)
@@ -242,23 +243,13 @@ def test_interrupted_stage_loses_and_duplicates_nothing(tmp_path, sig):
 
 
 @pytest.mark.slow
-def test_stage_with_the_local_executor(tmp_path):
-    path, root = make_run(tmp_path, [LLM_WF], n_queries=1)
-    cfg = yaml.safe_load(path.read_text())
-    cfg["executor"] = {"kind": "local", "model": "embedded:smollm2-135m-instruct", "max_tokens": 8}
-    cfg["scoring"]["timeout_s"] = 120
-    (tmp_path / "local.yaml").write_text(yaml.safe_dump({**cfg, "run_id": "t"}))
-    ctx = open_run(tmp_path / "local.yaml", "t2", 0)
-    ctx.store.write("queries", scores_free_copy(root, "queries"), "t2", 0)
-    ctx.store.write("generations", scores_free_copy(root, "generations"), "t2", 0)
-    out = run_scoring(ctx)
+@pytest.mark.parametrize("benchmark", [None, {"name": "humaneval"}], ids=["procedural", "humaneval"])
+def test_stage_with_the_local_executor(tmp_path, benchmark):
+    wf = "async def solve(problem):\n    return (await llm(problem, instructions='Write the code.'))[0]\n"
+    path, root = make_run(tmp_path, [wf], benchmark=benchmark, n_queries=1, timeout_s=120,
+                          executor={"kind": "local", "model": "embedded:smollm2-135m-instruct", "max_tokens": 8})
+    out = run_scoring(open_run(path, "t", 0))
     assert out["done"] is True and out["by_status"] == {"ok": 1}
-    row = ctx.store.read("scores", "t2", 0).row(0, named=True)
+    row = scores(root).row(0, named=True)
     assert row["llm_calls"] == 1 and 0 < row["tokens_out"] <= 8 and row["tokens_in"] > 10 and row["answer"]
     assert row["metric"] in (0.0, 1.0) and row["score"] == row["metric"]
-
-
-def scores_free_copy(root: str, table: str):
-    from pipeline.store import Store
-
-    return Store(root).read(table, "t", 0).drop(["round", "run_id", "created_at"], strict=False)

@@ -118,3 +118,11 @@ def test_stage_done_tracks_config_hash(tmp_path):
     ctx.finish("rollout", rows=0)
     assert ctx.done("rollout") and (tmp_path / "catalog.duckdb").is_file()
     assert not ctx.at_round(1).done("rollout")
+
+
+def test_set_store_root_places_a_new_run(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_id: x\nstore:\n  root: {tmp_path / 'yaml-root'}\n")
+    ctx = open_run(cfg, sets=[f"store.root={tmp_path / 'set-root'}"])
+    assert ctx.store.root == tmp_path / "set-root" and (tmp_path / "set-root" / "x" / "config.yaml").is_file()
+    assert not (tmp_path / "yaml-root").exists()

@@ -38,6 +38,15 @@ def test_completion_logprobs_match_full_logits():
         want = torch.stack([full[p - 1 + j, tok] for j, tok in enumerate(s.completion_ids)])
         torch.testing.assert_close(got[b, : len(s.completion_ids)], want, rtol=1e-5, atol=1e-5)
         assert torch.all(got[b, len(s.completion_ids):] == 0)
+    # the chunked, checkpointed head gives the same values and the same gradients
+    grads = []
+    for chunk in (2048, 2):
+        lm.zero_grad()
+        lp = completion_logprobs(lm, batch, head_chunk=chunk)
+        (lp * torch.arange(1.0, 9.0).view(2, 4)).sum().backward()
+        grads.append(lm.lm_head.weight.grad.clone())
+        torch.testing.assert_close(lp.detach(), got.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
 
 
 # ---- synthetic round from the real model -------------------------------------------------------------

@@ -189,6 +189,11 @@ class Sandbox:
                         raise
                     self._ctl = None  # zygote died: restart once
 
+    @property
+    def uids(self) -> set[int]:
+        """The sandbox uids this process holds (no other process runs under them meanwhile)."""
+        return set(self._uids.held)
+
     def ensure_started(self) -> dict:
         """Start the zygote now (else on first run); returns the isolation report."""
         with self._lock:
