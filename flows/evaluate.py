@@ -9,7 +9,7 @@ from pipeline.evaluate import EVAL_STAGES, eval_summary, open_eval_run
 from pipeline.store import Store
 
 
-@flow(name="evaluate", log_prints=True)
+@flow(name="evaluate", flow_run_name="evaluate {run_id} round {round} on {split}", log_prints=True)
 def evaluate(run_id: str, round: int, split: str = "test", store: str = "data/runs", sets: list[str] | None = None,
              retries: int = 2, retry_delay_s: float = 20.0, in_process: bool = False) -> dict:
     """Roll out and score round `round`'s checkpoint (-1: the base model) on `split`; returns mean/best score.

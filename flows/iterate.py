@@ -104,7 +104,14 @@ def run_direct(config: str | Path, rounds: int | None = None, run_id: str | None
     return run_rounds(config, rounds, run_id, call, sets=sets)
 
 
-@flow(name="iterate", log_prints=True)
+def _iterate_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    return f"iterate {p.get('run_id') or Path(p.get('config') or DEMO_CONFIG).stem}"
+
+
+@flow(name="iterate", flow_run_name=_iterate_run_name, log_prints=True)
 def iterate(config: str = DEMO_CONFIG, rounds: int | None = None, run_id: str | None = None,
             evaluate_split: str | None = None, retries: int = 2, retry_delay_s: float = 20.0,
             in_process: bool = False, sets: list[str] | None = None) -> dict:

@@ -13,7 +13,7 @@ from flows.iterate import stage_task
 from pipeline.store import Store
 
 
-@flow(name="score", log_prints=True)
+@flow(name="score", flow_run_name="score {run_id} round {round}", log_prints=True)
 def score(run_id: str, round: int = 0, only_failed: bool = True, store: str = "data/runs",
           sets: list[str] | None = None, retries: int = 2, retry_delay_s: float = 20.0) -> dict:
     """Score round `round` of `run_id`; `sets` are per-invocation overrides (e.g. a new executor endpoint)."""

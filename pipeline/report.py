@@ -154,9 +154,12 @@ def build_report(store: Store, run_id: str, out: Path | None = None) -> Path:
         raise FileNotFoundError(f"run {run_id!r} not found under {store.root} (runs: {known})")
     stats = round_stats(store, run_id)
     tim = stage_timings(store, run_id)
-    walls = (tim.pivot(on="stage", index="round", values="wall_s") if tim.height else pl.DataFrame())
-    summary = stats.join(walls.rename({c: f"{c}_s" for c in walls.columns if c != "round"}), on="round",
-                         how="left") if walls.height else stats
+    summary = stats
+    if tim.height:
+        walls = tim.pivot(on="stage", index="round", values="wall_s")
+        walls = walls.rename({c: f"{c}_s" for c in walls.columns if c != "round"})
+        walls = walls.with_columns(pl.sum_horizontal(pl.exclude("round")).alias("round_s"))
+        summary = stats.join(walls.with_columns(pl.col("round").cast(stats["round"].dtype)), on="round", how="left")
     parts = []
     for i, (title, fig) in enumerate(_figures(store, run_id, stats)):
         fig.update_layout(height=380, margin={"t": 30})

@@ -16,6 +16,7 @@ mkdir -p "$STATE"
 PORT=${PREFECT_PORT:-4200}
 
 alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+healthy() { python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/health', timeout=2)" "$PREFECT_API_URL" 2>/dev/null; }
 
 if [[ "${1:-}" == stop ]]; then
   for f in "$STATE/serve.pid" "$STATE/server.pid"; do
@@ -28,12 +29,12 @@ fi
 T0=$(date +%s)
 if [[ -z "${PREFECT_API_URL:-}" ]]; then
   export PREFECT_API_URL="http://127.0.0.1:$PORT/api"
-  if ! curl -sf "$PREFECT_API_URL/health" >/dev/null; then
+  if ! healthy; then
     echo "starting a Prefect server on 127.0.0.1:$PORT (SQLite under ${PREFECT_HOME:-~/.prefect}; log $STATE/server.log)"
     nohup prefect server start --host 127.0.0.1 --port "$PORT" >"$STATE/server.log" 2>&1 &
     echo $! >"$STATE/server.pid"
-    for _ in $(seq 180); do curl -sf "$PREFECT_API_URL/health" >/dev/null && break; sleep 1; done
-    curl -sf "$PREFECT_API_URL/health" >/dev/null || { echo "Prefect server did not start; see $STATE/server.log"; exit 1; }
+    for _ in $(seq 180); do healthy && break; sleep 1; done
+    healthy || { echo "Prefect server did not start; see $STATE/server.log"; exit 1; }
   fi
   # Persist the URL in the active Prefect profile: `prefect deployment run ...` then works from any shell.
   prefect config set PREFECT_API_URL="$PREFECT_API_URL" >/dev/null

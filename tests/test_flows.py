@@ -346,7 +346,7 @@ def test_executor_outage_then_rescore_then_iterate_continues_from_curation(harne
     st = Store(tmp_path / "runs")
     scripted_rollout(open_run(cfg, "o"))
     down = ["executor.kind=openai", "executor.base_url=http://127.0.0.1:9/v1", "executor.max_retries=0"]
-    state = iterate(str(cfg), run_id="o", sets=down, retries=1, retry_delay_s=0, return_state=True)
+    state = iterate(str(cfg), run_id="o", sets=down, retries=0, return_state=True)
     assert state.is_failed() and "round 0 score" in state.message and "work left" in state.message
     statuses = st.sql("select status, count(*) n from latest_scores where run_id='o' group by 1")
     assert dict(statuses.iter_rows()) == {"ok": 4, "executor_error": 2}

@@ -79,7 +79,7 @@ def test_html_report_has_every_section(store, tmp_path):
         assert f"<h2>{title}</h2>" in page, title
     assert page.count("plotly.js v") >= 1 and "Plotly.newPlot" in page  # plotly.js inlined: opens offline
     assert "<td>0.25</td>" in page  # round 1 mean score in the summary table
-    assert "<th>score_s</th>" in page
+    assert "<th>score_s</th>" in page and "<th>round_s</th>" in page and "<td>8</td>" in page  # 3 s + 5 s
 
 
 def test_report_cli_prints_numbers_and_path(store):
