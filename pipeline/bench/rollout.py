@@ -4,7 +4,8 @@ rendered prompts, in the same process (goal: <= 5% overhead).
 - transformers: `TransformersGenerator.generate` vs raw `model.generate` (same seed, so the same tokens).
 - vllm: `VLLMGenerator.generate` vs raw `vllm.LLM.generate` on the same engine, with the same SamplingParams
   (logprobs=0) and without logprobs (what the sampled-token logprobs themselves cost).
-- openai: with `--openai-url` (a running server): the backend vs one raw `completions.create` per prompt.
+- openai: with `--openai-url` (a running vLLM server): the backend vs raw `completions.create` calls, one per
+  prompt and concurrent like the backend, with the backend's exact request and with a plain text request.
 Each side runs `reps` times alternating, after a warm-up; the best wall and CPU times of each are compared.
 """
 
@@ -88,15 +89,16 @@ def bench_vllm(prompts: list[str], sampling: Sampling, reps: int) -> None:
     gen = VLLMGenerator(MODEL, llm=llm)
     inputs = gen.inputs(prompts)
 
-    def raw(logprobs: int | None) -> Callable[[], int]:
-        params = vllm.SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                     max_tokens=sampling.max_new_tokens, seed=sampling.seed, logprobs=logprobs)
+    def raw(logprobs: bool) -> Callable[[], int]:
+        params = gen.params(sampling, len(prompts))  # the backend's SamplingParams, optionally without logprobs
+        for p in params:
+            p.logprobs = 0 if logprobs else None
         return lambda: sum(len(c.token_ids) for o in llm.generate(inputs, params, use_tqdm=False) for c in o.outputs)
 
     def backend() -> int:
         return sum(len(c.token_ids) for row in gen.generate(prompts, sampling) for c in row)
 
-    report("vllm", best_of({"raw LLM.generate logprobs=0": raw(0), "raw LLM.generate no logprobs": raw(None),
+    report("vllm", best_of({"raw LLM.generate logprobs=0": raw(True), "raw LLM.generate no logprobs": raw(False),
                             "VLLMGenerator": backend}, reps), "raw LLM.generate logprobs=0")
 
 
@@ -111,21 +113,24 @@ def bench_openai(url: str, prompts: list[str], sampling: Sampling, reps: int) ->
     gen = make_generator(GeneratorConfig(model=MODEL, backend="openai", base_url=url, batch_size=len(prompts)))
     client = openai.OpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY")
 
-    def one(i_prompt: tuple[int, str]) -> int:
-        r = client.completions.create(model=gen.model, prompt=i_prompt[1], n=sampling.n,
-                                      temperature=sampling.temperature, top_p=sampling.top_p,
-                                      max_tokens=sampling.max_new_tokens, seed=sampling.seed + i_prompt[0])
-        return r.usage.completion_tokens
+    def raw(same: bool) -> Callable[[], int]:
+        """`same`: the exact request the backend sends (token ids, logprobs); else a plain text request."""
+        def one(i_prompt: tuple[int, str]) -> int:
+            kw = gen.request(gen.model, i_prompt[1], sampling, i_prompt[0])[1] if same else dict(
+                model=gen.model, prompt=i_prompt[1], n=sampling.n, temperature=sampling.temperature,
+                top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, seed=sampling.seed + i_prompt[0])
+            return client.completions.create(**kw).usage.completion_tokens
 
-    def raw() -> int:
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            return sum(pool.map(one, enumerate(prompts)))
+        def run() -> int:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                return sum(pool.map(one, enumerate(prompts)))
+        return run
 
     def backend() -> int:
         return sum(len(c.token_ids) for row in gen.generate(prompts, sampling) for c in row)
 
-    report("openai", best_of({"raw completions.create": raw, "OpenAIGenerator": backend}, reps),
-           "raw completions.create")
+    report("openai", best_of({"raw same request": raw(True), "raw text, no logprobs": raw(False),
+                              "OpenAIGenerator": backend}, reps), "raw same request")
 
 
 def main(backends: str = "transformers,vllm,openai", prompts: int = 8, n: int = 2, max_new_tokens: int = 64,

@@ -87,17 +87,23 @@ class OpenAIGenerator(Generator):
         with ThreadPoolExecutor(max(1, min(self.concurrency, len(prompts)))) as pool:
             return list(pool.map(lambda ip: self._one(model, ip[1], sampling, ip[0]), enumerate(prompts)))
 
-    def _one(self, model: str, prompt: str, sampling: Sampling, index: int) -> list[Completion]:
-        import openai
-
+    def request(self, model: str, prompt: str, sampling: Sampling, index: int) -> tuple[list[int], dict[str, Any]]:
+        """Prompt ids and the completions request for prompt `index` of a call (seeded like the vllm backend)."""
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
         kw: dict[str, Any] = dict(model=model, n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                  max_tokens=sampling.max_new_tokens, seed=sampling.seed + index, logprobs=0)
+                                  max_tokens=sampling.max_new_tokens, seed=sampling.seed + index * sampling.n,
+                                  logprobs=0)
         if self.is_vllm:
             kw.update(prompt=prompt_ids, extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True,
                                                      "skip_special_tokens": True})
         else:
             kw.update(prompt=prompt)
+        return prompt_ids, kw
+
+    def _one(self, model: str, prompt: str, sampling: Sampling, index: int) -> list[Completion]:
+        import openai
+
+        prompt_ids, kw = self.request(model, prompt, sampling, index)
         try:
             resp = self.client.completions.create(**kw)
         except openai.APIConnectionError as e:

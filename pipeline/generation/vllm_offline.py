@@ -69,11 +69,13 @@ class VLLMGenerator(Generator):
         self.llm = llm if llm is not None else vllm.LLM(**kw)
         self._sampling_params = vllm.SamplingParams
 
-    def params(self, sampling: Sampling) -> Any:
-        return self._sampling_params(
-            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            max_tokens=sampling.max_new_tokens, seed=sampling.seed, logprobs=0, skip_special_tokens=True,
-        )
+    def params(self, sampling: Sampling, count: int) -> list[Any]:
+        """One SamplingParams per prompt: prompt i seeds its n samples with seed + i*n .. seed + i*n + n-1
+        (vLLM gives sample j seed + j), so equal prompts in a batch still get distinct samples."""
+        return [self._sampling_params(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
+            seed=sampling.seed + i * sampling.n, logprobs=0, skip_special_tokens=True,
+        ) for i in range(count)]
 
     def inputs(self, prompts: list[str]) -> list[dict[str, list[int]]]:
         return [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids} for p in prompts]
@@ -84,7 +86,8 @@ class VLLMGenerator(Generator):
             if not self.lora_enabled:
                 raise GenerationError("this vLLM engine was started without enable_lora; cannot apply an adapter")
             lora = lora_request(adapter)
-        outs = self.llm.generate(self.inputs(prompts), self.params(sampling), lora_request=lora, use_tqdm=False)
+        outs = self.llm.generate(self.inputs(prompts), self.params(sampling, len(prompts)), lora_request=lora,
+                                 use_tqdm=False)
         return [[_completion(list(o.prompt_token_ids), c) for c in o.outputs] for o in outs]
 
     def close(self) -> None:
