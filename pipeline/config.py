@@ -114,6 +114,11 @@ class RolloutConfig(_Strict):
     r_min_agent: float = Field(0.0, ge=0, le=1, description="Agents enter the exemplar pool from this reward.")
     r_min_workflow: float = Field(0.0, ge=0, le=1, description="Workflows enter the pool from this score.")
     max_plan_tokens: int = Field(256, gt=0, description="two_level: completion cap of an agent plan.")
+    workflow_prefix: str = Field(
+        "", description="The assistant turn of a workflow prompt starts with this text (e.g. an open ```python "
+        "fence and the `solve` signature) so small generators stay on format; it is part of the prompt tokens "
+        "and of the stored `text`.",
+    )
     max_workflow_chars: int = Field(20000, gt=0, description="Static check: larger workflows are invalid.")
 
 

@@ -50,6 +50,7 @@ class Request:
     prompt_text: str
     exemplar_ids: list[str]
     max_new_tokens: int
+    prefix: str = ""  # opens the assistant turn; `text` = prefix + completion
 
 
 def gen_id(round: int, query_id: str, kind: str, slot: int, parent_id: str | None = None) -> str:
@@ -111,8 +112,9 @@ class _Rollout:
             plan = parent["text"] if parent else None
             shown = pick_exemplars(self.pools.workflow_pool(item.id, plan), self.tau_w, rng)
             user, max_tokens = workflow_prompt(item.prompt, self.family, shown, plan), self.cfg.generator.max_new_tokens
+        prefix = self.cfg.rollout.workflow_prefix if kind == "workflow" else ""
         return Request(kind, item.id, parent_id, [gen_id(self.ctx.round, item.id, kind, s, parent_id) for s in slots],
-                       slots, render(self.tokenizer, user), [s.gen_id for s in shown], max_tokens)
+                       slots, render(self.tokenizer, user) + prefix, [s.gen_id for s in shown], max_tokens, prefix)
 
     def requests(self, have: dict) -> list[Request]:
         """What is missing now: flat workflows, or two-level agents, then workflows under existing agents."""
@@ -137,10 +139,11 @@ class _Rollout:
         g = self.cfg.generator
         rows = []
         for gid, slot, c in zip(req.gen_ids, req.slots, comps, strict=True):
-            reason = _validate(req.kind, c.text, self.cfg.rollout.max_workflow_chars)
+            text = req.prefix + c.text
+            reason = _validate(req.kind, text, self.cfg.rollout.max_workflow_chars)
             rows.append(dict(
                 gen_id=gid, kind=req.kind, parent_id=req.parent_id, query_id=req.query_id, slot=slot,
-                prompt_text=req.prompt_text, text=c.text, prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids,
+                prompt_text=req.prompt_text, text=text, prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids,
                 token_logprobs=c.token_logprobs, model=g.model, backend=g.backend, adapter_round=self.adapter_round,
                 sampling=sampling.to_json(adapter=self.adapter), exemplar_ids=req.exemplar_ids,
                 finish_reason=c.finish_reason, valid=reason is None, invalid_reason=reason,

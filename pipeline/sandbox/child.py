@@ -172,6 +172,8 @@ async def _workflow(ch: _Channel, payload: dict) -> dict:
     public = payload.get("public_tests") or {}
 
     async def llm(messages, temperature=None, n=1, role="", instructions=""):
+        if isinstance(messages, dict):  # one message: weak generators often forget the list
+            messages = [messages]
         if not isinstance(messages, str | list):
             raise TypeError("llm(messages): messages must be a str or a list of {role, content} dicts")
         reply = await ch.call("llm", messages=messages, temperature=temperature, n=n, role=str(role),
@@ -194,6 +196,8 @@ async def _workflow(ch: _Channel, payload: dict) -> dict:
         return {"op": "result", "error": _short_tb(e)}
     if answer is None:
         return {"op": "result", "error": "solve() returned None"}
+    if isinstance(answer, list | tuple) and answer and isinstance(answer[0], str):
+        answer = answer[0]  # `return await llm(...)` returns llm's list: score its first answer
     return {"op": "result", "answer": answer if isinstance(answer, str) else str(answer)}
 
 
