@@ -67,8 +67,9 @@ def open_run(
     if saved_path.is_file():
         frozen = config_from_dict(read_yaml(saved_path), str(saved_path))
         if given is not None:
-            given = given.model_copy(update={"run_id": run_id})
-            changed = diff_configs(frozen, given)
+            # the CONFIG matches if it alone, or with this invocation's --set, gives the saved config
+            candidates = [given, load_config(config, sets)] if sets else [given]
+            changed = min((diff_configs(frozen, c.model_copy(update={"run_id": run_id})) for c in candidates), key=len)
             if changed:
                 raise ConfigError(
                     f"run {run_id!r} was started with {saved_path}; {config} differs in: {', '.join(changed)}. "

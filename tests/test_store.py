@@ -106,6 +106,8 @@ def test_open_run_freezes_config_and_refuses_changes(tmp_path):
     assert o.cfg.executor.timeout_s == 5 and o.frozen_hash == ctx.frozen_hash
     with pytest.raises(ConfigError, match="differs in: rollout.m"):
         open_run(cfg, round=0)
+    # the same CONFIG with the --set it was started with reopens the run
+    assert open_run(cfg, round=1, sets=["rollout.m=6"]).frozen_hash == ctx.frozen_hash
     with pytest.raises(ConfigError, match="not found"):
         open_run(None, run_id="nope", store_root=str(tmp_path / "store"))
 
