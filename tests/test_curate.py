@@ -188,8 +188,8 @@ def test_two_level_agent_without_workflows_earns_zero():
 def _ctx(tmp_path, sets=()):
     from pipeline.run import open_run
 
-    return open_run("configs/demo.yaml", f"c{uuid.uuid4().hex[:6]}", 0, [f"store.root={tmp_path}", *sets],
-                    store_root=str(tmp_path))
+    pinned = [f"store.root={tmp_path}", "curation.n=3", "curation.t=1", "curation.top_n=8"]  # not the demo's tuning
+    return open_run("configs/demo.yaml", f"c{uuid.uuid4().hex[:6]}", 0, [*pinned, *sets], store_root=str(tmp_path))
 
 
 def _gen(gen_id, qid, slot, kind="workflow", parent=None, valid=True):

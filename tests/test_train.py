@@ -84,8 +84,8 @@ def samples():
 def _open(tmp_path, sets):
     from pipeline.run import open_run
 
-    return open_run("configs/demo.yaml", f"t{uuid.uuid4().hex[:6]}", 0,
-                    [f"store.root={tmp_path}", "curation.top_n=8", *sets], store_root=str(tmp_path))
+    pinned = [f"store.root={tmp_path}", "curation.n=3", "curation.t=1", "curation.top_n=8", "training.lr=1e-4"]
+    return open_run("configs/demo.yaml", f"t{uuid.uuid4().hex[:6]}", 0, [*pinned, *sets], store_root=str(tmp_path))
 
 
 def _seed_round(ctx, samples) -> None:
