@@ -19,6 +19,17 @@ HOTPOT_FORMAT = (
 
 class _QA(Benchmark):
     family = "qa"
+    FORMAT: str  # the record format named in errors
+
+    def load(self) -> list[Item]:
+        rows = load_rows(self.cfg, self.FORMAT, default_split="validation")
+        items = [self._item(r) for r in rows]
+        unique_ids([it.id for it in items], rows)
+        return items
+
+    @staticmethod
+    def _item(r: Row) -> Item:
+        raise NotImplementedError
 
     def score(self, item: Item, answer: str) -> MetricResult:
         return f1_score("" if answer is None else str(answer), item.reference["answers"])
@@ -26,12 +37,7 @@ class _QA(Benchmark):
 
 class DROP(_QA):
     name = "drop"
-
-    def load(self) -> list[Item]:
-        rows = load_rows(self.cfg, DROP_FORMAT, default_split="validation")
-        items = [self._item(r) for r in rows]
-        unique_ids([it.id for it in items], rows)
-        return items
+    FORMAT = DROP_FORMAT
 
     @staticmethod
     def _item(r: Row) -> Item:
@@ -64,12 +70,7 @@ def hotpot_paragraphs(r: Row) -> list[tuple[str, list[str]]]:
 
 class HotpotQA(_QA):
     name = "hotpotqa"
-
-    def load(self) -> list[Item]:
-        rows = load_rows(self.cfg, HOTPOT_FORMAT, default_split="validation")
-        items = [self._item(r) for r in rows]
-        unique_ids([it.id for it in items], rows)
-        return items
+    FORMAT = HOTPOT_FORMAT
 
     @staticmethod
     def _item(r: Row) -> Item:
