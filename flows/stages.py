@@ -31,7 +31,6 @@ from typing import Any
 
 from pipeline.run import RunContext, open_run
 
-STAGES = ("rollout", "score", "curate", "train")
 # Stage name -> (module, function). Resolved at call time so `--help` stays light.
 STAGE_FUNCS = {
     "rollout": ("pipeline.rollout", "run_rollout"),
@@ -39,6 +38,7 @@ STAGE_FUNCS = {
     "curate": ("pipeline.curate", "run_curate"),
     "train": ("pipeline.train", "run_train"),
 }
+STAGES = tuple(STAGE_FUNCS)  # in round order
 ISOLATED_STAGES = frozenset({"rollout", "score", "train"})  # load models: own process
 
 # Exceptions worth a retry: the endpoint or network, not the code or the config.

@@ -19,6 +19,7 @@ import numpy as np
 import polars as pl
 
 from pipeline.grpo import group_advantages, normalise
+from pipeline.schema import transient_statuses
 
 log = logging.getLogger(__name__)
 
@@ -317,9 +318,7 @@ ORDER BY query_id, parent_id NULLS FIRST, slot, gen_id
 def load_round(ctx) -> pl.DataFrame:
     """One row per generation of the round: kind, parent/query ids, and `state` (ok | unscored |
     transient) with `score` = mean over reps (0 for invalid workflows, which stay in)."""
-    from pipeline.schema import TRANSIENT_STATUSES
-
-    transient = list(TRANSIENT_STATUSES) + (["timeout"] if ctx.cfg.scoring.retry_timeouts else [])
+    transient = sorted(transient_statuses(ctx.cfg.scoring.retry_timeouts))
     df = ctx.store.sql(_GEN_SQL.replace("$run", "$1").replace("$round", "$2").replace("$reps", "$3")
                        .replace("$transient", "$4"), [ctx.run_id, ctx.round, ctx.cfg.scoring.reps, transient])
     state = (pl.when(~pl.col("valid")).then(pl.lit("ok"))

@@ -15,6 +15,11 @@ STATUSES = ("ok", "invalid", "exec_error", "timeout", "killed", "executor_error"
 FINAL_STATUSES = ("ok", "invalid", "exec_error", "killed")  # `timeout` is final unless configured
 TRANSIENT_STATUSES = ("executor_error",)
 
+
+def transient_statuses(retry_timeouts: bool) -> set[str]:
+    """Statuses that `score --only-failed` re-runs and curation waits for (`timeout` only if configured)."""
+    return set(TRANSIENT_STATUSES) | ({"timeout"} if retry_timeouts else set())
+
 _ts = pa.timestamp("us", tz="UTC")
 
 TABLES: dict[str, pa.Schema] = {

@@ -24,7 +24,7 @@ from pipeline.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.reward import reward
 from pipeline.run import RunContext
 from pipeline.sandbox import Limits, default_sandbox, run_workflow
-from pipeline.schema import FINAL_STATUSES
+from pipeline.schema import FINAL_STATUSES, transient_statuses
 from pipeline.workflow import check_workflow, extract_code
 
 log = logging.getLogger(__name__)
@@ -37,10 +37,6 @@ class Job:
     query_id: str
     rep: int
     attempt: int
-
-
-def transient_statuses(retry_timeouts: bool) -> set[str]:
-    return {"executor_error", "timeout"} if retry_timeouts else {"executor_error"}
 
 
 def latest_attempts(scores: pl.DataFrame) -> dict[tuple[str, int], tuple[str, int]]:

@@ -24,7 +24,8 @@ from pipeline.judge import Judge, parse_verdict
 from pipeline.reward import code_stats, combine, complexity_term, cost_term, reward
 from pipeline.run import open_run
 from pipeline.sandbox.client import UID_COUNT
-from pipeline.scoring import Job, latest_attempts, plan, run_scoring, transient_statuses
+from pipeline.schema import transient_statuses
+from pipeline.scoring import Job, latest_attempts, plan, run_scoring
 
 # ---- pure parts -------------------------------------------------------------------------------------
 
