@@ -154,6 +154,10 @@ class CurationConfig(_Strict):
     eps_adv: float = Field(1e-6, gt=0, description="ε in (s - mean) / (std + ε).")
     adv_norm: Literal["batch", "query"] = Field("batch", description="two_level: normalise over batch or query.")
     seed: int = Field(0, description="Seed of group sampling.")
+    dedupe: bool = Field(False, description="Keep a query's groups with the same sharpened member set once.")
+    max_kept_per_query: int | None = Field(
+        None, gt=0, description="Cap of kept groups per query, any mode (slots go to next groups); null: none."
+    )
 
     @model_validator(mode="after")
     def _sharpen_fits(self) -> CurationConfig:

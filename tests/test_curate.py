@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import uuid
 
@@ -9,9 +10,11 @@ import numpy as np
 import pytest
 
 from pipeline.curate import (
+    _TopN,
     assign_buckets,
     candidate_groups,
     curate_flat,
+    member_bits,
     sharpen,
     spogw_groups,
     two_level_advantages,
@@ -151,6 +154,167 @@ def test_bad_arguments_are_rejected():
         curate_flat({"q": [0, 1]}, n=3, t=1, top_n=1, mode="best")
 
 
+# ---- dedupe and the per-query cap --------------------------------------------------------------------------
+
+
+def _kept(res):
+    return [(g.query_id, g.members) for g in res.groups]
+
+
+def test_dedupe_drops_groups_with_the_same_sharpened_members_hand_listed():
+    # [0,0,1,1,1], n=3, t=1: colex groups r0..r9 = {012} {013} {023} {123} {014} {024} {124} {034} {134} {234};
+    # all but r9 ([1,1,1], var 0) hold two equal scores and one other: var 2/9. Sharpened to (lowest,
+    # highest) by (score, index): (0,2) (0,3) (0,3) (1,3) (0,4) (0,4) (1,4) (0,4) (1,4) (2,4)
+    s = {"q": [0.0, 0.0, 1.0, 1.0, 1.0]}
+    default = curate_flat(s, n=3, t=1, top_n=4)
+    assert [g.members for g in default.groups] == [(0, 2), (0, 3), (0, 3), (1, 3)]  # r0..r3: (0,3) twice
+    assert [g.variance for g in default.groups] == pytest.approx([2 / 9] * 4)
+    dd = curate_flat(s, n=3, t=1, top_n=4, dedupe=True)
+    assert [g.members for g in dd.groups] == [(0, 2), (0, 3), (1, 3), (0, 4)]  # r2 dropped, r4 fills in
+    assert [g.members for g in curate_flat(s, n=3, t=1, top_n=10).groups] == [
+        (0, 2), (0, 3), (0, 3), (1, 3), (0, 4), (0, 4), (1, 4), (0, 4), (1, 4), (2, 4)]
+    every = curate_flat(s, n=3, t=1, top_n=10, dedupe=True)  # the 6 distinct sets: r0 r1 r3 r4 r6 r9
+    assert [g.members for g in every.groups] == [(0, 2), (0, 3), (1, 3), (0, 4), (1, 4), (2, 4)]
+    assert every.groups[-1].variance == 0.0 and every.groups[-1].scores == (1.0, 1.0)
+    assert every.candidates == {"q": 10}
+    # screen (no sharpening): the kept sets are the n-subsets themselves, distinct: dedupe changes nothing
+    screened = spogw_groups(s, n=3, t=1, top_n=4, mode="screen", dedupe=True)
+    assert [g.members for g in screened] == [(0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3)]
+
+
+def test_dedupe_keeps_the_best_ranked_group_of_a_member_set():
+    # [0, .5, 1, .9], n=3: r0 {012} var 1/6 -> (0,2); r1 {013} [0,.5,.9] var 1.06/3-(1.4/3)^2 -> (0,3);
+    # r2 {023} [0,1,.9] var 1.81/3-(1.9/3)^2 -> (0,2); r3 {123} [.5,1,.9] var .14/3 -> (1,2). Rank: r2 r0 r1 r3
+    s = {"q": [0.0, 0.5, 1.0, 0.9]}
+    v_r2, v_r1 = 1.81 / 3 - (1.9 / 3) ** 2, 1.06 / 3 - (1.4 / 3) ** 2
+    default = curate_flat(s, n=3, t=1, top_n=2)
+    assert [g.members for g in default.groups] == [(0, 2), (0, 2)]
+    assert [g.variance for g in default.groups] == pytest.approx([v_r2, 1 / 6])
+    dd = curate_flat(s, n=3, t=1, top_n=2, dedupe=True)  # r0 duplicates r2, which ranks higher though later
+    assert [g.members for g in dd.groups] == [(0, 2), (0, 3)]
+    assert [g.variance for g in dd.groups] == pytest.approx([v_r2, v_r1])
+    assert dd.groups[1].scores == (0.0, 0.9)
+
+
+def test_cap_per_query_gives_the_freed_slots_to_other_queries():
+    # A [0,0,1,1]: its 4 groups have var 2/9, sharpened (0,2) (0,3) (0,3) (1,3);
+    # B [0,0,0,.5]: r0 {012} var 0 -> (0,2); r1 {013}, r2 {023}, r3 {123} var 1/18 -> (0,3) (0,3) (1,3)
+    s = {"A": [0.0, 0.0, 1.0, 1.0], "B": [0.0, 0.0, 0.0, 0.5]}
+    assert _kept(curate_flat(s, n=3, t=1, top_n=4)) == [("A", (0, 2)), ("A", (0, 3)), ("A", (0, 3)), ("A", (1, 3))]
+    capped = curate_flat(s, n=3, t=1, top_n=4, max_kept_per_query=2)
+    assert _kept(capped) == [("A", (0, 2)), ("A", (0, 3)), ("B", (0, 3)), ("B", (0, 3))]
+    assert [g.variance for g in capped.groups] == pytest.approx([2 / 9, 2 / 9, 1 / 18, 1 / 18])
+    # dedupe before the cap counts: B's r2 is a duplicate, its r3 takes the slot
+    both = spogw_groups(s, n=3, t=1, top_n=4, dedupe=True, max_kept_per_query=2)
+    assert [(g.query_id, g.members) for g in both] == [("A", (0, 2)), ("A", (0, 3)), ("B", (0, 3)), ("B", (1, 3))]
+    # one per query: fewer than top_n when the queries run out
+    assert _kept(curate_flat(s, n=3, t=1, top_n=4, max_kept_per_query=1)) == [("A", (0, 2)), ("B", (0, 3))]
+    with pytest.raises(ValueError, match="max_kept_per_query"):
+        curate_flat(s, n=3, t=1, top_n=4, max_kept_per_query=0)
+
+
+def test_member_bits_are_order_free_and_span_words():
+    rows = np.array([[0, 64], [64, 0], [1, 64], [0, -1], [62, 63]])
+    # 63 members a word: 64 is bit 1 of word 1, 63 bit 0 of word 1; -1 pads
+    assert member_bits(rows, 2).tolist() == [[1, 2], [1, 2], [2, 2], [1, 0], [2**62, 1]]
+
+
+def test_cap_applies_to_random_modes():
+    s = {"a": [0.0, 1.0, 0.5], "b": [0.0, 0.3, 1.0, 0.6], "c": [0.5, 0.5, 0.5]}
+    rnd = curate_flat(s, n=3, t=1, top_n=10, mode="random", max_kept_per_query=1, seed=3)
+    assert sorted(g.query_id for g in rnd.groups) == ["a", "b", "c"]  # 1 + 4 + 1 candidates, one each
+    flt = curate_flat(s, n=3, t=1, top_n=10, mode="random_filter", max_kept_per_query=2, dedupe=True, seed=3)
+    assert sorted(g.query_id for g in flt.groups) == ["a", "b", "b"]
+    assert all(len(g.members) == 3 for g in flt.groups)  # random modes never sharpen
+
+
+def _polarised_and_rare(n_p=4, n_r=29):
+    """33 queries x 16 workflows: P_i = eight 0s then eight 1s, R_j = fifteen 0s then one 1/3."""
+    s = {f"P{i}": [0.0] * 8 + [1.0] * 8 for i in range(n_p)}
+    return s | {f"R{j}": [0.0] * 15 + [1 / 3] for j in range(n_r)}
+
+
+@pytest.mark.parametrize("flush_rows", [65536, 1])  # one compaction at the end, or one per query
+def test_33_queries_x_16_dedupe_and_cap_spread_the_top_n(monkeypatch, flush_rows):
+    monkeypatch.setattr(_TopN, "flush_rows", flush_rows)
+    s = _polarised_and_rare()
+    # Reasoning (n=4, t=1, top_n=100): in P the 784 groups of two 0s {c1<c2} and two 1s {c3<c4} have the
+    # top variance 1/4 (then [0,0,0,1] and [0,1,1,1]: 3/16); in R the 455 groups holding the 1/3 have 1/48.
+    # Sharpening keeps (c1, c4). Colex order sorts by c4, then c3, then (c2, c1): P's first 100 at 1/4 are
+    # (c4,c3) = (9,8): 28 pairs, (10,8), (10,9): 28 each, (11,8): the 16 pairs up to (0,6) -> c1 in 0..6
+    # for c4 in {9, 10} and c1 in 0..4 for c4 = 11: 19 member sets, all from P0.
+    default = curate_flat(s, n=4, t=1, top_n=100)
+    assert {g.query_id for g in default.groups} == {"P0"} and len(default.groups) == 100
+    assert {g.members for g in default.groups} == (
+        {(c1, 9) for c1 in range(7)} | {(c1, 10) for c1 in range(7)} | {(c1, 11) for c1 in range(5)})
+    # dedupe: a P query has 7 x 7 distinct (c1 in 0..6, c4 in 9..15): 49 from P0, 49 from P1, then P2's
+    # first two distinct: {0,1,8,9} -> (0,9), {0,2,8,9} duplicate, {1,2,8,9} -> (1,9)
+    dd = curate_flat(s, n=4, t=1, top_n=100, dedupe=True)
+    assert [g.query_id for g in dd.groups] == ["P0"] * 49 + ["P1"] * 49 + ["P2"] * 2
+    assert {g.members for g in dd.groups[:49]} == {(lo, hi) for lo in range(7) for hi in range(9, 16)}
+    assert [g.members for g in dd.groups[-2:]] == [(0, 9), (1, 9)]
+    # cap 4 without dedupe: 4 per P query (its first four: (0,9) (0,9) (1,9) (0,9)), then R0..R20 at 1/48,
+    # each its first four groups holding index 15 ({0,1,2} {0,1,3} {0,2,3} {1,2,3} + 15): (0,15) x3, (1,15)
+    cap = curate_flat(s, n=4, t=1, top_n=100, max_kept_per_query=4)
+    assert [g.query_id for g in cap.groups] == [q for q in [*[f"P{i}" for i in range(4)],
+                                                            *[f"R{j}" for j in range(21)]] for _ in range(4)]
+    assert [g.members for g in cap.groups[:4]] == [(0, 9), (0, 9), (1, 9), (0, 9)]
+    assert [g.members for g in cap.groups[-4:]] == [(0, 15), (0, 15), (0, 15), (1, 15)]
+    assert len({(g.query_id, g.members) for g in cap.groups}) == 50
+    # dedupe + cap 4: the first four distinct sets of each of the same 25 queries
+    both = curate_flat(s, n=4, t=1, top_n=100, dedupe=True, max_kept_per_query=4)
+    assert [g.query_id for g in both.groups] == [g.query_id for g in cap.groups]
+    assert [g.members for g in both.groups[:4]] == [(0, 9), (1, 9), (2, 9), (3, 9)]
+    assert [g.members for g in both.groups[-4:]] == [(0, 15), (1, 15), (2, 15), (3, 15)]
+    assert [g.variance for g in both.groups] == pytest.approx([1 / 4] * 16 + [1 / 48] * 84)
+    assert len({(g.query_id, g.members) for g in both.groups}) == 100
+    assert len({(g.query_id, i) for g in both.groups for i in g.members}) == 4 * 5 + 21 * 5  # workflows
+
+
+def _brute_force(scores, n, t, top_n, dedupe, cap):
+    """The definition, written out naively: every n-subset in colex order per query, ranked by
+    (variance desc, arrival asc), sharpened, then duplicates and over-cap groups skipped in rank order.
+    Scores are thirds: variance is proportional to n * sum(k^2) - sum(k)^2, an exact integer."""
+    cands = []
+    for q, s in scores.items():
+        k = [round(3 * x) for x in s]
+        if len(set(k)) == 1:
+            continue
+        for c in sorted(itertools.combinations(range(len(k)), n), key=lambda c: c[::-1]):  # colex
+            v = n * sum(k[i] ** 2 for i in c) - sum(k[i] for i in c) ** 2
+            by_score = sorted(c, key=lambda i: (k[i], i))
+            cands.append((-v, len(cands), q, tuple(by_score[:t] + by_score[-t:])))
+    out, seen, per = [], set(), {}
+    for _, _, q, members in sorted(cands):
+        if dedupe and (q, frozenset(members)) in seen:
+            continue
+        if cap is not None and per.get(q, 0) >= cap:
+            continue
+        seen.add((q, frozenset(members)))
+        per[q] = per.get(q, 0) + 1
+        out.append((q, members))
+        if len(out) == top_n:
+            break
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_33_queries_x_16_random_thirds_match_the_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    s = {f"q{i}": (rng.integers(0, 4, 16) / 3).tolist() for i in range(33)}
+    seen_queries = {}
+    for dedupe, cap in [(False, None), (True, None), (False, 4), (True, 4)]:
+        got = _kept(curate_flat(s, n=4, t=1, top_n=100, dedupe=dedupe, max_kept_per_query=cap))
+        assert got == _brute_force(s, 4, 1, 100, dedupe, cap)
+        assert len(got) == 100
+        if dedupe:
+            assert len(set(got)) == 100
+        if cap is not None:
+            assert max(sum(1 for q, _ in got if q == x) for x in s) <= cap
+        seen_queries[dedupe, cap] = len({q for q, _ in got})
+    assert seen_queries[True, 4] >= 25 > seen_queries[False, None]
+
+
 # ---- two-level ---------------------------------------------------------------------------------------
 
 
@@ -225,6 +389,8 @@ def test_run_curate_flat_left_out_invalid_and_reps(tmp_path):
     counts = run_curate(ctx)
     assert counts["queries"] == 5 and counts["queries_left_out"] == 3 and counts["queries_filtered"] == 1
     assert counts["candidate_groups"] == 4 and counts["groups_kept"] == 4  # C(4,3) groups of query a
+    # a's groups sharpen to (a2,a1) (a3,a1) (a2,a0) (a2,a1): all four workflows, one query
+    assert counts["distinct_workflows"] == 4 and counts["distinct_queries"] == 1
     g = ctx.store.read("groups", ctx.run_id, 0)
     kept = g.filter(g["kept"])
     assert set(kept["query_id"]) == {"a"} and kept["level"].unique().to_list() == ["flat"]
@@ -268,6 +434,8 @@ def test_run_curate_two_level(tmp_path):
                     ctx.run_id, 0)
     counts = run_curate(ctx)
     assert counts["queries"] == 2 and counts["queries_left_out"] == 1
+    # kept: q's agents [A0, A1, A2] and workflows [w00, w01], [w10] (every sequence trained on); r left out
+    assert counts["distinct_workflows"] == 6 and counts["distinct_queries"] == 1
     g = ctx.store.read("groups", ctx.run_id, 0).sort("group_id")
     agents = g.filter((g["level"] == "agent") & g["kept"]).row(0, named=True)
     assert agents["members"] == ["A0", "A1", "A2"] and agents["member_scores"] == [0.5, 1.0, 0.0]
@@ -280,3 +448,40 @@ def test_run_curate_two_level(tmp_path):
     assert wf["w00"]["buckets"] == ["F", "S"]
     left = g.filter(~g["kept"]).row(0, named=True)
     assert left["query_id"] == "r" and left["reason"] == "left out: 1 of 1 workflows unscored"
+
+
+def _two_queries(ctx):
+    # a [0,0,1,1,1] and b [0,0,0,.5] as in the hand-listed dedupe and cap tests above
+    gens = [_gen(f"a{i}", "a", i) for i in range(5)] + [_gen(f"b{i}", "b", i) for i in range(4)]
+    scores = [_score(f"a{i}", score=x) for i, x in enumerate([0.0, 0.0, 1.0, 1.0, 1.0])]
+    scores += [_score(f"b{i}", score=x) for i, x in enumerate([0.0, 0.0, 0.0, 0.5])]
+    ctx.store.write("generations", gens, ctx.run_id, 0)
+    ctx.store.write("scores", scores, ctx.run_id, 0)
+
+
+def test_run_curate_counts_distinct_workflows_and_queries(tmp_path):
+    from pipeline.curate import run_curate
+
+    ctx = _ctx(tmp_path, ["curation.top_n=4"])
+    _two_queries(ctx)
+    counts = run_curate(ctx)  # paper screening: a's r0..r3 -> [a0,a2] [a0,a3] [a0,a3] [a1,a3]
+    assert counts["groups_kept"] == 4 and counts["sequences"] == 8
+    assert counts["distinct_workflows"] == 4 and counts["distinct_queries"] == 1
+    assert ctx.store.manifest(ctx.run_id, 0, "curate")["counts"]["distinct_workflows"] == 4
+
+
+def test_run_curate_dedupe_and_cap_from_the_config(tmp_path):
+    from pipeline.curate import run_curate
+
+    ctx = _ctx(tmp_path, ["curation.top_n=4", "curation.dedupe=true", "curation.max_kept_per_query=3"])
+    _two_queries(ctx)
+    counts = run_curate(ctx)  # a: [a0,a2] [a0,a3] [a1,a3] (cap 3, r2 a duplicate); then b's r1 [b0,b3]
+    assert counts["groups_kept"] == 4 and counts["candidate_groups"] == 14
+    assert counts["distinct_workflows"] == 6 and counts["distinct_queries"] == 2
+    g = ctx.store.read("groups", ctx.run_id, 0)
+    kept = g.filter(g["kept"]).sort("group_id")
+    assert kept["members"].to_list() == [["a0", "a2"], ["a0", "a3"], ["a1", "a3"], ["b0", "b3"]]
+    reasons = {r["query_id"]: r["reason"] for r in g.filter(~g["kept"]).iter_rows(named=True)}
+    tail = "candidate groups below the top-4 variance cut 0.0555556, or duplicates of a kept group's members, " \
+           "or past the cap of 3 kept groups per query"
+    assert reasons == {"a": f"screened out: 7 of 10 {tail}", "b": f"screened out: 3 of 4 {tail}"}

@@ -231,5 +231,6 @@ def test_two_level_sequences_carry_their_level_advantage(tmp_path):
     assert adv["A0"] == pytest.approx(-1.0, abs=1e-5) and adv["A1"] == pytest.approx(1.0, abs=1e-5)
     sw = np.sqrt(2 / 9)
     assert adv["w00"] == pytest.approx((1 / 3) / sw, abs=1e-5) and adv["w01"] == pytest.approx(-(2 / 3) / sw, abs=1e-5)
-    assert "w10" not in adv and info == {"sequences_truncated": 4, "sequences_dropped": 1}
+    assert "w10" not in adv and info == {"sequences_truncated": 4, "sequences_dropped": 1,
+                                        "distinct_workflows": 4, "distinct_queries": 1}
     assert all(s.prompt_ids == [1, 2] and s.completion_ids == [3] for s in seqs)  # completion tail cut to the cap

