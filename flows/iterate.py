@@ -24,7 +24,7 @@ from pipeline.run import open_run
 from pipeline.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO_CONFIG = "configs/demo.yaml"
+SMOKE_CONFIG = "configs/smoke.yaml"  # the whole loop in minutes (SmolLM2-135M); the learning demo is experiment/demo
 
 StageCall = Callable[..., dict]
 
@@ -81,9 +81,8 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     return {"run_id": run_id, "store": store_root, "rounds": per_round}
 
 
-def run_direct(config: str | Path, rounds: int | None = None, run_id: str | None = None,
-               retries: int = 2, retry_delay_s: float = 20.0, sets: list[str] | None = None) -> dict:
-    """`pipeline run`: the same rounds without Prefect, with the same skip/resume and retry rules."""
+def direct_call(retries: int = 2, retry_delay_s: float = 20.0) -> StageCall:
+    """A stage caller without Prefect, with the same skip/resume and retry rules as `stage_task`."""
     log = logging.getLogger("pipeline.run")
 
     def call(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None) -> dict:
@@ -97,22 +96,28 @@ def run_direct(config: str | Path, rounds: int | None = None, run_id: str | None
                 log.warning("%s; retry %d/%d in %.0fs", e, attempt + 1, retries, retry_delay_s)
                 time.sleep(retry_delay_s)
         record_timing(store_root, run_id, res)
-        log.info("round %d %s %s %s", round, stage, "skipped" if res["skipped"] else f"{res['wall_s']:.1f}s",
+        log.info("%s round %d %s %s %s", run_id, round, stage, "skipped" if res["skipped"] else f"{res['wall_s']:.1f}s",
                  res["counts"])
         return res
 
-    return run_rounds(config, rounds, run_id, call, sets=sets)
+    return call
+
+
+def run_direct(config: str | Path, rounds: int | None = None, run_id: str | None = None,
+               retries: int = 2, retry_delay_s: float = 20.0, sets: list[str] | None = None) -> dict:
+    """`pipeline run`: the same rounds without Prefect, with the same skip/resume and retry rules."""
+    return run_rounds(config, rounds, run_id, direct_call(retries, retry_delay_s), sets=sets)
 
 
 def _iterate_run_name() -> str:
     from prefect.runtime import flow_run
 
     p = flow_run.parameters
-    return f"iterate {p.get('run_id') or Path(p.get('config') or DEMO_CONFIG).stem}"
+    return f"iterate {p.get('run_id') or Path(p.get('config') or SMOKE_CONFIG).stem}"
 
 
 @flow(name="iterate", flow_run_name=_iterate_run_name, log_prints=True)
-def iterate(config: str = DEMO_CONFIG, rounds: int | None = None, run_id: str | None = None,
+def iterate(config: str = SMOKE_CONFIG, rounds: int | None = None, run_id: str | None = None,
             evaluate_split: str | None = None, retries: int = 2, retry_delay_s: float = 20.0,
             in_process: bool = False, sets: list[str] | None = None) -> dict:
     """Run `rounds` rounds (default: the config's) of rollout -> score -> curate -> train.

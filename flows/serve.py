@@ -1,8 +1,10 @@
 """Serve the deployments: `python -m flows.serve` (keeps running; Ctrl-C stops it).
 
-Deployments: iterate/demo (embedded default, configs/demo.yaml), iterate/default (--param config=PATH),
-score/rescore (re-score failed rows of a round), evaluate/default (a round's checkpoint on the test split).
-Then: `prefect deployment run iterate/demo [--param run_id=R] [--watch]`.
+Deployments: experiment/demo (the README's demo: configs/demo.yaml, one seed, held-out gain over the base
+model), experiment/learn (configs/learn.yaml, 3 seeds: docs/learning.md), experiment/default (--param
+config=PATH), iterate/smoke (the whole loop in minutes, configs/smoke.yaml), iterate/default (--param
+config=PATH), score/rescore (re-score failed rows of a round), evaluate/default (a round's checkpoint on the
+test split). Then: `prefect deployment run experiment/demo [--param run_id=R] [--watch]`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 
 from flows.evaluate import evaluate as evaluate_flow
-from flows.iterate import DEMO_CONFIG, REPO
+from flows.experiment import experiment as experiment_flow
+from flows.iterate import REPO, SMOKE_CONFIG
 from flows.iterate import iterate as iterate_flow
 from flows.runners import task_runner_from_spec
 from flows.score import score as score_flow
@@ -22,10 +25,17 @@ from flows.score import score as score_flow
 
 def deployments(task_runner: str = "thread") -> list[RunnerDeployment]:
     runner = task_runner_from_spec(task_runner)
-    iterate, score, evaluate = (f.with_options(task_runner=runner) for f in (iterate_flow, score_flow, evaluate_flow))
+    iterate, score, evaluate, experiment = (f.with_options(task_runner=runner)
+                                            for f in (iterate_flow, score_flow, evaluate_flow, experiment_flow))
     return [
-        iterate.to_deployment("demo", parameters={"config": DEMO_CONFIG},
-                              description="2 rounds of the embedded default (SmolLM2-135M, flat, procedural)."),
+        experiment.to_deployment("demo", parameters={"config": "configs/demo.yaml"},
+                                 description="The README's demo: one seed of SPOGW on Qwen2.5-Coder-0.5B, held-out "
+                                             "Mean@L of the base model and of the trained round, paired interval."),
+        experiment.to_deployment("learn", parameters={"config": "configs/learn.yaml"},
+                                 description="docs/learning.md: 3 seeds, held-out gain over the base model."),
+        experiment.to_deployment("default", description="A learning experiment of any config: --param config=PATH."),
+        iterate.to_deployment("smoke", parameters={"config": SMOKE_CONFIG},
+                              description="2 rounds of the whole loop in minutes (SmolLM2-135M, flat, procedural)."),
         iterate.to_deployment("default", description="Rounds of any config: --param config=configs/X.yaml."),
         score.to_deployment("rescore", parameters={"only_failed": True},
                             description="Re-score the failed rows of a round: --param run_id=R --param round=K."),

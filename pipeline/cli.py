@@ -5,6 +5,7 @@ Heavy libraries are imported inside commands so `--help` and `validate` stay ins
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -244,16 +245,58 @@ def run_cmd(
 
 
 @app.command()
+def experiment(
+    config: Annotated[Path, typer.Argument(help="Run config YAML (its `experiment` section).")],
+    seeds: Annotated[int | None, typer.Option("--seeds", help="Seeds 0..N-1 (default: experiment.seeds).")] = None,
+    run_id: RunIdOpt = None,
+    retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
+    sets: SetOpt = None,
+) -> None:
+    """Train S seeds x R rounds, evaluate the base model and every checkpoint on held-out queries, and print
+    the paired difference with its bootstrap interval (results under <store>/experiments/<run_id>/)."""
+    import shlex
+
+    from flows.experiment import run_experiment_direct
+    from flows.stages import StageError
+
+    command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    try:
+        summary = run_experiment_direct(config, seeds, run_id, sets or [], retries, command=command)
+    except (ConfigError, StageError, ValueError) as e:
+        _fail(str(e))
+    _echo_experiment(summary)
+    typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")
+
+
+def _echo_experiment(summary: dict) -> None:
+    from pipeline.experiment import headline
+
+    for a in summary["arms"]:
+        typer.echo(f"seed {a['seed']} {'base model' if a['round'] < 0 else 'round ' + str(a['round'])}: "
+                   f"held-out Mean@L {a['mean_at_l']:.3f}, Best@L {a['best_at_l']:.3f}, valid {a['valid_share']:.2f}, "
+                   f"status {a['status']}")
+    for line in headline(summary):
+        typer.echo(line)
+
+
+@app.command()
 def report(
     run_id: Annotated[str, typer.Argument(help="Run id.")],
     store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
     out: Annotated[Path | None, typer.Option("--out", help="HTML path (default <store>/<run_id>/report.html).")] = None,
 ) -> None:
-    """HTML report of a run: per-round plots and a summary table; prints the per-round numbers."""
+    """HTML report of a run (per-round plots, summary table) or of an experiment (paired held-out comparison);
+    prints its numbers."""
+    from pipeline.experiment import experiment_dir
     from pipeline.report import build_report, round_stats, stage_timings
     from pipeline.store import Store
 
     st = Store(store)
+    exp = experiment_dir(st, run_id) / "experiment.json"
+    if not (st.run_dir(run_id) / "config.yaml").is_file() and exp.is_file():
+        _echo_experiment(json.loads(exp.read_text()))
+        typer.echo(f"report: {exp.parent / 'report.html'}")
+        return
     try:
         path = build_report(st, run_id, out)
     except FileNotFoundError as e:

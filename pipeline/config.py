@@ -53,6 +53,10 @@ class GeneratorConfig(_Strict):
     enforce_eager: bool = Field(True, description="vllm: skip graph capture (fast start).")
     tensor_parallel_size: int = Field(1, gt=0, description="vllm: tensor parallel degree.")
     max_lora_rank: int = Field(64, gt=0, description="vllm: largest LoRA rank it can load.")
+    merge_adapter: Literal["auto", "always", "never"] = Field(
+        "auto", description="vllm: sample a round's adapter merged into a copy of the base weights instead of "
+        "through LoRA kernels (8x slower than the base model on CPU); auto = merge on CPU.",
+    )
 
 
 class PriceConfig(_Strict):
@@ -120,6 +124,12 @@ class RolloutConfig(_Strict):
         "and of the stored `text`.",
     )
     max_workflow_chars: int = Field(20000, gt=0, description="Static check: larger workflows are invalid.")
+    exemplars: bool = Field(True, description="Show scored exemplars from earlier rounds in prompts (round >= 1).")
+    exemplar_run: str | None = Field(
+        None, description="Draw exemplars from this run's rounds < exemplar_round instead of this run's earlier "
+        "rounds (evaluation runs: the trained run's, so prompts are built as in training).",
+    )
+    exemplar_round: int | None = Field(None, ge=0, description="With exemplar_run: use its rounds below this one.")
 
 
 class RewardConfig(_Strict):
@@ -190,10 +200,25 @@ class TrainingConfig(_Strict):
     loss_norm: Literal["sequence", "token"] = Field(
         "sequence", description="Mean per sequence then over sequences, or over all tokens of the batch."
     )
-    bf16: bool = Field(False, description="bf16 autocast (GPU).")
+    bf16: bool = Field(False, description="bf16 autocast of the policy forward passes (GPU; CPUs with AVX512-BF16).")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
     max_seq_len: int = Field(2048, gt=0, description="Prompt+completion tokens kept per sequence.")
     seed: int = Field(0, description="Training seed.")
+
+
+class ExperimentConfig(_Strict):
+    """`pipeline experiment`: S seeds x R rounds, every checkpoint and the base model on a held-out split."""
+
+    seeds: list[int] = Field(
+        default_factory=lambda: [0, 1, 2], min_length=1,
+        description="One run `<run_id>-s<seed>` per seed; the seed sets generator, training and curation seeds.",
+    )
+    eval_split: Literal["validate", "test"] = Field("test", description="Held-out split of the evaluations.")
+    eval_queries: int | None = Field(32, gt=0, description="Evaluate on the first N queries of that split.")
+    eval_l: int = Field(4, gt=0, description="L: workflows sampled per held-out query (Mean@L, Best@L).")
+    eval_rounds: Literal["all", "last"] = Field("all", description="Checkpoints evaluated besides the base model.")
+    bootstrap: int = Field(10000, gt=0, description="Bootstrap resamples of the paired differences.")
+    ci_level: float = Field(0.95, gt=0, lt=1, description="Level of the bootstrap interval.")
 
 
 class RunConfig(_Strict):
@@ -207,6 +232,7 @@ class RunConfig(_Strict):
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     curation: CurationConfig = Field(default_factory=CurationConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
 
     def config_hash(self) -> str:
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]

@@ -4,9 +4,22 @@ The evaluation is its own run, `<run_id>-eval-r<k>` (`-eval-<split>-r<k>` for a 
 test, `-eval-base` / `-eval-<split>-base` for the base model, k = -1): the trained run's config with
 `benchmark.train_split=<split>` and `generator.adapter=<checkpoint of round k>`, rolled out and
 scored at its round 0. Queries, generations and scores of the trained run are never written.
+
+Prompts are built as in training: checkpoint k samples round k+1's workflows in the trained run, so its
+evaluation shows exemplars drawn from the trained run's rounds <= k (`rollout.exemplar_run/round`); the
+base model (k = -1) gets round 0's prompts, which have none. Held-out queries have no exemplars of their
+own, so, as for any query without a pool in training, exemplars come from the run's whole pool.
+
+`eval_summary` reports per-query Mean@L and Best@L (pipeline.learning), the valid share and the status mix,
+with a workflow's score defined as in curation (`pipeline.curate.load_round`: mean over reps, invalid = 0,
+transient or unscored = no score yet).
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict
+
+import polars as pl
 
 from pipeline.config import ConfigError
 from pipeline.run import RunContext, open_run
@@ -39,14 +52,23 @@ def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
             raise ConfigError(f"run {run_id!r} has no checkpoint for round {round} ({ckpt}); train that round first")
         adapter = str(ckpt)
     frozen = [f"benchmark.train_split={split}", f"generator.adapter={adapter}", "rounds=1",
-              f"store.root={store.root}"]
+              f"store.root={store.root}", f"rollout.exemplar_run={run_id}", f"rollout.exemplar_round={round + 1}"]
     return open_run(saved, eid, 0, frozen + list(sets or []), str(store.root))
 
 
 def eval_summary(store: Store, eval_id: str) -> dict:
-    """Mean and best per-workflow score (mean over reps of the latest attempt) of an evaluation run."""
-    df = store.sql(
-        "SELECT count(*) AS workflows, avg(s) AS mean_score, max(s) AS best_score FROM ("
-        " SELECT gen_id, avg(score) AS s FROM latest_scores WHERE run_id = ? AND round = 0 GROUP BY gen_id)",
-        [eval_id])
-    return {"eval_run_id": eval_id, **df.row(0, named=True)}
+    """Split-level Mean@L / Best@L / valid share over the eval run's queries, the status mix of its latest
+    runs, and `per_query` (one dict per query: workflows, mean_at_l, best_at_l, valid_share, pending)."""
+    from pipeline.curate import load_round
+    from pipeline.learning import query_metrics, split_summary
+
+    ctx = open_run(None, eval_id, 0, None, str(store.root))
+    gens = load_round(ctx).filter(pl.col("kind") == "workflow")
+    rows = [{"query_id": r["query_id"], "valid": r["valid"], "score": r["score"] if r["state"] == "ok" else None}
+            for r in gens.iter_rows(named=True)]
+    per_query = query_metrics(rows)
+    status = store.sql("SELECT status, count(*) AS n FROM latest_scores WHERE run_id = ? AND round = 0 "
+                       "GROUP BY status ORDER BY status", [eval_id])
+    return {"eval_run_id": eval_id, **split_summary(per_query),
+            "status": dict(zip(status["status"].to_list(), status["n"].to_list(), strict=True)),
+            "per_query": [asdict(q) for q in per_query]}

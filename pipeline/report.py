@@ -175,3 +175,50 @@ def build_report(store: Store, run_id: str, out: Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)
     return out
+
+
+def build_experiment_report(summary: dict, out: Path) -> Path:
+    """HTML page of a learning experiment (pipeline.experiment): the paired differences with their intervals
+    (table and plot), the held-out numbers of every (seed, round) evaluation and the config's key numbers."""
+    import plotly.graph_objects as go
+
+    paired = pl.DataFrame(summary["paired"]) if summary["paired"] else pl.DataFrame()
+    arms = pl.DataFrame([{k: v for k, v in a.items() if k != "status"} | {"status": json.dumps(a.get("status"))}
+                         for a in summary["arms"]]) if summary["arms"] else pl.DataFrame()
+    parts = []
+    if paired.height:
+        fig = go.Figure()
+        for metric, name in (("mean_at_l", "Mean@L"), ("best_at_l", "Best@L")):
+            p = paired.filter(pl.col("metric") == metric)
+            fig.add_trace(go.Scatter(
+                x=[f"round {r}" for r in p["round"]], y=p["mean"].to_list(), mode="markers", name=name,
+                error_y={"type": "data", "symmetric": False, "array": (p["hi"] - p["mean"]).to_list(),
+                         "arrayminus": (p["mean"] - p["lo"]).to_list()}))
+        fig.add_hline(y=0, line_dash="dot")
+        fig.update_layout(yaxis_title="trained − base, per (seed, query)", height=380, margin={"t": 30})
+        parts.append("<h2>Paired difference to the base model (bootstrap interval)</h2>"
+                     + fig.to_html(full_html=False, include_plotlyjs=True))
+    if arms.height:
+        fig = go.Figure()
+        for metric, name in (("mean_at_l", "Mean@L"), ("best_at_l", "Best@L")):
+            for s in arms["seed"].unique().sort().to_list():
+                a = arms.filter(pl.col("seed") == s).sort("round")
+                fig.add_trace(go.Scatter(x=a["round"].to_list(), y=a[metric].to_list(), mode="lines+markers",
+                                         name=f"{name} seed {s}"))
+        fig.update_layout(xaxis_title="round (-1 = base model)", yaxis_title="held-out score", xaxis_dtick=1,
+                          height=380, margin={"t": 30})
+        parts.append("<h2>Held-out score per seed</h2>" + fig.to_html(full_html=False, include_plotlyjs=not parts))
+    title = f"experiment {summary['experiment']}"
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>body{{font-family:sans-serif;margin:2em}}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style>"
+        f"</head><body><h1>{html.escape(title)}</h1>"
+        f"<p>seeds {summary['seeds']}, {summary['rounds']} round(s), held-out split {summary['split']}: "
+        f"{summary['eval_queries']} queries x L={summary['eval_l']} workflows</p>"
+        f"<h2>Paired differences</h2>{_table(paired) if paired.height else '<p>no evaluation yet</p>'}"
+        f"<h2>Evaluations</h2>{_table(arms) if arms.height else ''}{''.join(parts)}</body></html>"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    return out

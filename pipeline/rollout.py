@@ -12,9 +12,11 @@ or an explicit generator.adapter, whose path is in `sampling`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
+import tempfile
 import time
 import zlib
 from collections.abc import Iterator
@@ -75,6 +77,23 @@ def resolve_adapter(ctx: RunContext) -> tuple[str | None, int | None]:
     return str(path.resolve()), rnd
 
 
+def exemplar_source(ctx: RunContext) -> tuple[str, int]:
+    """(run, round) whose prompt construction this rollout copies: exemplars come from that run's rounds below
+    that round. A run's own (run, round) by default; an evaluation run names the trained run and round k+1,
+    so checkpoint k is evaluated on prompts built exactly as round k+1's training prompts."""
+    ro = ctx.cfg.rollout
+    if ro.exemplar_run is None:
+        return ctx.run_id, ctx.round
+    return ro.exemplar_run, ctx.round if ro.exemplar_round is None else ro.exemplar_round
+
+
+def exemplar_pools(ctx: RunContext) -> Pools:
+    if not ctx.cfg.rollout.exemplars:
+        return Pools()
+    run, k = exemplar_source(ctx)
+    return load_pools(ctx.store, run, k, ctx.cfg.rollout.r_min_agent, ctx.cfg.rollout.r_min_workflow)
+
+
 def _rng(seed: int, key: str) -> random.Random:
     return random.Random(zlib.crc32(f"{seed}:{key}".encode()))
 
@@ -91,8 +110,10 @@ class _Rollout:
         self.ctx, self.cfg = ctx, ctx.cfg
         self.items, self.family, self.tokenizer, self.pools = items, family, tokenizer, pools
         self.adapter, self.adapter_round = adapter, adapter_round
-        self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, ctx.round)
-        self.tau_w = tau_at(self.cfg.rollout.tau_workflow, self.cfg.rollout.tau_decay, ctx.round)
+        self.sample_adapter = adapter  # what the engine applies: None when the adapter is merged into its weights
+        self.prompt_round = k = exemplar_source(ctx)[1]
+        self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, k)
+        self.tau_w = tau_at(self.cfg.rollout.tau_workflow, self.cfg.rollout.tau_decay, k)
 
     def existing(self) -> dict[str, dict]:
         df = self.ctx.store.read("generations", self.ctx.run_id, self.ctx.round)
@@ -104,7 +125,9 @@ class _Rollout:
         if not slots:
             return None
         key = parent_id or f"{kind}:{item.id}"
-        rng = _rng(self.cfg.generator.seed, f"{self.ctx.round}:{key}")
+        # keyed by the prompt's round (not the run's): an evaluation of checkpoint k picks the exemplars that
+        # round k+1 of training picked for the same query
+        rng = _rng(self.cfg.generator.seed, f"{self.prompt_round}:{key.removeprefix(f'r{self.ctx.round}-')}")
         if kind == "agent":
             shown = pick_exemplars(self.pools.agent_pool(item.id), self.tau_a, rng)
             user, max_tokens = agent_prompt(item.prompt, shown), self.cfg.rollout.max_plan_tokens
@@ -156,7 +179,7 @@ class _Rollout:
         for batch in _batches(requests, self.cfg.generator.batch_size):
             sampling = self.sampling(batch)
             t0 = time.perf_counter()
-            outs = gen.generate([r.prompt_text for r in batch], sampling, self.adapter)
+            outs = gen.generate([r.prompt_text for r in batch], sampling, self.sample_adapter)
             latency = (time.perf_counter() - t0) / max(1, sampling.n * len(batch))
             rows = [row for r, comps in zip(batch, outs, strict=True) for row in self.rows(r, comps, sampling, latency)]
             self.ctx.store.write("generations", rows, self.ctx.run_id, self.ctx.round)
@@ -193,6 +216,44 @@ def _counts(ctx: RunContext, sampled: int) -> dict:
                 workflows=int((df["kind"] == "workflow").sum()), valid=int(df["valid"].sum()), sampled_now=sampled)
 
 
+def _start_generator(ctx: RunContext, ro: _Rollout, stack: contextlib.ExitStack) -> Generator:
+    """The round's engine. A vLLM engine on CPU samples an adapter merged into a temporary copy of the base
+    weights (generator.merge_adapter), removed when the stage ends; otherwise the engine applies the adapter."""
+    g = ctx.cfg.generator
+    from pipeline.generation.vllm_offline import cuda_available
+
+    merge = g.merge_adapter == "always" or (g.merge_adapter == "auto" and not cuda_available())
+    if ro.adapter is None or g.backend != "vllm" or not merge:
+        return make_generator(g, enable_lora=ro.adapter is not None)
+    from pipeline.models import cache_dir, merge_adapter
+
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="merged-", dir=_mkdir(cache_dir() / "merged")))
+    t0 = time.perf_counter()
+    folder = merge_adapter(g.model, ro.adapter, Path(tmp) / "model", g.dtype)
+    log.info("adapter %s merged into %s in %.1fs (vLLM on CPU: no LoRA kernels)", ro.adapter, folder,
+             time.perf_counter() - t0)
+    ro.sample_adapter = None
+    return make_generator(g.model_copy(update={"model": str(folder)}), enable_lora=False)
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _sample_all(ctx: RunContext, ro: _Rollout, gen: Generator, todo: list[Request]) -> int:
+    total = sum(len(r.slots) for r in todo)
+    if ctx.cfg.rollout.mode == "two_level":  # workflows of agents sampled in this run are not known yet
+        total += sum(len(r.slots) for r in todo if r.kind == "agent") * ctx.cfg.rollout.n_workflows
+    sampled = 0
+    with tqdm(total=total, desc=f"rollout r{ctx.round}", unit="gen") as bar:
+        while todo:
+            sampled += ro.sample(gen, todo, bar)
+            # two-level: the agents just written unlock their workflows; flat finishes in one pass
+            todo = ro.requests(ro.existing()) if ctx.cfg.rollout.mode == "two_level" else []
+    return sampled
+
+
 def run_rollout(ctx: RunContext) -> dict:
     """Sample what round `ctx.round` is missing; all input checks happen before anything is written."""
     cfg = ctx.cfg
@@ -205,26 +266,17 @@ def run_rollout(ctx: RunContext) -> dict:
     require_chat_template(tokenizer, cfg.generator.model)
     bench = load_benchmark(cfg.benchmark)
     items = bench.items()
-    pools = load_pools(ctx.store, ctx.run_id, ctx.round, cfg.rollout.r_min_agent, cfg.rollout.r_min_workflow)
+    pools = exemplar_pools(ctx)
     ro = _Rollout(ctx, items, bench.family, tokenizer, pools, adapter, adapter_round)
     have = ro.existing()
     todo = ro.requests(have)
-    gen = make_generator(cfg.generator, enable_lora=adapter is not None) if todo else None
-    _write_queries(ctx, items)
     sampled = 0
-    if gen is not None:
-        total = sum(len(r.slots) for r in todo)
-        if cfg.rollout.mode == "two_level":  # workflows of agents sampled in this run are not known yet
-            missing_agents = sum(len(r.slots) for r in todo if r.kind == "agent")
-            total += missing_agents * cfg.rollout.n_workflows
-        try:
-            with tqdm(total=total, desc=f"rollout r{ctx.round}", unit="gen") as bar:
-                while todo:
-                    sampled += ro.sample(gen, todo, bar)
-                    # two-level: the agents just written unlock their workflows; flat finishes in one pass
-                    todo = ro.requests(ro.existing()) if cfg.rollout.mode == "two_level" else []
-        finally:
-            gen.close()
+    with contextlib.ExitStack() as stack:
+        gen = _start_generator(ctx, ro, stack) if todo else None
+        _write_queries(ctx, items)  # after the engine started: a backend that cannot start writes nothing
+        if gen is not None:
+            stack.callback(gen.close)
+            sampled = _sample_all(ctx, ro, gen, todo)
     counts = _counts(ctx, sampled)
     ctx.finish("rollout", queries=len(items), **counts)
     log.info("rollout round %d: %s", ctx.round, counts)

@@ -3,7 +3,8 @@
 Data: every member of every kept group is one sequence (prompt_token_ids + token_ids, the loss on
 the completion only) with its group advantage; a workflow kept in several groups appears several
 times. π_old = the adapter as loaded (previous round's checkpoint, or a fresh LoRA = the base model),
-recomputed here in fp32 once before the first step; the reference is that same model by default.
+recomputed here once before the first step (fp32, or under the bf16 autocast of training when
+training.bf16); the reference is that same model by default.
 
 Crash safety: the checkpoint is saved to a temp folder and renamed into place; `train_metrics` and
 the `checkpoints` row are written once, at the end, after the adapter is saved. A re-run without
@@ -13,6 +14,7 @@ starts the round's training over.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -174,8 +176,11 @@ def load_policy(ctx, device: str):
 
 @torch.no_grad()
 def reference_logprobs(model, seqs: list[TrainSequence], mbs: int, pad_id: int, device: str,
-                       disable_adapter: bool = False, desc: str = "old logprobs") -> dict[str, torch.Tensor]:
-    """Per unique gen_id, fp32 completion log-probs of `model` in eval mode (no dropout)."""
+                       disable_adapter: bool = False, desc: str = "old logprobs",
+                       bf16: bool = False) -> dict[str, torch.Tensor]:
+    """Per unique gen_id, completion log-probs (fp32 values) of `model` in eval mode (no dropout), under the
+    same bf16 autocast as the training forward when `bf16`: π_old and π_θ are then the same computation at the
+    first step (ratio 1, k3 0 before any update), and the pass costs half the fp32 time on CPU."""
     from tqdm import tqdm
 
     was_training = model.training
@@ -186,11 +191,9 @@ def reference_logprobs(model, seqs: list[TrainSequence], mbs: int, pad_id: int, 
         for i in tqdm(range(0, len(uniq), mbs), desc=desc, unit="batch", leave=False):
             chunk = uniq[i: i + mbs]
             batch = collate(chunk, pad_id, device)
-            if disable_adapter:
-                with model.disable_adapter():
-                    lp = completion_logprobs(model, batch)
-            else:
-                lp = completion_logprobs(model, batch)
+            with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16), \
+                    model.disable_adapter() if disable_adapter else contextlib.nullcontext():
+                lp = completion_logprobs(model, batch).float()
             for b, s in enumerate(chunk):
                 out[s.gen_id] = lp[b, : len(s.completion_ids)].cpu()
     finally:
@@ -275,11 +278,12 @@ def run_train(ctx) -> dict:
     if tc.gradient_checkpointing:
         model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mbs = tc.micro_batch_size
-    old = reference_logprobs(model, seqs, mbs, pad_id, device)
+    old = reference_logprobs(model, seqs, mbs, pad_id, device, bf16=tc.bf16)
     if tc.reference == "none":
         ref = None
     elif tc.reference == "base" and ctx.round > 0:
-        ref = reference_logprobs(model, seqs, mbs, pad_id, device, disable_adapter=True, desc="ref logprobs")
+        ref = reference_logprobs(model, seqs, mbs, pad_id, device, disable_adapter=True, desc="ref logprobs",
+                                 bf16=tc.bf16)
     else:  # previous round's checkpoint = π_old (at round 0 both are the base model: a fresh LoRA is a no-op)
         ref = old
     params = [p for p in model.parameters() if p.requires_grad]

@@ -7,7 +7,7 @@ from pipeline.config import ConfigError, RunConfig, apply_overrides, diff_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "spogw-humaneval.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "smoke.yaml", "learn.yaml", "spogw-humaneval.yaml"])
 def test_shipped_configs_validate(name):
     cfg = load_config(ROOT / "configs" / name)
     assert cfg.run_id
@@ -20,10 +20,13 @@ def test_paper_settings():
     assert (cfg.executor.model, cfg.executor.temperature) == ("gpt-4o-mini", 0.0)
 
 
-def test_demo_is_embedded():
-    cfg = load_config(ROOT / "configs" / "demo.yaml")
-    assert cfg.generator.model.startswith("embedded:") and cfg.executor.kind == "local"
-    assert cfg.generator.backend == "transformers"
+def test_demo_and_smoke_are_embedded():
+    for name in ("demo.yaml", "smoke.yaml", "learn.yaml"):
+        cfg = load_config(ROOT / "configs" / name)
+        assert cfg.generator.model.startswith("embedded:") and cfg.executor.kind == "local"
+    assert load_config(ROOT / "configs" / "smoke.yaml").generator.backend == "transformers"
+    demo, learn = load_config(ROOT / "configs" / "demo.yaml"), load_config(ROOT / "configs" / "learn.yaml")
+    assert demo.experiment.seeds == [0] and len(learn.experiment.seeds) >= 3  # docs/learning.md: 3 seeds
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path):

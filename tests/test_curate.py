@@ -353,7 +353,7 @@ def _ctx(tmp_path, sets=()):
     from pipeline.run import open_run
 
     pinned = [f"store.root={tmp_path}", "curation.n=3", "curation.t=1", "curation.top_n=8"]  # not the demo's tuning
-    return open_run("configs/demo.yaml", f"c{uuid.uuid4().hex[:6]}", 0, [*pinned, *sets], store_root=str(tmp_path))
+    return open_run("configs/smoke.yaml", f"c{uuid.uuid4().hex[:6]}", 0, [*pinned, *sets], store_root=str(tmp_path))
 
 
 def _gen(gen_id, qid, slot, kind="workflow", parent=None, valid=True):

@@ -48,6 +48,9 @@ class FakeStages:
             if stage == "score" and self.score_leaves_failures:
                 self.score_leaves_failures -= 1
                 return {"failed": 1}
+            if stage == "rollout":
+                ctx.store.write("generations", [{"gen_id": f"g{ctx.round}", "kind": "workflow", "query_id": "q",
+                                                 "valid": True}], ctx.run_id, ctx.round)
             if stage == "score":
                 ctx.store.write("scores", [{"gen_id": f"g{ctx.round}", "rep": 0, "attempt": 0, "status": "ok",
                                             "score": 0.25 * (ctx.round + 1)}], ctx.run_id, ctx.round)
@@ -132,7 +135,7 @@ def test_evaluate_writes_only_a_derived_run(harness, tmp_path, monkeypatch):
     before = sorted(p.relative_to(st.root) for p in (st.root / "r").rglob("*.parquet"))
     fake.calls.clear()
     out = evaluate("r", 0, store=str(st.root), in_process=True, retry_delay_s=0)
-    assert out["eval_run_id"] == "r-eval-r0" and out["mean_score"] == 0.25
+    assert out["eval_run_id"] == "r-eval-r0" and out["mean_at_l"] == 0.25 and out["best_at_l"] == 0.25
     assert fake.calls == [("rollout", 0), ("score", 0)]
     assert sorted(p.relative_to(st.root) for p in (st.root / "r").rglob("*.parquet")) == before
     ev = open_run(None, "r-eval-r0", 0, store_root=str(st.root)).cfg
@@ -392,3 +395,56 @@ def test_launcher_switch_runs_the_child_under_accelerate(tmp_path, monkeypatch):
     with pytest.raises(StageError) as e:
         stages._run_child("curate", "r", 0, str(tmp_path / "runs"), [], False)
     assert not e.value.transient and "rounds" in e.value.reason
+
+
+def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness, tmp_path, monkeypatch):
+    """Two seeds x two rounds; a fake scorer gives the base model 0 on q0 and 0.5 on q1 and any checkpoint 1.0:
+    per seed the paired differences are [1.0, 0.5], so the pooled mean is 0.75 over 4 pairs."""
+    from flows.experiment import experiment, run_experiment_direct
+    from pipeline.experiment import experiment_dir
+
+    calls = []
+
+    def make(stage):
+        def fn(ctx, only_failed=False):
+            calls.append((ctx.run_id, stage, ctx.round))
+            if stage == "rollout":
+                ctx.store.write("generations", [{"gen_id": f"g{q}{j}", "kind": "workflow", "query_id": f"q{q}",
+                                                 "valid": True} for q in range(2) for j in range(2)],
+                                ctx.run_id, ctx.round)
+            if stage == "score":
+                trained = ctx.cfg.generator.adapter is not None
+                ctx.store.write("scores", [{"gen_id": f"g{q}{j}", "rep": 0, "attempt": 0, "status": "ok",
+                                            "score": 1.0 if trained else 0.5 * q} for q in range(2) for j in range(2)],
+                                ctx.run_id, ctx.round)
+            if stage == "train":
+                ctx.store.checkpoint_dir(ctx.run_id, ctx.round).mkdir(parents=True)
+            ctx.finish(stage, rows=1)
+            return {"rows": 1}
+        return fn
+
+    monkeypatch.setattr(stages, "stage_function", make)
+    monkeypatch.setattr(stages, "ISOLATED_STAGES", frozenset())
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_id: x\nrounds: 2\nstore:\n  root: {tmp_path / 'runs'}\n"
+                   "experiment:\n  seeds: [3, 4]\n  eval_queries: 5\n  eval_l: 2\n")
+    out = run_experiment_direct(cfg)
+    train = ["rollout", "score", "curate", "train"] * 2
+    ev = ["rollout", "score"] * 3  # base, round 0, round 1
+    for s in (3, 4):
+        assert [c[1] for c in calls if c[0] == f"x-s{s}"] == train
+        assert [c[1] for c in calls if c[0].startswith(f"x-s{s}-eval")] == ev
+        run = open_run(None, f"x-s{s}", 0, store_root=str(tmp_path / "runs")).cfg
+        assert (run.generator.seed, run.training.seed, run.curation.seed) == (s, s, s)
+    e1 = open_run(None, "x-s3-eval-r1", 0, store_root=str(tmp_path / "runs")).cfg
+    assert (e1.benchmark.max_queries, e1.rollout.m, e1.benchmark.train_split) == (5, 2, "test")
+    assert (e1.rollout.exemplar_run, e1.rollout.exemplar_round, e1.generator.seed) == ("x-s3", 2, 3)
+    mean = [p for p in out["paired"] if p["metric"] == "mean_at_l"]
+    assert [(p["round"], p["n"], p["mean"], p["base"], p["trained"]) for p in mean] == [(0, 4, 0.75, 0.25, 1.0),
+                                                                                        (1, 4, 0.75, 0.25, 1.0)]
+    body = json.loads((experiment_dir(Store(tmp_path / "runs"), "x") / "experiment.json").read_text())
+    assert body["seeds"] == [3, 4] and len(body["arms"]) == 6 and len(body["per_query"]) == 12
+    assert (experiment_dir(Store(tmp_path / "runs"), "x") / "report.html").is_file()
+    calls.clear()
+    again = experiment(str(cfg))  # the Prefect flow over the same runs: every stage is skipped by its manifest
+    assert calls == [] and [p["mean"] for p in again["paired"]] == [0.75] * 4

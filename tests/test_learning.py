@@ -44,7 +44,7 @@ def test_bootstrap_interval_hand_computed():
     # 9 of 10 pairs improved by 0.5, one by 0: a resampled mean is at least 0.5 * (k/10) with k ~ Bin(10, 0.9);
     # P(k <= 6) = 0.013 < 2.5%, so the lower bound is >= 0.35
     ci = bootstrap_ci([0.5] * 9 + [0.0], seed=0)
-    assert ci.mean == 0.45 and 0.35 <= ci.lo and ci.hi == 0.5
+    assert ci.mean == 0.45 and ci.lo >= 0.35 and ci.hi == 0.5
 
 
 def test_bootstrap_refuses_empty():

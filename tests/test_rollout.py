@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -248,3 +249,93 @@ def test_real_transformers_rollout_round0_and_adapter_round1(tmp_path, monkeypat
     assert t0[0] == t0[1]  # greedy: both slots agree
     assert r1["adapter_round"].to_list() == [0, 0]
     assert t1[0] != t0[0]  # the adapter changed the policy
+
+
+def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake):
+    """Checkpoint 0 samples round 1 in training; its evaluation (same queries here) must see the same prompts,
+    exemplars included; the base model's evaluation sees round 0's prompts (no exemplars)."""
+    import yaml
+
+    from pipeline.evaluate import open_eval_run
+    from pipeline.run import open_run
+
+    fake()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"run_id": "t", "store": {"root": str(tmp_path)}, "benchmark": {"max_queries": 2},
+                                   "generator": {"batch_size": 2}, "rollout": {"m": 3}}))
+    ctx = open_run(cfg, "t", 0)
+    run_rollout(ctx)
+    _round0_scores(ctx)
+    ckpt = ctx.store.checkpoint_dir("t", 0)
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text("{}")
+    run_rollout(ctx.at_round(1))
+    train = ctx.store.read("generations", "t", 1).group_by("query_id").agg(pl.col("prompt_text").first(),
+                                                                          pl.col("exemplar_ids").first())
+    assert all(len(ids) == 2 for ids in train["exemplar_ids"])  # round 1's training prompts carry exemplars
+
+    ev = open_eval_run(str(tmp_path), "t", 0, split="validate")
+    run_rollout(ev)
+    got = ev.store.read("generations", ev.run_id, 0).group_by("query_id").agg(pl.col("prompt_text").first(),
+                                                                              pl.col("exemplar_ids").first())
+    assert got.sort("query_id").to_dicts() == train.sort("query_id").to_dicts()
+
+    base = open_eval_run(str(tmp_path), "t", -1, split="validate")
+    run_rollout(base)
+    r0 = ctx.store.read("generations", "t", 0).group_by("query_id").agg(pl.col("prompt_text").first())
+    b = base.store.read("generations", base.run_id, 0).group_by("query_id").agg(pl.col("prompt_text").first())
+    assert b.sort("query_id").to_dicts() == r0.sort("query_id").to_dicts()
+    assert set(base.store.read("generations", base.run_id, 0)["exemplar_ids"].list.len().to_list()) == {0}
+
+
+def test_exemplars_switch_off_gives_round0_prompts_in_every_round(tmp_path, fake):
+    fake()
+    ctx = make_ctx(tmp_path, rollout={"exemplars": False})
+    run_rollout(ctx)
+    _round0_scores(ctx)
+    ckpt = ctx.store.checkpoint_dir("t", 0)
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text("{}")
+    run_rollout(ctx.at_round(1))
+    p0 = sorted(set(ctx.store.read("generations", "t", 0)["prompt_text"]))
+    p1 = sorted(set(ctx.store.read("generations", "t", 1)["prompt_text"]))
+    assert p0 == p1 and "Score " not in p1[0]
+
+
+@pytest.mark.slow
+def test_vllm_on_cpu_samples_the_adapter_merged(tmp_path, fake, monkeypatch):
+    """vLLM's LoRA kernels are ~8x slower than the base model on CPU: the rollout merges the round's adapter into
+    a temporary copy of the base weights, starts the engine on it without LoRA, and removes it afterwards. The
+    merged model computes what base + adapter computes."""
+    from test_generation import make_adapter
+
+    from pipeline.models import load_causal_lm, merge_adapter
+
+    adapter = make_adapter(tmp_path / "lora", seed=2, scale=0.05)
+    merged = merge_adapter("embedded:smollm2-135m-instruct", adapter, tmp_path / "merged")
+    from peft import PeftModel
+
+    ids = torch.tensor([[1, 450, 3290, 310, 2]])
+    peft_lm = PeftModel.from_pretrained(load_causal_lm("embedded:smollm2-135m-instruct", device="cpu"), adapter)
+    with torch.no_grad():
+        want = peft_lm(ids).logits
+        got = load_causal_lm(str(merged), device="cpu")(ids).logits
+        base = load_causal_lm("embedded:smollm2-135m-instruct", device="cpu")(ids).logits
+    assert torch.allclose(got, want, atol=1e-4) and not torch.allclose(base, want, atol=1e-2)
+
+    gens = fake()
+    seen = {}
+    monkeypatch.setattr(rollout, "make_generator", lambda cfg, enable_lora=False, **_: (
+        seen.update(model=cfg.model, lora=enable_lora, exists=Path(cfg.model, "config.json").is_file())
+        or gens.append(FakeGen()) or gens[-1]))
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "cache"))
+    import pipeline.models
+
+    monkeypatch.setattr(pipeline.models, "cache_dir", lambda: tmp_path / "cache")
+    ctx = make_ctx(tmp_path / "store", generator={"backend": "vllm", "adapter": adapter, "batch_size": 2})
+    run_rollout(ctx)
+    assert seen["lora"] is False and seen["exists"] and seen["model"].startswith(str(tmp_path / "cache" / "merged"))
+    assert all(call[2] is None for call in gens[-1].calls)  # the engine applies no adapter: it is in the weights
+    assert not Path(seen["model"]).exists()  # the merged copy is gone with the stage
+    df = ctx.store.read("generations", "t", 0)
+    assert set(df["model"]) == {"embedded:smollm2-135m-instruct"} and adapter in df["sampling"][0]

@@ -102,7 +102,7 @@ def make_run(tmp_path: Path, workflows: list[str], benchmark: dict | None = None
              executor: dict | None = None, **scoring) -> tuple[Path, str]:
     """A run whose round 0 holds `n_queries` queries and each workflow once per query."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    cfg = yaml.safe_load(Path("configs/demo.yaml").read_text())
+    cfg = yaml.safe_load(Path("configs/smoke.yaml").read_text())
     cfg["store"]["root"] = str(tmp_path / "store")
     cfg["run_id"] = "t"
     cfg["benchmark"] = benchmark or {"name": "procedural", "tasks": ["chain_sum"], "size": 10}

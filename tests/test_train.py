@@ -85,7 +85,7 @@ def _open(tmp_path, sets):
     from pipeline.run import open_run
 
     pinned = [f"store.root={tmp_path}", "curation.n=3", "curation.t=1", "curation.top_n=8", "training.lr=1e-4"]
-    return open_run("configs/demo.yaml", f"t{uuid.uuid4().hex[:6]}", 0, [*pinned, *sets], store_root=str(tmp_path))
+    return open_run("configs/smoke.yaml", f"t{uuid.uuid4().hex[:6]}", 0, [*pinned, *sets], store_root=str(tmp_path))
 
 
 def _seed_round(ctx, samples) -> None:
@@ -138,6 +138,23 @@ def test_mechanism_curate_then_train_moves_logprobs(tmp_path, samples):
     assert m["tokens"].sum() == counts["tokens"] > 0
     ck = ctx.store.read("checkpoints", ctx.run_id, 0)
     assert ck.height == 1 and ck["rows_used"][0] == 16
+
+
+@pytest.mark.slow
+def test_bf16_first_step_has_ratio_one(tmp_path, samples):
+    """Under bf16 autocast, π_old is computed under the same autocast as π_θ (and without dropout): before any
+    update the two agree exactly, so the first step has KL (k3) 0 and no clipped token. With π_old in fp32
+    against a bf16 π_θ, the first step's log-ratio is bf16 rounding noise, and k3 > 0."""
+    from pipeline.curate import run_curate
+    from pipeline.train import run_train
+
+    ctx = _open(tmp_path, ["training.bf16=true", "training.lora_dropout=0.0", "training.micro_batch_size=8",
+                           "training.grad_accum=2"])
+    _seed_round(ctx, samples)
+    run_curate(ctx)
+    run_train(ctx)
+    m = ctx.store.read("train_metrics", ctx.run_id, 0).sort("step")
+    assert m["kl"][0] == 0.0 and m["clip_frac"][0] == 0.0
 
 
 @pytest.mark.slow

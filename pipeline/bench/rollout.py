@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from pipeline.generation import GenerationError, Sampling
-from pipeline.models import load_tokenizer
+from pipeline.models import load_causal_lm, load_tokenizer
 from pipeline.prompting import render, workflow_prompt
 
 MODEL = "embedded:smollm2-135m-instruct"
@@ -76,8 +76,23 @@ def bench_transformers(prompts: list[str], sampling: Sampling, reps: int) -> Non
     def backend() -> int:
         return sum(len(c.token_ids) for row in gen.generate(prompts, sampling) for c in row)
 
-    report("transformers", best_of({"raw model.generate": raw, "TransformersGenerator": backend}, reps),
-           "raw model.generate")
+    # a round >= 1 samples with the previous round's LoRA adapter: merged once into a copy of the base weights,
+    # so it must cost no more per token than the base model (an unmerged adapter adds its matmuls to every step)
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
+        lora = get_peft_model(load_causal_lm(MODEL, device="cpu"), LoraConfig(r=16, lora_alpha=32, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        lora.save_pretrained(tmp)  # B = 0: the same tokens as the base model, so the token counts match
+        with_adapter = TransformersGenerator(MODEL)
+
+        def adapted() -> int:
+            return sum(len(c.token_ids) for row in with_adapter.generate(prompts, sampling, tmp) for c in row)
+
+        report("transformers", best_of({"raw model.generate": raw, "TransformersGenerator": backend,
+                                        "TransformersGenerator+LoRA": adapted}, reps), "raw model.generate")
 
 
 def bench_vllm(prompts: list[str], sampling: Sampling, reps: int) -> None:

@@ -34,7 +34,7 @@ def import_vllm() -> Any:
 
 def cpu_defaults() -> None:
     """Environment vLLM needs on a machine without CUDA (set only where the user has not)."""
-    if not _cuda():
+    if not cuda_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -56,12 +56,12 @@ def engine_kwargs(model_ref: str, *, dtype: str = "float32", enable_lora: bool =
     )
     if enable_lora:
         kw.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
-    if not _cuda():  # see the module doc: no partial prefills, so no discarded seeded samples
+    if not cuda_available():  # see the module doc: no partial prefills, so no discarded seeded samples
         kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
     return kw
 
 
-def _cuda() -> bool:
+def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()

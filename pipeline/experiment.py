@@ -1,0 +1,135 @@
+"""The learning experiment (`pipeline experiment CONFIG`): does training make the generator better on held-out
+queries than the base model it started from?
+
+For each seed s of `experiment.seeds`: the run `<run_id>-s<s>` trains `rounds` rounds of CONFIG with the
+generator, training and curation seeds set to s; then the base model (k = -1) and each round's checkpoint are
+evaluated on the first `eval_queries` queries of `eval_split`, L = `eval_l` workflows per query, in derived
+runs (pipeline.evaluate: prompts built as in training). A base model and a checkpoint of the same seed sample
+with the same seed, so their per-query numbers pair up.
+
+The summary pools the per-query paired differences (round k minus base, same seed and query) over seeds and
+gives each mean a percentile-bootstrap interval (pipeline.learning). It is written to
+`<store>/experiments/<run_id>/` as experiment.json (everything), per_query.csv and report.html.
+This module holds the plan and the summary; flows/experiment.py runs the stages (with or without Prefect).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import polars as pl
+
+from pipeline.config import RunConfig
+from pipeline.evaluate import eval_run_id, eval_summary
+from pipeline.learning import METRICS, bootstrap_ci, paired_differences
+from pipeline.store import Store
+
+BASE = -1  # the round index of the base model in evaluations
+
+
+def seed_run_id(run_id: str, seed: int) -> str:
+    return f"{run_id}-s{seed}"
+
+
+def seed_sets(seed: int) -> list[str]:
+    """Overrides that make a seed's run: every source of randomness of a round follows the seed."""
+    return [f"generator.seed={seed}", f"training.seed={seed}", f"curation.seed={seed}"]
+
+
+def eval_sets(cfg: RunConfig) -> list[str]:
+    """Overrides of an evaluation run: the held-out query count and L (flat: L samples per query)."""
+    ex = cfg.experiment
+    sets = [f"benchmark.max_queries={'null' if ex.eval_queries is None else ex.eval_queries}"]
+    if cfg.rollout.mode == "flat":
+        sets.append(f"rollout.m={ex.eval_l}")
+    return sets
+
+
+def eval_rounds(cfg: RunConfig) -> list[int]:
+    """The base model, then every round's checkpoint (or only the last)."""
+    last = cfg.rounds - 1
+    return [BASE] + (list(range(cfg.rounds)) if cfg.experiment.eval_rounds == "all" else [last])
+
+
+@dataclass(frozen=True)
+class SeedPlan:
+    seed: int
+    run_id: str
+    sets: list[str]
+
+
+def plan(cfg: RunConfig, seeds: list[int] | None = None) -> list[SeedPlan]:
+    seeds = list(cfg.experiment.seeds if seeds is None else seeds)
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"experiment seeds repeat: {seeds}")
+    return [SeedPlan(s, seed_run_id(cfg.run_id, s), seed_sets(s)) for s in seeds]
+
+
+def experiment_dir(store: Store, run_id: str) -> Path:
+    return store.root / "experiments" / run_id
+
+
+def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
+    """Per (seed, evaluated round): the eval run's summary; per round k >= 0 and metric: the pooled paired
+    difference to the base model with its bootstrap interval."""
+    split, ex = cfg.experiment.eval_split, cfg.experiment
+    arms, per_query = [], []
+    for s in seeds:
+        for k in eval_rounds(cfg):
+            eid = eval_run_id(seed_run_id(cfg.run_id, s), k, split)
+            if not (store.run_dir(eid) / "config.yaml").is_file():
+                continue
+            summ = eval_summary(store, eid)
+            arms.append({"seed": s, "round": k, **{key: v for key, v in summ.items() if key != "per_query"}})
+            per_query += [{"seed": s, "round": k, **q} for q in summ["per_query"]]
+    paired = []
+    for k in [r for r in eval_rounds(cfg) if r != BASE]:
+        for metric in METRICS:
+            diffs = []
+            for s in seeds:
+                base = {q["query_id"]: q[metric] for q in per_query if q["seed"] == s and q["round"] == BASE}
+                arm = {q["query_id"]: q[metric] for q in per_query if q["seed"] == s and q["round"] == k}
+                diffs += list(paired_differences(arm, base).values())
+            if not diffs:
+                continue
+            ci = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0)
+            base_mean = _mean([q[metric] for q in per_query if q["round"] == BASE])
+            arm_mean = _mean([q[metric] for q in per_query if q["round"] == k])
+            paired.append({"round": k, "metric": metric, "base": base_mean, "trained": arm_mean, **asdict(ci)})
+    return {"experiment": cfg.run_id, "seeds": seeds, "rounds": cfg.rounds, "split": split,
+            "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "arms": arms, "paired": paired,
+            "per_query": per_query}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def write_results(store: Store, summary: dict, extra: dict | None = None) -> Path:
+    """experiment.json, per_query.csv and report.html under <store>/experiments/<run_id>/; returns the folder."""
+    from pipeline.report import build_experiment_report
+
+    out = experiment_dir(store, summary["experiment"])
+    out.mkdir(parents=True, exist_ok=True)
+    body = {**summary, **(extra or {})}
+    tmp = out / ".experiment.json.tmp"
+    tmp.write_text(json.dumps(body, indent=1, default=str))
+    tmp.replace(out / "experiment.json")
+    if summary["per_query"]:
+        pl.DataFrame(summary["per_query"]).write_csv(out / "per_query.csv")
+    build_experiment_report(body, out / "report.html")
+    return out
+
+
+def headline(summary: dict) -> list[str]:
+    """Lines a person reads first: per evaluated round, held-out Mean@L / Best@L against the base model."""
+    lines = []
+    for p in summary["paired"]:
+        name = {"mean_at_l": "Mean@L", "best_at_l": "Best@L"}[p["metric"]]
+        lines.append(
+            f"round {p['round']} vs base, held-out {name} (L={summary['eval_l']}, {p['n']} seed x query pairs): "
+            f"base {p['base']:.3f} -> trained {p['trained']:.3f}, paired difference {p['mean']:+.3f} "
+            f"[{p['lo']:+.3f}, {p['hi']:+.3f}] {int(round(100 * p['level']))}% bootstrap CI")
+    return lines
