@@ -329,4 +329,7 @@ def evaluate(
             record_timing(ctx.store.root, ctx.run_id, run_stage(stage, ctx.run_id, 0, str(ctx.store.root), sets))
     except (ConfigError, StageError) as e:
         _fail(str(e))
-    typer.echo(eval_summary(Store(ctx.store.root), ctx.run_id))
+    summ = eval_summary(Store(ctx.store.root), ctx.run_id)
+    typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, held-out Mean@L {summ['mean_at_l']}, Best@L "
+               f"{summ['best_at_l']}, valid {summ['valid_share']}, status {summ['status']} (per query: pipeline sql "
+               f"over run {summ['eval_run_id']})")

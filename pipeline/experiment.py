@@ -8,7 +8,8 @@ runs (pipeline.evaluate: prompts built as in training). A base model and a check
 with the same seed, so their per-query numbers pair up.
 
 The summary pools the per-query paired differences (round k minus base, same seed and query) over seeds and
-gives each mean a percentile-bootstrap interval (pipeline.learning). It is written to
+gives each mean a percentile-bootstrap interval over pairs, a second one over queries (a drawn query brings
+all its seeds' pairs: the conservative one) and each seed's own mean and interval (pipeline.learning). It is written to
 `<store>/experiments/<run_id>/` as experiment.json (everything), per_query.csv and report.html.
 This module holds the plan and the summary; flows/experiment.py runs the stages (with or without Prefect).
 """
@@ -87,17 +88,26 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
     paired = []
     for k in [r for r in eval_rounds(cfg) if r != BASE]:
         for metric in METRICS:
-            diffs = []
+            pairs: list[tuple[int, str, float]] = []  # (seed, query, arm - base)
             for s in seeds:
                 base = {q["query_id"]: q[metric] for q in per_query if q["seed"] == s and q["round"] == BASE}
                 arm = {q["query_id"]: q[metric] for q in per_query if q["seed"] == s and q["round"] == k}
-                diffs += list(paired_differences(arm, base).values())
-            if not diffs:
+                pairs += [(s, qid, d) for qid, d in paired_differences(arm, base).items()]
+            if not pairs:
                 continue
+            diffs = [d for _, _, d in pairs]
             ci = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0)
+            by_query = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0, clusters=[q for _, q, _ in pairs])
+            per_seed = []
+            for s in seeds:
+                mine = [d for ss, _, d in pairs if ss == s]
+                if mine:
+                    c = bootstrap_ci(mine, ex.bootstrap, ex.ci_level, seed=0)
+                    per_seed.append({"seed": s, "n": c.n, "mean": c.mean, "lo": c.lo, "hi": c.hi})
             base_mean = _mean([q[metric] for q in per_query if q["round"] == BASE])
             arm_mean = _mean([q[metric] for q in per_query if q["round"] == k])
-            paired.append({"round": k, "metric": metric, "base": base_mean, "trained": arm_mean, **asdict(ci)})
+            paired.append({"round": k, "metric": metric, "base": base_mean, "trained": arm_mean, **asdict(ci),
+                           "lo_by_query": by_query.lo, "hi_by_query": by_query.hi, "per_seed": per_seed})
     return {"experiment": cfg.run_id, "seeds": seeds, "rounds": cfg.rounds, "split": split,
             "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "arms": arms, "paired": paired,
             "per_query": per_query}
@@ -128,8 +138,11 @@ def headline(summary: dict) -> list[str]:
     lines = []
     for p in summary["paired"]:
         name = {"mean_at_l": "Mean@L", "best_at_l": "Best@L"}[p["metric"]]
+        seeds = ", ".join(f"s{x['seed']} {x['mean']:+.3f}" for x in p.get("per_seed", []))
         lines.append(
             f"round {p['round']} vs base, held-out {name} (L={summary['eval_l']}, {p['n']} seed x query pairs): "
             f"base {p['base']:.3f} -> trained {p['trained']:.3f}, paired difference {p['mean']:+.3f} "
-            f"[{p['lo']:+.3f}, {p['hi']:+.3f}] {int(round(100 * p['level']))}% bootstrap CI")
+            f"[{p['lo']:+.3f}, {p['hi']:+.3f}] {int(round(100 * p['level']))}% bootstrap CI "
+            f"(resampling queries: [{p.get('lo_by_query', float('nan')):+.3f}, "
+            f"{p.get('hi_by_query', float('nan')):+.3f}]; per seed: {seeds})")
     return lines

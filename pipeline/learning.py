@@ -9,7 +9,8 @@ A split's Mean@L / Best@L is the mean over its queries. Workflows whose runs are
 
 A paired difference is taken per (seed, query): arm minus base, both evaluated on the same query with
 the same seed's sampling stream; pooled over seeds, its mean gets a percentile bootstrap interval
-(resampling the pairs with replacement).
+(resampling the pairs with replacement), and a second one resampling queries (all seeds of a drawn query
+together), since one query's pairs across seeds are correlated.
 """
 
 from __future__ import annotations
@@ -76,15 +77,30 @@ class Interval:
         return self.lo > 0 or self.hi < 0
 
 
-def bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> Interval:
+def bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, level: float = 0.95, seed: int = 0,
+                 clusters: Sequence[object] | None = None) -> Interval:
     """Mean of `diffs` with a percentile-bootstrap interval: resample len(diffs) values with replacement
-    `n_boot` times; the interval is the (1−level)/2 and (1+level)/2 quantiles of the resampled means."""
+    `n_boot` times; the interval is the (1−level)/2 and (1+level)/2 quantiles of the resampled means.
+
+    `clusters` (one label per diff, e.g. the query): resample whole clusters instead of single pairs and take
+    the mean over every pair of the drawn clusters. Pairs of one query across seeds share the query's
+    difficulty, so they are not independent; the clustered interval accounts for it and is the wider one."""
     d = np.asarray(diffs, dtype=float)
     if d.size == 0:
         raise ValueError("no paired differences: the arms share no query")
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)
+    if clusters is None:
+        means = d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)
+    else:
+        if len(clusters) != d.size:
+            raise ValueError(f"{len(clusters)} cluster labels for {d.size} differences")
+        labels = list(dict.fromkeys(clusters))
+        index = {c: i for i, c in enumerate(labels)}
+        ids = np.array([index[c] for c in clusters])
+        sums, sizes = np.bincount(ids, weights=d), np.bincount(ids).astype(float)
+        draw = rng.integers(0, len(labels), size=(n_boot, len(labels)))
+        means = sums[draw].sum(axis=1) / sizes[draw].sum(axis=1)
     lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return Interval(int(d.size), float(d.mean()), float(lo), float(hi), level)

@@ -182,7 +182,10 @@ def build_experiment_report(summary: dict, out: Path) -> Path:
     (table and plot), the held-out numbers of every (seed, round) evaluation and the config's key numbers."""
     import plotly.graph_objects as go
 
-    paired = pl.DataFrame(summary["paired"]) if summary["paired"] else pl.DataFrame()
+    paired = pl.DataFrame([{k: v for k, v in p.items() if k != "per_seed"} for p in summary["paired"]]) \
+        if summary["paired"] else pl.DataFrame()
+    per_seed = pl.DataFrame([{"round": p["round"], "metric": p["metric"], **x} for p in summary["paired"]
+                             for x in p.get("per_seed", [])])
     arms = pl.DataFrame([{k: v for k, v in a.items() if k != "status"} | {"status": json.dumps(a.get("status"))}
                          for a in summary["arms"]]) if summary["arms"] else pl.DataFrame()
     parts = []
@@ -216,7 +219,10 @@ def build_experiment_report(summary: dict, out: Path) -> Path:
         f"</head><body><h1>{html.escape(title)}</h1>"
         f"<p>seeds {summary['seeds']}, {summary['rounds']} round(s), held-out split {summary['split']}: "
         f"{summary['eval_queries']} queries x L={summary['eval_l']} workflows</p>"
-        f"<h2>Paired differences</h2>{_table(paired) if paired.height else '<p>no evaluation yet</p>'}"
+        f"<h2>Paired differences</h2><p>trained − base per (seed, query), pooled; lo/hi: bootstrap over pairs, "
+        f"lo_by_query/hi_by_query: over queries (all seeds of a drawn query together)</p>"
+        f"{_table(paired) if paired.height else '<p>no evaluation yet</p>'}"
+        f"<h2>Per seed</h2>{_table(per_seed) if per_seed.height else ''}"
         f"<h2>Evaluations</h2>{_table(arms) if arms.height else ''}{''.join(parts)}</body></html>"
     )
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -216,7 +216,7 @@ def test_cli_run_and_evaluate(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["evaluate", "c", "--round", "2", "--store", str(tmp_path / "runs")])
     assert res.exit_code == 2 and "no checkpoint for round 2" in res.output
     res = CliRunner().invoke(app, ["evaluate", "c", "--round", "1", "--store", str(tmp_path / "runs")])
-    assert res.exit_code == 0 and "'eval_run_id': 'c-eval-r1'" in res.output and "'mean_score': 0.25" in res.output
+    assert res.exit_code == 0 and "c-eval-r1: 1 queries, held-out Mean@L 0.25, Best@L 0.25" in res.output
 
 
 def test_child_process_reports_permanent_error(tmp_path):
@@ -442,9 +442,19 @@ def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness
     mean = [p for p in out["paired"] if p["metric"] == "mean_at_l"]
     assert [(p["round"], p["n"], p["mean"], p["base"], p["trained"]) for p in mean] == [(0, 4, 0.75, 0.25, 1.0),
                                                                                         (1, 4, 0.75, 0.25, 1.0)]
+    assert [(x["seed"], x["mean"]) for x in mean[0]["per_seed"]] == [(3, 0.75), (4, 0.75)]
+    assert (mean[0]["lo_by_query"], mean[0]["hi_by_query"]) == (0.5, 1.0)  # queries drawn: means 1, .75 or .5
     body = json.loads((experiment_dir(Store(tmp_path / "runs"), "x") / "experiment.json").read_text())
     assert body["seeds"] == [3, 4] and len(body["arms"]) == 6 and len(body["per_query"]) == 12
     assert (experiment_dir(Store(tmp_path / "runs"), "x") / "report.html").is_file()
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    res = CliRunner().invoke(app, ["report", "x", "--store", str(tmp_path / "runs")])
+    assert res.exit_code == 0 and "seed 3 base model: held-out Mean@L 0.250" in res.output
+    assert "round 1 vs base, held-out Mean@L (L=2, 4 seed x query pairs): base 0.250 -> trained 1.000, " \
+           "paired difference +0.750" in res.output
     calls.clear()
     again = experiment(str(cfg))  # the Prefect flow over the same runs: every stage is skipped by its manifest
     assert calls == [] and [p["mean"] for p in again["paired"]] == [0.75] * 4

@@ -50,3 +50,17 @@ def test_bootstrap_interval_hand_computed():
 def test_bootstrap_refuses_empty():
     with pytest.raises(ValueError, match="share no query"):
         bootstrap_ci([])
+
+
+def test_clustered_bootstrap_resamples_whole_queries():
+    # two queries, five pairs each: query a never improved, query b always did (+1)
+    diffs, queries = [0.0] * 5 + [1.0] * 5, ["a"] * 5 + ["b"] * 5
+    # by query: each resample draws a or b twice, means 0, 0.5, 1 with probabilities 1/4, 1/2, 1/4 -> [0, 1]
+    ci = bootstrap_ci(diffs, n_boot=4000, seed=3, clusters=queries)
+    assert (ci.mean, ci.lo, ci.hi) == (0.5, 0.0, 1.0)
+    # by pair: a resampled mean is k/10 with k ~ Bin(10, 1/2); P(k <= 1) = 11/1024 < 2.5% < P(k <= 2) = 56/1024,
+    # so the interval is [0.2, 0.8]: treating the ten pairs as independent understates the uncertainty
+    ci = bootstrap_ci(diffs, n_boot=20000, seed=3)
+    assert (ci.lo, ci.hi) == (0.2, 0.8)
+    with pytest.raises(ValueError, match="3 cluster labels for 10"):
+        bootstrap_ci(diffs, clusters=["a", "b", "c"])
