@@ -70,6 +70,17 @@ def test_same_tokens_as_raw_generate(hf):
     assert got[0][0].token_ids != got[0][1].token_ids  # n samples are distinct draws
 
 
+def test_prompts_prefilled_once_for_n_samples_keep_logprobs(hf):
+    """n > 1 prefills each prompt once and repeats its KV cache (left padding included): the recorded logprobs
+    are still those of a full forward pass over prompt + completion."""
+    prompts = chat_prompts(hf.tokenizer)
+    rows = hf.generate(prompts, Sampling(n=3, temperature=1.0, max_new_tokens=12, seed=4))
+    for row in (rows[0], rows[-1]):
+        for c in row:
+            assert c.token_logprobs == pytest.approx(teacher_forced(hf.model, c.prompt_token_ids, c.token_ids),
+                                                     abs=1e-4)
+
+
 @pytest.mark.slow
 def test_logprobs_are_the_sampling_distribution(hf):
     prompts = chat_prompts(hf.tokenizer, QUESTIONS[1:])

@@ -251,6 +251,16 @@ def test_real_transformers_rollout_round0_and_adapter_round1(tmp_path, monkeypat
     assert t1[0] != t0[0]  # the adapter changed the policy
 
 
+def _two_rounds(ctx: RunContext) -> None:
+    """Round 0 rolled out and scored, a stand-in checkpoint, then round 1 rolled out."""
+    run_rollout(ctx)
+    _round0_scores(ctx)
+    ckpt = ctx.store.checkpoint_dir("t", 0)
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text("{}")  # the fake generator only needs the folder to exist
+    run_rollout(ctx.at_round(1))
+
+
 def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake):
     """Checkpoint 0 samples round 1 in training; its evaluation (same queries here) must see the same prompts,
     exemplars included; the base model's evaluation sees round 0's prompts (no exemplars)."""
@@ -264,12 +274,7 @@ def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake):
     cfg.write_text(yaml.safe_dump({"run_id": "t", "store": {"root": str(tmp_path)}, "benchmark": {"max_queries": 2},
                                    "generator": {"batch_size": 2}, "rollout": {"m": 3}}))
     ctx = open_run(cfg, "t", 0)
-    run_rollout(ctx)
-    _round0_scores(ctx)
-    ckpt = ctx.store.checkpoint_dir("t", 0)
-    ckpt.mkdir(parents=True)
-    (ckpt / "adapter_config.json").write_text("{}")
-    run_rollout(ctx.at_round(1))
+    _two_rounds(ctx)
     train = ctx.store.read("generations", "t", 1).group_by("query_id").agg(pl.col("prompt_text").first(),
                                                                           pl.col("exemplar_ids").first())
     assert all(len(ids) == 2 for ids in train["exemplar_ids"])  # round 1's training prompts carry exemplars
@@ -291,12 +296,7 @@ def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake):
 def test_exemplars_switch_off_gives_round0_prompts_in_every_round(tmp_path, fake):
     fake()
     ctx = make_ctx(tmp_path, rollout={"exemplars": False})
-    run_rollout(ctx)
-    _round0_scores(ctx)
-    ckpt = ctx.store.checkpoint_dir("t", 0)
-    ckpt.mkdir(parents=True)
-    (ckpt / "adapter_config.json").write_text("{}")
-    run_rollout(ctx.at_round(1))
+    _two_rounds(ctx)
     p0 = sorted(set(ctx.store.read("generations", "t", 0)["prompt_text"]))
     p1 = sorted(set(ctx.store.read("generations", "t", 1)["prompt_text"]))
     assert p0 == p1 and "Score " not in p1[0]

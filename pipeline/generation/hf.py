@@ -1,5 +1,6 @@
 """`transformers` backend: batched `model.generate` with left padding, an optional merged peft adapter,
-and fp32 logprobs of the sampled tokens recorded while sampling (no second forward pass).
+fp32 logprobs of the sampled tokens recorded while sampling (no second forward pass), and each prompt
+prefilled once for its n samples.
 
 The sampling itself is exactly `model.generate(do_sample=True, temperature=T, top_p=p)`: we pass the same
 temperature and top-p warpers in the same order, followed by a recorder that only reads the scores, so
@@ -79,19 +80,37 @@ class TransformersGenerator(Generator):
         if sample and sampling.top_p < 1.0:
             procs.append(TopPLogitsWarper(sampling.top_p))
         procs.append(recorder)
-        torch.manual_seed(sampling.seed)
         t0 = time.perf_counter()
         warp = dict(temperature=1.0, top_p=1.0, top_k=0) if sample else {}  # our warpers replace the built-in ones
+        inputs = self._prefilled(enc, sampling.n) if sampling.n > 1 else {**enc, "num_return_sequences": 1}
+        torch.manual_seed(sampling.seed)
         out = self.model.generate(
-            **enc, do_sample=sample, **warp, max_new_tokens=sampling.max_new_tokens,
-            num_return_sequences=sampling.n, logits_processor=LogitsProcessorList(procs),
-            pad_token_id=self.tokenizer.pad_token_id,
+            **inputs, do_sample=sample, **warp, max_new_tokens=sampling.max_new_tokens,
+            logits_processor=LogitsProcessorList(procs), pad_token_id=self.tokenizer.pad_token_id,
         )
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         recorder.gather(seqs[:, -1])
         logprobs = torch.stack(recorder.steps, dim=1).cpu() if recorder.steps else torch.zeros(seqs.shape[0], 0)
         log.debug("generate: %d x %d in %.2fs", len(prompts), sampling.n, time.perf_counter() - t0)
         return self._unpack(enc, seqs.cpu(), logprobs, sampling)
+
+    def _prefilled(self, enc: dict, n: int) -> dict:
+        """generate() inputs for n samples per prompt with each prompt prefilled once, not n times: the KV cache
+        of all but the last prompt token is computed for the batch, then repeated n times (generate() itself
+        would repeat the prompt and prefill every copy). Same tokens as `num_return_sequences=n` (the prefill
+        draws no random numbers); the prefill is most of a rollout's cost on CPU, more so with exemplars."""
+        from transformers import DynamicCache
+
+        ids, att = enc["input_ids"], enc["attention_mask"]
+        if ids.shape[1] < 2:
+            return {**enc, "num_return_sequences": n}
+        cache = DynamicCache(config=self.model.config)
+        pos = (att.cumsum(-1) - 1).clamp(min=0)  # left padding: positions count real tokens only
+        self.model(input_ids=ids[:, :-1], attention_mask=att[:, :-1], position_ids=pos[:, :-1], past_key_values=cache,
+                   use_cache=True)
+        cache.batch_repeat_interleave(n)
+        return {"input_ids": ids.repeat_interleave(n, 0), "attention_mask": att.repeat_interleave(n, 0),
+                "past_key_values": cache}
 
     def _unpack(self, enc: dict, seqs: torch.Tensor, logprobs: torch.Tensor,
                 sampling: Sampling) -> list[list[Completion]]:
