@@ -235,7 +235,11 @@ class RunConfig(_Strict):
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
 
     def config_hash(self) -> str:
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+        """Fingerprint of what the stages compute, kept in every stage manifest. Fields at their default value
+        are left out, so a field added to the schema later (at its default) keeps existing runs' manifests valid
+        instead of re-running every finished stage; `experiment` only plans evaluations and is left out too."""
+        body = self.model_dump(mode="json", exclude_defaults=True, exclude={"experiment"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

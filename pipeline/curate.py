@@ -21,6 +21,7 @@ import numpy as np
 import polars as pl
 
 from pipeline.grpo import group_advantages, normalise
+from pipeline.run import derived_seed
 from pipeline.schema import transient_statuses
 
 log = logging.getLogger(__name__)
@@ -473,8 +474,8 @@ def _flat_rows(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
                              kept=False, reason=reason))
             continue
         scores[qid], gen_ids[qid] = q["score"].to_list(), q["gen_id"].to_list()
-    res = curate_flat(scores, cc.n, cc.t, cc.top_n, cc.max_groups_per_query, cc.seed + ctx.round, cc.mode, cc.eps_adv,
-                      dedupe=cc.dedupe, max_kept_per_query=cc.max_kept_per_query)
+    res = curate_flat(scores, cc.n, cc.t, cc.top_n, cc.max_groups_per_query, derived_seed(cc.seed, "curate", ctx.round),
+                      cc.mode, cc.eps_adv, dedupe=cc.dedupe, max_kept_per_query=cc.max_kept_per_query)
     kept_per_query: dict[str, int] = {}
     for j, g in enumerate(res.groups):
         kept_per_query[g.query_id] = kept_per_query.get(g.query_id, 0) + 1

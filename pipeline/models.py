@@ -11,12 +11,14 @@ template), once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata as md
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,22 @@ CACHE_ENV = "PIPELINE_CACHE_DIR"
 
 class ModelError(RuntimeError):
     pass
+
+
+@contextlib.contextmanager
+def atomic_dir(dest: Path, suffix: str = "") -> Iterator[Path]:
+    """A temp folder next to `dest` to write into; when the block succeeds one rename puts it at `dest` (replacing
+    an old one), so `dest` is whole or absent; when it fails the temp folder is removed."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=suffix, dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def cache_dir() -> Path:
@@ -125,14 +143,10 @@ def prepare_embedded(name: str = "smollm2-135m-instruct", force: bool = False) -
     model.generation_config = packed.generation_config
     if not tok.chat_template:
         raise ModelError(f"{src}: tokenizer has no chat template")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out.parent))
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / ".complete").write_text(src.name + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / ".complete").write_text(src.name + "\n")
     if src.is_relative_to(cache_dir()):  # an assembled copy: the HF folder is what runs use
         src.unlink()
     return out
@@ -181,15 +195,7 @@ def merge_adapter(model_ref: str, adapter: str, dest: str | Path, dtype: str = "
     dest = Path(dest)
     model = PeftModel.from_pretrained(load_causal_lm(model_ref, dtype="float32", device="cpu"), adapter)
     merged = model.merge_and_unload().to(getattr(torch, dtype))
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    with atomic_dir(dest) as tmp:
         merged.save_pretrained(tmp)
         load_tokenizer(model_ref).save_pretrained(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return dest

@@ -30,7 +30,7 @@ from pipeline.exemplars import Pools, load_pools, pick_exemplars, tau_at
 from pipeline.generation import BACKENDS, Completion, Generator, Sampling, make_generator
 from pipeline.models import load_tokenizer
 from pipeline.prompting import agent_prompt, render, require_chat_template, workflow_prompt
-from pipeline.run import RunContext
+from pipeline.run import RunContext, derived_seed
 from pipeline.workflow import check_workflow, extract_code
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class _Rollout:
 
     def sampling(self, batch: list[Request]) -> Sampling:
         g = self.cfg.generator
-        seed = (g.seed + zlib.crc32(f"{self.ctx.round}:{batch[0].gen_ids[0]}".encode())) % 2**31
+        seed = derived_seed(g.seed, "sampling", self.ctx.round, batch[0].gen_ids[0])
         return Sampling(n=len(batch[0].slots), temperature=g.temperature, top_p=g.top_p,
                         max_new_tokens=batch[0].max_new_tokens, seed=seed)
 

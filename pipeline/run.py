@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,13 @@ from pipeline.config import (
     read_yaml,
 )
 from pipeline.store import Store
+
+
+def derived_seed(seed: int, *keys: object) -> int:
+    """A seed for one use of a configured seed (e.g. round k's sampling of one batch), by hashing, not adding:
+    `seed + k` would make seed 1 at round 0 replay seed 0 at round 1, and vLLM's per-sample `seed + j` would
+    make seed s+1's samples seed s's shifted by one, so runs with nearby seeds would share most samples."""
+    return zlib.crc32(":".join(str(x) for x in (seed, *keys)).encode()) % 2**31
 
 
 @dataclass

@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ import polars as pl
 import torch
 
 from pipeline.grpo import GrpoTerms, grpo_mkl_loss, grpo_mkl_terms
+from pipeline.run import derived_seed
 
 __all__ = ["grpo_mkl_loss", "grpo_mkl_terms", "run_train", "TrainSequence", "Batch", "collate", "completion_logprobs"]
 
@@ -235,19 +235,13 @@ def _clear_unfinished(ctx, ckpt: Path) -> None:
 
 def save_adapter_atomic(model, dest: Path) -> None:
     """save_pretrained into a temp folder next to `dest`, then rename: `dest` is whole or absent."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    try:
+    from pipeline.models import atomic_dir
+
+    with atomic_dir(dest, suffix=".tmp") as tmp:
         model.save_pretrained(str(tmp))
         for f in ADAPTER_FILES:
             with open(tmp / f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def _lr_scheduler(optimizer, tc, total_steps: int):
@@ -268,7 +262,7 @@ def run_train(ctx) -> dict:
         return {"skipped": True, **ctx.store.manifest(ctx.run_id, ctx.round, "train")["counts"]}
     _clear_unfinished(ctx, ckpt)
     tc = ctx.cfg.training
-    torch.manual_seed(tc.seed + ctx.round)
+    torch.manual_seed(derived_seed(tc.seed, "train", ctx.round))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     seqs, info = load_sequences(ctx)
     if not seqs:
@@ -288,7 +282,7 @@ def run_train(ctx) -> dict:
         ref = old
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
-    steps = _plan_steps(len(seqs), tc, np.random.default_rng(tc.seed + ctx.round)) if seqs else []
+    steps = _plan_steps(len(seqs), tc, np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))) if seqs else []
     steps_per_epoch = math.ceil(len(steps) / tc.epochs) if steps else 0
     sched = _lr_scheduler(optimizer, tc, len(steps))
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=tc.bf16)

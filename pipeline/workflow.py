@@ -13,11 +13,15 @@ _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 def extract_code(text: str) -> str:
     """The workflow source in a generation: the fenced block defining `solve`, else the first fenced
-    block, else the whole text."""
+    block, else the text before a stray closing fence (code written straight into an opened assistant
+    turn ends with ```), else the whole text."""
     blocks = _FENCE.findall(text)
     for b in blocks:
         if "def solve" in b:
             return b.strip("\n")
+    head = text.split("```", 1)[0]
+    if "```" in text and "def solve" in head:
+        return head.strip("\n")
     return blocks[0].strip("\n") if blocks else text.strip("\n")
 
 

@@ -81,3 +81,15 @@ def test_diff_and_hash():
     assert diff_configs(a, b) == [] and a.config_hash() == b.config_hash()
     b.rollout.m = 3
     assert diff_configs(a, b) == ["rollout.m"] and a.config_hash() != b.config_hash()
+
+
+def test_config_hash_ignores_defaults_and_the_experiment_section():
+    """Manifests carry the config hash. A field added to the schema later (at its default) must not invalidate a
+    finished run's manifests, nor must a change of evaluation plans (experiment.*); any other change must."""
+    from pipeline.config import config_from_dict
+
+    base = config_from_dict({"run_id": "r"})
+    assert config_from_dict({"run_id": "r", "rollout": {"m": 16}}).config_hash() == base.config_hash()  # default
+    assert config_from_dict({"run_id": "r", "experiment": {"eval_l": 9}}).config_hash() == base.config_hash()
+    assert config_from_dict({"run_id": "r", "rollout": {"m": 8}}).config_hash() != base.config_hash()
+    assert config_from_dict({"run_id": "r", "training": {"lr": 2e-5}}).config_hash() != base.config_hash()

@@ -85,3 +85,13 @@ def test_tokenizer_without_chat_template_is_refused(tok):
         require_chat_template(plain, "some/base-model")
     with pytest.raises(PromptError, match="no chat template"):
         render(plain, "hi")
+
+
+def test_extract_code_cuts_a_stray_closing_fence():
+    # generators often write the code straight away and close a fence they never opened
+    text = "# the sum\n\nasync def solve(problem: str) -> str:\n    return 141 - 365\n```\nThis returns the sum."
+    assert extract_code(text) == "# the sum\n\nasync def solve(problem: str) -> str:\n    return 141 - 365"
+    assert check_workflow(extract_code(text)) is None
+    fenced = "Here:\n```python\nasync def solve(p):\n    return 1\n```\nand ```x``` later"
+    assert extract_code(fenced) == "async def solve(p):\n    return 1"  # a fenced block still wins
+    assert extract_code("no code at all") == "no code at all"

@@ -339,3 +339,20 @@ def test_vllm_on_cpu_samples_the_adapter_merged(tmp_path, fake, monkeypatch):
     assert not Path(seen["model"]).exists()  # the merged copy is gone with the stage
     df = ctx.store.read("generations", "t", 0)
     assert set(df["model"]) == {"embedded:smollm2-135m-instruct"} and adapter in df["sampling"][0]
+
+
+def test_nearby_seeds_share_no_sample_streams(tmp_path, fake):
+    """Engines seed sample j of prompt i with seed + i*n + j. Seeds 0 and 1 of a run once differed by 1 there,
+    so seed 1 replayed 7 of seed 0's 8 samples per prompt; the batch seed is now hashed from (seed, round, slot)
+    and the two runs' seed ranges are disjoint."""
+    from pipeline.run import derived_seed
+
+    ranges = []
+    for seed in (0, 1):
+        gens = fake()
+        ctx = make_ctx(tmp_path / f"s{seed}", generator={"seed": seed, "batch_size": 2}, rollout={"m": 8})
+        run_rollout(ctx)
+        (prompts, sampling, _), = gens[-1].calls
+        ranges.append(range(sampling.seed, sampling.seed + len(prompts) * sampling.n))
+    assert not set(ranges[0]) & set(ranges[1])
+    assert derived_seed(1, "train", 0) != derived_seed(0, "train", 1)  # additive seeds collide: 1 + 0 == 0 + 1
