@@ -42,10 +42,17 @@ if [[ -z "${PREFECT_API_URL:-}" ]]; then
 fi
 echo "Prefect API: $PREFECT_API_URL (UI: ${PREFECT_API_URL%/api})"
 
+# The served flows run in the serve process: one started from other code (an update since) is restarted.
+REV="$(git rev-parse HEAD 2>/dev/null || echo unknown)$(git status --porcelain 2>/dev/null | md5sum | cut -c1-8)"
+if alive "$STATE/serve.pid" && [[ "$(cat "$STATE/serve.rev" 2>/dev/null)" != "$REV" ]]; then
+  echo "the code changed since the deployments were served: restarting them"
+  kill "$(cat "$STATE/serve.pid")" && sleep 2
+fi
 if ! alive "$STATE/serve.pid"; then
   echo "serving the deployments (log $STATE/serve.log)"
   nohup python -m flows.serve >"$STATE/serve.log" 2>&1 &
   echo $! >"$STATE/serve.pid"
+  echo "$REV" >"$STATE/serve.rev"
 fi
 for _ in $(seq 120); do prefect deployment inspect experiment/demo >/dev/null 2>&1 && break; sleep 1; done
 prefect deployment inspect experiment/demo >/dev/null 2>&1 || { echo "deployments not served; see $STATE/serve.log"; exit 1; }
