@@ -227,18 +227,14 @@ def _start_generator(ctx: RunContext, ro: _Rollout, stack: contextlib.ExitStack)
         return make_generator(g, enable_lora=ro.adapter is not None)
     from pipeline.models import cache_dir, merge_adapter
 
-    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="merged-", dir=_mkdir(cache_dir() / "merged")))
+    (cache_dir() / "merged").mkdir(parents=True, exist_ok=True)
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="merged-", dir=cache_dir() / "merged"))
     t0 = time.perf_counter()
     folder = merge_adapter(g.model, ro.adapter, Path(tmp) / "model", g.dtype)
     log.info("adapter %s merged into %s in %.1fs (vLLM on CPU: no LoRA kernels)", ro.adapter, folder,
              time.perf_counter() - t0)
     ro.sample_adapter = None
     return make_generator(g.model_copy(update={"model": str(folder)}), enable_lora=False)
-
-
-def _mkdir(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
-    return p
 
 
 def _sample_all(ctx: RunContext, ro: _Rollout, gen: Generator, todo: list[Request]) -> int:
