@@ -1,12 +1,12 @@
-"""The `evaluate` flow: score a round's checkpoint on the test split in a derived run (see pipeline.evaluate)."""
+"""The `evaluate` flow: score a round's checkpoint on the test split in a derived run (pipeline.evaluate)."""
 
 from __future__ import annotations
 
 from prefect import flow
 
-from flows.iterate import stage_task
-from pipeline.evaluate import EVAL_STAGES, eval_summary, open_eval_run
-from pipeline.store import Store
+from flows.tasks import submitting_call
+from pipeline.evaluate import evaluate_round
+from pipeline.stages.runner import RetryPolicy
 
 
 @flow(name="evaluate", flow_run_name="evaluate {run_id} round {round} on {split}", log_prints=True)
@@ -16,11 +16,7 @@ def evaluate(run_id: str, round: int, split: str = "test", store: str = "data/ru
 
     The run's own data is untouched: everything goes to the run `<run_id>-eval-r<round>`.
     """
-    ctx = open_eval_run(store, run_id, round, split, sets)
-    staged = stage_task.with_options(retries=retries, retry_delay_seconds=retry_delay_s)
-    for stage in EVAL_STAGES:
-        staged.submit(stage=stage, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=sets,
-                      isolate=False if in_process else None).result()
-    summary = eval_summary(Store(ctx.store.root), ctx.run_id)
-    print(f"evaluate {run_id} round {round} on {split}: {summary}")
+    summary = evaluate_round(store, run_id, round, split, sets,
+                             submitting_call(RetryPolicy(retries, retry_delay_s), in_process))
+    print(f"evaluate {run_id} round {round} on {split}: { {k: v for k, v in summary.items() if k != 'per_query'} }")
     return summary

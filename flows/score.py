@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.iterate import stage_task
+from flows.tasks import submitting_call
+from pipeline.stages.runner import RetryPolicy
 from pipeline.store import Store
 
 
@@ -17,8 +18,8 @@ from pipeline.store import Store
 def score(run_id: str, round: int = 0, only_failed: bool = True, store: str = "data/runs",
           sets: list[str] | None = None, retries: int = 2, retry_delay_s: float = 20.0) -> dict:
     """Score round `round` of `run_id`; `sets` are per-invocation overrides (e.g. a new executor endpoint)."""
-    root = str(Store(store).root)
-    res = stage_task.with_options(retries=retries, retry_delay_seconds=retry_delay_s).submit(
-        stage="score", run_id=run_id, round=round, store_root=root, sets=sets, only_failed=only_failed).result()
+    res = submitting_call(RetryPolicy(retries, retry_delay_s))(
+        stage="score", run_id=run_id, round=round, store_root=str(Store(store).root), sets=sets,
+        only_failed=only_failed)
     print(f"score {run_id} round {round}: {res['counts']}")
     return res

@@ -17,10 +17,11 @@ from prefect.deployments.runner import RunnerDeployment
 
 from flows.evaluate import evaluate as evaluate_flow
 from flows.experiment import experiment as experiment_flow
-from flows.iterate import REPO, SMOKE_CONFIG
+from flows.iterate import SMOKE_CONFIG
 from flows.iterate import iterate as iterate_flow
 from flows.runners import task_runner_from_spec
 from flows.score import score as score_flow
+from pipeline.stages.runner import REPO
 
 
 def deployments(task_runner: str = "thread") -> list[RunnerDeployment]:

@@ -94,19 +94,24 @@ def chat(
     typer.echo(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
 
 
+def _stage(stage: str, config, run_id, round, sets, store=None, only_failed: bool = False) -> None:
+    """One stage in this process through the stage runner: a finished stage is skipped, an unfinished attempt's
+    leftovers are discarded, and a failure is printed as `round K STAGE: reason`."""
+    from pipeline.stages.runner import StageError, record_timing, run_stage
+
+    ctx = _ctx(config, run_id, round, sets, store)
+    try:
+        res = run_stage(stage, ctx.run_id, round, str(ctx.store.root), sets, only_failed=only_failed, isolate=False)
+    except StageError as e:
+        _fail(str(e))
+    record_timing(ctx.store.root, ctx.run_id, res)
+    typer.echo({**res["counts"], "skipped": True} if res["skipped"] else res["counts"])
+
+
 @app.command()
 def rollout(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None) -> None:
     """Sample agent plans / workflows for a round and write `generations` (resumes per query slot)."""
-    from pipeline.benchmarks.base import BenchmarkError
-    from pipeline.generation import GenerationError
-    from pipeline.models import ModelError
-    from pipeline.prompting import PromptError
-    from pipeline.rollout import RolloutError, run_rollout
-
-    try:
-        typer.echo(run_rollout(_ctx(config, run_id, round, sets)))
-    except (RolloutError, GenerationError, PromptError, ModelError, BenchmarkError) as e:
-        _fail(f"rollout: {e}")
+    _stage("rollout", config, run_id, round, sets)
 
 
 @app.command()
@@ -116,25 +121,19 @@ def score(
     store: StoreOpt = None,
 ) -> None:
     """Run each workflow of a round in the sandbox and write `scores` (idempotent)."""
-    from pipeline.scoring import run_scoring
-
-    typer.echo(run_scoring(_ctx(config, run_id, round, sets, store), only_failed=only_failed))
+    _stage("score", config, run_id, round, sets, store, only_failed)
 
 
 @app.command()
 def curate(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None) -> None:
     """Build group-wise training data (screening, sharpening, advantages) into `groups`."""
-    from pipeline.curate import run_curate
-
-    typer.echo(run_curate(_ctx(config, run_id, round, sets)))
+    _stage("curate", config, run_id, round, sets)
 
 
 @app.command()
 def train(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None) -> None:
     """LoRA GRPO with advantage-masked KL on the round's groups; writes the round's checkpoint."""
-    from pipeline.train import run_train
-
-    typer.echo(run_train(_ctx(config, run_id, round, sets)))
+    _stage("train", config, run_id, round, sets)
 
 
 @app.command()
@@ -229,13 +228,13 @@ def run_cmd(
     sets: SetOpt = None,
 ) -> None:
     """All rounds without a Prefect server (same skip/resume/retry rules as the iterate flow)."""
-    from flows.iterate import run_direct
-    from flows.stages import StageError
     from pipeline.report import build_report
+    from pipeline.stages.rounds import direct_call, run_rounds
+    from pipeline.stages.runner import RetryPolicy, StageError
     from pipeline.store import Store
 
     try:
-        summary = run_direct(config, rounds, run_id, retries=retries, sets=sets or [])
+        summary = run_rounds(config, rounds, run_id, direct_call(RetryPolicy(retries)), sets=sets or [])
     except (ConfigError, StageError) as e:
         _fail(str(e))
     for r in summary["rounds"]:
@@ -256,12 +255,13 @@ def experiment(
     the paired difference with its bootstrap interval (results under <store>/experiments/<run_id>/)."""
     import shlex
 
-    from flows.experiment import run_experiment_direct
-    from flows.stages import StageError
+    from pipeline.experiment import run_experiment
+    from pipeline.stages.rounds import direct_call
+    from pipeline.stages.runner import RetryPolicy, StageError
 
     command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     try:
-        summary = run_experiment_direct(config, seeds, run_id, sets or [], retries, command=command)
+        summary = run_experiment(config, direct_call(RetryPolicy(retries)), seeds, run_id, sets or [], command)
     except (ConfigError, StageError, ValueError) as e:
         _fail(str(e))
     _echo_experiment(summary)
@@ -319,17 +319,13 @@ def evaluate(
     sets: SetOpt = None,
 ) -> None:
     """Roll out and score a round's checkpoint on a split, in the derived run <run_id>-eval-r<k>."""
-    from flows.stages import StageError, record_timing, run_stage
-    from pipeline.evaluate import EVAL_STAGES, eval_summary, open_eval_run
-    from pipeline.store import Store
+    from pipeline.evaluate import evaluate_round
+    from pipeline.stages.runner import StageError
 
     try:
-        ctx = open_eval_run(store, run_id, round, split, sets or [])
-        for stage in EVAL_STAGES:
-            record_timing(ctx.store.root, ctx.run_id, run_stage(stage, ctx.run_id, 0, str(ctx.store.root), sets))
+        summ = evaluate_round(store, run_id, round, split, sets or [])
     except (ConfigError, StageError) as e:
         _fail(str(e))
-    summ = eval_summary(Store(ctx.store.root), ctx.run_id)
     typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, held-out Mean@L {summ['mean_at_l']}, Best@L "
                f"{summ['best_at_l']}, valid {summ['valid_share']}, status {summ['status']} (per query: pipeline sql "
                f"over run {summ['eval_run_id']})")

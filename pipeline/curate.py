@@ -401,34 +401,12 @@ def two_level_advantages(
 
 # ---- the curate stage ---------------------------------------------------------------------------
 
-_GEN_SQL = """
-WITH g AS (
-    SELECT gen_id, any_value(kind) AS kind, any_value(parent_id) AS parent_id, any_value(query_id) AS query_id,
-           min(slot) AS slot, bool_and(coalesce(valid, true)) AS valid
-    FROM generations WHERE run_id = $run AND round = $round GROUP BY gen_id),
-s AS (
-    SELECT gen_id, count(DISTINCT rep) FILTER (WHERE rep < $reps) AS reps_done,
-           avg(CASE WHEN status = 'invalid' THEN 0 ELSE coalesce(score, 0) END) AS score,
-           count(*) FILTER (WHERE list_contains($transient, status)) AS transient
-    FROM latest_scores WHERE run_id = $run AND round = $round GROUP BY gen_id)
-SELECT g.*, coalesce(s.reps_done, 0) AS reps_done, s.score, coalesce(s.transient, 0) AS transient
-FROM g LEFT JOIN s USING (gen_id)
-ORDER BY query_id, parent_id NULLS FIRST, slot, gen_id
-"""
-
-
 def load_round(ctx) -> pl.DataFrame:
-    """One row per generation of the round: kind, parent/query ids, and `state` (ok | unscored |
-    transient) with `score` = mean over reps (0 for invalid workflows, which stay in)."""
-    transient = sorted(transient_statuses(ctx.cfg.scoring.retry_timeouts))
-    df = ctx.store.sql(_GEN_SQL.replace("$run", "$1").replace("$round", "$2").replace("$reps", "$3")
-                       .replace("$transient", "$4"), [ctx.run_id, ctx.round, ctx.cfg.scoring.reps, transient])
-    state = (pl.when(~pl.col("valid")).then(pl.lit("ok"))
-             .when(pl.col("transient") > 0).then(pl.lit("transient"))
-             .when(pl.col("reps_done") < ctx.cfg.scoring.reps).then(pl.lit("unscored"))
-             .otherwise(pl.lit("ok")))
-    score = pl.when(~pl.col("valid")).then(0.0).otherwise(pl.col("score").fill_null(0.0))
-    return df.with_columns(state.alias("state"), score.alias("score"))
+    """One row per generation of the round (`generation_scores`): kind, parent/query ids, `score` (mean over reps,
+    0 for invalid workflows, which stay in) and `state` (ok | unscored | transient)."""
+    df = ctx.store.generation_scores(ctx.run_id, ctx.round, ctx.cfg.scoring.reps,
+                                     transient_statuses(ctx.cfg.scoring.retry_timeouts))
+    return df.with_columns(pl.col("score").fill_null(0.0))
 
 
 def _left_out_reason(states: Sequence[str]) -> str | None:
@@ -545,13 +523,6 @@ def _two_level_rows(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
 
 def run_curate(ctx) -> dict:
     """The curate stage: the round's scores -> `groups` rows (kept and screened-out), one Parquet part."""
-    if ctx.done("curate"):
-        return {"skipped": True, **ctx.store.manifest(ctx.run_id, ctx.round, "curate")["counts"]}
-    stale = ctx.store.parts("groups", ctx.run_id, ctx.round)
-    if stale:  # rows of an attempt that crashed before its manifest: start over, never duplicate
-        log.warning("removing %d groups part(s) of an unfinished curate attempt", len(stale))
-        for p in stale:
-            p.unlink()
     df = load_round(ctx)
     if df.height == 0:
         raise RuntimeError(f"run {ctx.run_id!r} round {ctx.round}: no generations to curate (run rollout first)")

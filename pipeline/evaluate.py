@@ -11,8 +11,8 @@ base model (k = -1) gets round 0's prompts, which have none. Held-out queries ha
 own, so, as for any query without a pool in training, exemplars come from the run's whole pool.
 
 `eval_summary` reports per-query Mean@L and Best@L (pipeline.learning), the valid share and the status mix,
-with a workflow's score defined as in curation (`pipeline.curate.load_round`: mean over reps, invalid = 0,
-transient or unscored = no score yet).
+with a workflow's score from the store's `generation_scores` view, as in curation (mean over reps, invalid = 0,
+transient or unscored = no score yet). `evaluate_round` runs the evaluation's stages through a stage caller.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pipeline.config import ConfigError
 from pipeline.run import RunContext, open_run
 from pipeline.store import Store
 
-EVAL_STAGES = ("rollout", "score")
+EVAL_STAGES = ("rollout", "score")  # of pipeline.stages, run at round 0 of the evaluation run
 
 
 def eval_run_id(run_id: str, round: int, split: str = "test") -> str:
@@ -72,3 +72,16 @@ def eval_summary(store: Store, eval_id: str) -> dict:
     return {"eval_run_id": eval_id, **split_summary(per_query),
             "status": dict(zip(status["status"].to_list(), status["n"].to_list(), strict=True)),
             "per_query": [asdict(q) for q in per_query]}
+
+
+def evaluate_round(store_root: str, run_id: str, round: int, split: str = "test", sets: list[str] | None = None,
+                   call=None) -> dict:
+    """Roll out and score round `round`'s checkpoint (-1: the base model) on `split` in its evaluation run,
+    through `call` (a stage caller, default: `pipeline.stages.rounds.direct_call()`); returns `eval_summary`."""
+    from pipeline.stages.rounds import direct_call
+
+    call = call or direct_call()
+    ctx = open_eval_run(store_root, run_id, round, split, sets)
+    for stage in EVAL_STAGES:
+        call(stage=stage, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=sets)
+    return eval_summary(ctx.store, ctx.run_id)

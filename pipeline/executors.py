@@ -1,8 +1,8 @@
 """Executor LLMs behind one async interface: `await executor.complete(messages, temperature, n, max_tokens)`.
 
 - `openai`: any OpenAI-compatible server (AsyncOpenAI), spread over one or more base URLs, with a
-  concurrency limit, a per-call timeout and retries (exponential backoff with full jitter, honouring
-  Retry-After) on 429 / 5xx / timeouts / connection errors / malformed responses.
+  concurrency limit, a per-call timeout and retries by tenacity (exponential backoff with full jitter,
+  Retry-After as a floor) on 429 / 5xx / timeouts / connection errors / malformed responses.
 - `local`: the embedded model in-process (transformers); concurrent requests are batched into one
   `generate` call; greedy at temperature 0 (the paper's setting).
 """
@@ -13,7 +13,6 @@ import asyncio
 import email.utils
 import itertools
 import os
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -40,13 +39,20 @@ def cost_usd(prices: PriceConfig, tokens_in: int, tokens_out: int) -> float:
     return (tokens_in * prices.input_per_mtok + tokens_out * prices.output_per_mtok) / 1e6
 
 
-def backoff_delay(attempt: int, retry_after: float | None, base: float = 0.5, cap: float = 30.0,
-                  rng: Callable[[], float] = random.random) -> float:
-    """Full-jitter exponential backoff; a server's Retry-After is a floor (capped)."""
-    delay = rng() * min(cap, base * 2**attempt)
-    if retry_after is not None:
-        delay = max(delay, min(retry_after, MAX_RETRY_AFTER_S))
-    return delay
+class RetryAfterWait:
+    """tenacity wait: full-jitter exponential backoff (0.5 s doubling, capped at 30 s) with the server's
+    Retry-After as a floor (itself capped at MAX_RETRY_AFTER_S)."""
+
+    def __init__(self):
+        import tenacity
+
+        self.jitter = tenacity.wait_random_exponential(multiplier=0.5, max=30)
+
+    def __call__(self, state) -> float:
+        delay = self.jitter(state)
+        exc = state.outcome.exception() if state.outcome else None
+        retry_after = parse_retry_after(getattr(getattr(exc, "response", None), "headers", None))
+        return max(delay, min(retry_after, MAX_RETRY_AFTER_S)) if retry_after is not None else delay
 
 
 def parse_retry_after(headers: Any) -> float | None:
@@ -92,52 +98,59 @@ class OpenAIExecutor(Executor):
             raise ValueError("executor.kind=openai needs executor.base_url or executor.endpoints")
         key = os.environ.get(cfg.api_key_env) or "EMPTY"  # local servers accept any key
         self.cfg, self._openai, self._sleep = cfg, openai, sleep
-        # The client's own retries are off: ours honour Retry-After and count every attempt.
+        # The client's own retries are off: tenacity's (complete) count every attempt and move to the next endpoint.
         self.clients = [openai.AsyncOpenAI(base_url=u, api_key=key, max_retries=0, timeout=cfg.timeout_s)
                         for u in urls]
         self._next = itertools.cycle(range(len(urls)))
         self._sem: asyncio.Semaphore | None = None
 
-    def _retryable(self, e: BaseException) -> tuple[bool, float | None]:
+    def retryable(self, e: BaseException) -> bool:
+        """429 / 408 / 409 / 5xx, connection errors, timeouts and malformed bodies; not other client errors."""
         o = self._openai
         if isinstance(e, o.APIStatusError):
-            ra = parse_retry_after(getattr(e.response, "headers", None))
-            return e.status_code in (408, 409, 429) or e.status_code >= 500, ra
-        if isinstance(e, o.APIConnectionError | o.APIResponseValidationError | TimeoutError | ValueError):
-            return True, None  # connection refused/reset, timeouts, malformed JSON bodies
-        return False, None
+            return e.status_code in (408, 409, 429) or e.status_code >= 500
+        return isinstance(e, o.APIConnectionError | o.APIResponseValidationError | TimeoutError | ValueError)
+
+    async def _once(self, messages: list[dict], temperature: float, n: int, asked: int,
+                    max_tokens: int | None) -> Completion:
+        cfg = self.cfg
+        client = self.clients[next(self._next)]  # each attempt goes to the next endpoint
+        try:
+            async with self._sem:
+                resp = await asyncio.wait_for(client.chat.completions.create(
+                    model=cfg.model, messages=messages, temperature=temperature, n=asked,
+                    max_tokens=max_tokens or cfg.max_tokens), cfg.timeout_s)
+            if not getattr(resp, "choices", None):
+                raise ValueError(f"malformed response: no choices ({str(resp)[:200]})")
+        except Exception as e:
+            if not self.retryable(e):
+                raise ExecutorError(f"{client.base_url}: {type(e).__name__}: {e}") from e
+            raise
+        texts = [(c.message.content or "") for c in resp.choices] * (n // asked)
+        usage = getattr(resp, "usage", None)
+        tin = int(getattr(usage, "prompt_tokens", 0) or 0)
+        tout = int(getattr(usage, "completion_tokens", 0) or 0)
+        return Completion(texts, tin, tout, cost_usd(cfg.prices, tin, tout))
 
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
                        max_tokens: int | None = None) -> Completion:
+        import tenacity
+
         cfg = self.cfg
         if self._sem is None:
             self._sem = asyncio.Semaphore(cfg.concurrency)
         temperature = cfg.temperature if temperature is None else temperature
         # Greedy answers are identical: ask once (vLLM refuses n > 1 at temperature 0) and repeat.
         asked = 1 if temperature == 0 else n
-        last: BaseException | None = None
-        for attempt in range(cfg.max_retries + 1):
-            client = self.clients[next(self._next)]
-            try:
-                async with self._sem:
-                    resp = await asyncio.wait_for(client.chat.completions.create(
-                        model=cfg.model, messages=messages, temperature=temperature, n=asked,
-                        max_tokens=max_tokens or cfg.max_tokens), cfg.timeout_s)
-                if not getattr(resp, "choices", None):
-                    raise ValueError(f"malformed response: no choices ({str(resp)[:200]})")
-                texts = [(c.message.content or "") for c in resp.choices] * (n // asked)
-                usage = getattr(resp, "usage", None)
-                tin = int(getattr(usage, "prompt_tokens", 0) or 0)
-                tout = int(getattr(usage, "completion_tokens", 0) or 0)
-                return Completion(texts, tin, tout, cost_usd(cfg.prices, tin, tout))
-            except Exception as e:
-                retry, retry_after = self._retryable(e)
-                last = e
-                if not retry:
-                    raise ExecutorError(f"{client.base_url}: {type(e).__name__}: {e}") from e
-                if attempt < cfg.max_retries:
-                    await self._sleep(backoff_delay(attempt, retry_after))
-        raise ExecutorError(f"gave up after {cfg.max_retries + 1} attempts: {type(last).__name__}: {last}")
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(cfg.max_retries + 1), wait=RetryAfterWait(), sleep=self._sleep,
+            retry=tenacity.retry_if_exception(lambda e: not isinstance(e, ExecutorError)))
+        try:
+            return await retrying(self._once, messages, temperature, n, asked, max_tokens)
+        except tenacity.RetryError as e:
+            last = e.last_attempt.exception()
+            raise ExecutorError(f"gave up after {cfg.max_retries + 1} attempts: {type(last).__name__}: {last}") \
+                from last
 
     async def aclose(self) -> None:
         for c in self.clients:

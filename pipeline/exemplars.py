@@ -84,22 +84,20 @@ class Pools:
         return by_plan or self.workflows_by_query.get(query_id) or self.workflows
 
 
+# Scored workflows (their `generation_scores` score) and agents (the mean of their workflows') of rounds < $round.
 _POOL_SQL = """
-WITH s AS (
-    SELECT gen_id, avg(score) AS score FROM latest_scores
-    WHERE run_id = ? AND round < ? AND score IS NOT NULL GROUP BY gen_id
-), w AS (
-    SELECT g.gen_id, g.parent_id, g.query_id, g.text, s.score
-    FROM generations g JOIN s USING (gen_id)
-    WHERE g.run_id = ? AND g.round < ? AND g.kind = 'workflow'
+WITH w AS (
+    SELECT s.gen_id, s.parent_id, s.query_id, g.text, s.score
+    FROM generation_scores s JOIN generations g USING (run_id, round, gen_id)
+    WHERE s.run_id = $run AND s.round < $round AND s.kind = 'workflow' AND s.score IS NOT NULL
 )
 SELECT 'workflow' AS kind, w.gen_id, w.query_id, w.text, w.score, a.text AS plan FROM w
-LEFT JOIN (SELECT gen_id, text FROM generations WHERE run_id = ? AND round < ? AND kind = 'agent') a
+LEFT JOIN (SELECT gen_id, text FROM generations WHERE run_id = $run AND round < $round AND kind = 'agent') a
     ON a.gen_id = w.parent_id
 UNION ALL
 SELECT 'agent', a.gen_id, a.query_id, any_value(a.text), avg(w.score), NULL
 FROM generations a JOIN w ON w.parent_id = a.gen_id
-WHERE a.run_id = ? AND a.round < ? AND a.kind = 'agent'
+WHERE a.run_id = $run AND a.round < $round AND a.kind = 'agent'
 GROUP BY a.gen_id, a.query_id
 ORDER BY 1, 2
 """
@@ -110,7 +108,7 @@ def load_pools(store: Store, run_id: str, round: int, r_min_agent: float = 0.0, 
     pools = Pools()
     if round == 0:
         return pools
-    df = store.sql(_POOL_SQL, [run_id, round] * 4)
+    df = store.sql(_POOL_SQL, {"run": run_id, "round": round})
     for kind, gen_id, query_id, text, score, plan in df.iter_rows():
         if kind == "agent" and score >= r_min_agent:
             shown = Shown(gen_id, float(score), (text or "").strip())

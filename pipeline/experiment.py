@@ -11,23 +11,29 @@ The summary pools the per-query paired differences (round k minus base, same see
 gives each mean a percentile-bootstrap interval over pairs, a second one over queries (a drawn query brings
 all its seeds' pairs: the conservative one) and each seed's own mean and interval (pipeline.learning). It is written to
 `<store>/experiments/<run_id>/` as experiment.json (everything), per_query.csv and report.html.
-This module holds the plan and the summary; flows/experiment.py runs the stages (with or without Prefect).
+`run_experiment` runs it through a stage caller (pipeline.stages.rounds: without Prefect, or flows/experiment.py's).
+Re-running with the same run id resumes: finished stages are skipped by their manifests, in the seed runs and in
+the evaluation runs alike. The summary is rewritten after every seed, so a stopped experiment still leaves its
+results so far.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import polars as pl
 
-from pipeline.config import RunConfig
-from pipeline.evaluate import eval_run_id, eval_summary
+from pipeline.config import RunConfig, load_config
+from pipeline.evaluate import eval_run_id, eval_summary, evaluate_round
 from pipeline.learning import METRICS, bootstrap_ci, paired_differences
 from pipeline.store import Store
 
 BASE = -1  # the round index of the base model in evaluations
+log = logging.getLogger("pipeline.experiment")
 
 
 def seed_run_id(run_id: str, seed: int) -> str:
@@ -146,3 +152,39 @@ def headline(summary: dict) -> list[str]:
             f"(resampling queries: [{p.get('lo_by_query', float('nan')):+.3f}, "
             f"{p.get('hi_by_query', float('nan')):+.3f}]; per seed: {seeds})")
     return lines
+
+
+def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: str | None = None,
+                   sets: list[str] | None = None, command: str | None = None) -> dict:
+    """Train and evaluate every seed through `call` (a stage caller), then write the summary; returns it."""
+    from pipeline.stages.rounds import resolve_config, run_rounds
+
+    path = resolve_config(config)
+    sets = list(sets or [])
+    cfg = load_config(path, sets)
+    if run_id:
+        cfg = cfg.model_copy(update={"run_id": run_id})
+    store = Store(cfg.store.root)
+    t0 = time.perf_counter()
+    walls: dict[int, float] = {}
+    done: list[int] = []
+    summary: dict = {}
+    for sp in plan(cfg, list(range(seeds)) if seeds is not None else None):
+        t_seed = time.perf_counter()
+        log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
+        run_rounds(path, cfg.rounds, sp.run_id, call, sets=sets + sp.sets)
+        for k in eval_rounds(cfg):
+            log.info("seed %d: evaluating %s on %s", sp.seed, "the base model" if k < 0 else f"round {k}",
+                     cfg.experiment.eval_split)
+            evaluate_round(str(store.root), sp.run_id, k, cfg.experiment.eval_split, eval_sets(cfg), call)
+        walls[sp.seed] = round(time.perf_counter() - t_seed, 1)
+        done.append(sp.seed)
+        summary = summarise(store, cfg, done)
+        out = write_results(store, summary, {"command": command, "seed_wall_s": walls,
+                                             "wall_s": round(time.perf_counter() - t0, 1), "config": str(path),
+                                             "sets": sets})
+        for line in headline(summary):
+            log.info("after seed %d: %s", sp.seed, line)
+    summary["results"] = str(out)
+    summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    return summary

@@ -15,16 +15,15 @@ import polars as pl
 from pipeline.schema import STATUSES
 from pipeline.store import Store
 
-# Per round: generations and valid share, per-generation mean scores (mean over reps of the latest
-# attempt), executor usage, curated groups and training metrics. FULL JOINs: a round that stopped
-# early still shows what it has.
+# Per round: generations and valid share, workflow scores (`generation_scores`), executor usage, curated groups
+# and training metrics. FULL JOINs: a round that stopped early still shows what it has.
 _ROUND_SQL = """
 WITH g AS (
   SELECT round, count(*) AS workflows, avg(CASE WHEN valid THEN 1.0 ELSE 0.0 END) AS valid_share
   FROM generations WHERE run_id = $run AND kind = 'workflow' GROUP BY round),
-per_gen AS (
-  SELECT round, gen_id, avg(score) AS s FROM latest_scores WHERE run_id = $run GROUP BY round, gen_id),
-s AS (SELECT round, count(*) AS scored, avg(s) AS mean_score, max(s) AS best_score FROM per_gen GROUP BY round),
+s AS (
+  SELECT round, count(*) AS scored, avg(score) AS mean_score, max(score) AS best_score FROM generation_scores
+  WHERE run_id = $run AND kind = 'workflow' AND score IS NOT NULL GROUP BY round),
 u AS (
   SELECT round, sum(llm_calls)::BIGINT AS llm_calls, sum(tokens_in)::BIGINT AS tokens_in,
          sum(tokens_out)::BIGINT AS tokens_out,
@@ -46,13 +45,13 @@ ORDER BY r.round
 
 def round_stats(store: Store, run_id: str) -> pl.DataFrame:
     """One row per round: workflows, valid_share, scored, mean_score, best_score, usage, groups, training."""
-    return store.sql(_ROUND_SQL.replace("$run", "?"), [run_id] * 5)
+    return store.sql(_ROUND_SQL, {"run": run_id})
 
 
 def score_distribution(store: Store, run_id: str) -> pl.DataFrame:
     return store.sql(
-        "SELECT round, gen_id, avg(score) AS score FROM latest_scores WHERE run_id = ? GROUP BY round, gen_id "
-        "ORDER BY round, gen_id", [run_id])
+        "SELECT round, gen_id, score FROM generation_scores WHERE run_id = $run AND kind = 'workflow' "
+        "AND score IS NOT NULL ORDER BY round, gen_id", {"run": run_id})
 
 
 def status_counts(store: Store, run_id: str) -> pl.DataFrame:

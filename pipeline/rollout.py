@@ -253,8 +253,6 @@ def _sample_all(ctx: RunContext, ro: _Rollout, gen: Generator, todo: list[Reques
 def run_rollout(ctx: RunContext) -> dict:
     """Sample what round `ctx.round` is missing; all input checks happen before anything is written."""
     cfg = ctx.cfg
-    if ctx.done("rollout"):
-        return {"skipped": "already done", **ctx.store.manifest(ctx.run_id, ctx.round, "rollout")["counts"]}
     if cfg.generator.backend not in BACKENDS:
         raise RolloutError(f"unknown generation backend {cfg.generator.backend!r}; use one of {', '.join(BACKENDS)}")
     adapter, adapter_round = resolve_adapter(ctx)

@@ -25,6 +25,7 @@ from pipeline.reward import reward
 from pipeline.run import RunContext
 from pipeline.sandbox import Limits, default_sandbox, run_workflow
 from pipeline.schema import FINAL_STATUSES, transient_statuses
+from pipeline.store import Store
 from pipeline.workflow import check_workflow, extract_code
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,11 @@ class Job:
     attempt: int
 
 
-def latest_attempts(scores: pl.DataFrame) -> dict[tuple[str, int], tuple[str, int]]:
-    """(gen_id, rep) -> (status, attempt) of the latest attempt."""
-    if scores.height == 0:
-        return {}
-    last = scores.sort(["attempt", "created_at"]).group_by(["gen_id", "rep"]).last()
-    return {(r["gen_id"], r["rep"]): (r["status"], r["attempt"]) for r in last.iter_rows(named=True)}
+def latest_attempts(store: Store, run_id: str, round: int) -> dict[tuple[str, int], tuple[str, int]]:
+    """(gen_id, rep) -> (status, attempt) of the latest attempt (the store's `latest_scores` view)."""
+    df = store.sql("SELECT gen_id, rep, status, attempt FROM latest_scores WHERE run_id = $run AND round = $round",
+                   {"run": run_id, "round": round})
+    return {(g, r): (s, a) for g, r, s, a in df.iter_rows()}
 
 
 def plan(gens: list[tuple[str, str]], latest: dict[tuple[str, int], tuple[str, int]], reps: int,
@@ -195,6 +195,18 @@ async def _run(ctx: RunContext, scorer: _Scorer, jobs: list[Job]) -> dict[str, i
     return counts
 
 
+def _score_jobs(ctx: RunContext, items: dict[str, Item], texts: dict[str, str], jobs: list[Job]) -> dict[str, int]:
+    if not jobs:
+        return {}
+    bench = load_benchmark(ctx.cfg.benchmark)
+    if hasattr(bench, "test_timeout_s"):
+        bench.test_timeout_s = ctx.cfg.scoring.test_timeout_s
+    iso = default_sandbox().ensure_started()
+    for note in iso.get("notes", []):
+        log.warning("sandbox: %s", note)
+    return asyncio.run(_run(ctx, _Scorer(ctx, bench, texts, items), jobs))
+
+
 def run_scoring(ctx: RunContext, only_failed: bool = False) -> dict:
     """Score the round's workflow generations (see the module doc); returns counts."""
     store, cfg = ctx.store, ctx.cfg
@@ -207,27 +219,25 @@ def run_scoring(ctx: RunContext, only_failed: bool = False) -> dict:
     if missing:
         raise ValueError(f"run {ctx.run_id!r} round {ctx.round}: generations reference queries without a "
                          f"`queries` row: {missing[:5]}")
+    ran = 0
     transient = transient_statuses(cfg.scoring.retry_timeouts)
     pairs = list(zip(gens["gen_id"], gens["query_id"], strict=True))
-    jobs = plan(pairs, latest_attempts(store.read("scores", ctx.run_id, ctx.round)), cfg.scoring.reps,
-                only_failed, transient)
+    texts = dict(zip(gens["gen_id"], gens["text"], strict=True))
     counts: dict[str, int] = {}
-    if jobs:
-        bench = load_benchmark(cfg.benchmark)
-        if hasattr(bench, "test_timeout_s"):
-            bench.test_timeout_s = cfg.scoring.test_timeout_s
-        iso = default_sandbox().ensure_started()
-        for note in iso.get("notes", []):
-            log.warning("sandbox: %s", note)
-        scorer = _Scorer(ctx, bench, dict(zip(gens["gen_id"], gens["text"], strict=True)), items)
-        counts = asyncio.run(_run(ctx, scorer, jobs))
-    latest = latest_attempts(store.read("scores", ctx.run_id, ctx.round))
+    # a normal call runs the missing rows, then gives transient failures (executor down) one new attempt, so a
+    # retried stage heals a short outage by itself; --only-failed does the second pass alone
+    for retry_pass in ([True] if only_failed else [False, True]):
+        jobs = plan(pairs, latest_attempts(store, ctx.run_id, ctx.round), cfg.scoring.reps, retry_pass, transient)
+        for status, n in _score_jobs(ctx, items, texts, jobs).items():
+            counts[status] = counts.get(status, 0) + n
+        ran += len(jobs)
+    latest = latest_attempts(store, ctx.run_id, ctx.round)
     total = len(pairs) * cfg.scoring.reps
     final = {k: s for k, (s, _) in latest.items() if s in FINAL_STATUSES or (s == "timeout" and s not in transient)}
     by_status: dict[str, int] = {}
     for s, _ in latest.values():
         by_status[s] = by_status.get(s, 0) + 1
-    out = {"ran": len(jobs), "ran_by_status": counts, "runs": total, "by_status": by_status,
+    out = {"ran": ran, "ran_by_status": counts, "runs": total, "by_status": by_status,
            "left": total - len(final)}
     if out["left"] == 0:
         ctx.finish("score", runs=total, workflows=len(pairs), by_status=by_status)

@@ -7,6 +7,10 @@ Layout (DESIGN.md §2):
     <root>/<run_id>/round=<k>/checkpoint/                     the round's LoRA adapter
     <root>/catalog.duckdb                                     views only, rebuilt atomically
 
+Derived views (one definition each, used by every stage, the report and evaluation):
+    latest_scores      the latest attempt of each (generation, rep)
+    generation_scores  one row per generation: its score over reps (see GENERATION_SCORES_SQL)
+
 Writers never touch catalog.duckdb while working; it is rebuilt into a temp file and renamed, so a
 user holding it open in the `duckdb` CLI keeps a consistent (older) copy.
 """
@@ -17,6 +21,7 @@ import datetime as dt
 import json
 import logging
 import os
+import shutil
 import uuid
 import warnings
 from collections.abc import Iterable
@@ -28,11 +33,36 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.schema import TABLES, schema
+from pipeline.schema import TABLES, TRANSIENT_STATUSES, schema
 
 log = logging.getLogger(__name__)
 
 CATALOG = "catalog.duckdb"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a round's checkpoint is complete with these
+
+# A generation's score, the one definition: the mean over its reps' latest attempts, where an invalid workflow
+# (or a run with status `invalid`) counts 0 and a missing score 0; runs whose latest status is transient
+# (an executor outage) are left out of the mean and counted in `transient_runs`. NULL: no final run yet.
+GENERATION_SCORES_SQL = f"""
+WITH g AS (
+    SELECT run_id, round, gen_id, any_value(kind) AS kind, any_value(parent_id) AS parent_id,
+           any_value(query_id) AS query_id, min(slot) AS slot, bool_and(coalesce(valid, true)) AS valid
+    FROM generations GROUP BY run_id, round, gen_id),
+s AS (
+    SELECT run_id, round, gen_id, count(DISTINCT rep) AS reps_scored,
+           count(*) FILTER (WHERE status IN ({", ".join(f"'{t}'" for t in TRANSIENT_STATUSES)})) AS transient_runs,
+           count(*) FILTER (WHERE status = 'timeout') AS timeout_runs,
+           avg(CASE WHEN status = 'invalid' THEN 0 ELSE coalesce(score, 0) END)
+               FILTER (WHERE status NOT IN ({", ".join(f"'{t}'" for t in TRANSIENT_STATUSES)})) AS score,
+           sum(llm_calls) AS llm_calls, sum(tokens_in) AS tokens_in, sum(tokens_out) AS tokens_out,
+           sum(cost_usd) AS cost_usd
+    FROM latest_scores GROUP BY run_id, round, gen_id)
+SELECT g.*, coalesce(s.reps_scored, 0) AS reps_scored, coalesce(s.transient_runs, 0) AS transient_runs,
+       coalesce(s.timeout_runs, 0) AS timeout_runs,
+       CASE WHEN NOT g.valid THEN 0.0 ELSE s.score END AS score,
+       s.llm_calls, s.tokens_in, s.tokens_out, s.cost_usd
+FROM g LEFT JOIN s USING (run_id, round, gen_id)
+"""
 
 _DUCK_TYPES = {
     pa.string(): "VARCHAR",
@@ -54,6 +84,11 @@ def _duck_type(t: pa.DataType) -> str:
 
 class CorruptPartWarning(UserWarning):
     pass
+
+
+def adapter_complete(path: Path) -> bool:
+    """The folder holds every file a LoRA checkpoint needs (checkpoints are written whole or not at all)."""
+    return all((path / f).is_file() for f in ADAPTER_FILES)
 
 
 def utcnow() -> dt.datetime:
@@ -189,6 +224,19 @@ class Store:
             "QUALIFY row_number() OVER (PARTITION BY run_id, round, gen_id, rep "
             "ORDER BY attempt DESC, created_at DESC) = 1"
         )
+        con.execute(f"CREATE OR REPLACE VIEW generation_scores AS {GENERATION_SCORES_SQL}")
+
+    def generation_scores(self, run_id: str, round: int, reps: int, transient: Iterable[str]) -> pl.DataFrame:
+        """The `generation_scores` rows of one round, ordered (query, parent, slot), with `state`:
+        ok (final: scored on all `reps`, or invalid), transient (a latest run has a status in `transient`,
+        which is re-run by `score --only-failed` and waited for by curation), or unscored (reps missing)."""
+        return self.sql(
+            "SELECT *, CASE WHEN NOT valid THEN 'ok' "
+            "WHEN transient_runs > 0 OR (list_contains($transient, 'timeout') AND timeout_runs > 0) THEN 'transient' "
+            "WHEN reps_scored < $reps THEN 'unscored' ELSE 'ok' END AS state "
+            "FROM generation_scores WHERE run_id = $run AND round = $round "
+            "ORDER BY query_id, parent_id NULLS FIRST, slot, gen_id",
+            {"run": run_id, "round": round, "reps": reps, "transient": sorted(transient)})
 
     def connect(self) -> duckdb.DuckDBPyConnection:
         """In-memory connection with the catalog's views (no lock on catalog.duckdb)."""
@@ -196,7 +244,8 @@ class Store:
         self._create_views(con)
         return con
 
-    def sql(self, query: str, params: list[Any] | None = None) -> pl.DataFrame:
+    def sql(self, query: str, params: dict[str, Any] | list[Any] | None = None) -> pl.DataFrame:
+        """Run a query over the views; `params` binds `$name` parameters (a dict) or `?` ones (a list)."""
         con = self.connect()
         try:
             rel = con.sql(query, params=params)
@@ -238,3 +287,20 @@ class Store:
 
     def clear_manifest(self, run_id: str, round: int, stage: str) -> None:
         self._manifest_path(run_id, round, stage).unlink(missing_ok=True)
+
+    def checkpoint_complete(self, run_id: str, round: int) -> bool:
+        return adapter_complete(self.checkpoint_dir(run_id, round))
+
+    def discard_unfinished(self, run_id: str, round: int, tables: Iterable[str], checkpoint: bool = False) -> int:
+        """Remove what an attempt that died before its manifest left behind (parts of `tables`, and the round's
+        checkpoint folder), so the next attempt starts clean and never duplicates rows; returns parts removed."""
+        stale = [p for t in tables for p in self.parts(t, run_id, round)]
+        ckpt = self.checkpoint_dir(run_id, round)
+        if stale or (checkpoint and ckpt.exists()):
+            log.warning("run %s round %d: discarding %d part(s)%s of an unfinished attempt", run_id, round, len(stale),
+                        " and the checkpoint" if checkpoint and ckpt.exists() else "")
+        for p in stale:
+            p.unlink(missing_ok=True)
+        if checkpoint and ckpt.exists():
+            shutil.rmtree(ckpt)
+        return len(stale)

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +28,12 @@ import torch
 
 from pipeline.grpo import GrpoTerms, grpo_mkl_loss, grpo_mkl_terms
 from pipeline.run import derived_seed
+from pipeline.store import ADAPTER_FILES, adapter_complete
 
 __all__ = ["grpo_mkl_loss", "grpo_mkl_terms", "run_train", "TrainSequence", "Batch", "collate", "completion_logprobs"]
 
 log = logging.getLogger(__name__)
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 @dataclass
@@ -151,10 +150,6 @@ def load_sequences(ctx) -> tuple[list[TrainSequence], dict]:
 # ---- model ----------------------------------------------------------------------------------------
 
 
-def adapter_complete(path: Path) -> bool:
-    return all((path / f).is_file() for f in ADAPTER_FILES)
-
-
 def load_policy(ctx, device: str):
     """Base model (fp32) + the previous round's adapter, trainable; a fresh LoRA at round 0."""
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -221,18 +216,6 @@ def _plan_steps(n: int, tc, rng: np.random.Generator) -> list[list[list[int]]]:
 # ---- the stage -----------------------------------------------------------------------------------------
 
 
-def _clear_unfinished(ctx, ckpt: Path) -> None:
-    stale = ctx.store.parts("train_metrics", ctx.run_id, ctx.round) + ctx.store.parts("checkpoints", ctx.run_id,
-                                                                                       ctx.round)
-    if stale or ckpt.exists():
-        log.warning("restarting round %d training: removing %d part(s) and the checkpoint of an unfinished attempt",
-                    ctx.round, len(stale))
-    for p in stale:
-        p.unlink()
-    if ckpt.exists():
-        shutil.rmtree(ckpt)
-
-
 def save_adapter_atomic(model, dest: Path) -> None:
     """save_pretrained into a temp folder next to `dest`, then rename: `dest` is whole or absent."""
     from pipeline.models import atomic_dir
@@ -258,9 +241,6 @@ def run_train(ctx) -> dict:
     from pipeline.models import load_tokenizer
 
     ckpt = ctx.store.checkpoint_dir(ctx.run_id, ctx.round)
-    if ctx.done("train") and adapter_complete(ckpt):
-        return {"skipped": True, **ctx.store.manifest(ctx.run_id, ctx.round, "train")["counts"]}
-    _clear_unfinished(ctx, ckpt)
     tc = ctx.cfg.training
     torch.manual_seed(derived_seed(tc.seed, "train", ctx.round))
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -404,7 +404,9 @@ def test_run_curate_flat_left_out_invalid_and_reps(tmp_path):
     assert reasons["d"] == "left out: 1 of 4 workflows transient"
     assert reasons["e"].startswith("filtered: all 4 scores equal")
     assert "a" not in reasons  # all 4 candidate groups kept
-    assert run_curate(ctx)["skipped"] is True
+    from pipeline.stages.runner import run_stage
+
+    assert run_stage("curate", ctx.run_id, 0, str(ctx.store.root))["skipped"] is True
     assert ctx.store.read("groups", ctx.run_id, 0).height == g.height
 
 

@@ -1,6 +1,6 @@
 """Executors: the openai client against a real local HTTP server that injects faults (refused connections,
-500, 429 + Retry-After, responses slower than the timeout, malformed JSON), the backoff maths, and the
-local executor on the embedded model."""
+500, 429 + Retry-After, responses slower than the timeout, malformed JSON), the backoff (tenacity, Retry-After), and
+the local executor on the embedded model."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pipeline.executors import (
     ExecutorError,
     LocalExecutor,
     OpenAIExecutor,
-    backoff_delay,
+    RetryAfterWait,
     cost_usd,
     make_executor,
     parse_retry_after,
@@ -210,12 +210,30 @@ def test_concurrency_limit_and_endpoint_spreading():
         b.close()
 
 
-def test_backoff_and_retry_after_parsing():
-    assert backoff_delay(0, None, rng=lambda: 1.0) == 0.5
-    assert backoff_delay(3, None, rng=lambda: 0.5) == 2.0  # 0.5 * 2**3 * 0.5
-    assert backoff_delay(10, None, rng=lambda: 1.0) == 30.0  # capped
-    assert backoff_delay(0, 4.0, rng=lambda: 0.1) == 4.0  # Retry-After is a floor
-    assert backoff_delay(0, 1e6, rng=lambda: 0.1) == 120.0  # ... capped
+def test_backoff_and_retry_after_parsing(monkeypatch):
+    import random
+
+    import httpx
+    import openai
+    import tenacity
+
+    monkeypatch.setattr(random, "uniform", lambda lo, hi: hi)  # the top of tenacity's jitter range
+
+    def after(attempt: int, headers: dict | None = None) -> float:
+        state = tenacity.RetryCallState(None, None, (), {})
+        state.attempt_number = attempt
+        exc: BaseException = TimeoutError()
+        if headers is not None:
+            resp = httpx.Response(429, headers=headers, request=httpx.Request("POST", "http://x/v1"))
+            exc = openai.RateLimitError("slow down", response=resp, body=None)
+        state.set_exception((type(exc), exc, None))
+        return RetryAfterWait()(state)
+
+    assert after(1) == 0.5 and after(4) == 4.0  # 0.5 * 2**(attempt - 1)
+    assert after(11) == 30.0  # capped
+    assert after(1, {"retry-after": "4"}) == 4.0  # Retry-After is a floor
+    assert after(5, {"retry-after": "4"}) == 8.0  # ... not a ceiling
+    assert after(1, {"retry-after": "1000000"}) == 120.0  # ... capped
     assert parse_retry_after({"retry-after": "2.5"}) == 2.5
     assert parse_retry_after({"retry-after-ms": "1500", "retry-after": "9"}) == 1.5
     assert parse_retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == 0.0  # a past date

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -14,13 +15,15 @@ from pathlib import Path
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
-from flows import stages
 from flows.evaluate import evaluate
-from flows.iterate import iterate, run_direct
+from flows.iterate import iterate
 from flows.score import score
-from flows.stages import StageError, run_stage
+from pipeline import stages
 from pipeline.evaluate import eval_run_id
 from pipeline.run import open_run
+from pipeline.stages import runner
+from pipeline.stages.rounds import direct_call, run_rounds
+from pipeline.stages.runner import RetryPolicy, StageError, run_stage
 from pipeline.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,10 +63,16 @@ class FakeStages:
             return {"rows": 1}
         return fn
 
-    def install(self, monkeypatch):
-        monkeypatch.setattr(stages, "stage_function", self.make)
-        monkeypatch.setattr(stages, "ISOLATED_STAGES", frozenset())  # fakes live in this process only
+    def install(self, monkeypatch, make=None):
+        install_stages(monkeypatch, make or self.make)
         return self
+
+
+def install_stages(monkeypatch, make) -> None:
+    """Replace each registered stage's function by make(name), in this process (fakes exist only here)."""
+    for name, st in list(stages.STAGES.items()):
+        monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(st, fn=make(name), isolated=False,
+                                                                     checkpoint=False))
 
 
 def _config(tmp_path: Path, rounds: int = 2) -> Path:
@@ -97,10 +106,9 @@ def test_half_done_round_resumes_at_the_missing_stage(harness, tmp_path, monkeyp
 def test_transient_failure_retries_then_succeeds(harness, tmp_path, monkeypatch):
     fake = FakeStages().install(monkeypatch)
     fake.fail["curate"] = [ConnectionError("executor went away")]
-    fake.score_leaves_failures = 2  # the normal pass and the only-failed pass both leave work: Prefect retries
+    fake.score_leaves_failures = 1  # the stage returns with work left: Prefect retries it
     iterate(str(_config(tmp_path, rounds=1)), run_id="r", in_process=True, retry_delay_s=0)
-    assert fake.calls == [("rollout", 0), ("score", 0), ("rescore", 0), ("score", 0), ("curate", 0), ("curate", 0),
-                          ("train", 0)]
+    assert fake.calls == [("rollout", 0), ("score", 0), ("score", 0), ("curate", 0), ("curate", 0), ("train", 0)]
 
 
 def test_permanent_failure_stops_the_run_naming_stage_round_reason(harness, tmp_path, monkeypatch):
@@ -116,7 +124,7 @@ def test_permanent_failure_stops_the_run_naming_stage_round_reason(harness, tmp_
 
 def test_outage_then_rescore_then_iterate_continues_from_curation(harness, tmp_path, monkeypatch):
     fake = FakeStages().install(monkeypatch)
-    fake.score_leaves_failures = 6  # executor down: both passes of the first attempt and of both retries
+    fake.score_leaves_failures = 3  # executor down: the first attempt and both retries leave work
     state = iterate(str(_config(tmp_path, rounds=1)), run_id="r", in_process=True, retry_delay_s=0,
                     return_state=True)
     assert state.is_failed() and "round 0 score" in state.message and "work left" in state.message
@@ -164,7 +172,7 @@ def test_evaluate_refuses_a_round_without_checkpoint(tmp_path, monkeypatch):
 def test_direct_path_needs_no_prefect(tmp_path, monkeypatch):
     fake = FakeStages().install(monkeypatch)
     fake.fail["rollout"] = [TimeoutError("slow server")]
-    out = run_direct(_config(tmp_path, rounds=1), run_id="d", retry_delay_s=0)
+    out = run_rounds(_config(tmp_path, rounds=1), None, "d", direct_call(RetryPolicy(retries=2, delay_s=0)))
     assert fake.calls[:2] == [("rollout", 0), ("rollout", 0)] and out["rounds"][0]["mean_score"] == 0.25
 
 
@@ -195,7 +203,7 @@ def test_stages_run_on_dask_workers(harness, tmp_path, monkeypatch):
             return fn(ctx, only_failed)
         return wrapped
 
-    monkeypatch.setattr(stages, "stage_function", on_worker)
+    install_stages(monkeypatch, on_worker)
     # threads, not processes: the fakes above exist only in this process
     runner = prefect_dask.DaskTaskRunner(cluster_kwargs={"n_workers": 1, "processes": False, "dashboard_address": None})
     out = iterate.with_options(task_runner=runner)(str(_config(tmp_path, rounds=1)), run_id="dk", in_process=True,
@@ -224,7 +232,7 @@ def test_child_process_reports_permanent_error(tmp_path):
     bad = tmp_path / "runs" / "r" / "config.yaml"
     bad.write_text(bad.read_text().replace("rounds: 1", "rounds: -1"))  # the child cannot open the run
     with pytest.raises(StageError) as e:
-        stages._run_child("curate", "r", 0, str(tmp_path / "runs"), [], False)
+        runner._run_child("curate", "r", 0, str(tmp_path / "runs"), [], False)
     assert not e.value.transient and "rounds" in e.value.reason
 
 
@@ -235,10 +243,10 @@ def test_child_killed_by_signal_is_transient(tmp_path, monkeypatch):
         import os, signal
         os.kill(os.getpid(), signal.SIGKILL)
     """))
-    real_run = stages.subprocess.run
-    monkeypatch.setattr(stages.subprocess, "run", lambda cmd, **kw: real_run([sys.executable, str(script)], **kw))
+    real_run = runner.subprocess.run
+    monkeypatch.setattr(runner.subprocess, "run", lambda cmd, **kw: real_run([sys.executable, str(script)], **kw))
     with pytest.raises(StageError) as e:
-        stages._run_child("score", "r", 0, str(tmp_path), [], False)
+        runner._run_child("score", "r", 0, str(tmp_path), [], False)
     assert e.value.transient and "signal 9" in e.value.reason
 
 
@@ -391,17 +399,17 @@ def test_launcher_switch_runs_the_child_under_accelerate(tmp_path, monkeypatch):
     bad = tmp_path / "runs" / "r" / "config.yaml"
     bad.write_text(bad.read_text().replace("rounds: 1", "rounds: -1"))
     monkeypatch.setenv("PIPELINE_LAUNCHER_CURATE", "accelerate launch --num_processes 1 --cpu")
-    assert stages.launcher("curate")[:2] == ["accelerate", "launch"] and stages.launcher("train") == [sys.executable]
+    assert runner.launcher("curate")[:2] == ["accelerate", "launch"] and runner.launcher("train") == [sys.executable]
     with pytest.raises(StageError) as e:
-        stages._run_child("curate", "r", 0, str(tmp_path / "runs"), [], False)
+        runner._run_child("curate", "r", 0, str(tmp_path / "runs"), [], False)
     assert not e.value.transient and "rounds" in e.value.reason
 
 
 def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness, tmp_path, monkeypatch):
     """Two seeds x two rounds; a fake scorer gives the base model 0 on q0 and 0.5 on q1 and any checkpoint 1.0:
     per seed the paired differences are [1.0, 0.5], so the pooled mean is 0.75 over 4 pairs."""
-    from flows.experiment import experiment, run_experiment_direct
-    from pipeline.experiment import experiment_dir
+    from flows.experiment import experiment
+    from pipeline.experiment import experiment_dir, run_experiment
 
     calls = []
 
@@ -423,12 +431,11 @@ def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness
             return {"rows": 1}
         return fn
 
-    monkeypatch.setattr(stages, "stage_function", make)
-    monkeypatch.setattr(stages, "ISOLATED_STAGES", frozenset())
+    install_stages(monkeypatch, make)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"run_id: x\nrounds: 2\nstore:\n  root: {tmp_path / 'runs'}\n"
                    "experiment:\n  seeds: [3, 4]\n  eval_queries: 5\n  eval_l: 2\n")
-    out = run_experiment_direct(cfg)
+    out = run_experiment(cfg, direct_call(RetryPolicy(delay_s=0)))
     train = ["rollout", "score", "curate", "train"] * 2
     ev = ["rollout", "score"] * 3  # base, round 0, round 1
     for s in (3, 4):

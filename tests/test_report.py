@@ -35,6 +35,7 @@ def store(tmp_path):
     st.write("groups", [{"group_id": "g1", "kept": True}, {"group_id": "g2", "kept": False}], "r", 0)
     st.write("train_metrics", [{"step": 0, "loss": 1.0, "kl": 0.0, "clip_frac": 0.0, "tokens": 40},
                                {"step": 1, "loss": 0.5, "kl": 0.2, "clip_frac": 0.5, "tokens": 60}], "r", 0)
+    st.write("generations", [{"gen_id": "d", "kind": "workflow", "valid": True}], "r", 1)
     st.write("scores", [{"gen_id": "d", "rep": 0, "attempt": 0, "status": "ok", "score": 0.25}], "r", 1)
     st.write("scores", [{"gen_id": "x", "rep": 0, "attempt": 0, "status": "ok", "score": 1.0}], "other", 0)
     lines = [{"round": 0, "stage": "rollout", "skipped": False, "wall_s": 3.0},
@@ -58,7 +59,7 @@ def test_round_stats_hand_computed(store):
     assert r0["groups_kept"] == 1 and r0["steps"] == 2
     assert r0["loss"] == pytest.approx(0.75) and r0["kl"] == pytest.approx(0.1) and r0["clip_frac"] == 0.25
     assert r0["train_tokens"] == 100
-    assert r1["mean_score"] == 0.25 and r1["workflows"] is None and r1["steps"] is None
+    assert r1["mean_score"] == 0.25 and r1["workflows"] == 1 and r1["steps"] is None and r1["groups_kept"] is None
 
 
 def test_status_counts_use_latest_attempt(store):

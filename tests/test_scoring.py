@@ -26,6 +26,7 @@ from pipeline.run import open_run
 from pipeline.sandbox.client import UID_COUNT
 from pipeline.schema import transient_statuses
 from pipeline.scoring import Job, latest_attempts, plan, run_scoring
+from pipeline.store import Store
 
 # ---- pure parts -------------------------------------------------------------------------------------
 
@@ -39,12 +40,13 @@ def test_plan_runs_missing_then_only_transient_failures():
     assert plan(gens, latest, 2, True, transient_statuses(True)) == [Job("b", "q", 0, 3), Job("b", "q", 1, 1)]
 
 
-def test_latest_attempts_picks_the_highest_attempt():
-    import polars as pl
-
-    df = pl.DataFrame({"gen_id": ["a", "a", "b"], "rep": [0, 0, 0], "attempt": [1, 0, 0],
-                       "status": ["ok", "executor_error", "invalid"], "created_at": [2, 1, 3]})
-    assert latest_attempts(df) == {("a", 0): ("ok", 1), ("b", 0): ("invalid", 0)}
+def test_latest_attempts_picks_the_highest_attempt(tmp_path):
+    st = Store(tmp_path)
+    st.write("scores", [{"gen_id": "a", "rep": 0, "attempt": 0, "status": "executor_error"},
+                        {"gen_id": "b", "rep": 0, "attempt": 0, "status": "invalid"}], "r", 0)
+    st.write("scores", [{"gen_id": "a", "rep": 0, "attempt": 1, "status": "ok"}], "r", 0)
+    st.write("scores", [{"gen_id": "a", "rep": 0, "attempt": 5, "status": "ok"}], "r", 1)  # another round
+    assert latest_attempts(st, "r", 0) == {("a", 0): ("ok", 1), ("b", 0): ("invalid", 0)}
 
 
 def test_reward_maths():
@@ -132,9 +134,10 @@ def scores(store_root: str):
 def test_stage_scores_recovers_executor_faults_with_only_failed(tmp_path):
     path, root = make_run(tmp_path, [SOLVER, "def solve(p): return 1", "async def solve(p):\n    return 1 / 0\n",
                                      LLM_WF], reps=2, batch_size=3)
-    # the executor endpoint is down: the llm workflow's runs are executor_error, everything else final
+    # the executor endpoint is down: the llm workflow's runs are executor_error, everything else final; the
+    # call gives those 4 one more attempt (16 + 4 runs), still down
     out = run_scoring(open_run(path, "t", 0))
-    assert out["runs"] == 16 and out["ran"] == 16 and out["left"] == 4 and out["done"] is False
+    assert out["runs"] == 16 and out["ran"] == 20 and out["left"] == 4 and out["done"] is False
     assert out["by_status"] == {"ok": 4, "invalid": 4, "exec_error": 4, "executor_error": 4}
     ctx = open_run(path, "t", 0)
     assert not ctx.done("score")
@@ -145,8 +148,8 @@ def test_stage_scores_recovers_executor_faults_with_only_failed(tmp_path):
     assert invalid["score"].to_list() == [0.0] * 4 and "async" in invalid["error"][0]  # kept, scored 0
     assert json.loads(solver["details"][0])["reward"]["ast_nodes"] > 0
 
-    # a plain re-run does nothing; --only-failed against a healthy endpoint completes the round
-    assert run_scoring(open_run(path, "t", 0))["ran"] == 0
+    # a plain re-run runs only the transient rows again; --only-failed against a healthy endpoint completes it
+    assert run_scoring(open_run(path, "t", 0))["ran_by_status"] == {"executor_error": 4}
     srv = FaultServer()
     srv.reply = "7"
     try:
@@ -156,8 +159,9 @@ def test_stage_scores_recovers_executor_faults_with_only_failed(tmp_path):
         srv.close()
     assert out["ran"] == 4 and out["left"] == 0 and out["done"] is True and ctx.done("score")
     df = scores(root)
-    assert df.height == 20
-    retried = df.filter(df["attempt"] == 1)
+    assert df.height == 28  # 16 + 3 further attempts of the 4 llm runs
+    assert sorted(df.filter(df["status"] == "executor_error")["attempt"].to_list()) == [0] * 4 + [1] * 4 + [2] * 4
+    retried = df.filter(df["attempt"] == 3)
     assert retried["status"].to_list() == ["ok"] * 4 and retried["llm_calls"].to_list() == [1] * 4
     assert retried["tokens_in"].to_list() == [7] * 4 and retried["answer"].to_list() == ["7"] * 4
     assert df.select(["gen_id", "rep", "attempt"]).is_duplicated().sum() == 0

@@ -128,3 +128,52 @@ def test_set_store_root_places_a_new_run(tmp_path):
     ctx = open_run(cfg, sets=[f"store.root={tmp_path / 'set-root'}"])
     assert ctx.store.root == tmp_path / "set-root" and (tmp_path / "set-root" / "x" / "config.yaml").is_file()
     assert not (tmp_path / "yaml-root").exists()
+
+
+def test_generation_scores_view_is_the_one_score_definition(tmp_path):
+    """Hand-computed: the mean over reps of the latest attempts; invalid counts 0; transient runs are left out
+    of the mean and make the state transient; missing reps leave it unscored."""
+    st = Store(tmp_path)
+    st.write("generations", [
+        {"gen_id": "a", "kind": "workflow", "query_id": "q", "slot": 0, "valid": True},
+        {"gen_id": "b", "kind": "workflow", "query_id": "q", "slot": 1, "valid": True},
+        {"gen_id": "c", "kind": "workflow", "query_id": "q", "slot": 2, "valid": False},  # never scored: 0
+        {"gen_id": "d", "kind": "workflow", "query_id": "q", "slot": 3, "valid": True},
+        {"gen_id": "e", "kind": "workflow", "query_id": "q", "slot": 4, "valid": True},
+    ], "r", 0)
+    st.write("scores", [
+        {"gen_id": "a", "rep": 0, "attempt": 0, "status": "executor_error", "score": 0.0},
+        {"gen_id": "a", "rep": 0, "attempt": 1, "status": "ok", "score": 0.9},  # the latest attempt counts
+        {"gen_id": "a", "rep": 1, "attempt": 0, "status": "ok", "score": 0.3},
+        {"gen_id": "b", "rep": 0, "attempt": 0, "status": "ok", "score": 0.8},
+        {"gen_id": "b", "rep": 1, "attempt": 0, "status": "executor_error", "score": 0.1},
+        {"gen_id": "d", "rep": 0, "attempt": 0, "status": "invalid", "score": 0.7},
+        {"gen_id": "d", "rep": 1, "attempt": 0, "status": "timeout", "score": None},
+        {"gen_id": "e", "rep": 0, "attempt": 0, "status": "ok", "score": 1.0},
+    ], "r", 0)
+    rows = {r["gen_id"]: r for r in st.generation_scores("r", 0, reps=2, transient={"executor_error"}).to_dicts()}
+    assert [g for g in rows] == ["a", "b", "c", "d", "e"]  # ordered by slot
+    assert rows["a"]["score"] == pytest.approx(0.6) and rows["a"]["state"] == "ok"
+    assert rows["b"]["score"] == pytest.approx(0.8) and rows["b"]["transient_runs"] == 1
+    assert rows["b"]["state"] == "transient"
+    assert rows["c"]["score"] == 0.0 and rows["c"]["state"] == "ok" and rows["c"]["reps_scored"] == 0
+    assert rows["d"]["score"] == 0.0 and rows["d"]["timeout_runs"] == 1 and rows["d"]["state"] == "ok"
+    assert rows["e"]["score"] == 1.0 and rows["e"]["state"] == "unscored"
+    # timeouts are transient only where configured (scoring.retry_timeouts)
+    again = st.generation_scores("r", 0, reps=2, transient={"executor_error", "timeout"})
+    assert dict(zip(again["gen_id"], again["state"], strict=True))["d"] == "transient"
+    # the same view in plain SQL, for users
+    assert st.sql("select score from generation_scores where gen_id = 'a'")["score"][0] == pytest.approx(0.6)
+
+
+def test_discard_unfinished_removes_only_the_named_tables_and_the_checkpoint(tmp_path):
+    st = Store(tmp_path)
+    st.write("groups", [{"group_id": "g"}], "r", 0)
+    st.write("groups", [{"group_id": "g"}], "r", 1)  # another round: kept
+    st.write("train_metrics", [{"step": 0}], "r", 0)
+    st.checkpoint_dir("r", 0).mkdir(parents=True)
+    assert st.discard_unfinished("r", 0, ["groups"]) == 1
+    assert st.parts("groups", "r", 0) == [] and len(st.parts("groups", "r", 1)) == 1
+    assert len(st.parts("train_metrics", "r", 0)) == 1 and st.checkpoint_dir("r", 0).is_dir()
+    assert st.discard_unfinished("r", 0, ["train_metrics"], checkpoint=True) == 1
+    assert not st.checkpoint_dir("r", 0).exists()

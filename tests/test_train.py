@@ -163,6 +163,7 @@ def test_crash_restart_then_skip_then_next_round(tmp_path, samples, monkeypatch)
 
     from pipeline.curate import run_curate
     from pipeline.models import load_causal_lm
+    from pipeline.stages.runner import StageError, run_stage
     from pipeline.store import Store
     from pipeline.train import run_train
 
@@ -177,16 +178,21 @@ def test_crash_restart_then_skip_then_next_round(tmp_path, samples, monkeypatch)
             raise RuntimeError("simulated crash")
         return real_write(self, table, rows, run_id, round)
 
+    def train_stage():  # through the stage runner: it skips a finished stage and discards an unfinished attempt
+        return run_stage("train", ctx.run_id, 0, str(ctx.store.root), isolate=False)
+
     monkeypatch.setattr(Store, "write", crashing_write)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run_train(ctx)
+    with pytest.raises(StageError, match="simulated crash") as e:
+        train_stage()
+    assert not e.value.transient
     monkeypatch.setattr(Store, "write", real_write)
     assert ctx.store.manifest(ctx.run_id, 0, "train") is None
-    counts = run_train(ctx)  # restarts cleanly: no duplicated metrics
-    assert counts["steps"] == 2
+    assert ctx.store.read("train_metrics", ctx.run_id, 0).height == 2  # the crashed attempt's rows, until...
+    res = train_stage()  # ...the restart discards them: no duplicated metrics
+    assert res["counts"]["steps"] == 2 and not res["skipped"]
     assert sorted(ctx.store.read("train_metrics", ctx.run_id, 0)["step"].to_list()) == [0, 1]
     assert ctx.store.read("checkpoints", ctx.run_id, 0).height == 1
-    assert run_train(ctx)["skipped"] is True
+    assert train_stage()["skipped"] is True
     assert ctx.store.read("train_metrics", ctx.run_id, 0).height == 2
     ckpt0 = ctx.store.checkpoint_dir(ctx.run_id, 0)
     assert not [p for p in ckpt0.parent.iterdir() if p.name.endswith(".tmp")]

@@ -1,0 +1,215 @@
+"""The stage runner: run (or skip) one stage of one round, in this process or in a child process.
+
+`run_stage` owns the stage protocol for every stage alike:
+- skip: a stage whose manifest matches the run's frozen config is done (`Stage.done`), so a re-run resumes;
+- discard: what an attempt that died before its manifest left behind goes (`Store.discard_unfinished`), for
+  stages that start over; rollout and scoring resume their own rows instead;
+- child process: model-loading stages run in `python -m pipeline.stages ...`, so model memory is freed between
+  stages, and the child dies with its parent (no orphan keeps writing to the store after the run is killed);
+- failures: `StageError.transient` says whether a retry can help (a lost endpoint or network, a killed child,
+  a stage that returned with work left) or not (a bad config, a bug); `RetryPolicy` retries the former, the
+  same way on the Prefect path (task retries) and the `pipeline run` path (tenacity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.run import RunContext, open_run
+from pipeline.stages import Stage, get_stage
+
+log = logging.getLogger("pipeline.stages")
+REPO = Path(__file__).resolve().parents[2]
+
+
+class StageError(RuntimeError):
+    """A stage that did not complete; the message names the stage, the round and the reason."""
+
+    def __init__(self, stage: str, round: int, reason: str, transient: bool):
+        super().__init__(f"round {round} {stage}: {reason}")
+        self.stage, self.round, self.reason, self.transient = stage, round, reason, transient
+
+    def __reduce__(self):  # picklable across Prefect's result handling and Dask workers
+        return (StageError, (self.stage, self.round, self.reason, self.transient))
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    """Errors of the endpoint or the network, not of the code or the config. Client libraries count only if
+    loaded: an exception cannot come from a module that was never imported."""
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    if (openai := sys.modules.get("openai")) is not None:
+        types += [openai.APIConnectionError, openai.RateLimitError, openai.InternalServerError]
+    if (httpx := sys.modules.get("httpx")) is not None:
+        types += [httpx.TransportError]
+    return tuple(types)
+
+
+def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, StageError):
+        return exc.transient
+    return isinstance(exc, _transient_types())
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of a transiently failing stage: the one policy of both the Prefect and the direct path."""
+
+    retries: int = 2
+    delay_s: float = 20.0
+
+    def prefect_options(self) -> dict[str, Any]:
+        """Options for `task.with_options(...)`."""
+        def condition(task, task_run, state) -> bool:
+            return is_transient(state.data) if isinstance(state.data, BaseException) else True
+
+        return {"retries": self.retries, "retry_delay_seconds": self.delay_s, "retry_condition_fn": condition}
+
+    def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """fn(*args, **kwargs), retried on transient errors; the last error is raised as is."""
+        import tenacity
+
+        def warn(rs: tenacity.RetryCallState) -> None:
+            log.warning("%s; retry %d/%d in %.0fs", rs.outcome.exception(), rs.attempt_number, self.retries,
+                        self.delay_s)
+
+        retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(self.retries + 1),
+                                     wait=tenacity.wait_fixed(self.delay_s),
+                                     retry=tenacity.retry_if_exception(is_transient), before_sleep=warn, reraise=True)
+        return retrying(fn, *args, **kwargs)
+
+
+def _options(stage: Stage, only_failed: bool) -> dict[str, Any]:
+    if only_failed and "only_failed" not in stage.options:
+        raise ValueError(f"stage {stage.name!r} has no only_failed option")
+    return {"only_failed": True} if only_failed else {}
+
+
+def execute(ctx: RunContext, stage: Stage, **options: Any) -> dict:
+    """Run the stage function here: discard an unfinished attempt's leftovers, call it, classify its failure.
+    A stage that returns without its manifest has work left (transient: a re-run resumes it)."""
+    try:
+        if stage.discard or stage.checkpoint:
+            ctx.store.discard_unfinished(ctx.run_id, ctx.round, stage.discard, stage.checkpoint)
+        counts = stage.function()(ctx, **options)
+    except StageError:
+        raise
+    except Exception as e:
+        raise StageError(stage.name, ctx.round, f"{type(e).__name__}: {e}", is_transient(e)) from e
+    if not stage.done(ctx):
+        hint = f" ({stage.left_hint})" if stage.left_hint else ""
+        raise StageError(stage.name, ctx.round,
+                         f"work left, no manifest written: {counts}; re-running resumes it{hint}", transient=True)
+    return dict(counts or {})
+
+
+def _die_with_parent() -> None:
+    """Child side of Popen: SIGKILL when the parent dies (Linux), so a killed run leaves no writer behind."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def launcher(stage: str) -> list[str]:
+    """The child's interpreter command: $PIPELINE_LAUNCHER_<STAGE> (e.g. `accelerate launch --num_processes 1`)
+    or this Python. The rest of the command line is `-m pipeline.stages ...`, which both accept."""
+    custom = os.environ.get(f"PIPELINE_LAUNCHER_{stage.upper()}", "").strip()
+    return shlex.split(custom) if custom else [sys.executable]
+
+
+def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[str], only_failed: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="stage-") as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = launcher(stage) + ["-m", "pipeline.stages", stage, "--run-id", run_id, "--round", str(round),
+                                 "--store", store_root, "--result", str(result)]
+        cmd += ["--only-failed"] if only_failed else []
+        for s in sets:
+            cmd += ["--set", s]
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        proc = subprocess.run(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        if result.is_file():
+            body = json.loads(result.read_text())
+            if "error" in body:
+                raise StageError(stage, round, body["error"], body["transient"])
+            return body["counts"]
+        if proc.returncode < 0:  # killed (OOM killer, operator): the stage resumes on retry
+            raise StageError(stage, round, f"child killed by signal {-proc.returncode}", transient=True)
+        raise StageError(stage, round, f"child exited with status {proc.returncode} and no result", transient=False)
+
+
+def run_stage(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None,
+              only_failed: bool = False, isolate: bool | None = None) -> dict:
+    """Run (or skip) one stage of a round; returns {stage, round, skipped, wall_s, counts}.
+
+    The run must exist (its frozen config in the store); `sets` are this invocation's overrides. `only_failed`
+    (score) re-runs transiently failed rows even when the manifest exists; `isolate` defaults to the stage's own
+    process for model-loading stages. Failures raise `StageError`.
+    """
+    st = get_stage(stage)
+    sets = list(sets or [])
+    options = _options(st, only_failed)
+    t0 = time.perf_counter()
+    try:
+        ctx = open_run(None, run_id, round, sets, store_root)
+    except Exception as e:  # a run that cannot be opened (missing, bad config) will not open on a retry either
+        raise StageError(stage, round, f"{type(e).__name__}: {e}", transient=False) from e
+    if st.done(ctx) and not only_failed:
+        return {"stage": stage, "round": round, "skipped": True, "wall_s": 0.0,
+                "counts": ctx.store.manifest(run_id, round, stage)["counts"]}
+    if st.isolated if isolate is None else isolate:
+        counts = _run_child(stage, run_id, round, str(ctx.store.root), sets, only_failed)
+    else:
+        counts = execute(ctx, st, **options)
+    return {"stage": stage, "round": round, "skipped": False, "wall_s": round_s(time.perf_counter() - t0),
+            "counts": counts}
+
+
+def round_s(x: float) -> float:
+    return float(f"{x:.2f}")
+
+
+def record_timing(store_root: str | Path, run_id: str, result: dict[str, Any]) -> None:
+    """Append a stage's wall time to <store>/<run_id>/timings.jsonl (append-only: a crash loses nothing)."""
+    path = Path(store_root) / run_id / "timings.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = {k: result[k] for k in ("round", "stage", "skipped", "wall_s")}
+    line["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def child_main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.stages STAGE --run-id R --round K --store ROOT --result FILE`: the child side."""
+    ap = argparse.ArgumentParser(prog="python -m pipeline.stages", description="Run one stage in this process.")
+    ap.add_argument("stage")
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--round", type=int, required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--result", required=True, help="Where to write the JSON result.")
+    ap.add_argument("--only-failed", action="store_true")
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    a = ap.parse_args(argv)
+    try:
+        st = get_stage(a.stage)
+        ctx = open_run(None, a.run_id, a.round, a.sets, a.store)
+        body: dict[str, Any] = {"counts": execute(ctx, st, **_options(st, a.only_failed))}
+    except StageError as e:
+        body = {"error": e.reason, "transient": e.transient}
+    except Exception as e:  # config errors and the like: permanent, reported to the parent
+        body = {"error": f"{type(e).__name__}: {e}", "transient": False}
+    Path(a.result).write_text(json.dumps(body, default=str))
+    return 0 if "counts" in body else 1
