@@ -175,7 +175,7 @@ def bench_store(
     root: Annotated[Path | None, typer.Option(help="Scratch store root (default: a temp dir).")] = None,
 ) -> None:
     """Write N synthetic `generations` rows, then time an aggregate SQL over them."""
-    from pipeline.bench.store import main
+    from pipeline.perf.store import main
 
     main(rows, root)
 
@@ -183,7 +183,7 @@ def bench_store(
 @bench_app.command("sandbox")
 def bench_sandbox() -> None:
     """Per-workflow sandbox overhead vs a bare `python -c pass`, and throughput at concurrency 2."""
-    from pipeline.bench.sandbox import main
+    from pipeline.perf.sandbox import main
 
     main()
 
@@ -198,7 +198,7 @@ def bench_rollout(
     openai_url: Annotated[str | None, typer.Option(help="A running OpenAI-compatible server's /v1 URL.")] = None,
 ) -> None:
     """Generation tokens/s of each available backend against its raw engine on the same prompts."""
-    from pipeline.bench.rollout import main
+    from pipeline.perf.rollout import main
 
     main(backends, prompts, n, max_new_tokens, reps, openai_url)
 
@@ -206,7 +206,7 @@ def bench_rollout(
 @bench_app.command("curate")
 def bench_curate() -> None:
     """Curation over 10,000 queries x m=16."""
-    from pipeline.bench.curate import main
+    from pipeline.perf.curate import main
 
     main()
 
@@ -214,7 +214,7 @@ def bench_curate() -> None:
 @bench_app.command("train")
 def bench_train() -> None:
     """Training-step tokens/s against TRL's GRPO loss + backward on the same model and batch."""
-    from pipeline.bench.train import main
+    from pipeline.perf.train import main
 
     main()
 

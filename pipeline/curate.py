@@ -343,7 +343,9 @@ def spogw_groups(
     dedupe: bool = False,
     max_kept_per_query: int | None = None,
 ) -> list[Group]:
-    """The kept groups of `curate_flat` (ranked by variance, or in sample order for random modes)."""
+    """The kept groups of `curate_flat` (ranked by variance, or in sample order for random modes).
+
+    Public API: SPOGW's group-wise data from plain scores, without a store (notebooks, tests)."""
     return curate_flat(scores_by_query, n, t, top_n, max_groups_per_query, seed, mode, eps_adv,
                        dedupe=dedupe, max_kept_per_query=max_kept_per_query).groups
 

@@ -28,7 +28,7 @@ class ExecutorError(RuntimeError):
 
 
 @dataclass
-class Completion:
+class ExecutorReply:
     texts: list[str]
     tokens_in: int
     tokens_out: int
@@ -79,7 +79,7 @@ def parse_retry_after(headers: Any) -> float | None:
 
 class Executor:
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
-                       max_tokens: int | None = None) -> Completion:
+                       max_tokens: int | None = None) -> ExecutorReply:
         raise NotImplementedError
 
     async def start(self) -> None:
@@ -112,7 +112,7 @@ class OpenAIExecutor(Executor):
         return isinstance(e, o.APIConnectionError | o.APIResponseValidationError | TimeoutError | ValueError)
 
     async def _once(self, messages: list[dict], temperature: float, n: int, asked: int,
-                    max_tokens: int | None) -> Completion:
+                    max_tokens: int | None) -> ExecutorReply:
         cfg = self.cfg
         client = self.clients[next(self._next)]  # each attempt goes to the next endpoint
         try:
@@ -130,10 +130,10 @@ class OpenAIExecutor(Executor):
         usage = getattr(resp, "usage", None)
         tin = int(getattr(usage, "prompt_tokens", 0) or 0)
         tout = int(getattr(usage, "completion_tokens", 0) or 0)
-        return Completion(texts, tin, tout, cost_usd(cfg.prices, tin, tout))
+        return ExecutorReply(texts, tin, tout, cost_usd(cfg.prices, tin, tout))
 
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
-                       max_tokens: int | None = None) -> Completion:
+                       max_tokens: int | None = None) -> ExecutorReply:
         import tenacity
 
         cfg = self.cfg
@@ -180,7 +180,7 @@ class LocalExecutor(Executor):
         await asyncio.to_thread(self._load)
 
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
-                       max_tokens: int | None = None) -> Completion:
+                       max_tokens: int | None = None) -> ExecutorReply:
         temperature = self.cfg.temperature if temperature is None else temperature
         fut = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(messages, float(temperature), n, max_tokens or self.cfg.max_tokens, fut))
@@ -205,7 +205,7 @@ class LocalExecutor(Executor):
                 if not r.fut.done():
                     r.fut.set_result(out)
 
-    def _generate(self, batch: list[_Request]) -> list[Completion]:
+    def _generate(self, batch: list[_Request]) -> list[ExecutorReply]:
         import torch
 
         self._load()
@@ -234,7 +234,7 @@ class LocalExecutor(Executor):
                 tout += cut  # tokens actually generated (greedy: once for all n answers)
             tin = int(enc["attention_mask"][i].sum())
             i += k
-            results.append(Completion(texts * r.n if greedy else texts, tin, tout))
+            results.append(ExecutorReply(texts * r.n if greedy else texts, tin, tout))
         return results
 
 

@@ -101,6 +101,8 @@ def grpo_mkl_loss(
     *,
     norm: Literal["sequence", "token"] = "sequence",
 ) -> torch.Tensor:
-    """The scalar ioGRPO-mKL loss; see `grpo_mkl_terms` for the formula and the logged pieces."""
+    """The scalar ioGRPO-mKL loss; see `grpo_mkl_terms` for the formula and the logged pieces.
+
+    Public API: the loss alone, for callers outside the trainer (notebooks, tests)."""
     return grpo_mkl_terms(logp, old_logp, ref_logp, advantages, completion_mask, beta, clip_eps, kl_mask,
                           norm=norm).loss

@@ -15,8 +15,8 @@ import pytest
 
 from pipeline.config import ExecutorConfig, PriceConfig
 from pipeline.executors import (
-    Completion,
     ExecutorError,
+    ExecutorReply,
     LocalExecutor,
     OpenAIExecutor,
     RetryAfterWait,
@@ -128,7 +128,7 @@ def executor(url: str | list[str], sleeps: list | None = None, **kw) -> OpenAIEx
     return OpenAIExecutor(cfg, sleep=fake_sleep)
 
 
-def complete(ex, *args, **kw) -> Completion:
+def complete(ex, *args, **kw) -> ExecutorReply:
     async def go():
         try:
             return await ex.complete(*args, **kw)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipeline.executors import Completion
+from pipeline.executors import ExecutorReply
 from pipeline.sandbox import Limits, Sandbox, build_messages, run_test_suite, run_workflow, run_workflow_sync
 
 LIMITS = Limits(timeout_s=5, cpu_s=3, max_llm_calls=3)
@@ -32,7 +32,7 @@ class FakeExecutor:
         if self.fail:
             raise ConnectionError("endpoint down")
         text = json.dumps(messages)
-        return Completion([f"{i}:{text}" for i in range(n)], tokens_in=len(text), tokens_out=2, cost_usd=0.5)
+        return ExecutorReply([f"{i}:{text}" for i in range(n)], tokens_in=len(text), tokens_out=2, cost_usd=0.5)
 
 
 def run(sb, code, problem="p", **kw):

