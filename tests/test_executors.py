@@ -28,18 +28,22 @@ from pipeline.executors import (
 
 
 class InFlight:
-    """Requests in flight at once over one or more FaultServers. In `hold` mode a request waits (at most `wait_s`)
-    until `target` requests have been in flight together, so their overlap does not depend on timing."""
+    """Requests in flight at once over one or more FaultServers. In `hold` mode a request waits until `target`
+    requests have been in flight together (at most `wait_s`), and then `linger_s` more, in which a request
+    beyond the target would arrive and show: their overlap does not depend on timing, an excess hardly can."""
 
-    def __init__(self, target: int, wait_s: float = 5.0):
+    def __init__(self, target: int, linger_s: float = 0.3, wait_s: float = 10.0):
         self.cond = threading.Condition()
         self.now = self.max = 0
-        self.target, self.wait_s = target, wait_s
+        self.reached: float | None = None  # when `target` were first in flight together
+        self.target, self.linger_s, self.wait_s = target, linger_s, wait_s
 
     def enter(self) -> None:
         with self.cond:
             self.now += 1
             self.max = max(self.max, self.now)
+            if self.reached is None and self.max >= self.target:
+                self.reached = time.monotonic()
             self.cond.notify_all()
 
     def leave(self) -> None:
@@ -47,8 +51,11 @@ class InFlight:
             self.now -= 1
 
     def hold(self) -> None:
+        deadline = time.monotonic() + self.wait_s
         with self.cond:
-            self.cond.wait_for(lambda: self.max >= self.target, self.wait_s)
+            while time.monotonic() < deadline and self.max <= self.target and (
+                    self.reached is None or time.monotonic() < self.reached + self.linger_s):
+                self.cond.wait(0.05)
 
 
 class FaultServer:
@@ -228,8 +235,8 @@ def test_client_error_is_not_retried(server):
 
 
 def test_concurrency_limit_and_endpoint_spreading():
-    # the first requests are held until two are in flight together: a limit of 2 reaches 2 whatever the timing,
-    # a missing or larger limit lets more in, a limit of 1 never gets there
+    # the first requests are held until two are in flight together, then a little longer: a limit of 2 reaches 2
+    # whatever the timing, a missing or larger limit lets a third in meanwhile, a limit of 1 never gets to 2
     gauge = InFlight(target=2)
     a, b = FaultServer(default="hold", gauge=gauge), FaultServer(default="hold", gauge=gauge)
     try:
