@@ -10,6 +10,58 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+
+
+# ---- session-wide expensive objects: loaded once, shared by every module that asks for them ---------------
+
+
+@pytest.fixture(scope="session")
+def shared_sandbox():
+    """The process-wide sandbox (`default_sandbox()`, the one `run_workflow`, `run_test_suite` and the code
+    benchmarks use when given none), its zygote started once for the session and stopped at its end.
+    Tests that break, kill or restart a sandbox (hostile workflows) must start their own `Sandbox()` instead."""
+    from pipeline.sandbox import default_sandbox
+
+    sb = default_sandbox()
+    sb.ensure_started()
+    yield sb
+    sb.close()  # a later default_sandbox() user restarts it; atexit closes that one
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """The embedded model's tokenizer. Shared: copy it (`copy.deepcopy`) before changing it."""
+    from pipeline.models import load_tokenizer
+
+    return load_tokenizer(EMBEDDED_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smol_lm():
+    """The embedded base model (fp32, CPU, eval) for forward passes. Shared: never wrap it in peft
+    (`get_peft_model` / `PeftModel.from_pretrained` inject LoRA layers into it in place); load a fresh copy
+    with `load_causal_lm` for that. The teardown fails loudly if a test did."""
+    from pipeline.models import load_causal_lm
+
+    lm = load_causal_lm(EMBEDDED_MODEL, dtype="float32", device="cpu")
+    yield lm
+    assert not [n for n, _ in lm.named_modules() if "lora" in n.lower()], "a test wrapped the shared smol_lm in peft"
+
+
+@pytest.fixture(scope="session")
+def hf_generator():
+    """The transformers generation backend on the embedded model. It swaps adapters per `generate` call (a merged
+    copy for an adapter, fresh base weights when going back), so read `.model` only after a `generate` call with
+    the adapter you mean."""
+    import torch
+
+    from pipeline.config import GeneratorConfig
+    from pipeline.generation import make_generator
+
+    torch.set_num_threads(2)
+    return make_generator(GeneratorConfig(model=EMBEDDED_MODEL, backend="transformers"))
+
 
 def vllm_or_skip() -> None:
     """Skip where the optional vLLM tier is absent (SKIP_VLLM=1 or `import vllm` fails); CI installs it."""
@@ -38,7 +90,7 @@ def vllm_server(tmp_path_factory):
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-           resolve_model("embedded:smollm2-135m-instruct"), "--served-model-name", "smol", "--dtype", "float32",
+           resolve_model(EMBEDDED_MODEL), "--served-model-name", "smol", "--dtype", "float32",
            "--enforce-eager", "--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "8",
            "--logprobs-mode", "processed_logprobs", "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "w") as out:

@@ -15,7 +15,8 @@ from pipeline.sandbox import Limits, run_test_suite, run_workflow
 
 
 @pytest.fixture(scope="module")
-def humaneval():
+def humaneval(shared_sandbox):
+    """HumanEval, its canonical answers, and the session's sandbox started (the benchmark's scorer runs in it)."""
     bench = load_benchmark(BenchmarkConfig(name="humaneval"))
     return bench, bench.load(), canonical_humaneval_answers()
 
@@ -43,13 +44,13 @@ def test_humaneval_items(humaneval):
     assert "check(candidate)" in it.reference["test"] and "check" not in it.prompt  # hidden tests stay hidden
 
 
-def test_all_canonical_solutions_returned_by_workflows_score_one(humaneval):
+def test_all_canonical_solutions_returned_by_workflows_score_one(humaneval, shared_sandbox):
     bench, items, answers = humaneval
     limits = Limits(timeout_s=20, cpu_s=10)
 
     async def one(it: Item) -> float:
         wf = f"async def solve(problem):\n    return {answers[it.id]!r}\n"
-        res = await run_workflow(wf, it.prompt, limits=limits)
+        res = await run_workflow(wf, it.prompt, limits=limits, sandbox=shared_sandbox)
         assert res.status == "ok", (it.id, res.error)
         # the item as the scoring stage rebuilds it from the store (JSON round trip)
         again = Item(it.id, it.prompt, json.loads(json.dumps(it.reference)), json.loads(json.dumps(it.meta)))
@@ -86,11 +87,12 @@ def test_answer_forms_and_per_test_timeout(humaneval):
     assert slow.score == 0.0 and slow.details["first_failure"]["error_type"] == "TimeoutError"
 
 
-def test_public_tests_pass_on_canonical_solutions(humaneval):
+def test_public_tests_pass_on_canonical_solutions(humaneval, shared_sandbox):
     _, items, answers = humaneval
     with_tests = [it for it in items if it.meta["public_tests"]]
     assert len(with_tests) == 106
-    reports = gather_limited([run_test_suite(answers[it.id], it.meta["public_tests"], 5) for it in with_tests])
+    reports = gather_limited([run_test_suite(answers[it.id], it.meta["public_tests"], 5, sandbox=shared_sandbox)
+                              for it in with_tests])
     failing = [it.id for it, r in zip(with_tests, reports, strict=True) if r["passed"] != r["total"]]
     assert failing == ["HumanEval/47"]  # its docstring example itself is wrong (median of 6 numbers)
 
@@ -121,7 +123,7 @@ MBPP_ROWS = [
 
 
 @pytest.fixture
-def mbpp(tmp_path):
+def mbpp(tmp_path, shared_sandbox):
     path = tmp_path / "mbpp.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in MBPP_ROWS))
     bench = load_benchmark(BenchmarkConfig(name="mbpp", path=str(path)))

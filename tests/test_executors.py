@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from pipeline import executors
 from pipeline.config import ExecutorConfig, PriceConfig
 from pipeline.executors import (
     ExecutorError,
@@ -26,16 +27,46 @@ from pipeline.executors import (
 )
 
 
+class InFlight:
+    """Requests in flight at once over one or more FaultServers. In `hold` mode a request waits until `target`
+    requests have been in flight together (at most `wait_s`), and then `linger_s` more, in which a request
+    beyond the target would arrive and show: their overlap does not depend on timing, an excess hardly can."""
+
+    def __init__(self, target: int, linger_s: float = 0.3, wait_s: float = 10.0):
+        self.cond = threading.Condition()
+        self.now = self.max = 0
+        self.reached: float | None = None  # when `target` were first in flight together
+        self.target, self.linger_s, self.wait_s = target, linger_s, wait_s
+
+    def enter(self) -> None:
+        with self.cond:
+            self.now += 1
+            self.max = max(self.max, self.now)
+            if self.reached is None and self.max >= self.target:
+                self.reached = time.monotonic()
+            self.cond.notify_all()
+
+    def leave(self) -> None:
+        with self.cond:
+            self.now -= 1
+
+    def hold(self) -> None:
+        deadline = time.monotonic() + self.wait_s
+        with self.cond:
+            while time.monotonic() < deadline and self.max <= self.target and (
+                    self.reached is None or time.monotonic() < self.reached + self.linger_s):
+                self.cond.wait(0.05)
+
+
 class FaultServer:
     """OpenAI-compatible /v1/chat/completions on 127.0.0.1. Each request takes the next mode from
-    `script` (then `default`): ok | 500 | 429 | slow | malformed | drop | 400."""
+    `script` (then `default`): ok | 500 | 429 | slow | hold | malformed | drop | 400 (`hold`: see InFlight)."""
 
-    def __init__(self, default: str = "ok", slow_s: float = 1.5):
+    def __init__(self, default: str = "ok", slow_s: float = 1.5, gauge: InFlight | None = None):
         self.script: list[str] = []
-        self.default, self.slow_s = default, slow_s
+        self.default, self.slow_s, self.gauge = default, slow_s, gauge
         self.reply: str | None = None  # fixed completion text instead of the echo
         self.requests: list[dict] = []
-        self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
         outer = self
 
@@ -48,13 +79,13 @@ class FaultServer:
                 with outer.lock:
                     mode = outer.script.pop(0) if outer.script else outer.default
                     outer.requests.append({"mode": mode, "body": body})
-                    outer.in_flight += 1
-                    outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
+                if outer.gauge:
+                    outer.gauge.enter()
                 try:
                     outer.respond(self, mode, body)
                 finally:
-                    with outer.lock:
-                        outer.in_flight -= 1
+                    if outer.gauge:
+                        outer.gauge.leave()
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -77,6 +108,9 @@ class FaultServer:
             return
         if mode == "slow":
             time.sleep(self.slow_s)
+            mode = "ok"
+        if mode == "hold":
+            self.gauge.hold()
             mode = "ok"
         if mode == "500":
             return send(500, b'{"error": {"message": "boom"}}')
@@ -113,6 +147,15 @@ def free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+@pytest.fixture
+def top_jitter(monkeypatch):
+    """backoff_delay with its jitter draw pinned at 1.0: the retry delays are the backoff schedule itself,
+    0.5 * 2**attempt, or a larger Retry-After."""
+    real = executors.backoff_delay
+    monkeypatch.setattr(executors, "backoff_delay", lambda attempt, retry_after: real(attempt, retry_after,
+                                                                                       rng=lambda: 1.0))
 
 
 def executor(url: str | list[str], sleeps: list | None = None, **kw) -> OpenAIExecutor:
@@ -157,31 +200,31 @@ def test_greedy_n_is_asked_once(server):
 
 
 @pytest.mark.parametrize("fault", ["500", "429", "slow", "malformed", "drop"])
-def test_fault_is_retried_then_succeeds(server, fault):
+def test_fault_is_retried_then_succeeds(server, fault, top_jitter):
     sleeps: list[float] = []
     server.script = [fault]
     c = complete(executor(server.url, sleeps), MSG)
     assert c.texts == ["echo 0: hi"]
     assert [r["mode"] for r in server.requests] == [fault, "ok"]
-    assert len(sleeps) == 1
-    if fault == "429":
-        assert sleeps[0] >= 1.0  # Retry-After is honoured as a floor
+    # one backoff of attempt 0: 0.5 s; the 429's Retry-After (1 s) is a floor above it
+    assert sleeps == ([1.0] if fault == "429" else [0.5])
 
 
 @pytest.mark.parametrize("fault", ["500", "429", "slow", "malformed"])
-def test_persistent_fault_gives_executor_error(server, fault):
+def test_persistent_fault_gives_executor_error(server, fault, top_jitter):
     server.default = fault
     sleeps: list[float] = []
     with pytest.raises(ExecutorError, match="gave up after 3 attempts"):
         complete(executor(server.url, sleeps, max_retries=2), MSG)
-    assert len(server.requests) == 3 and len(sleeps) == 2
+    assert len(server.requests) == 3
+    assert sleeps == ([1.0, 1.0] if fault == "429" else [0.5, 1.0])  # attempts 0, 1; Retry-After 1 s floors both
 
 
-def test_connection_refused_is_retried_then_fails():
+def test_connection_refused_is_retried_then_fails(top_jitter):
     sleeps: list[float] = []
     with pytest.raises(ExecutorError, match="APIConnectionError"):
         complete(executor(f"http://127.0.0.1:{free_port()}/v1", sleeps, max_retries=3), MSG)
-    assert len(sleeps) == 3
+    assert sleeps == [0.5, 1.0, 2.0]
 
 
 def test_client_error_is_not_retried(server):
@@ -192,19 +235,21 @@ def test_client_error_is_not_retried(server):
 
 
 def test_concurrency_limit_and_endpoint_spreading():
-    a, b = FaultServer(default="slow", slow_s=0.2), FaultServer(default="slow", slow_s=0.2)
+    # the first requests are held until two are in flight together, then a little longer: a limit of 2 reaches 2
+    # whatever the timing, a missing or larger limit lets a third in meanwhile, a limit of 1 never gets to 2
+    gauge = InFlight(target=2)
+    a, b = FaultServer(default="hold", gauge=gauge), FaultServer(default="hold", gauge=gauge)
     try:
-        ex = executor([a.url, b.url], timeout_s=5, concurrency=2)
+        ex = executor([a.url, b.url], timeout_s=20, concurrency=2)
 
         async def go():
             try:
                 return await asyncio.gather(*(ex.complete(MSG) for _ in range(6)))
             finally:
                 await ex.aclose()
-        assert len(asyncio.run(go())) == 6
+        assert [c.texts for c in asyncio.run(go())] == [["echo 0: hi"]] * 6
         assert len(a.requests) == len(b.requests) == 3  # round robin
-        assert a.max_in_flight + b.max_in_flight <= 2 + 1  # per server at most the global limit
-        assert max(a.max_in_flight, b.max_in_flight) <= 2
+        assert gauge.max == 2  # over both servers: the global limit, reached and never exceeded
     finally:
         a.close()
         b.close()
@@ -248,7 +293,7 @@ def test_make_executor_checks_config():
 
 
 @pytest.mark.slow
-def test_local_executor_batches_and_is_greedy():
+def test_local_executor_batches_and_is_greedy(smol_tokenizer):
     ex = LocalExecutor(ExecutorConfig(kind="local", max_tokens=12))
 
     async def go():
@@ -260,7 +305,18 @@ def test_local_executor_batches_and_is_greedy():
     assert ex.generate_calls <= 2  # three concurrent requests, batched
     assert len(a.texts) == 2 and a.texts[0] == a.texts[1] == b.texts[0] != ""  # greedy: deterministic
     assert c.texts[0] != a.texts[0]
-    assert 0 < a.tokens_out <= 12 and a.tokens_in > 5
+
+    def prompt_tokens(content: str) -> int:
+        chat = smol_tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                  tokenize=False)
+        return len(smol_tokenizer(chat, add_special_tokens=False).input_ids)
+
+    # prompts of 37 and 34 tokens in one left-padded batch: the padding is not counted
+    sum_in, colour_in = prompt_tokens("What is 2+2?"), prompt_tokens("Name a colour.")
+    assert (a.tokens_in, b.tokens_in, c.tokens_in) == (sum_in, sum_in, colour_in) and sum_in != colour_in
+    # tokens generated up to eos (not counted), once for a greedy n=2; the colour answer runs into the 12-token cap
+    assert a.tokens_out == b.tokens_out == len(smol_tokenizer(a.texts[0], add_special_tokens=False).input_ids) < 12
+    assert c.tokens_out == 12
 
 
 # ---- a real OpenAI-compatible server: vLLM on CPU ------------------------------------------------------
@@ -268,7 +324,7 @@ def test_local_executor_batches_and_is_greedy():
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_openai_executor_against_vllm(vllm_server):
+def test_openai_executor_against_vllm(vllm_server, shared_sandbox):
     from pipeline.sandbox import Limits, run_workflow
 
     cfg = ExecutorConfig(kind="openai", model="smol", base_url=vllm_server, max_tokens=16, timeout_s=120,
@@ -282,7 +338,7 @@ def test_openai_executor_against_vllm(vllm_server):
     async def go():
         try:
             return await run_workflow(code, "What is the capital of France?", executor=ex,
-                                      limits=Limits(timeout_s=300, max_llm_calls=4))
+                                      limits=Limits(timeout_s=300, max_llm_calls=4), sandbox=shared_sandbox)
         finally:
             await ex.aclose()
     r = asyncio.run(go())

@@ -9,7 +9,7 @@ import torch
 
 from pipeline.config import GeneratorConfig
 from pipeline.generation import GenerationError, Sampling, adapter_id, make_generator
-from pipeline.models import load_causal_lm, load_tokenizer
+from pipeline.models import load_causal_lm
 
 MODEL = "embedded:smollm2-135m-instruct"
 QUESTIONS = ["Say hi.", "Write a Python function that adds two numbers and explain it briefly."]
@@ -43,10 +43,9 @@ def teacher_forced(model, prompt_ids, token_ids, temperature=1.0) -> list[float]
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids)[:, None]).squeeze(1).tolist()
 
 
-@pytest.fixture(scope="module")
-def hf():
-    torch.set_num_threads(2)
-    return make_generator(GeneratorConfig(model=MODEL, backend="transformers"))
+@pytest.fixture
+def hf(hf_generator):
+    return hf_generator  # the session's one transformers generator (conftest)
 
 
 @pytest.mark.slow
@@ -59,13 +58,21 @@ def test_same_tokens_as_raw_generate(hf):
     raw = hf.model.generate(**enc, do_sample=True, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=24,
                             num_return_sequences=2, pad_token_id=hf.tokenizer.pad_token_id)
     width = enc["input_ids"].shape[1]
+    eos, pad = hf.tokenizer.eos_token_id, hf.tokenizer.pad_token_id
     for i, row in enumerate(got):
         assert len(row) == 2
         for j, c in enumerate(row):
-            assert c.token_ids == raw[2 * i + j, width:].tolist()[: len(c.token_ids)]
+            k = len(c.token_ids)
+            # the whole raw continuation: these tokens, then only padding (nothing cut off, nothing added)
+            assert c.token_ids == raw[2 * i + j, width : width + k].tolist()
+            assert set(raw[2 * i + j, width + k :].tolist()) <= {pad}
             assert c.prompt_token_ids == hf.tokenizer(prompts[i], add_special_tokens=False).input_ids
-            assert len(c.token_logprobs) == len(c.token_ids)
-            assert c.finish_reason == ("stop" if c.token_ids[-1] == hf.tokenizer.eos_token_id else "length")
+            assert len(c.token_logprobs) == k
+            # "stop" ends on eos; "length" is max_new_tokens without one
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] == eos
+            else:
+                assert c.finish_reason == "length" and k == 24 and eos not in c.token_ids
             assert c.text == hf.tokenizer.decode(c.token_ids, skip_special_tokens=True)
     assert got[0][0].token_ids != got[0][1].token_ids  # n samples are distinct draws
 
@@ -137,14 +144,14 @@ def test_server_down_is_a_clear_error():
         make_generator(cfg)
 
 
-def test_openai_backend_retokenizes_for_other_servers():
+def test_openai_backend_retokenizes_for_other_servers(smol_tokenizer):
     """Against a non-vLLM server the completion is re-tokenized and flagged (a fake server, logic only)."""
     from types import SimpleNamespace
 
     from pipeline.generation.openai_server import OpenAIGenerator
 
     gen = OpenAIGenerator.__new__(OpenAIGenerator)
-    gen.tokenizer, gen.is_vllm = load_tokenizer(MODEL), False
+    gen.tokenizer, gen.is_vllm = smol_tokenizer, False
     choice = SimpleNamespace(text="Hello there", finish_reason="stop", model_extra={},
                              logprobs=SimpleNamespace(token_logprobs=[-0.5, -0.25]))
     c = gen._completion([1, 2], choice)

@@ -126,8 +126,9 @@ def test_math_score(answer, gold, equivalent):
 def test_math_score_details():
     r = math_score(r"so $\boxed{\dfrac{1}{2}}$", r"\frac{1}{2}")
     assert r.details["boxed"] == r"\dfrac{1}{2}" and r.details["gold"] == r"\frac{1}{2}"
-    assert r.details["parsed"] is not None and r.details["gold_parsed"] is not None
-    assert math_score("12", "12").details["boxed"] is None
+    assert r.details["parsed"] == r.details["gold_parsed"] == r"\frac{1}{2}"  # \dfrac parsed to the same value
+    plain = math_score("12", "12").details
+    assert plain["boxed"] is None and plain["parsed"] == plain["gold_parsed"] == "12"
 
 
 def _in_thread(fn, *args):

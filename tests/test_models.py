@@ -14,16 +14,14 @@ def test_resolve_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_embedded_model_is_prepared_once_and_answers():
+def test_embedded_model_is_prepared_once_and_answers(smol_tokenizer, smol_lm):
     path = prepare_embedded()
     assert path.is_relative_to(cache_dir())
     assert (path / "model.safetensors").is_file() and (path / ".complete").is_file()
     mtime = (path / "model.safetensors").stat().st_mtime
     assert prepare_embedded() == path and (path / "model.safetensors").stat().st_mtime == mtime  # idempotent
 
-    from pipeline.models import load_causal_lm, load_tokenizer
-
-    tok, lm = load_tokenizer("embedded:smollm2-135m-instruct"), load_causal_lm("embedded:smollm2-135m-instruct")
+    tok, lm = smol_tokenizer, smol_lm  # the session's, loaded from `path` by load_tokenizer / load_causal_lm
     assert tok.chat_template and "quantization_config" not in lm.config.to_dict()
     enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 
-from pipeline.models import load_tokenizer
 from pipeline.prompting import (
     FAMILIES,
     PromptError,
@@ -21,9 +20,9 @@ from pipeline.prompting import (
 from pipeline.workflow import check_workflow, extract_code
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("embedded:smollm2-135m-instruct")
+@pytest.fixture
+def tok(smol_tokenizer):
+    return smol_tokenizer  # the session's tokenizer (conftest): not to be changed in place
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -72,6 +73,14 @@ def test_stage_timings_keep_last_non_skipped(store):
     assert t == {(0, "rollout"): 3.0, (0, "score"): 5.0}
 
 
+def summary_table(page: str) -> list[dict[str, str]]:
+    """The rows of the report's "Summary per round" table, as {column: cell text}."""
+    table = page.split("<h2>Summary per round</h2>", 1)[1].split("</table>", 1)[0]
+    head = re.findall(r"<th>(.*?)</th>", table)
+    return [dict(zip(head, re.findall(r"<td>(.*?)</td>", row), strict=True))
+            for row in re.findall(r"<tr>(.*?)</tr>", table.split("<tbody>", 1)[1])]
+
+
 def test_html_report_has_every_section(store, tmp_path):
     path = build_report(store, "r", tmp_path / "out" / "rep.html")
     page = path.read_text()
@@ -79,8 +88,10 @@ def test_html_report_has_every_section(store, tmp_path):
                   "Training: loss, KL, clip fraction", "Tokens and cost", "Wall time per stage", "Summary per round"):
         assert f"<h2>{title}</h2>" in page, title
     assert page.count("plotly.js v") >= 1 and "Plotly.newPlot" in page  # plotly.js inlined: opens offline
-    assert "<td>0.25</td>" in page  # round 1 mean score in the summary table
-    assert "<th>score_s</th>" in page and "<th>round_s</th>" in page and "<td>8</td>" in page  # 3 s + 5 s
+    r0, r1 = summary_table(page)
+    assert (r0["round"], r0["mean_score"], r0["best_score"], r0["tokens_in"]) == ("0", "0.25", "0.75", "35")
+    assert (r0["rollout_s"], r0["score_s"], r0["round_s"]) == ("3", "5", "8")  # the resumed score run: 3 s + 5 s
+    assert (r1["round"], r1["mean_score"], r1["workflows"], r1["round_s"]) == ("1", "0.25", "", "")
 
 
 def test_report_cli_prints_numbers_and_path(store):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import socket
+import zlib
 from pathlib import Path
 
 import polars as pl
@@ -99,9 +101,11 @@ def test_flat_rows_and_queries(tmp_path, fake):
     assert row["prompt_token_ids"] == [1, 2] and row["valid"] and row["invalid_reason"] is None
     assert row["adapter_round"] is None and row["exemplar_ids"] == [] and row["finish_reason"] == "stop"
     assert "What is 0 + 0?" in row["prompt_text"] and row["prompt_text"].startswith("<|im_start|>system")
+    # the batch seed hashes (generator.seed, "sampling", round, the batch's first gen_id): see derived_seed
+    seed = zlib.crc32(b"0:sampling:0:r0-q0-w0") % 2**31
     assert json.loads(row["sampling"]) == {"adapter": None, "logprobs": "processed", "max_new_tokens": 512,
-                                           "n": 3, "seed": json.loads(row["sampling"])["seed"],
-                                           "temperature": 1.0, "top_p": 1.0}
+                                           "n": 3, "seed": seed, "temperature": 1.0, "top_p": 1.0}
+    assert gens[0].calls[0][1].seed == seed  # the seed stored is the seed sampled with
     assert row["model"] == "embedded:smollm2-135m-instruct" and row["backend"] == "transformers"
     q = ctx.store.read("queries", "t", 0).sort("query_id")
     assert q["query_id"].to_list() == ["q0", "q1"] and q["split"].to_list() == ["validate"] * 2
@@ -133,8 +137,9 @@ def test_resume_after_crash_samples_only_missing(tmp_path, fake):
     fake()
     counts = run_rollout(ctx)
     assert counts["generations"] == 9 and counts["sampled_now"] == 6
-    assert sorted(p for g in gens[1].calls for p in g[0]) == sorted(gens[1].calls[0][0] + gens[1].calls[1][0])
-    assert len(gens[1].calls) == 2  # q1, q2 only
+    # one prompt per call (batch_size 1): q1's, then q2's; q0's finished part is not sampled again
+    asked = [[f"What is {q} + {q}?" in p for q in range(3)] for prompts, _, _ in gens[1].calls for p in prompts]
+    assert asked == [[False, True, False], [False, False, True]]
     df = ctx.store.read("generations", "t", 0)
     assert df["gen_id"].n_unique() == 9 and ctx.store.read("queries", "t", 0).height == 3
 
@@ -198,7 +203,7 @@ def test_round1_exemplars_come_from_round0_scores(tmp_path, fake):
 
 
 @pytest.mark.parametrize("case", ["adapter", "backend", "template", "server"])
-def test_bad_input_writes_nothing(tmp_path, fake, monkeypatch, case):
+def test_bad_input_writes_nothing(tmp_path, fake, monkeypatch, case, request):
     fake()
     if case == "adapter":
         ctx = make_ctx(tmp_path, round=1)
@@ -208,9 +213,7 @@ def test_bad_input_writes_nothing(tmp_path, fake, monkeypatch, case):
         ctx.cfg.generator.__dict__["backend"] = "tgi"  # past config validation, as a stale object could be
         err, match = RolloutError, "unknown generation backend 'tgi'"
     elif case == "template":
-        from pipeline.models import load_tokenizer
-
-        tok = load_tokenizer("embedded:smollm2-135m-instruct")
+        tok = copy.deepcopy(request.getfixturevalue("smol_tokenizer"))  # the session's, copied: changed below
         tok.chat_template = None
         monkeypatch.setattr(rollout, "load_tokenizer", lambda ref: tok)
         ctx = make_ctx(tmp_path)
@@ -230,9 +233,9 @@ def test_bad_input_writes_nothing(tmp_path, fake, monkeypatch, case):
 
 
 @pytest.mark.slow
-def test_real_transformers_rollout_round0_and_adapter_round1(tmp_path, monkeypatch):
+def test_real_transformers_rollout_round0_and_adapter_round1(tmp_path, monkeypatch, smol_tokenizer, smol_lm):
     """The embedded model end to end: flat round 0 with the base model, round 1 with round 0's adapter."""
-    from test_generation import make_adapter
+    from test_generation import make_adapter, teacher_forced
 
     torch.set_num_threads(2)
     monkeypatch.setattr(rollout, "load_benchmark", lambda cfg: TinyBench(cfg))
@@ -247,9 +250,13 @@ def test_real_transformers_rollout_round0_and_adapter_round1(tmp_path, monkeypat
     r1 = ctx1.store.read("generations", "t", 1).sort("gen_id")
     for df in (r0, r1):
         for row in df.iter_rows(named=True):
-            assert len(row["token_ids"]) == len(row["token_logprobs"]) > 0
-            assert all(lp <= 0 for lp in row["token_logprobs"])
+            assert row["prompt_token_ids"] == smol_tokenizer(row["prompt_text"], add_special_tokens=False).input_ids
+            assert row["text"] == smol_tokenizer.decode(row["token_ids"], skip_special_tokens=True)
+            assert len(row["token_ids"]) == 12 or row["finish_reason"] == "stop"  # max_new_tokens or eos
             assert row["backend"] == "transformers" and not row["retokenized"] and row["latency_s"] > 0
+    for row in r0.iter_rows(named=True):  # round 0 samples the base model: its greedy logprobs, stored per token
+        assert row["token_logprobs"] == pytest.approx(
+            teacher_forced(smol_lm, row["prompt_token_ids"], row["token_ids"]), abs=1e-4)
     t0, t1 = r0["token_ids"].to_list(), r1["token_ids"].to_list()
     assert t0[0] == t0[1]  # greedy: both slots agree
     assert r1["adapter_round"].to_list() == [0, 0]
@@ -309,7 +316,7 @@ def test_exemplars_switch_off_gives_round0_prompts_in_every_round(tmp_path, fake
 
 
 @pytest.mark.slow
-def test_vllm_on_cpu_samples_the_adapter_merged(tmp_path, fake, monkeypatch):
+def test_vllm_on_cpu_samples_the_adapter_merged(tmp_path, fake, monkeypatch, smol_lm):
     """vLLM's LoRA kernels are ~8x slower than the base model on CPU: the rollout merges the round's adapter into
     a temporary copy of the base weights, starts the engine on it without LoRA, and removes it afterwards. The
     merged model computes what base + adapter computes."""
@@ -326,7 +333,7 @@ def test_vllm_on_cpu_samples_the_adapter_merged(tmp_path, fake, monkeypatch):
     with torch.no_grad():
         want = peft_lm(ids).logits
         got = load_causal_lm(str(merged), device="cpu")(ids).logits
-        base = load_causal_lm("embedded:smollm2-135m-instruct", device="cpu")(ids).logits
+        base = smol_lm(ids).logits
     assert torch.allclose(got, want, atol=1e-4) and not torch.allclose(base, want, atol=1e-2)
 
     gens = fake()

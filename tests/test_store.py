@@ -56,7 +56,10 @@ def test_catalog_opens_read_only_in_duckdb(tmp_path):
     st.write("generations", [{"gen_id": "b", "kind": "workflow"}], "r", 0)
     assert con.execute("select count(*) from generations").fetchone()[0] == 2
     con.close()
-    st.refresh_catalog()  # rebuilding while nobody holds it, and again, works
+    assert st.refresh_catalog() == path  # rebuilt in place while nobody holds it
+    con = duckdb.connect(str(path), read_only=True)
+    assert con.execute("select gen_id from generations order by 1").fetchall() == [("a",), ("b",)]
+    con.close()
 
 
 def test_corrupt_part_is_named_skipped_and_kept(tmp_path):

@@ -33,10 +33,9 @@ def adapter(tmp_path_factory):
     return make_adapter(tmp_path_factory.mktemp("lora") / "adapter", seed=1)
 
 
-@pytest.fixture(scope="module")
-def hf():
-    torch.set_num_threads(2)
-    return make_generator(GeneratorConfig(model=MODEL, backend="transformers"))
+@pytest.fixture
+def hf(hf_generator):
+    return hf_generator  # the session's transformers generator (conftest), shared with test_generation
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +75,15 @@ def test_offline_greedy_matches_transformers(vgen, hf, adapter, with_adapter):
             assert_same(v, h)
 
 
-def test_offline_sampled_logprobs_match_transformers(vgen, hf, adapter):
+def test_offline_sampled_logprobs_match_transformers(vgen, hf, adapter, smol_lm):
     """A completion vLLM sampled (T=0.8) scored by transformers: the same tempered logprobs."""
     from peft import PeftModel
 
     from pipeline.models import load_causal_lm
 
     prompts = chat_prompts(hf.tokenizer)
-    tuned = PeftModel.from_pretrained(load_causal_lm(MODEL, device="cpu"), adapter).eval()
-    for ad, model in ((None, load_causal_lm(MODEL, device="cpu")), (adapter, tuned)):
+    tuned = PeftModel.from_pretrained(load_causal_lm(MODEL, device="cpu"), adapter).eval()  # peft: a fresh copy
+    for ad, model in ((None, smol_lm), (adapter, tuned)):
         rows = vgen.generate(prompts, Sampling(n=2, temperature=0.8, max_new_tokens=24, seed=7), ad)
         for c in (c for row in rows for c in row):
             assert len(c.token_logprobs) == len(c.token_ids) > 0
