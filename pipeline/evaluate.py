@@ -67,8 +67,8 @@ def eval_summary(store: Store, eval_id: str) -> dict:
     rows = [{"query_id": r["query_id"], "valid": r["valid"], "score": r["score"] if r["state"] == "ok" else None}
             for r in gens.iter_rows(named=True)]
     per_query = query_metrics(rows)
-    status = store.sql("SELECT status, count(*) AS n FROM latest_scores WHERE run_id = ? AND round = 0 "
-                       "GROUP BY status ORDER BY status", [eval_id])
+    status = store.sql("SELECT status, count(*) AS n FROM latest_scores WHERE run_id = $run AND round = 0 "
+                       "GROUP BY status ORDER BY status", {"run": eval_id})
     return {"eval_run_id": eval_id, **split_summary(per_query),
             "status": dict(zip(status["status"].to_list(), status["n"].to_list(), strict=True)),
             "per_query": [asdict(q) for q in per_query]}

@@ -56,14 +56,14 @@ def score_distribution(store: Store, run_id: str) -> pl.DataFrame:
 
 def status_counts(store: Store, run_id: str) -> pl.DataFrame:
     return store.sql(
-        "SELECT round, status, count(*) AS n FROM latest_scores WHERE run_id = ? GROUP BY round, status "
-        "ORDER BY round, status", [run_id])
+        "SELECT round, status, count(*) AS n FROM latest_scores WHERE run_id = $run GROUP BY round, status "
+        "ORDER BY round, status", {"run": run_id})
 
 
 def train_curves(store: Store, run_id: str) -> pl.DataFrame:
     return store.sql(
-        "SELECT round, step, loss, kl, clip_frac, tokens FROM train_metrics WHERE run_id = ? ORDER BY round, step",
-        [run_id])
+        "SELECT round, step, loss, kl, clip_frac, tokens FROM train_metrics WHERE run_id = $run ORDER BY round, step",
+        {"run": run_id})
 
 
 def stage_timings(store: Store, run_id: str) -> pl.DataFrame:

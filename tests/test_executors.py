@@ -13,7 +13,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pipeline import executors
 from pipeline.config import ExecutorConfig, PriceConfig
 from pipeline.executors import (
     ExecutorError,
@@ -151,11 +150,11 @@ def free_port() -> int:
 
 @pytest.fixture
 def top_jitter(monkeypatch):
-    """backoff_delay with its jitter draw pinned at 1.0: the retry delays are the backoff schedule itself,
-    0.5 * 2**attempt, or a larger Retry-After."""
-    real = executors.backoff_delay
-    monkeypatch.setattr(executors, "backoff_delay", lambda attempt, retry_after: real(attempt, retry_after,
-                                                                                       rng=lambda: 1.0))
+    """tenacity's jitter draw pinned at the top of its range: the retry delays are the backoff schedule itself,
+    0.5 * 2**(attempt - 1), or a larger Retry-After."""
+    import random
+
+    monkeypatch.setattr(random, "uniform", lambda lo, hi: hi)
 
 
 def executor(url: str | list[str], sleeps: list | None = None, **kw) -> OpenAIExecutor:

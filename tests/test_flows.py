@@ -310,6 +310,24 @@ def _scripted_config(tmp_path: Path, **scoring) -> Path:
     return cfg
 
 
+def _group_gone(pgid: int, timeout_s: float) -> bool:
+    """Poll /proc until no live (non-zombie) process of process group `pgid` is left."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # exited while we looked
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(stat.parent.name)
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def _score_keys(st: Store, run_id: str) -> list[tuple[str, int, int]]:
     df = st.read("scores", run_id, 0)
     return list(zip(df["gen_id"], df["rep"], df["attempt"], strict=True))
@@ -333,8 +351,8 @@ def test_kill_9_during_scoring_then_resume_loses_and_duplicates_nothing(tmp_path
     assert st.manifest("k", 0, "score") is None, "the kill must land during scoring"
     before = _score_keys(st, "k")
     assert 2 <= len(before) < 12
-    time.sleep(1)  # the stage child dies with its parent (PR_SET_PDEATHSIG): nothing writes after this
-    assert _score_keys(st, "k") == before
+    assert _group_gone(proc.pid, timeout_s=30), "a process of the killed run is still alive"
+    assert _score_keys(st, "k") == before  # nothing wrote after the kill
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     after = _score_keys(st, "k")
@@ -347,7 +365,7 @@ def test_kill_9_during_scoring_then_resume_loses_and_duplicates_nothing(tmp_path
     for stage in ("score", "curate", "train"):
         assert st.manifest("k", 0, stage) is not None
     best = st.sql("select max(score) s from latest_scores where run_id = 'k'")["s"][0]
-    assert best > 0.9, "the exact workflow scores"
+    assert best == 1.0, "the exact workflow scores (no complexity or cost penalty configured)"
     assert st.manifest("k", 0, "train")["counts"]["steps"] > 0, "score variance gives real training data"
 
 
@@ -366,8 +384,10 @@ def test_executor_outage_then_rescore_then_iterate_continues_from_curation(harne
     assert res["counts"]["ran"] == 2 and res["counts"]["left"] == 0
     assert st.manifest("o", 0, "train") is None and not st.checkpoint_dir("o", 0).exists(), "re-score trains nothing"
     keys = _score_keys(st, "o")
-    assert sorted(g for g, _, _ in keys if not g.endswith("w1")) == sorted({g for g, _, _ in keys} - {
-        g for g, _, _ in keys if g.endswith("w1")}), "rows that had a final status were never run again"
+    final = [(g, r, a) for g, r, a in keys if not g.endswith("w1")]
+    assert len(final) == 4 and {a for _, _, a in final} == {0}, "rows with a final status were never run again"
+    # the llm workflow (w1) of both queries: attempt 0, the stage's own retry pass 1, the re-score 2
+    assert sorted(a for g, _, a in keys if g.endswith("w1")) == [0, 0, 1, 1, 2, 2]
     assert "executor_error" not in set(st.sql("select status from latest_scores where run_id='o'")["status"])
     n_lines = len((st.run_dir("o") / "timings.jsonl").read_text().splitlines())
     iterate(str(cfg), run_id="o", retry_delay_s=0)
@@ -389,8 +409,11 @@ def test_one_real_round_end_to_end(harness, tmp_path):
         assert st.manifest("e2e", 0, stage) is not None, stage
     n_gen = st.sql("select count(*) n from generations where run_id='e2e' and kind='workflow'")["n"][0]
     n_scored = st.sql("select count(distinct gen_id) n from latest_scores where run_id='e2e'")["n"][0]
-    assert n_gen > 0 and n_scored == n_gen
-    assert out["rounds"][0]["mean_score"] is not None and 0.0 <= out["rounds"][0]["mean_score"] <= 1.0
+    assert n_gen == 3 and n_scored == n_gen  # tiny_flow: 1 query x m=3
+    mean = st.sql("select avg(s) m from (select gen_id, avg(case when g.valid then coalesce(score, 0) else 0 end) s "
+                  "from latest_scores join generations g using (run_id, round, gen_id) where run_id = 'e2e' "
+                  "group by gen_id)")["m"][0]
+    assert out["rounds"][0]["mean_score"] == pytest.approx(mean)  # the summary is the store's own numbers
 
 
 def test_launcher_switch_runs_the_child_under_accelerate(tmp_path, monkeypatch):
