@@ -43,7 +43,7 @@ class GeneratorConfig(_Strict):
     max_new_tokens: int = Field(512, gt=0, description="Completion length cap per sample.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of the generator.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
-    seed: int = Field(0, description="Sampling seed (per round it is offset by the round index).")
+    seed: int = Field(0, description="Sampling seed (each round and batch derives its own by hashing).")
     adapter: str | None = Field(
         None, description="LoRA adapter folder to sample with; default: the previous round's checkpoint."
     )

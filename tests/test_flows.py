@@ -366,7 +366,9 @@ def test_kill_9_during_scoring_then_resume_loses_and_duplicates_nothing(tmp_path
         assert st.manifest("k", 0, stage) is not None
     best = st.sql("select max(score) s from latest_scores where run_id = 'k'")["s"][0]
     assert best == 1.0, "the exact workflow scores (no complexity or cost penalty configured)"
-    assert st.manifest("k", 0, "train")["counts"]["steps"] > 0, "score variance gives real training data"
+    # per query the exact workflow scores 1 and the sleeping one 0: one C(3,3) group each, sharpened to 2 members
+    assert st.manifest("k", 0, "curate")["counts"]["groups_kept"] == 2
+    assert st.manifest("k", 0, "train")["counts"]["sequences"] == 4, "score variance gives real training data"
 
 
 @pytest.mark.slow

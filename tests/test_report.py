@@ -91,7 +91,7 @@ def test_html_report_has_every_section(store, tmp_path):
     r0, r1 = summary_table(page)
     assert (r0["round"], r0["mean_score"], r0["best_score"], r0["tokens_in"]) == ("0", "0.25", "0.75", "35")
     assert (r0["rollout_s"], r0["score_s"], r0["round_s"]) == ("3", "5", "8")  # the resumed score run: 3 s + 5 s
-    assert (r1["round"], r1["mean_score"], r1["workflows"], r1["round_s"]) == ("1", "0.25", "", "")
+    assert (r1["round"], r1["mean_score"], r1["workflows"], r1["round_s"]) == ("1", "0.25", "1", "")
 
 
 def test_report_cli_prints_numbers_and_path(store):
