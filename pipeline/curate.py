@@ -33,13 +33,20 @@ _INT64_SAFE = 2**62  # above this, ranks and the binomial table fall back to Pyt
 
 
 def assign_buckets(scores: Sequence[float]) -> list[str]:
-    """Fast if >= the 2/3 quantile, Slow if <= the 1/3 quantile, else Medium (numpy's default
-    linear quantiles; an item meeting both bounds, e.g. when all scores are equal, is Fast)."""
+    """F/M/S buckets (the two-level proposal, §4.3 steps 1-2): Fast if >= the 2/3 quantile, Slow if <= the
+    1/3 quantile, else Medium (numpy's default linear quantiles; an item meeting both bounds is Fast).
+
+    The extremes are pinned: whenever at least two distinct values exist, every item equal to the highest
+    is F and every item equal to the lowest is S. Without it a mostly failing pool collapses: for
+    [0, 0, 0, 1] the 2/3 quantile is the minimum 0, every item is >= it and all four are F, so the
+    contrastive pick finds one bucket exactly on hard queries. Equal scores always share a bucket; all
+    equal scores are one bucket (F)."""
     s = np.asarray(scores, dtype=float)
     if s.size == 0:
         return []
     hi, lo = np.quantile(s, 2 / 3), np.quantile(s, 1 / 3)
-    return ["F" if x >= hi else "S" if x <= lo else "M" for x in s]
+    top, bottom = s.max(), s.min()
+    return ["F" if x == top or (x >= hi and x != bottom) else "S" if x <= lo or x == bottom else "M" for x in s]
 
 
 # ---- combinations by rank ---------------------------------------------------------------------

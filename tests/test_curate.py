@@ -30,6 +30,19 @@ def test_assign_buckets_quantiles():
     assert assign_buckets([]) == []
 
 
+def test_assign_buckets_pins_the_extremes_on_mostly_failing_pools():
+    # [0, 0, 0, 1]: linear quantiles at positions 2/3*3 = 2 and 1/3*3 = 1 of the sorted scores are both 0, so
+    # the quantile rule alone makes every item F; the highest value must be F and the lowest S
+    assert assign_buckets([0.0, 0.0, 0.0, 1.0]) == ["S", "S", "S", "F"]
+    assert assign_buckets([1.0, 0.0, 0.0, 0.0]) == ["F", "S", "S", "S"]
+    # mostly passing: 1/3 quantile = 2/3 quantile = 1 = the maximum; the lone 0 stays S
+    assert assign_buckets([1.0, 1.0, 1.0, 0.0]) == ["F", "F", "F", "S"]
+    # interior ties stay together: quantiles (positions 4/3 and 8/3 of [0, .5, .5, .5, 1]) are both .5 -> F
+    assert assign_buckets([0.0, 0.5, 0.5, 0.5, 1.0]) == ["S", "F", "F", "F", "F"]
+    # [0, .2, .6, .8, 1, 1]: 1/3 quantile at position 5/3 = .2 + 2/3*.4 = .4667, 2/3 at 10/3 = .8 + 1/3*.2 = .8667
+    assert assign_buckets([0.0, 0.2, 0.6, 0.8, 1.0, 1.0]) == ["S", "S", "M", "M", "F", "F"]
+
+
 # ---- combinations --------------------------------------------------------------------------------
 
 

@@ -45,6 +45,14 @@ def test_pick_two_distinct_buckets():
     assert [s.gen_id for s in pick_exemplars(pool, 1e-3, random.Random(1))] == ["f", "m"]
 
 
+def test_mostly_failing_pool_still_gives_a_contrastive_pair():
+    # scores [0, 0, 0, 1] bucket S, S, S, F: two buckets, so one exemplar from each
+    pool = [Shown(f"s{i}", 0.0, "s") for i in range(3)] + [Shown("f", 1.0, "f")]
+    for seed in range(20):
+        picked = pick_exemplars(pool, 1.0, random.Random(seed))
+        assert sorted(p.score for p in picked) == [0.0, 1.0]
+
+
 def test_pick_edge_cases():
     assert pick_exemplars([], 1.0, random.Random(0)) == []
     same = [Shown("a", 0.5, "a"), Shown("b", 0.5, "b")]  # all equal: one bucket (F) -> one exemplar
