@@ -163,6 +163,10 @@ class CurationConfig(_Strict):
     )
     eps_adv: float = Field(1e-6, gt=0, description="ε in (s - mean) / (std + ε).")
     adv_norm: Literal["batch", "query"] = Field("batch", description="two_level: normalise over batch or query.")
+    agent_adv_stats: Literal["workflows", "agents"] = Field(
+        "workflows", description="two_level: normalise agent advantages by the mean/std of all workflow scores "
+        "(the proposal, §4.3 step 5) or of the agent rewards r_i.",
+    )
     seed: int = Field(0, description="Seed of group sampling.")
     dedupe: bool = Field(False, description="Keep a query's groups with the same sharpened member set once.")
     max_kept_per_query: int | None = Field(

@@ -244,9 +244,9 @@ def test_two_level_sequences_carry_their_level_advantage(tmp_path):
     run_curate(ctx)
     seqs, info = load_sequences(ctx)
     adv = {s.gen_id: s.advantage for s in seqs}
-    # agents: rewards [.5, 1] -> A^A = [-1, 1]; workflows [1, 0, 1] (batch): mean 2/3, std sqrt(2/9)
-    assert adv["A0"] == pytest.approx(-1.0, abs=1e-5) and adv["A1"] == pytest.approx(1.0, abs=1e-5)
+    # workflow scores [1, 0, 1] (batch): r̄ = 2/3, σ = sqrt(2/9); agent rewards [.5, 1] use the same r̄, σ
     sw = np.sqrt(2 / 9)
+    assert adv["A0"] == pytest.approx(-(1 / 6) / sw, abs=1e-5) and adv["A1"] == pytest.approx((1 / 3) / sw, abs=1e-5)
     assert adv["w00"] == pytest.approx((1 / 3) / sw, abs=1e-5) and adv["w01"] == pytest.approx(-(2 / 3) / sw, abs=1e-5)
     assert "w10" not in adv and info == {"sequences_truncated": 4, "sequences_dropped": 1,
                                         "distinct_workflows": 4, "distinct_queries": 1}
