@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -124,12 +124,24 @@ class RolloutConfig(_Strict):
         "and of the stored `text`.",
     )
     max_workflow_chars: int = Field(20000, gt=0, description="Static check: larger workflows are invalid.")
-    exemplars: bool = Field(True, description="Show scored exemplars from earlier rounds in prompts (round >= 1).")
+    exemplars: Literal["none", "buckets"] = Field(
+        "buckets", description="Scored exemplars of earlier rounds in prompts from round 1 on: none (SPOGW has none) "
+        "or buckets (the two-level proposal's contrastive F/M/S pick, flat prompts too); legacy true/false = "
+        "buckets/none.",
+    )
     exemplar_run: str | None = Field(
         None, description="Draw exemplars from this run's rounds < exemplar_round instead of this run's earlier "
         "rounds (evaluation runs: the trained run's, so prompts are built as in training).",
     )
     exemplar_round: int | None = Field(None, ge=0, description="With exemplar_run: use its rounds below this one.")
+
+    @field_validator("exemplars", mode="before")
+    @classmethod
+    def _legacy_exemplars(cls, v: Any) -> Any:
+        # configs frozen while the field was a bool keep their meaning: true showed bucket exemplars, false none
+        if isinstance(v, bool):
+            return "buckets" if v else "none"
+        return v
 
 
 class RewardConfig(_Strict):
@@ -243,6 +255,8 @@ class RunConfig(_Strict):
         are left out, so a field added to the schema later (at its default) keeps existing runs' manifests valid
         instead of re-running every finished stage; `experiment` only plans evaluations and is left out too."""
         body = self.model_dump(mode="json", exclude_defaults=True, exclude={"experiment"})
+        if body.get("rollout", {}).get("exemplars") == "none":
+            body["rollout"]["exemplars"] = False  # its hashed form from when it was a bool: finished runs stay finished
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:

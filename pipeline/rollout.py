@@ -88,7 +88,7 @@ def exemplar_source(ctx: RunContext) -> tuple[str, int]:
 
 
 def exemplar_pools(ctx: RunContext) -> Pools:
-    if not ctx.cfg.rollout.exemplars:
+    if ctx.cfg.rollout.exemplars == "none":
         return Pools()
     run, k = exemplar_source(ctx)
     return load_pools(ctx.store, run, k, ctx.cfg.rollout.r_min_agent, ctx.cfg.rollout.r_min_workflow)

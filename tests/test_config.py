@@ -1,3 +1,5 @@
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,26 @@ def test_paper_settings():
     assert (cfg.rollout.m, cfg.curation.n, cfg.curation.t, cfg.training.beta, cfg.rounds) == (16, 14, 4, 0.1, 3)
     assert cfg.generator.model == "Qwen/Qwen2.5-7B-Instruct"
     assert (cfg.executor.model, cfg.executor.temperature) == ("gpt-4o-mini", 0.0)
+    assert cfg.rollout.exemplars == "none"  # SPOGW prompts carry no exemplars
+
+
+def test_exemplars_names_and_legacy_booleans(tmp_path):
+    assert RunConfig().rollout.exemplars == "buckets"
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  exemplars: none\n")
+    assert load_config(p).rollout.exemplars == "none"
+    assert load_config(p, ["rollout.exemplars=buckets"]).rollout.exemplars == "buckets"
+    # configs frozen while the field was a bool: true showed bucket exemplars, false none
+    p.write_text("rollout:\n  exemplars: true\n")
+    assert load_config(p).rollout.exemplars == "buckets"
+    p.write_text("rollout:\n  exemplars: false\n")
+    assert load_config(p).rollout.exemplars == "none"
+    p.write_text("rollout:\n  exemplars: random\n")
+    with pytest.raises(ConfigError, match=r"rollout\.exemplars: .*'none' or 'buckets'.*'random'"):
+        load_config(p)
+    # a run frozen with `exemplars: false` keeps its config hash: sha256 of its one non-default field, as before
+    legacy = hashlib.sha256(json.dumps({"rollout": {"exemplars": False}}, sort_keys=True).encode()).hexdigest()[:16]
+    assert RunConfig.model_validate({"rollout": {"exemplars": "none"}}).config_hash() == legacy
 
 
 def test_demo_and_smoke_are_embedded():

@@ -261,9 +261,11 @@ def _two_rounds(ctx: RunContext) -> None:
     run_rollout(ctx.at_round(1))
 
 
-def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake):
+@pytest.mark.parametrize("exemplars", ["buckets", "none"])
+def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake, exemplars):
     """Checkpoint 0 samples round 1 in training; its evaluation (same queries here) must see the same prompts,
-    exemplars included; the base model's evaluation sees round 0's prompts (no exemplars)."""
+    exemplars included (buckets) or none in any round (none, SPOGW); the base model's evaluation sees round 0's
+    prompts (no exemplars)."""
     import yaml
 
     from pipeline.evaluate import open_eval_run
@@ -272,12 +274,14 @@ def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake):
     fake()
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"run_id": "t", "store": {"root": str(tmp_path)}, "benchmark": {"max_queries": 2},
-                                   "generator": {"batch_size": 2}, "rollout": {"m": 3}}))
+                                   "generator": {"batch_size": 2}, "rollout": {"m": 3, "exemplars": exemplars}}))
     ctx = open_run(cfg, "t", 0)
     _two_rounds(ctx)
     train = ctx.store.read("generations", "t", 1).group_by("query_id").agg(pl.col("prompt_text").first(),
                                                                           pl.col("exemplar_ids").first())
-    assert all(len(ids) == 2 for ids in train["exemplar_ids"])  # round 1's training prompts carry exemplars
+    # round 1's training prompts carry two exemplars with buckets, none without
+    assert [len(ids) for ids in train["exemplar_ids"]] == [2 if exemplars == "buckets" else 0] * 2
+    assert all(("Score " in p) == (exemplars == "buckets") for p in train["prompt_text"])
 
     ev = open_eval_run(str(tmp_path), "t", 0, split="validate")
     run_rollout(ev)
@@ -295,7 +299,7 @@ def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake):
 
 def test_exemplars_switch_off_gives_round0_prompts_in_every_round(tmp_path, fake):
     fake()
-    ctx = make_ctx(tmp_path, rollout={"exemplars": False})
+    ctx = make_ctx(tmp_path, rollout={"exemplars": "none"})
     _two_rounds(ctx)
     p0 = sorted(set(ctx.store.read("generations", "t", 0)["prompt_text"]))
     p1 = sorted(set(ctx.store.read("generations", "t", 1)["prompt_text"]))
