@@ -117,7 +117,8 @@ class _Rollout:
 
     def existing(self) -> dict[str, dict]:
         df = self.ctx.store.read("generations", self.ctx.run_id, self.ctx.round)
-        return {r["gen_id"]: r for r in df.select("gen_id", "kind", "query_id", "text").iter_rows(named=True)}
+        cols = ("gen_id", "kind", "query_id", "text", "exemplar_ids")
+        return {r["gen_id"]: r for r in df.select(*cols).iter_rows(named=True)}
 
     def _request(self, kind: str, item: Item, n: int, have: dict, parent: dict | None = None) -> Request | None:
         parent_id = parent["gen_id"] if parent else None
@@ -132,12 +133,22 @@ class _Rollout:
             shown = pick_exemplars(self.pools.agent_pool(item.id), self.tau_a, rng)
             user, max_tokens = agent_prompt(item.prompt, shown), self.cfg.rollout.max_plan_tokens
         else:
-            plan = parent["text"] if parent else None
-            shown = pick_exemplars(self.pools.workflow_pool(item.id, plan), self.tau_w, rng)
-            user, max_tokens = workflow_prompt(item.prompt, self.family, shown, plan), self.cfg.generator.max_new_tokens
+            shown, stored_plan = self._workflow_exemplars(item, parent, rng)
+            user = workflow_prompt(item.prompt, self.family, shown, parent["text"] if parent else None, stored_plan)
+            max_tokens = self.cfg.generator.max_new_tokens
         prefix = self.cfg.rollout.workflow_prefix if kind == "workflow" else ""
         return Request(kind, item.id, parent_id, [gen_id(self.ctx.round, item.id, kind, s, parent_id) for s in slots],
                        slots, render(self.tokenizer, user) + prefix, [s.gen_id for s in shown], max_tokens, prefix)
+
+    def _workflow_exemplars(self, item: Item, parent: dict | None, rng: random.Random) -> tuple[list, str | None]:
+        """Flat: the query's pool. Two-level: D_W of the stored agent the plan was conditioned on, and that
+        agent's plan text (None: no exemplars)."""
+        if parent is None:
+            return pick_exemplars(self.pools.workflow_pool(item.id), self.tau_w, rng), None
+        source = self.pools.buffer_agent(parent.get("exemplar_ids") or [])
+        if source is None:
+            return [], None
+        return pick_exemplars(self.pools.workflows_by_agent[source], self.tau_w, rng), self.pools.plans[source]
 
     def requests(self, have: dict) -> list[Request]:
         """What is missing now: flat workflows, or two-level agents, then workflows under existing agents."""

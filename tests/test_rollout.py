@@ -193,6 +193,68 @@ def test_round1_exemplars_come_from_round0_scores(tmp_path, fake):
         assert len(ids) == 2 and set(ids) <= set(gids)
 
 
+class NumberedPlans(FakeGen):
+    """Every plan text is new ("plan 0", "plan 1", ...): a fresh plan never equals a stored one."""
+
+    plans = 0
+
+    def _generate(self, prompts, sampling, adapter):
+        out = super()._generate(prompts, sampling, adapter)
+        for comps in out:
+            for c in comps:
+                if c.text.startswith("ask a solver"):
+                    c.text, NumberedPlans.plans = f"plan {NumberedPlans.plans}", NumberedPlans.plans + 1
+        return out
+
+
+def test_workflow_exemplars_come_from_the_buffer_of_the_conditioning_agent(tmp_path, fake, monkeypatch):
+    """The proposal's D_W[i]: a round-1 plan was prompted with stored agents a0 (r = .75) and a1 (r = .125); its
+    workflows see exemplars written under a0 only, shown with a0's plan. The query's pool would mix in a1's."""
+    fake()
+    monkeypatch.setattr(rollout, "make_generator", lambda cfg, enable_lora=False, **_: NumberedPlans())
+    ctx = make_ctx(tmp_path, rollout={"mode": "two_level", "n_agents": 2, "n_workflows": 2},
+                   benchmark={"max_queries": 1})
+    run_rollout(ctx)
+    r0 = ctx.store.read("generations", "t", 0)
+    scores = {"r0-q0-a0-w0": 1.0, "r0-q0-a0-w1": 0.5, "r0-q0-a1-w0": 0.0, "r0-q0-a1-w1": 0.25}
+    ctx.store.write("scores", [dict(gen_id=g, rep=0, attempt=0, status="ok", score=x) for g, x in scores.items()],
+                    "t", 0)
+    ckpt = ctx.store.checkpoint_dir("t", 0)
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text("{}")
+    run_rollout(ctx.at_round(1))
+    df = ctx.store.read("generations", "t", 1)
+    plans = {r["gen_id"]: r for r in df.filter(kind_is("agent")).iter_rows(named=True)}
+    r0_plans = set(r0.filter(kind_is("agent"))["text"])
+    assert len({p["text"] for p in plans.values()} | r0_plans) == 4  # round 1's plans are new texts
+    a0_plan = r0.filter(pl.col("gen_id") == "r0-q0-a0")["text"][0]
+    for p in plans.values():
+        assert sorted(p["exemplar_ids"]) == ["r0-q0-a0", "r0-q0-a1"]  # r_i .75 (F) and .125 (S)
+    for w in df.filter(kind_is("workflow")).iter_rows(named=True):
+        # a0's buffer [1.0, .5] has two buckets (F, S): one exemplar from each, both a0's
+        assert sorted(w["exemplar_ids"]) == ["r0-q0-a0-w0", "r0-q0-a0-w1"]
+        assert f"Earlier workflows written under this plan:\n{a0_plan}\n" in w["prompt_text"]
+        assert f"Plan to follow:\n{plans[w['parent_id']]['text']}" in w["prompt_text"]
+
+
+def test_workflow_exemplars_respect_r_min_workflow(tmp_path, fake, monkeypatch):
+    """D_W[i] holds r_ij >= r_min_workflow: with .6 a0 keeps only its 1.0 workflow and a1 none."""
+    fake()
+    monkeypatch.setattr(rollout, "make_generator", lambda cfg, enable_lora=False, **_: NumberedPlans())
+    ctx = make_ctx(tmp_path, rollout={"mode": "two_level", "n_agents": 2, "n_workflows": 2, "r_min_workflow": 0.6},
+                   benchmark={"max_queries": 1})
+    run_rollout(ctx)
+    scores = {"r0-q0-a0-w0": 1.0, "r0-q0-a0-w1": 0.5, "r0-q0-a1-w0": 0.0, "r0-q0-a1-w1": 0.25}
+    ctx.store.write("scores", [dict(gen_id=g, rep=0, attempt=0, status="ok", score=x) for g, x in scores.items()],
+                    "t", 0)
+    ckpt = ctx.store.checkpoint_dir("t", 0)
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text("{}")
+    run_rollout(ctx.at_round(1))
+    wfs = ctx.store.read("generations", "t", 1).filter(kind_is("workflow"))
+    assert [sorted(ids) for ids in wfs["exemplar_ids"]] == [["r0-q0-a0-w0"]] * 4
+
+
 @pytest.mark.parametrize("case", ["adapter", "backend", "template", "server"])
 def test_bad_input_writes_nothing(tmp_path, fake, monkeypatch, case):
     fake()
