@@ -192,6 +192,16 @@ class CurationConfig(_Strict):
         return self
 
 
+class TwoLevelLossConfig(_Strict):
+    """The two-level loss (the proposal's L_GRPO, §4.3): an agent term and a workflow term, each averaged over
+    its own sequences, summed with these weights; each term carries its level's β·KL."""
+
+    agent_weight: float = Field(1.0, ge=0, description="Weight of the agent (plan) term; the proposal: 1.")
+    workflow_weight: float = Field(1.0, ge=0, description="Weight of the workflow term; the proposal: 1.")
+    agent_kl_mask: bool = Field(False, description="Agent KL only where A^A > 0 (mKL); the proposal's is unmasked.")
+    workflow_kl_mask: bool = Field(False, description="Workflow KL only where A^W > 0; the proposal's is unmasked.")
+
+
 class TrainingConfig(_Strict):
     lora_r: int = Field(16, gt=0, description="LoRA rank.")
     lora_alpha: int = Field(32, gt=0, description="LoRA alpha.")
@@ -209,7 +219,10 @@ class TrainingConfig(_Strict):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     beta: float = Field(0.1, ge=0, description="KL weight β.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip ε.")
-    kl_mask: bool = Field(True, description="Apply KL only where the advantage is positive (mKL).")
+    kl_mask: bool = Field(True, description="flat: apply KL only where the advantage is positive (SPOGW's mKL).")
+    two_level: TwoLevelLossConfig = Field(
+        default_factory=TwoLevelLossConfig, description="two_level rollouts: weights and KL masks of the two terms."
+    )
     reference: Literal["previous", "base", "none"] = Field(
         "previous", description="KL reference: previous round's checkpoint, the base model, or no KL."
     )

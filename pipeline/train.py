@@ -2,9 +2,11 @@
 
 Data: every member of every kept group is one sequence (prompt_token_ids + token_ids, the loss on
 the completion only) with its group advantage; a workflow kept in several groups appears several
-times. π_old = the adapter as loaded (previous round's checkpoint, or a fresh LoRA = the base model),
-recomputed here once before the first step (fp32, or under the bf16 autocast of training when
-training.bf16); the reference is that same model by default.
+times. A two-level round's loss is the proposal's: an agent term and a workflow term, each averaged
+over its own sequences of the optimiser step, weighted by training.two_level (`step_weights`), each
+level's KL masked or not by its switch (`kl_masks`). π_old = the adapter as loaded (previous round's
+checkpoint, or a fresh LoRA = the base model), recomputed here once before the first step (fp32, or
+under the bf16 autocast of training when training.bf16); the reference is that same model by default.
 
 Crash safety: the checkpoint is saved to a temp folder and renamed into place; `train_metrics` and
 the `checkpoints` row are written once, at the end, after the adapter is saved. A re-run without
@@ -27,7 +29,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from pipeline.grpo import GrpoTerms, grpo_mkl_loss, grpo_mkl_terms
+from pipeline.grpo import GrpoTerms, grpo_mkl_loss, grpo_mkl_terms, level_weights
 from pipeline.run import derived_seed
 
 __all__ = ["grpo_mkl_loss", "grpo_mkl_terms", "run_train", "TrainSequence", "Batch", "collate", "completion_logprobs"]
@@ -44,6 +46,7 @@ class TrainSequence:
     completion_ids: list[int]
     advantage: float
     gen_logprobs: list[float] | None  # as sampled (diagnostics only)
+    level: str = "flat"  # its group's level: flat | agent | workflow
 
 
 @dataclass
@@ -118,7 +121,7 @@ def load_sequences(ctx) -> tuple[list[TrainSequence], dict]:
     info = {"sequences_truncated": 0, "sequences_dropped": 0, "distinct_workflows": 0, "distinct_queries": 0}
     if groups.height == 0:
         return [], info
-    members = (groups.select("group_id", "members", "advantages").explode("members", "advantages")
+    members = (groups.select("group_id", "level", "members", "advantages").explode("members", "advantages")
                .rename({"members": "gen_id", "advantages": "advantage"}))
     gens = (ctx.store.scan("generations", ctx.run_id, ctx.round)
             .select("gen_id", "query_id", "prompt_token_ids", "token_ids", "token_logprobs")
@@ -136,7 +139,7 @@ def load_sequences(ctx) -> tuple[list[TrainSequence], dict]:
             comp = comp[: max_len - len(prompt)]
             glp = glp[: len(comp)] if glp else glp
         seqs.append(TrainSequence(r["gen_id"], list(prompt), list(comp), float(r["advantage"]),
-                             list(glp) if glp and len(glp) == len(comp) else None))
+                                  list(glp) if glp and len(glp) == len(comp) else None, r["level"]))
     if info["sequences_dropped"]:
         log.warning("%d group members skipped (missing generation, empty completion or prompt >= max_seq_len)",
                     info["sequences_dropped"])
@@ -218,6 +221,27 @@ def _plan_steps(n: int, tc, rng: np.random.Generator) -> list[list[list[int]]]:
     return steps
 
 
+def step_weights(seqs: list[TrainSequence], micro: list[list[int]], tc) -> dict[int, float] | None:
+    """Two-level: each sequence's factor c_b in its optimiser step's loss (`pipeline.grpo.level_weights`: agent
+    and workflow terms, each averaged over its own sequences of the step, weighted by training.two_level);
+    flat: None (a step's loss is the mean of its micro-batches' losses, as SPOGW)."""
+    idx = [i for mb in micro for i in mb]
+    if all(seqs[i].level == "flat" for i in idx):
+        return None
+    w = {"agent": tc.two_level.agent_weight, "workflow": tc.two_level.workflow_weight}
+    c = level_weights([seqs[i].level for i in idx], [len(seqs[i].completion_ids) for i in idx], w, tc.loss_norm)
+    return dict(zip(idx, c.tolist(), strict=True))
+
+
+def kl_masks(chunk: list[TrainSequence], tc) -> bool | torch.Tensor:
+    """The advantage mask of the KL term per sequence: training.kl_mask for flat sequences, the level's switch
+    (training.two_level.*_kl_mask) for agent and workflow sequences."""
+    if all(s.level == "flat" for s in chunk):
+        return tc.kl_mask
+    switch = {"flat": tc.kl_mask, "agent": tc.two_level.agent_kl_mask, "workflow": tc.two_level.workflow_kl_mask}
+    return torch.tensor([switch[s.level] for s in chunk])
+
+
 # ---- the stage -----------------------------------------------------------------------------------------
 
 
@@ -293,6 +317,7 @@ def run_train(ctx) -> dict:
         lr = sched.get_last_lr()[0]
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
         tokens, mism, mism_n = 0, 0.0, 0
+        weights = step_weights(seqs, micro, tc)
         for mb in micro:
             chunk = [seqs[i] for i in mb]
             batch = collate(chunk, pad_id, device)
@@ -301,12 +326,14 @@ def run_train(ctx) -> dict:
             ref_lp = None if ref is None else _pad_rows([ref[s.gen_id] for s in chunk], tcol, device)
             with autocast:
                 logp = completion_logprobs(model, batch)
+            cw = None if weights is None else torch.tensor([weights[i] for i in mb], device=device)
             terms: GrpoTerms = grpo_mkl_terms(logp.float(), old_lp, ref_lp, batch.advantages, batch.completion_mask,
-                                              tc.beta if ref is not None else 0.0, tc.clip_eps, tc.kl_mask,
-                                              norm=tc.loss_norm)
-            (terms.loss / len(micro)).backward()
+                                              tc.beta if ref is not None else 0.0, tc.clip_eps, kl_masks(chunk, tc),
+                                              norm=tc.loss_norm, seq_weights=cw)
+            share = 1.0 if cw is not None else 1 / len(micro)  # level weights already normalise over the step
+            (terms.loss * share).backward()
             for k in acc:
-                acc[k] += float(getattr(terms, k).detach()) / len(micro)
+                acc[k] += float(getattr(terms, k).detach()) * (share if k in ("loss", "pg_loss") else 1 / len(micro))
             tokens += int(batch.completion_mask.sum())
             for s in chunk:
                 if s.gen_logprobs is not None:

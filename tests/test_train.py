@@ -251,3 +251,74 @@ def test_two_level_sequences_carry_their_level_advantage(tmp_path):
     assert "w10" not in adv and info == {"sequences_truncated": 4, "sequences_dropped": 1,
                                         "distinct_workflows": 4, "distinct_queries": 1}
     assert all(s.prompt_ids == [1, 2] and s.completion_ids == [3] for s in seqs)  # completion tail cut to the cap
+
+
+# ---- a tiny random model: the train stage's wiring in seconds -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A 2-layer random llama folder with the embedded model's tokenizer (a local model ref)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.models import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    cfg = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _two_level_round(tmp_path, tiny_model, sets=()):
+    """Plans A0 (workflows scoring 1, 0) and A1 (one workflow scoring 1), curated."""
+    from test_curate import _ctx, _gen, _score
+
+    from pipeline.curate import run_curate
+
+    ctx = _ctx(tmp_path, ["rollout.mode=two_level", f"generator.model={tiny_model}", *sets])
+    gens = [_gen("A0", "q", 0, "agent"), _gen("A1", "q", 1, "agent"),
+            _gen("w00", "q", 0, parent="A0"), _gen("w01", "q", 1, parent="A0"), _gen("w10", "q", 0, parent="A1")]
+    ctx.store.write("generations", gens, ctx.run_id, 0)
+    ctx.store.write("scores", [_score("w00", score=1.0), _score("w01", score=0.0), _score("w10", score=1.0)],
+                    ctx.run_id, 0)
+    run_curate(ctx)
+    return ctx
+
+
+@pytest.mark.parametrize("mbs, accum", [(5, 1), (2, 3)])
+def test_two_level_first_step_loss_is_the_proposals(tmp_path, tiny_model, mbs, accum):
+    """At step 1 ρ = 1 and k3 = 0, so L = -(w_A mean_i A^A_i + w_W mean_ij A^W_ij) over the step's sequences,
+    however they are cut into micro-batches. Workflow scores [1, 0, 1]: r̄ = 2/3, σ = sqrt(2/9); A^A of the
+    rewards [.5, 1] = [-1/6, 1/3]/σ (mean 1/12/σ), A^W = [1/3, -2/3, 1/3]/σ (mean 0): L = -(1/12)/σ = -0.1768.
+    Pooling the five sequences as equals gave -(1/6)/σ/5 = -0.0707."""
+    from pipeline.train import run_train
+
+    ctx = _two_level_round(tmp_path, tiny_model, [f"training.micro_batch_size={mbs}", f"training.grad_accum={accum}"])
+    run_train(ctx)
+    m = ctx.store.read("train_metrics", ctx.run_id, 0).sort("step")
+    sigma = np.sqrt(2 / 9)
+    assert m.height == 1 and m["loss"][0] == pytest.approx(-(1 / 12) / sigma, abs=1e-5)
+    assert m["pg_loss"][0] == pytest.approx(-(1 / 12) / sigma, abs=1e-5)
+    # the weights of both terms come from the config: the agent term counts twice
+    ctx2 = _two_level_round(tmp_path, tiny_model, [f"training.micro_batch_size={mbs}", "training.grad_accum=3",
+                                                   "training.two_level.agent_weight=2"])
+    run_train(ctx2)
+    assert ctx2.store.read("train_metrics", ctx2.run_id, 0)["loss"][0] == pytest.approx(-(2 / 12) / sigma, abs=1e-5)
+
+
+def test_step_weights_and_kl_masks_follow_the_levels():
+    from pipeline.config import RunConfig
+    from pipeline.train import kl_masks, step_weights
+
+    tc = RunConfig.model_validate({"training": {"two_level": {"workflow_kl_mask": True}}}).training
+    seqs = [TrainSequence("a", [1], [2, 3], 0.5, None, "agent"), TrainSequence("w0", [1], [2], 1.0, None, "workflow"),
+            TrainSequence("w1", [1], [2, 3, 4, 5], -1.0, None, "workflow")]
+    # c = w_l / (n_l T_b): agent 1/(1*2); workflows 1/(2*1), 1/(2*4)
+    assert step_weights(seqs, [[2, 0], [1]], tc) == pytest.approx({2: 1 / 8, 0: 1 / 2, 1: 1 / 2})
+    assert kl_masks(seqs, tc).tolist() == [False, True, True]  # agent KL unmasked, workflow KL masked
+    flat = [TrainSequence("f", [1], [2], 1.0, None)]
+    assert step_weights(flat, [[0]], tc) is None and kl_masks(flat, tc) is True
