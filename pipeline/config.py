@@ -45,7 +45,8 @@ class GeneratorConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     seed: int = Field(0, description="Sampling seed (per round it is offset by the round index).")
     adapter: str | None = Field(
-        None, description="LoRA adapter folder to sample with; default: the previous round's checkpoint."
+        None, description="LoRA adapter folder of the starting policy: round 0 samples with it and trains from it "
+        "(π_old); later rounds use the previous round's checkpoint. Default: the base model.",
     )
     batch_size: int = Field(8, gt=0, description="Prompts per generation call (transformers/openai).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: GPU memory fraction.")
@@ -205,7 +206,10 @@ class TwoLevelLossConfig(_Strict):
 class TrainingConfig(_Strict):
     lora_r: int = Field(16, gt=0, description="LoRA rank.")
     lora_alpha: int = Field(32, gt=0, description="LoRA alpha.")
-    lora_dropout: float = Field(0.05, ge=0, lt=1, description="LoRA dropout.")
+    lora_dropout: float = Field(
+        0.0, ge=0, lt=1, description="LoRA dropout (also applied to a loaded adapter); above 0, π_θ (train mode) "
+        "differs from π_old (eval mode) before any update: ρ ≠ 1 at step 1.",
+    )
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="Modules LoRA adapts.",

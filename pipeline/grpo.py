@@ -57,6 +57,7 @@ class GrpoTerms:
     pg_loss: torch.Tensor  # minus the clipped surrogate, same normalisation as the loss
     kl: torch.Tensor  # mean k3 over completion tokens (unmasked: the actual divergence from the reference)
     clip_frac: torch.Tensor  # share of completion tokens whose clipped branch is active (zero gradient)
+    ratio_dev: torch.Tensor  # max |ρ - 1| over completion tokens: 0 before any update when π_θ and π_old agree
 
 
 def _reduce(per_tok: torch.Tensor, mask: torch.Tensor, norm: str,
@@ -120,7 +121,8 @@ def grpo_mkl_terms(
         clip_frac = (active.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0)
         pg_loss = -_reduce(pg_tok, mask, norm, w)
         kl = _reduce(k3, mask, norm)
-    return GrpoTerms(loss=loss, pg_loss=pg_loss, kl=kl, clip_frac=clip_frac)
+        ratio_dev = ((ratio - 1).abs() * mask).max() if mask.numel() else torch.zeros((), dtype=logp.dtype)
+    return GrpoTerms(loss=loss, pg_loss=pg_loss, kl=kl, clip_frac=clip_frac, ratio_dev=ratio_dev)
 
 
 def grpo_mkl_loss(

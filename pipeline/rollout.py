@@ -7,7 +7,7 @@ Idempotent per (query, parent, slot): gen_ids are deterministic, so a re-run sam
 call writes one Parquet part, so a crash loses at most the call in flight.
 Row conventions: `latency_s` is the call's wall time divided by the samples it returned; `token_logprobs`
 follow pipeline/generation/base.py; `adapter_round` is the round whose checkpoint sampled (null: base model
-or an explicit generator.adapter, whose path is in `sampling`).
+or round 0's generator.adapter, whose path is in `sampling`).
 """
 
 from __future__ import annotations
@@ -63,11 +63,13 @@ def gen_id(round: int, query_id: str, kind: str, slot: int, parent_id: str | Non
 
 
 def resolve_adapter(ctx: RunContext) -> tuple[str | None, int | None]:
-    """(adapter folder, its round): generator.adapter if set, else round k−1's checkpoint, base model at k=0."""
-    if ctx.cfg.generator.adapter:
-        path, rnd = Path(ctx.cfg.generator.adapter).expanduser(), None
-    elif ctx.round > 0:
+    """(adapter folder, its round): round k−1's checkpoint; at round 0 generator.adapter if set, else the base model.
+    Training starts round k from the same adapter (pipeline.train.start_adapter), so the policy that samples a
+    round is the π_old its training uses."""
+    if ctx.round > 0:
         path, rnd = ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1), ctx.round - 1
+    elif ctx.cfg.generator.adapter:
+        path, rnd = Path(ctx.cfg.generator.adapter).expanduser(), None
     else:
         return None, None
     if not (path / "adapter_config.json").is_file():

@@ -5,8 +5,10 @@ the completion only) with its group advantage; a workflow kept in several groups
 times. A two-level round's loss is the proposal's: an agent term and a workflow term, each averaged
 over its own sequences of the optimiser step, weighted by training.two_level (`step_weights`), each
 level's KL masked or not by its switch (`kl_masks`). π_old = the adapter as loaded (previous round's
-checkpoint, or a fresh LoRA = the base model), recomputed here once before the first step (fp32, or
-under the bf16 autocast of training when training.bf16); the reference is that same model by default.
+checkpoint; at round 0 generator.adapter, which sampled it, or a fresh LoRA = the base model), recomputed
+here once before the first step in eval mode (fp32, or under the bf16 autocast of training when
+training.bf16); the reference is that same model by default. LoRA dropout defaults to 0, and replaces a
+loaded adapter's: π_θ in train mode then equals π_old before the first update (ρ = 1, logged `ratio_dev`).
 
 Crash safety: the checkpoint is saved to a temp folder and renamed into place; `train_metrics` and
 the `checkpoints` row are written once, at the end, after the adapter is saved. A re-run without
@@ -158,23 +160,36 @@ def adapter_complete(path: Path) -> bool:
     return all((path / f).is_file() for f in ADAPTER_FILES)
 
 
+def start_adapter(ctx) -> Path | None:
+    """The adapter the round's policy starts from, which sampled the round (π_old): generator.adapter at round 0
+    when set, else round k-1's checkpoint; None: a fresh LoRA on the base model (round 0)."""
+    if ctx.round > 0:
+        return ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1)
+    return Path(ctx.cfg.generator.adapter).expanduser() if ctx.cfg.generator.adapter else None
+
+
 def load_policy(ctx, device: str):
-    """Base model (fp32) + the previous round's adapter, trainable; a fresh LoRA at round 0."""
+    """Base model (fp32) + the starting adapter (`start_adapter`), trainable; a fresh LoRA without one."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from pipeline.models import load_causal_lm
 
     tc = ctx.cfg.training
     base = load_causal_lm(ctx.cfg.generator.model, dtype="float32", device=device)
-    if ctx.round == 0:
+    start = start_adapter(ctx)
+    if start is None:
         lora = LoraConfig(task_type="CAUSAL_LM", r=tc.lora_r, lora_alpha=tc.lora_alpha, lora_dropout=tc.lora_dropout,
                           target_modules=list(tc.target_modules))
         return get_peft_model(base, lora)
-    prev = ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1)
-    if not adapter_complete(prev):
-        raise RuntimeError(f"round {ctx.round} trains on round {ctx.round - 1}'s adapter, but {prev} is missing or "
-                           f"incomplete: run `pipeline train --run-id {ctx.run_id} --round {ctx.round - 1}` first")
-    return PeftModel.from_pretrained(base, str(prev), is_trainable=True)
+    if not adapter_complete(start):
+        hint = (f"run `pipeline train --run-id {ctx.run_id} --round {ctx.round - 1}` first" if ctx.round > 0
+                else "generator.adapter must name a saved peft adapter")
+        raise RuntimeError(f"round {ctx.round} trains from the adapter {start}, which is missing or incomplete: {hint}")
+    # the adapter's own rank and alpha, this run's dropout: a checkpoint saved with dropout > 0 would otherwise
+    # make π_θ (train mode) differ from π_old (eval mode) before the first update
+    lora = LoraConfig.from_pretrained(str(start))
+    lora.lora_dropout = tc.lora_dropout
+    return PeftModel.from_pretrained(base, str(start), is_trainable=True, config=lora)
 
 
 @torch.no_grad()
@@ -299,10 +314,10 @@ def run_train(ctx) -> dict:
     old = reference_logprobs(model, seqs, mbs, pad_id, device, bf16=tc.bf16)
     if tc.reference == "none":
         ref = None
-    elif tc.reference == "base" and ctx.round > 0:
+    elif tc.reference == "base" and start_adapter(ctx) is not None:
         ref = reference_logprobs(model, seqs, mbs, pad_id, device, disable_adapter=True, desc="ref logprobs",
                                  bf16=tc.bf16)
-    else:  # previous round's checkpoint = π_old (at round 0 both are the base model: a fresh LoRA is a no-op)
+    else:  # the starting adapter = π_old (a fresh LoRA is a no-op: both are the base model)
         ref = old
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
@@ -317,7 +332,7 @@ def run_train(ctx) -> dict:
         lr = sched.get_last_lr()[0]
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
         tokens, mism, mism_n = 0, 0.0, 0
-        weights = step_weights(seqs, micro, tc)
+        weights, ratio_dev = step_weights(seqs, micro, tc), 0.0
         for mb in micro:
             chunk = [seqs[i] for i in mb]
             batch = collate(chunk, pad_id, device)
@@ -335,6 +350,7 @@ def run_train(ctx) -> dict:
             for k in acc:
                 acc[k] += float(getattr(terms, k).detach()) * (share if k in ("loss", "pg_loss") else 1 / len(micro))
             tokens += int(batch.completion_mask.sum())
+            ratio_dev = max(ratio_dev, float(terms.ratio_dev))
             for s in chunk:
                 if s.gen_logprobs is not None:
                     mism += float((torch.tensor(s.gen_logprobs) - old[s.gen_id]).abs().sum())
@@ -343,7 +359,7 @@ def run_train(ctx) -> dict:
         optimizer.step()
         sched.step()
         optimizer.zero_grad(set_to_none=True)
-        metrics.append({"step": step, "epoch": step // steps_per_epoch, **acc, "lr": lr,
+        metrics.append({"step": step, "epoch": step // steps_per_epoch, **acc, "ratio_dev": ratio_dev, "lr": lr,
                         "grad_norm": float(grad_norm), "tokens": tokens,
                         "logp_mismatch": mism / mism_n if mism_n else None, "wall_s": time.perf_counter() - t0})
     model.eval()

@@ -38,6 +38,7 @@ def test_sequence_norm_masked_kl_hand_computed():
     assert terms.loss.item() == pytest.approx(0.69166666666, abs=1e-9)
     assert terms.kl.item() == pytest.approx((0.5 / 3 + K3_UP) / 2, abs=1e-12)
     assert terms.clip_frac.item() == pytest.approx(2 / 5)  # seq0 token 0 (above 1+ε, A>0), seq1 token 1 (below)
+    assert terms.ratio_dev.item() == pytest.approx(0.5)  # max |ρ - 1| over [1.5, .5, 1.1, 1.5, .5]; padding's 9 out
 
 
 def test_kl_unmasked_penalises_negative_advantages_too():

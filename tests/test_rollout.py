@@ -313,6 +313,25 @@ def test_real_transformers_rollout_round0_and_adapter_round1(tmp_path, monkeypat
     assert t1[0] != t0[0]  # the adapter changed the policy
 
 
+def test_generator_adapter_samples_round_0_only(tmp_path, fake):
+    """generator.adapter is the starting policy: round 0 samples with it (and trains from it), round 1 with round
+    0's checkpoint, which training made from it. Sampling every round with it would leave π_old behind."""
+    gens = fake()
+    start = tmp_path / "sft"
+    start.mkdir()
+    (start / "adapter_config.json").write_text("{}")
+    ctx = make_ctx(tmp_path, generator={"adapter": str(start)})
+    run_rollout(ctx)
+    assert {c[2] for c in gens[-1].calls} == {str(start.resolve())}
+    assert set(ctx.store.read("generations", "t", 0)["adapter_round"].to_list()) == {None}
+    ckpt = ctx.store.checkpoint_dir("t", 0)
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text("{}")
+    run_rollout(ctx.at_round(1))
+    assert {c[2] for c in gens[-1].calls} == {str(ckpt.resolve())}
+    assert set(ctx.store.read("generations", "t", 1)["adapter_round"].to_list()) == {0}
+
+
 def _two_rounds(ctx: RunContext) -> None:
     """Round 0 rolled out and scored, a stand-in checkpoint, then round 1 rolled out."""
     run_rollout(ctx)

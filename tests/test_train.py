@@ -322,3 +322,77 @@ def test_step_weights_and_kl_masks_follow_the_levels():
     assert kl_masks(seqs, tc).tolist() == [False, True, True]  # agent KL unmasked, workflow KL masked
     flat = [TrainSequence("f", [1], [2], 1.0, None)]
     assert step_weights(flat, [[0]], tc) is None and kl_masks(flat, tc) is True
+
+
+def _random_adapter(model_ref: str, path, dropout: float = 0.05, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    """A rank-4 LoRA adapter with random B (it changes outputs), saved with `dropout`; returns its B weights."""
+    from peft import LoraConfig, get_peft_model
+
+    from pipeline.models import load_causal_lm
+
+    torch.manual_seed(1)
+    model = get_peft_model(load_causal_lm(model_ref, device="cpu"),
+                           LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, scale)
+    model.save_pretrained(str(path))
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+
+
+def _flat_round(ctx) -> None:
+    from test_curate import _gen, _score
+
+    from pipeline.curate import run_curate
+
+    ctx.store.write("generations", [_gen(f"w{i}", "q", i) for i in range(3)], ctx.run_id, ctx.round)
+    ctx.store.write("scores", [_score(f"w{i}", score=float(i % 2)) for i in range(3)], ctx.run_id, ctx.round)
+    run_curate(ctx)
+
+
+def test_first_step_ratio_is_one_from_a_trained_adapter(tmp_path, tiny_model):
+    """Round 1 starts from round 0's adapter (random B, saved with the former default dropout 0.05). π_old is
+    computed in eval mode, π_θ in train mode: with the default dropout 0 (which replaces the adapter's) they agree,
+    ρ = 1 within 1e-5 at step 1. With dropout 0.1 the same step is off by far more."""
+    from test_curate import _ctx
+
+    from pipeline.train import run_train
+
+    for dropout, off in ((None, False), (0.1, True)):
+        sets = [f"generator.model={tiny_model}", "training.micro_batch_size=2", "training.grad_accum=2"]
+        ctx = _ctx(tmp_path, sets + ([f"training.lora_dropout={dropout}"] if dropout else [])).at_round(1)
+        _random_adapter(tiny_model, ctx.store.checkpoint_dir(ctx.run_id, 0))
+        _flat_round(ctx)
+        run_train(ctx)
+        first = ctx.store.read("train_metrics", ctx.run_id, 1).sort("step").row(0, named=True)
+        if off:
+            assert first["ratio_dev"] > 1e-3
+        else:
+            assert first["ratio_dev"] <= 1e-5 and first["clip_frac"] == 0.0 and abs(first["kl"]) <= 1e-9
+
+
+def test_round_0_trains_from_generator_adapter(tmp_path, tiny_model):
+    """generator.adapter samples round 0, so round 0 trains from it (π_old = it): its B weights, its rank (4, not
+    the config's 8), this run's dropout, and ρ = 1 at step 1."""
+    import json
+
+    from test_curate import _ctx
+
+    from pipeline.train import load_policy, run_train
+
+    start = tmp_path / "sft-adapter"
+    want = _random_adapter(tiny_model, start)
+    ctx = _ctx(tmp_path, [f"generator.model={tiny_model}", f"generator.adapter={start}"])
+    model = load_policy(ctx, "cpu")
+    got = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert model.peft_config["default"].lora_dropout == 0.0 and model.peft_config["default"].r == 4
+    _flat_round(ctx)
+    run_train(ctx)
+    assert ctx.store.read("train_metrics", ctx.run_id, 0).sort("step")["ratio_dev"][0] <= 1e-5
+    assert json.loads((ctx.store.checkpoint_dir(ctx.run_id, 0) / "adapter_config.json").read_text())["r"] == 4
+    # a missing generator.adapter is refused with its path
+    bad = _ctx(tmp_path, [f"generator.model={tiny_model}", f"generator.adapter={tmp_path / 'nope'}"])
+    with pytest.raises(RuntimeError, match="trains from the adapter .*nope.*generator.adapter must name"):
+        load_policy(bad, "cpu")
