@@ -19,8 +19,34 @@ def test_paper_settings():
     cfg = load_config(ROOT / "configs" / "spogw-humaneval.yaml")
     assert (cfg.rollout.m, cfg.curation.n, cfg.curation.t, cfg.training.beta, cfg.rounds) == (16, 14, 4, 0.1, 3)
     assert cfg.generator.model == "Qwen/Qwen2.5-7B-Instruct"
-    assert (cfg.executor.model, cfg.executor.temperature) == ("gpt-4o-mini", 0.0)
+    assert (cfg.executor.model, cfg.executor.temperature) == ("gpt-4o-mini-2024-07-18", 0.0)  # the pinned snapshot
     assert cfg.rollout.exemplars == "none"  # SPOGW prompts carry no exemplars
+    assert (cfg.curation.top_n, cfg.scoring.reps, cfg.training.reference, cfg.training.kl_mask) == (100, 3, "previous",
+                                                                                                    True)
+
+
+def test_paper_config_says_where_every_value_comes_from():
+    """Each value of the SPOGW config is marked "paper §x" (stated by the paper, in that section) or "ours"."""
+    import re
+
+    lines = (ROOT / "configs" / "spogw-humaneval.yaml").read_text().splitlines()
+    values = [ln for ln in lines if re.match(r"^\s*[a-z_]+:\s*[^\s#]", ln)]
+    assert len(values) >= 40
+    for ln in values:
+        assert re.search(r"#\s*(paper §\d(\.\d)?(-\d\.\d)?\b|ours\b)", ln), f"unmarked value: {ln!r}"
+    marks, path = {}, []
+    for ln in lines:
+        if m := re.match(r"^( *)([a-z_]+):", ln):
+            path = path[: len(m.group(1)) // 2] + [m.group(2)]
+            if "#" in ln and ln in values:
+                marks[".".join(path)] = ln.split("#", 1)[1].strip()
+    # values the paper does not give are ours, not "paper settings"
+    for key in ("training.clip_eps", "training.lr", "training.lora_r", "training.lora_alpha", "training.epochs",
+                "generator.temperature", "generator.max_new_tokens", "scoring.timeout_s"):
+        assert marks[key].startswith("ours"), key
+    for key in ("rollout.m", "curation.n", "curation.t", "training.beta", "curation.top_n", "scoring.reps",
+                "executor.model", "executor.temperature", "generator.model", "rounds"):
+        assert marks[key].startswith("paper §"), key
 
 
 def test_exemplars_names_and_legacy_booleans(tmp_path):
