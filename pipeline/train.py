@@ -192,31 +192,48 @@ def load_policy(ctx, device: str):
     return PeftModel.from_pretrained(base, str(start), is_trainable=True, config=lora)
 
 
+def logprob_batches(seqs: list[TrainSequence], first_step: list[list[int]], mbs: int) -> list[list[int]]:
+    """Batches (sequence indices) of a π_old / reference pass: the first optimiser step's micro-batches exactly as
+    training runs them, then one sequence per remaining generation, `mbs` at a time. Kernels round differently at
+    another padded length (up to 2e-5 in fp32 here, far more in bf16), so laid out this way the first step
+    computes π_θ exactly as π_old was computed: ρ = 1 and k3 = 0 before any update."""
+    batches = [list(mb) for mb in first_step]
+    seen = {seqs[i].gen_id for mb in batches for i in mb}
+    rest = []
+    for i, s in enumerate(seqs):
+        if s.gen_id not in seen:
+            seen.add(s.gen_id)
+            rest.append(i)
+    return batches + [rest[j: j + mbs] for j in range(0, len(rest), mbs)]
+
+
 @torch.no_grad()
-def reference_logprobs(model, seqs: list[TrainSequence], mbs: int, pad_id: int, device: str,
+def reference_logprobs(model, seqs: list[TrainSequence], batches: list[list[int]], pad_id: int, device: str,
                        disable_adapter: bool = False, desc: str = "old logprobs",
-                       bf16: bool = False) -> dict[str, torch.Tensor]:
-    """Per unique gen_id, completion log-probs (fp32 values) of `model` in eval mode (no dropout), under the
-    same bf16 autocast as the training forward when `bf16`: π_old and π_θ are then the same computation at the
-    first step (ratio 1, k3 0 before any update), and the pass costs half the fp32 time on CPU."""
+                       bf16: bool = False) -> dict[int, torch.Tensor]:
+    """Per sequence index, completion log-probs (fp32 values) of `model` in eval mode (no dropout) computed on
+    `batches` (`logprob_batches`), under the same bf16 autocast as the training forward when `bf16`: π_old and
+    π_θ are then the same computation at the first step (ratio 1, k3 0 before any update), and the pass costs
+    half the fp32 time on CPU. A sequence outside `batches` takes its generation's first computed value."""
     from tqdm import tqdm
 
     was_training = model.training
     model.eval()
-    uniq = list({s.gen_id: s for s in seqs}.values())
-    out = {}
+    computed: dict[int, torch.Tensor] = {}
+    by_gen: dict[str, torch.Tensor] = {}
     try:
-        for i in tqdm(range(0, len(uniq), mbs), desc=desc, unit="batch", leave=False):
-            chunk = uniq[i: i + mbs]
+        for mb in tqdm(batches, desc=desc, unit="batch", leave=False):
+            chunk = [seqs[i] for i in mb]
             batch = collate(chunk, pad_id, device)
             with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16), \
                     model.disable_adapter() if disable_adapter else contextlib.nullcontext():
                 lp = completion_logprobs(model, batch).float()
-            for b, s in enumerate(chunk):
-                out[s.gen_id] = lp[b, : len(s.completion_ids)].cpu()
+            for b, (i, s) in enumerate(zip(mb, chunk, strict=True)):
+                computed[i] = lp[b, : len(s.completion_ids)].cpu()
+                by_gen.setdefault(s.gen_id, computed[i])
     finally:
         model.train(was_training)
-    return out
+    return {i: computed[i] if i in computed else by_gen[s.gen_id] for i, s in enumerate(seqs)}
 
 
 def _pad_rows(rows: list[torch.Tensor], tc: int, device) -> torch.Tensor:
@@ -310,18 +327,18 @@ def run_train(ctx) -> dict:
     model = load_policy(ctx, device)
     if tc.gradient_checkpointing:
         model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mbs = tc.micro_batch_size
-    old = reference_logprobs(model, seqs, mbs, pad_id, device, bf16=tc.bf16)
+    steps = _plan_steps(len(seqs), tc, np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))) if seqs else []
+    batches = logprob_batches(seqs, steps[0] if steps else [], tc.micro_batch_size)
+    old = reference_logprobs(model, seqs, batches, pad_id, device, bf16=tc.bf16)
     if tc.reference == "none":
         ref = None
     elif tc.reference == "base" and start_adapter(ctx) is not None:
-        ref = reference_logprobs(model, seqs, mbs, pad_id, device, disable_adapter=True, desc="ref logprobs",
+        ref = reference_logprobs(model, seqs, batches, pad_id, device, disable_adapter=True, desc="ref logprobs",
                                  bf16=tc.bf16)
     else:  # the starting adapter = π_old (a fresh LoRA is a no-op: both are the base model)
         ref = old
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
-    steps = _plan_steps(len(seqs), tc, np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))) if seqs else []
     steps_per_epoch = math.ceil(len(steps) / tc.epochs) if steps else 0
     sched = _lr_scheduler(optimizer, tc, len(steps))
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=tc.bf16)
@@ -337,8 +354,8 @@ def run_train(ctx) -> dict:
             chunk = [seqs[i] for i in mb]
             batch = collate(chunk, pad_id, device)
             tcol = batch.completion_mask.shape[1]
-            old_lp = _pad_rows([old[s.gen_id] for s in chunk], tcol, device)
-            ref_lp = None if ref is None else _pad_rows([ref[s.gen_id] for s in chunk], tcol, device)
+            old_lp = _pad_rows([old[i] for i in mb], tcol, device)
+            ref_lp = None if ref is None else _pad_rows([ref[i] for i in mb], tcol, device)
             with autocast:
                 logp = completion_logprobs(model, batch)
             cw = None if weights is None else torch.tensor([weights[i] for i in mb], device=device)
@@ -351,9 +368,9 @@ def run_train(ctx) -> dict:
                 acc[k] += float(getattr(terms, k).detach()) * (share if k in ("loss", "pg_loss") else 1 / len(micro))
             tokens += int(batch.completion_mask.sum())
             ratio_dev = max(ratio_dev, float(terms.ratio_dev))
-            for s in chunk:
+            for i, s in zip(mb, chunk, strict=True):
                 if s.gen_logprobs is not None:
-                    mism += float((torch.tensor(s.gen_logprobs) - old[s.gen_id]).abs().sum())
+                    mism += float((torch.tensor(s.gen_logprobs) - old[i]).abs().sum())
                     mism_n += len(s.gen_logprobs)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
         optimizer.step()
@@ -369,7 +386,7 @@ def run_train(ctx) -> dict:
                                      "parent_round": ctx.round - 1 if ctx.round > 0 else None,
                                      "rows_used": len(seqs)}], ctx.run_id, ctx.round)
     mismatch = [m["logp_mismatch"] for m in metrics if m["logp_mismatch"] is not None]
-    counts = {"sequences": len(seqs), "generations": len(old), "steps": len(steps),
+    counts = {"sequences": len(seqs), "generations": len({s.gen_id for s in seqs}), "steps": len(steps),
               "tokens": sum(m["tokens"] for m in metrics), **info,
               "final_loss": metrics[-1]["loss"] if metrics else None,
               "logp_mismatch": float(np.mean(mismatch)) if mismatch else None, "checkpoint": str(ckpt)}

@@ -396,3 +396,13 @@ def test_round_0_trains_from_generator_adapter(tmp_path, tiny_model):
     bad = _ctx(tmp_path, [f"generator.model={tiny_model}", f"generator.adapter={tmp_path / 'nope'}"])
     with pytest.raises(RuntimeError, match="trains from the adapter .*nope.*generator.adapter must name"):
         load_policy(bad, "cpu")
+
+
+def test_logprob_batches_lay_out_the_first_step_as_training_does():
+    from pipeline.train import logprob_batches
+
+    seqs = [TrainSequence(g, [1], [2], 0.0, None) for g in ["a", "b", "a", "c", "d", "b"]]
+    # step 1's micro-batches as they are (index 2 and 0 are both "a": each keeps its own row), then one
+    # sequence per generation not in step 1 (b at 1, c at 3; 5 is b again), two at a time
+    assert logprob_batches(seqs, [[2, 0], [4]], 2) == [[2, 0], [4], [1, 3]]
+    assert logprob_batches(seqs, [], 4) == [[0, 1, 3, 4]]
