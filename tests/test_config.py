@@ -9,7 +9,7 @@ from pipeline.config import ConfigError, RunConfig, apply_overrides, diff_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "smoke.yaml", "learn.yaml", "spogw-humaneval.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "smoke.yaml", "learn.yaml", "spogw-humaneval.yaml", "two-level.yaml"])
 def test_shipped_configs_validate(name):
     cfg = load_config(ROOT / "configs" / name)
     assert cfg.run_id
@@ -73,6 +73,10 @@ def test_demo_and_smoke_are_embedded():
         cfg = load_config(ROOT / "configs" / name)
         assert cfg.generator.model.startswith("embedded:") and cfg.executor.kind == "local"
     assert load_config(ROOT / "configs" / "smoke.yaml").generator.backend == "transformers"
+    two = load_config(ROOT / "configs" / "two-level.yaml")
+    assert two.rollout.mode == "two_level" and two.generator.model.startswith("embedded:")
+    assert (two.curation.agent_adv_stats, two.training.two_level.agent_weight, two.training.two_level.agent_kl_mask) \
+        == ("workflows", 1.0, False)  # the proposal's advantages, loss weights and unmasked KL
     demo, learn = load_config(ROOT / "configs" / "demo.yaml"), load_config(ROOT / "configs" / "learn.yaml")
     assert demo.experiment.seeds == [0] and len(learn.experiment.seeds) >= 3  # docs/learning.md: 3 seeds
 
