@@ -271,13 +271,31 @@ class RunConfig(_Strict):
         """Fingerprint of what the stages compute, kept in every stage manifest. Fields at their default value
         are left out, so a field added to the schema later (at its default) keeps existing runs' manifests valid
         instead of re-running every finished stage; `experiment` only plans evaluations and is left out too."""
-        body = self.model_dump(mode="json", exclude_defaults=True, exclude={"experiment"})
-        if body.get("rollout", {}).get("exemplars") == "none":
-            body["rollout"]["exemplars"] = False  # its hashed form from when it was a bool: finished runs stay finished
+        body = _legacy_hash_form(self, self.model_dump(mode="json", exclude_defaults=True, exclude={"experiment"}))
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# Fields whose default changed after runs were frozen, with the default they had: hashed against it, so the
+# finished stages of those runs stay finished (a saved config holds every field, the old default included).
+_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05}
+
+
+def _legacy_hash_form(cfg: RunConfig, body: dict) -> dict:
+    """`body` (the non-default fields) as the config hash saw it before the changes above."""
+    for (section, key), former in _FORMER_DEFAULTS.items():
+        value, part = getattr(getattr(cfg, section), key), body.setdefault(section, {})
+        if value == former:
+            part.pop(key, None)
+        else:
+            part[key] = value
+        if not part:
+            del body[section]
+    if body.get("rollout", {}).get("exemplars") == "none":
+        body["rollout"]["exemplars"] = False  # the field was a bool: `false` then
+    return body
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

@@ -63,9 +63,24 @@ def test_exemplars_names_and_legacy_booleans(tmp_path):
     p.write_text("rollout:\n  exemplars: random\n")
     with pytest.raises(ConfigError, match=r"rollout\.exemplars: .*'none' or 'buckets'.*'random'"):
         load_config(p)
-    # a run frozen with `exemplars: false` keeps its config hash: sha256 of its one non-default field, as before
+    # a run frozen with `exemplars: false` (and the then default lora_dropout 0.05, saved with every field) keeps
+    # its config hash: sha256 of its one non-default field, as before
     legacy = hashlib.sha256(json.dumps({"rollout": {"exemplars": False}}, sort_keys=True).encode()).hexdigest()[:16]
-    assert RunConfig.model_validate({"rollout": {"exemplars": "none"}}).config_hash() == legacy
+    frozen = {"rollout": {"exemplars": False}, "training": {"lora_dropout": 0.05}}
+    assert RunConfig.model_validate(frozen).config_hash() == legacy
+
+
+
+def test_config_hash_of_runs_frozen_before_the_lora_dropout_default_changed():
+    """lora_dropout's default went from 0.05 to 0: runs frozen before keep their hash (manifests stay valid)."""
+    def sha(body: dict) -> str:
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.05}}).config_hash() == sha({})
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0}}).config_hash() == sha(
+        {"training": {"lora_dropout": 0.0}})
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0, "lr": 0.1}}).config_hash() == sha(
+        {"training": {"lora_dropout": 0.0, "lr": 0.1}})
 
 
 def test_demo_and_smoke_are_embedded():
