@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -45,7 +45,8 @@ class GeneratorConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     seed: int = Field(0, description="Sampling seed (each round and batch derives its own by hashing).")
     adapter: str | None = Field(
-        None, description="LoRA adapter folder to sample with; default: the previous round's checkpoint."
+        None, description="LoRA adapter folder of the starting policy: round 0 samples with it and trains from it "
+        "(π_old); later rounds use the previous round's checkpoint. Default: the base model.",
     )
     batch_size: int = Field(8, gt=0, description="Prompts per generation call (transformers/openai).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: GPU memory fraction.")
@@ -124,12 +125,24 @@ class RolloutConfig(_Strict):
         "and of the stored `text`.",
     )
     max_workflow_chars: int = Field(20000, gt=0, description="Static check: larger workflows are invalid.")
-    exemplars: bool = Field(True, description="Show scored exemplars from earlier rounds in prompts (round >= 1).")
+    exemplars: Literal["none", "buckets"] = Field(
+        "buckets", description="Scored exemplars of earlier rounds in prompts from round 1 on: none (SPOGW has none) "
+        "or buckets (the two-level proposal's contrastive F/M/S pick, flat prompts too); legacy true/false = "
+        "buckets/none.",
+    )
     exemplar_run: str | None = Field(
         None, description="Draw exemplars from this run's rounds < exemplar_round instead of this run's earlier "
         "rounds (evaluation runs: the trained run's, so prompts are built as in training).",
     )
     exemplar_round: int | None = Field(None, ge=0, description="With exemplar_run: use its rounds below this one.")
+
+    @field_validator("exemplars", mode="before")
+    @classmethod
+    def _legacy_exemplars(cls, v: Any) -> Any:
+        # configs frozen while the field was a bool keep their meaning: true showed bucket exemplars, false none
+        if isinstance(v, bool):
+            return "buckets" if v else "none"
+        return v
 
 
 class RewardConfig(_Strict):
@@ -163,6 +176,10 @@ class CurationConfig(_Strict):
     )
     eps_adv: float = Field(1e-6, gt=0, description="ε in (s - mean) / (std + ε).")
     adv_norm: Literal["batch", "query"] = Field("batch", description="two_level: normalise over batch or query.")
+    agent_adv_stats: Literal["workflows", "agents"] = Field(
+        "workflows", description="two_level: normalise agent advantages by the mean/std of all workflow scores "
+        "(the proposal, §4.3 step 5) or of the agent rewards r_i.",
+    )
     seed: int = Field(0, description="Seed of group sampling.")
     dedupe: bool = Field(False, description="Keep a query's groups with the same sharpened member set once.")
     max_kept_per_query: int | None = Field(
@@ -176,10 +193,23 @@ class CurationConfig(_Strict):
         return self
 
 
+class TwoLevelLossConfig(_Strict):
+    """The two-level loss (the proposal's L_GRPO, §4.3): an agent term and a workflow term, each averaged over
+    its own sequences, summed with these weights; each term carries its level's β·KL."""
+
+    agent_weight: float = Field(1.0, ge=0, description="Weight of the agent (plan) term; the proposal: 1.")
+    workflow_weight: float = Field(1.0, ge=0, description="Weight of the workflow term; the proposal: 1.")
+    agent_kl_mask: bool = Field(False, description="Agent KL only where A^A > 0 (mKL); the proposal's is unmasked.")
+    workflow_kl_mask: bool = Field(False, description="Workflow KL only where A^W > 0; the proposal's is unmasked.")
+
+
 class TrainingConfig(_Strict):
     lora_r: int = Field(16, gt=0, description="LoRA rank.")
     lora_alpha: int = Field(32, gt=0, description="LoRA alpha.")
-    lora_dropout: float = Field(0.05, ge=0, lt=1, description="LoRA dropout.")
+    lora_dropout: float = Field(
+        0.0, ge=0, lt=1, description="LoRA dropout (also applied to a loaded adapter); above 0, π_θ (train mode) "
+        "differs from π_old (eval mode) before any update: ρ ≠ 1 at step 1.",
+    )
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="Modules LoRA adapts.",
@@ -193,7 +223,10 @@ class TrainingConfig(_Strict):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     beta: float = Field(0.1, ge=0, description="KL weight β.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip ε.")
-    kl_mask: bool = Field(True, description="Apply KL only where the advantage is positive (mKL).")
+    kl_mask: bool = Field(True, description="flat: apply KL only where the advantage is positive (SPOGW's mKL).")
+    two_level: TwoLevelLossConfig = Field(
+        default_factory=TwoLevelLossConfig, description="two_level rollouts: weights and KL masks of the two terms."
+    )
     reference: Literal["previous", "base", "none"] = Field(
         "previous", description="KL reference: previous round's checkpoint, the base model, or no KL."
     )
@@ -238,11 +271,31 @@ class RunConfig(_Strict):
         """Fingerprint of what the stages compute, kept in every stage manifest. Fields at their default value
         are left out, so a field added to the schema later (at its default) keeps existing runs' manifests valid
         instead of re-running every finished stage; `experiment` only plans evaluations and is left out too."""
-        body = self.model_dump(mode="json", exclude_defaults=True, exclude={"experiment"})
+        body = _legacy_hash_form(self, self.model_dump(mode="json", exclude_defaults=True, exclude={"experiment"}))
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# Fields whose default changed after runs were frozen, with the default they had: hashed against it, so the
+# finished stages of those runs stay finished (a saved config holds every field, the old default included).
+_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05}
+
+
+def _legacy_hash_form(cfg: RunConfig, body: dict) -> dict:
+    """`body` (the non-default fields) as the config hash saw it before the changes above."""
+    for (section, key), former in _FORMER_DEFAULTS.items():
+        value, part = getattr(getattr(cfg, section), key), body.setdefault(section, {})
+        if value == former:
+            part.pop(key, None)
+        else:
+            part[key] = value
+        if not part:
+            del body[section]
+    if body.get("rollout", {}).get("exemplars") == "none":
+        body["rollout"]["exemplars"] = False  # the field was a bool: `false` then
+    return body
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

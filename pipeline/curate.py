@@ -33,13 +33,20 @@ _INT64_SAFE = 2**62  # above this, ranks and the binomial table fall back to Pyt
 
 
 def assign_buckets(scores: Sequence[float]) -> list[str]:
-    """Fast if >= the 2/3 quantile, Slow if <= the 1/3 quantile, else Medium (numpy's default
-    linear quantiles; an item meeting both bounds, e.g. when all scores are equal, is Fast)."""
+    """F/M/S buckets (the two-level proposal, §4.3 steps 1-2): Fast if >= the 2/3 quantile, Slow if <= the
+    1/3 quantile, else Medium (numpy's default linear quantiles; an item meeting both bounds is Fast).
+
+    The extremes are pinned: whenever at least two distinct values exist, every item equal to the highest
+    is F and every item equal to the lowest is S. Without it a mostly failing pool collapses: for
+    [0, 0, 0, 1] the 2/3 quantile is the minimum 0, every item is >= it and all four are F, so the
+    contrastive pick finds one bucket exactly on hard queries. Equal scores always share a bucket; all
+    equal scores are one bucket (F)."""
     s = np.asarray(scores, dtype=float)
     if s.size == 0:
         return []
     hi, lo = np.quantile(s, 2 / 3), np.quantile(s, 1 / 3)
-    return ["F" if x >= hi else "S" if x <= lo else "M" for x in s]
+    top, bottom = s.max(), s.min()
+    return ["F" if x == top or (x >= hi and x != bottom) else "S" if x <= lo or x == bottom else "M" for x in s]
 
 
 # ---- combinations by rank ---------------------------------------------------------------------
@@ -364,41 +371,63 @@ class TwoLevelQuery:
     workflow_buckets: list[list[str]]  # within the agent
 
 
+AgentStats = Literal["workflows", "agents"]
+
+
+def _stats(x: np.ndarray) -> tuple[float, float]:
+    """(mean, population std) of a sample; (0, 0) when empty."""
+    return (float(x.mean()), float(x.std())) if x.size else (0.0, 0.0)
+
+
 def two_level_advantages(
     scores_by_query: Mapping[str, Sequence[Sequence[float]]],
     eps_adv: float = 1e-6,
     norm: Literal["batch", "query"] = "batch",
+    agent_stats: AgentStats = "workflows",
 ) -> list[TwoLevelQuery]:
-    """A^A_i = (r_i - mean)/(std + eps) and A^W_ij = (r_ij - mean)/(std + eps), each level with its
-    own mean and population std over the whole batch (`norm="batch"`) or over the query ("query")."""
+    """The proposal's advantages (§4.3 step 5, symbols of §4.1): with r̄ and σ the mean and population std of
+    all workflow scores r_ij in the batch (`norm="batch"`) or in the query (`"query"`),
+    A^A_i = (r_i - r̄)/(σ + eps) with r_i the mean of agent i's workflow scores, and
+    A^W_ij = (r_ij - r̄)/(σ + eps). `agent_stats="agents"` (not the proposal) normalises A^A_i by the mean
+    and std of the agent rewards r_i instead (and the workflow scores alone for A^W), which spreads the
+    agent advantages further: for one query [[0, 0, 1], [0, 1, 1]] A^A = ∓1/3 by the proposal, ∓1 with agent
+    statistics. An agent without workflows (an invalid plan) gets r_i = 0."""
     if norm not in ("batch", "query"):
         raise ValueError(f"norm must be 'batch' or 'query', got {norm!r}")
+    if agent_stats not in ("workflows", "agents"):
+        raise ValueError(f"agent_stats must be 'workflows' or 'agents', got {agent_stats!r}")
     per_query = []
     for qid, agents in scores_by_query.items():
         wf = [np.asarray(w, dtype=float) for w in agents]
         rewards = np.array([w.mean() if w.size else 0.0 for w in wf])
         per_query.append((qid, rewards, wf))
-    if norm == "batch":
-        all_r = np.concatenate([r for _, r, _ in per_query]) if per_query else np.empty(0)
-        all_w = np.concatenate([x for _, _, wf in per_query for x in wf] or [np.empty(0)])
-        a_stats = (all_r.mean(), all_r.std()) if all_r.size else (0.0, 0.0)
-        w_stats = (all_w.mean(), all_w.std()) if all_w.size else (0.0, 0.0)
+    scopes = [per_query] if norm == "batch" else [[q] for q in per_query]
     out = []
-    for qid, rewards, wf in per_query:
-        if norm == "query":
-            flat = np.concatenate(wf) if wf else np.empty(0)
-            a_stats = (rewards.mean(), rewards.std()) if rewards.size else (0.0, 0.0)
-            w_stats = (flat.mean(), flat.std()) if flat.size else (0.0, 0.0)
-        out.append(TwoLevelQuery(
-            query_id=qid,
-            agent_rewards=rewards,
-            agent_advantages=normalise(rewards, *a_stats, eps_adv),
-            agent_buckets=assign_buckets(rewards),
-            workflow_scores=wf,
-            workflow_advantages=[normalise(w, *w_stats, eps_adv) for w in wf],
-            workflow_buckets=[assign_buckets(w) for w in wf],
-        ))
+    for scope in scopes:
+        a_stats, w_stats = _level_stats(scope, agent_stats)
+        for qid, rewards, wf in scope:
+            out.append(TwoLevelQuery(
+                query_id=qid,
+                agent_rewards=rewards,
+                agent_advantages=normalise(rewards, *a_stats, eps_adv),
+                agent_buckets=assign_buckets(rewards),
+                workflow_scores=wf,
+                workflow_advantages=[normalise(w, *w_stats, eps_adv) for w in wf],
+                workflow_buckets=[assign_buckets(w) for w in wf],
+            ))
     return out
+
+
+def _level_stats(scope: Sequence[tuple[str, np.ndarray, list[np.ndarray]]],
+                 agent_stats: AgentStats) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((mean, std) for agent advantages, (mean, std) for workflow advantages) over the queries of a scope."""
+    if agent_stats == "agents":
+        return (_stats(np.concatenate([r for _, r, _ in scope] or [np.empty(0)])),
+                _stats(np.concatenate([x for _, _, wf in scope for x in wf] or [np.empty(0)])))
+    # an agent without workflows (an invalid plan, r_i = 0) enters r̄ and σ as one score 0: left out, its
+    # A^A_i = -r̄/(σ + eps) would be unbounded when the other scores are all equal (σ = 0)
+    pool = np.concatenate([x if x.size else np.zeros(1) for _, _, wf in scope for x in wf] or [np.empty(0)])
+    return _stats(pool), _stats(pool)
 
 
 # ---- the curate stage ---------------------------------------------------------------------------
@@ -508,7 +537,7 @@ def _two_level_rows(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
             continue
         tree[qid] = [[] if k is None else k["score"].to_list() for k in kids]
         ids[qid] = (q["gen_id"].to_list(), [[] if k is None else k["gen_id"].to_list() for k in kids])
-    for tq in two_level_advantages(tree, cc.eps_adv, cc.adv_norm):
+    for tq in two_level_advantages(tree, cc.eps_adv, cc.adv_norm, cc.agent_adv_stats):
         agent_ids, wf_ids = ids[tq.query_id]
         rows.append(_row(tq.query_id, f"{tq.query_id}/agents", "agent", agent_ids, tq.agent_rewards.tolist(),
                          kept=True, advantages=tq.agent_advantages, buckets=tq.agent_buckets))

@@ -12,7 +12,9 @@ own, so, as for any query without a pool in training, exemplars come from the ru
 
 `eval_summary` reports per-query Mean@L and Best@L (pipeline.learning), the valid share and the status mix,
 with a workflow's score from the store's `generation_scores` view, as in curation (mean over reps, invalid = 0,
-transient or unscored = no score yet). `evaluate_round` runs the evaluation's stages through a stage caller.
+transient or unscored = no score yet). For a two-level run it adds the proposal's inference-time selection
+(pipeline.selection: per query the best agent, then its best workflow) as Sel@L, `select_at_l`.
+`evaluate_round` runs the evaluation's stages through a stage caller.
 """
 
 from __future__ import annotations
@@ -64,14 +66,30 @@ def eval_summary(store: Store, eval_id: str) -> dict:
 
     ctx = open_run(None, eval_id, 0, None, str(store.root))
     gens = load_round(ctx).filter(pl.col("kind") == "workflow")
-    rows = [{"query_id": r["query_id"], "valid": r["valid"], "score": r["score"] if r["state"] == "ok" else None}
-            for r in gens.iter_rows(named=True)]
+    rows = [{"query_id": r["query_id"], "gen_id": r["gen_id"], "parent_id": r["parent_id"], "valid": r["valid"],
+             "score": r["score"] if r["state"] == "ok" else None} for r in gens.iter_rows(named=True)]
     per_query = query_metrics(rows)
     status = store.sql("SELECT status, count(*) AS n FROM latest_scores WHERE run_id = $run AND round = 0 "
                        "GROUP BY status ORDER BY status", {"run": eval_id})
-    return {"eval_run_id": eval_id, **split_summary(per_query),
-            "status": dict(zip(status["status"].to_list(), status["n"].to_list(), strict=True)),
-            "per_query": [asdict(q) for q in per_query]}
+    out = {"eval_run_id": eval_id, **split_summary(per_query),
+           "status": dict(zip(status["status"].to_list(), status["n"].to_list(), strict=True)),
+           "per_query": [asdict(q) for q in per_query]}
+    if ctx.cfg.rollout.mode == "two_level":
+        add_selection(out, rows)
+    return out
+
+
+def add_selection(summary: dict, rows: list[dict]) -> None:
+    """Two-level runs: the proposal's inference rule (pipeline.selection), per query and as the split's Sel@L
+    (`select_at_l`), next to Mean@L and Best@L; each query also names its chosen agent and workflow."""
+    from pipeline.selection import select_all, select_at_l
+
+    chosen = {s.query_id: s for s in select_all(rows)}
+    summary["select_at_l"] = select_at_l(list(chosen.values()))
+    for q in summary["per_query"]:
+        s = chosen.get(q["query_id"])
+        q.update(select_at_l=s.score if s else None, selected_agent=s.agent_id if s else None,
+                 selected_workflow=s.workflow_id if s else None)
 
 
 def evaluate_round(store_root: str, run_id: str, round: int, split: str = "test", sets: list[str] | None = None,

@@ -67,6 +67,11 @@ class SeedPlan:
     sets: list[str]
 
 
+def compared_metrics(cfg: RunConfig) -> tuple[str, ...]:
+    """Mean@L and Best@L; a two-level run adds Sel@L, the proposal's inference-time choice (pipeline.selection)."""
+    return METRICS + (("select_at_l",) if cfg.rollout.mode == "two_level" else ())
+
+
 def plan(cfg: RunConfig, seeds: list[int] | None = None) -> list[SeedPlan]:
     seeds = list(cfg.experiment.seeds if seeds is None else seeds)
     if len(set(seeds)) != len(seeds):
@@ -93,7 +98,7 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
             per_query += [{"seed": s, "round": k, **q} for q in summ["per_query"]]
     paired = []
     for k in [r for r in eval_rounds(cfg) if r != BASE]:
-        for metric in METRICS:
+        for metric in compared_metrics(cfg):
             pairs: list[tuple[int, str, float]] = []  # (seed, query, arm - base)
             for s in seeds:
                 base = {q["query_id"]: q[metric] for q in per_query if q["seed"] == s and q["round"] == BASE}
@@ -143,7 +148,7 @@ def headline(summary: dict) -> list[str]:
     """Lines a person reads first: per evaluated round, held-out Mean@L / Best@L against the base model."""
     lines = []
     for p in summary["paired"]:
-        name = {"mean_at_l": "Mean@L", "best_at_l": "Best@L"}[p["metric"]]
+        name = {"mean_at_l": "Mean@L", "best_at_l": "Best@L", "select_at_l": "Sel@L"}[p["metric"]]
         seeds = ", ".join(f"s{x['seed']} {x['mean']:+.3f}" for x in p.get("per_seed", []))
         lines.append(
             f"round {p['round']} vs base, held-out {name} (L={summary['eval_l']}, {p['n']} seed x query pairs): "

@@ -6,7 +6,7 @@ against hand-computed values.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +28,27 @@ def normalise(values: Sequence[float], mean: float, std: float, eps: float = 1e-
     return (np.asarray(values, dtype=float) - mean) / (std + eps)
 
 
+def level_weights(levels: Sequence[str], lengths: Sequence[int], weights: Mapping[str, float],
+                  norm: Literal["sequence", "token"] = "sequence") -> np.ndarray:
+    """Per-sequence factors c_b of a loss that sums one term per level (the two-level proposal, §4.3 eq. of
+    L_GRPO: an agent term averaged over the N_A plans plus a workflow term averaged over the N_A·N_W workflows),
+    each term weighted by `weights[level]`. The loss is -Σ_b c_b Σ_t (objective of token t of sequence b) with
+    - norm="sequence": c_b = w_l / (n_l · T_b): per level, the mean over its sequences of the token mean;
+    - norm="token":    c_b = w_l / N_l: per level, the mean over all its completion tokens;
+    n_l / N_l the sequences / completion tokens of level l among the given ones (one optimiser step), T_b the
+    length of sequence b. Pooling the levels as equal sequences would give the agent term n_A/(n_A + n_W) of
+    the weight instead (0.2 with 4 plans x 4 workflows)."""
+    if norm not in ("sequence", "token"):
+        raise ValueError(f"norm must be 'sequence' or 'token', got {norm!r}")
+    n_seq: dict[str, int] = {}
+    n_tok: dict[str, int] = {}
+    for lv, t in zip(levels, lengths, strict=True):
+        n_seq[lv], n_tok[lv] = n_seq.get(lv, 0) + 1, n_tok.get(lv, 0) + t
+    if norm == "sequence":
+        return np.array([weights[lv] / (n_seq[lv] * max(t, 1)) for lv, t in zip(levels, lengths, strict=True)])
+    return np.array([weights[lv] / max(n_tok[lv], 1) for lv in levels])
+
+
 @dataclass
 class GrpoTerms:
     """The scalar loss plus its pieces, for logging (all detached except `loss`)."""
@@ -36,14 +57,24 @@ class GrpoTerms:
     pg_loss: torch.Tensor  # minus the clipped surrogate, same normalisation as the loss
     kl: torch.Tensor  # mean k3 over completion tokens (unmasked: the actual divergence from the reference)
     clip_frac: torch.Tensor  # share of completion tokens whose clipped branch is active (zero gradient)
+    ratio_dev: torch.Tensor  # max |ρ - 1| over completion tokens: 0 before any update when π_θ and π_old agree
 
 
-def _reduce(per_tok: torch.Tensor, mask: torch.Tensor, norm: str) -> torch.Tensor:
+def _reduce(per_tok: torch.Tensor, mask: torch.Tensor, norm: str,
+            seq_weights: torch.Tensor | None = None) -> torch.Tensor:
+    if seq_weights is not None:  # Σ_b c_b Σ_t: the weights carry the normalisation (see `level_weights`)
+        return ((per_tok * mask).sum(-1) * seq_weights).sum()
     if norm == "sequence":
         return ((per_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     if norm == "token":
         return (per_tok * mask).sum() / mask.sum().clamp(min=1.0)
     raise ValueError(f"norm must be 'sequence' or 'token', got {norm!r}")
+
+
+def _kl_weights(adv: torch.Tensor, kl_mask: bool | torch.Tensor) -> torch.Tensor:
+    """[B, 1] KL multipliers m: 1[A > 0] where the mask applies, else 1."""
+    masked = torch.as_tensor(kl_mask, device=adv.device).reshape(-1, 1)
+    return torch.where(masked, (adv > 0).to(adv.dtype), torch.ones_like(adv))
 
 
 def grpo_mkl_terms(
@@ -54,15 +85,18 @@ def grpo_mkl_terms(
     completion_mask: torch.Tensor,
     beta: float,
     clip_eps: float,
-    kl_mask: bool = True,
+    kl_mask: bool | torch.Tensor = True,
     *,
     norm: Literal["sequence", "token"] = "sequence",
+    seq_weights: torch.Tensor | None = None,
 ) -> GrpoTerms:
     """ioGRPO-mKL (SPOGW eq. 3.6). Per token: min(ρA, clip(ρ, 1-ε, 1+ε)A) - β·m·k3 with
     ρ = exp(logp - old_logp), k3 = exp(ref - logp) - (ref - logp) - 1, m = 1[A > 0] (or 1).
     `norm="sequence"`: mean over each sequence's completion tokens, then over sequences (the paper);
     `"token"`: mean over all completion tokens of the batch. Loss = minus that objective.
-    `ref_logp=None` means no reference (no KL term)."""
+    `ref_logp=None` means no reference (no KL term). `kl_mask` may be a [B] bool tensor: the mask per sequence
+    (two-level: one switch per level). `seq_weights` [B]: the loss is -Σ_b c_b Σ_t instead of `norm`'s mean
+    (c_b from `level_weights`; the logged `kl` stays the plain mean)."""
     if logp.shape != old_logp.shape or logp.shape != completion_mask.shape:
         raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and completion_mask "
                          f"{tuple(completion_mask.shape)} must have the same [B, T] shape")
@@ -78,15 +112,17 @@ def grpo_mkl_terms(
     else:
         d = ref_logp - logp
         k3 = torch.exp(d) - d - 1
-    m = (adv > 0).to(logp.dtype) if kl_mask else torch.ones_like(adv)
-    loss = -_reduce(pg_tok - beta * m * k3, mask, norm)
+    m = _kl_weights(adv, kl_mask).to(logp.dtype)
+    w = None if seq_weights is None else seq_weights.to(logp.dtype)
+    loss = -_reduce(pg_tok - beta * m * k3, mask, norm, w)
     with torch.no_grad():
         # the clipped branch wins (and the gradient vanishes) above 1+ε for A > 0 and below 1-ε for A < 0
         active = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
         clip_frac = (active.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0)
-        pg_loss = -_reduce(pg_tok, mask, norm)
+        pg_loss = -_reduce(pg_tok, mask, norm, w)
         kl = _reduce(k3, mask, norm)
-    return GrpoTerms(loss=loss, pg_loss=pg_loss, kl=kl, clip_frac=clip_frac)
+        ratio_dev = ((ratio - 1).abs() * mask).max() if mask.numel() else torch.zeros((), dtype=logp.dtype)
+    return GrpoTerms(loss=loss, pg_loss=pg_loss, kl=kl, clip_frac=clip_frac, ratio_dev=ratio_dev)
 
 
 def grpo_mkl_loss(
@@ -97,12 +133,13 @@ def grpo_mkl_loss(
     completion_mask: torch.Tensor,
     beta: float,
     clip_eps: float,
-    kl_mask: bool = True,
+    kl_mask: bool | torch.Tensor = True,
     *,
     norm: Literal["sequence", "token"] = "sequence",
+    seq_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The scalar ioGRPO-mKL loss; see `grpo_mkl_terms` for the formula and the logged pieces.
 
     Public API: the loss alone, for callers outside the trainer (notebooks, tests)."""
     return grpo_mkl_terms(logp, old_logp, ref_logp, advantages, completion_mask, beta, clip_eps, kl_mask,
-                          norm=norm).loss
+                          norm=norm, seq_weights=seq_weights).loss

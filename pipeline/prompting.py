@@ -50,20 +50,25 @@ def example(family: str) -> str:
     return template(f"example_{family}").rstrip("\n")
 
 
-def exemplar_block(shown: Sequence[Shown], code: bool) -> str:
-    """Empty when there are no exemplars (round 0), else the scored exemplars; code is fenced."""
+def exemplar_block(shown: Sequence[Shown], code: bool, plan: str | None = None) -> str:
+    """Empty when there are no exemplars (round 0), else the scored exemplars; code is fenced. `plan`: the stored
+    plan the exemplar workflows were written under (two-level), shown above them."""
     if not shown:
         return ""
     items = "\n".join(
         f"Score {s.score:.2f}:\n" + (f"```python\n{s.body.strip()}\n```" if code else s.body.strip()) for s in shown
     )
+    if plan is not None:
+        return _fill("exemplars_under_plan", plan=plan.strip(), items=items)
     return _fill("exemplars", items=items)
 
 
-def workflow_prompt(problem: str, family: str, shown: Sequence[Shown] = (), plan: str | None = None) -> str:
-    """User message asking for a workflow (flat), or for a workflow under an agent plan (two-level)."""
-    values = dict(contract=contract(family), example=example(family), exemplars=exemplar_block(shown, code=True),
-                  problem=problem.strip())
+def workflow_prompt(problem: str, family: str, shown: Sequence[Shown] = (), plan: str | None = None,
+                    exemplar_plan: str | None = None) -> str:
+    """User message asking for a workflow (flat), or for a workflow under an agent plan (two-level), whose
+    exemplars were written under the stored plan `exemplar_plan`."""
+    values = dict(contract=contract(family), example=example(family),
+                  exemplars=exemplar_block(shown, code=True, plan=exemplar_plan), problem=problem.strip())
     if plan is None:
         return _fill("workflow", **values)
     return _fill("workflow_under_plan", plan=plan.strip(), **values)

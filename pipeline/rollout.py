@@ -7,7 +7,7 @@ Idempotent per (query, parent, slot): gen_ids are deterministic, so a re-run sam
 call writes one Parquet part, so a crash loses at most the call in flight.
 Row conventions: `latency_s` is the call's wall time divided by the samples it returned; `token_logprobs`
 follow pipeline/generation/base.py; `adapter_round` is the round whose checkpoint sampled (null: base model
-or an explicit generator.adapter, whose path is in `sampling`).
+or round 0's generator.adapter, whose path is in `sampling`).
 """
 
 from __future__ import annotations
@@ -63,11 +63,13 @@ def gen_id(round: int, query_id: str, kind: str, slot: int, parent_id: str | Non
 
 
 def resolve_adapter(ctx: RunContext) -> tuple[str | None, int | None]:
-    """(adapter folder, its round): generator.adapter if set, else round k−1's checkpoint, base model at k=0."""
-    if ctx.cfg.generator.adapter:
-        path, rnd = Path(ctx.cfg.generator.adapter).expanduser(), None
-    elif ctx.round > 0:
+    """(adapter folder, its round): round k−1's checkpoint; at round 0 generator.adapter if set, else the base model.
+    Training starts round k from the same adapter (pipeline.train.start_adapter), so the policy that samples a
+    round is the π_old its training uses."""
+    if ctx.round > 0:
         path, rnd = ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1), ctx.round - 1
+    elif ctx.cfg.generator.adapter:
+        path, rnd = Path(ctx.cfg.generator.adapter).expanduser(), None
     else:
         return None, None
     if not (path / "adapter_config.json").is_file():
@@ -88,7 +90,7 @@ def exemplar_source(ctx: RunContext) -> tuple[str, int]:
 
 
 def exemplar_pools(ctx: RunContext) -> Pools:
-    if not ctx.cfg.rollout.exemplars:
+    if ctx.cfg.rollout.exemplars == "none":
         return Pools()
     run, k = exemplar_source(ctx)
     return load_pools(ctx.store, run, k, ctx.cfg.rollout.r_min_agent, ctx.cfg.rollout.r_min_workflow)
@@ -117,7 +119,8 @@ class _Rollout:
 
     def existing(self) -> dict[str, dict]:
         df = self.ctx.store.read("generations", self.ctx.run_id, self.ctx.round)
-        return {r["gen_id"]: r for r in df.select("gen_id", "kind", "query_id", "text").iter_rows(named=True)}
+        cols = ("gen_id", "kind", "query_id", "text", "exemplar_ids")
+        return {r["gen_id"]: r for r in df.select(*cols).iter_rows(named=True)}
 
     def _request(self, kind: str, item: Item, n: int, have: dict, parent: dict | None = None) -> Request | None:
         parent_id = parent["gen_id"] if parent else None
@@ -132,12 +135,22 @@ class _Rollout:
             shown = pick_exemplars(self.pools.agent_pool(item.id), self.tau_a, rng)
             user, max_tokens = agent_prompt(item.prompt, shown), self.cfg.rollout.max_plan_tokens
         else:
-            plan = parent["text"] if parent else None
-            shown = pick_exemplars(self.pools.workflow_pool(item.id, plan), self.tau_w, rng)
-            user, max_tokens = workflow_prompt(item.prompt, self.family, shown, plan), self.cfg.generator.max_new_tokens
+            shown, stored_plan = self._workflow_exemplars(item, parent, rng)
+            user = workflow_prompt(item.prompt, self.family, shown, parent["text"] if parent else None, stored_plan)
+            max_tokens = self.cfg.generator.max_new_tokens
         prefix = self.cfg.rollout.workflow_prefix if kind == "workflow" else ""
         return Request(kind, item.id, parent_id, [gen_id(self.ctx.round, item.id, kind, s, parent_id) for s in slots],
                        slots, render(self.tokenizer, user) + prefix, [s.gen_id for s in shown], max_tokens, prefix)
+
+    def _workflow_exemplars(self, item: Item, parent: dict | None, rng: random.Random) -> tuple[list, str | None]:
+        """Flat: the query's pool. Two-level: D_W of the stored agent the plan was conditioned on, and that
+        agent's plan text (None: no exemplars)."""
+        if parent is None:
+            return pick_exemplars(self.pools.workflow_pool(item.id), self.tau_w, rng), None
+        source = self.pools.buffer_agent(parent.get("exemplar_ids") or [])
+        if source is None:
+            return [], None
+        return pick_exemplars(self.pools.workflows_by_agent[source], self.tau_w, rng), self.pools.plans[source]
 
     def requests(self, have: dict) -> list[Request]:
         """What is missing now: flat workflows, or two-level agents, then workflows under existing agents."""

@@ -108,6 +108,7 @@ TABLES: dict[str, pa.Schema] = {
             ("pg_loss", pa.float64()),
             ("kl", pa.float64()),
             ("clip_frac", pa.float64()),
+            ("ratio_dev", pa.float64()),  # max |π_θ/π_old − 1| over the step's tokens (0 at step 0: they agree)
             ("lr", pa.float64()),
             ("grad_norm", pa.float64()),
             ("tokens", pa.int64()),

@@ -2,9 +2,13 @@
 
 Data: every member of every kept group is one sequence (prompt_token_ids + token_ids, the loss on
 the completion only) with its group advantage; a workflow kept in several groups appears several
-times. π_old = the adapter as loaded (previous round's checkpoint, or a fresh LoRA = the base model),
-recomputed here once before the first step (fp32, or under the bf16 autocast of training when
-training.bf16); the reference is that same model by default.
+times. A two-level round's loss is the proposal's: an agent term and a workflow term, each averaged
+over its own sequences of the optimiser step, weighted by training.two_level (`step_weights`), each
+level's KL masked or not by its switch (`kl_masks`). π_old = the adapter as loaded (previous round's
+checkpoint; at round 0 generator.adapter, which sampled it, or a fresh LoRA = the base model), recomputed
+here once before the first step in eval mode (fp32, or under the bf16 autocast of training when
+training.bf16); the reference is that same model by default. LoRA dropout defaults to 0, and replaces a
+loaded adapter's: π_θ in train mode then equals π_old before the first update (ρ = 1, logged `ratio_dev`).
 
 Crash safety: the checkpoint is saved to a temp folder and renamed into place; `train_metrics` and
 the `checkpoints` row are written once, at the end, after the adapter is saved. A re-run without
@@ -26,7 +30,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from pipeline.grpo import GrpoTerms, grpo_mkl_loss, grpo_mkl_terms
+from pipeline.grpo import GrpoTerms, grpo_mkl_loss, grpo_mkl_terms, level_weights
 from pipeline.run import derived_seed
 from pipeline.store import ADAPTER_FILES, adapter_complete
 
@@ -43,6 +47,7 @@ class TrainSequence:
     completion_ids: list[int]
     advantage: float
     gen_logprobs: list[float] | None  # as sampled (diagnostics only)
+    level: str = "flat"  # its group's level: flat | agent | workflow
 
 
 @dataclass
@@ -117,7 +122,7 @@ def load_sequences(ctx) -> tuple[list[TrainSequence], dict]:
     info = {"sequences_truncated": 0, "sequences_dropped": 0, "distinct_workflows": 0, "distinct_queries": 0}
     if groups.height == 0:
         return [], info
-    members = (groups.select("group_id", "members", "advantages").explode("members", "advantages")
+    members = (groups.select("group_id", "level", "members", "advantages").explode("members", "advantages")
                .rename({"members": "gen_id", "advantages": "advantage"}))
     gens = (ctx.store.scan("generations", ctx.run_id, ctx.round)
             .select("gen_id", "query_id", "prompt_token_ids", "token_ids", "token_logprobs")
@@ -135,7 +140,7 @@ def load_sequences(ctx) -> tuple[list[TrainSequence], dict]:
             comp = comp[: max_len - len(prompt)]
             glp = glp[: len(comp)] if glp else glp
         seqs.append(TrainSequence(r["gen_id"], list(prompt), list(comp), float(r["advantage"]),
-                             list(glp) if glp and len(glp) == len(comp) else None))
+                                  list(glp) if glp and len(glp) == len(comp) else None, r["level"]))
     if info["sequences_dropped"]:
         log.warning("%d group members skipped (missing generation, empty completion or prompt >= max_seq_len)",
                     info["sequences_dropped"])
@@ -150,50 +155,80 @@ def load_sequences(ctx) -> tuple[list[TrainSequence], dict]:
 # ---- model ----------------------------------------------------------------------------------------
 
 
+def start_adapter(ctx) -> Path | None:
+    """The adapter the round's policy starts from, which sampled the round (π_old): generator.adapter at round 0
+    when set, else round k-1's checkpoint; None: a fresh LoRA on the base model (round 0)."""
+    if ctx.round > 0:
+        return ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1)
+    return Path(ctx.cfg.generator.adapter).expanduser() if ctx.cfg.generator.adapter else None
+
+
 def load_policy(ctx, device: str):
-    """Base model (fp32) + the previous round's adapter, trainable; a fresh LoRA at round 0."""
+    """Base model (fp32) + the starting adapter (`start_adapter`), trainable; a fresh LoRA without one."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from pipeline.models import load_causal_lm
 
     tc = ctx.cfg.training
     base = load_causal_lm(ctx.cfg.generator.model, dtype="float32", device=device)
-    if ctx.round == 0:
+    start = start_adapter(ctx)
+    if start is None:
         lora = LoraConfig(task_type="CAUSAL_LM", r=tc.lora_r, lora_alpha=tc.lora_alpha, lora_dropout=tc.lora_dropout,
                           target_modules=list(tc.target_modules))
         return get_peft_model(base, lora)
-    prev = ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1)
-    if not adapter_complete(prev):
-        raise RuntimeError(f"round {ctx.round} trains on round {ctx.round - 1}'s adapter, but {prev} is missing or "
-                           f"incomplete: run `pipeline train --run-id {ctx.run_id} --round {ctx.round - 1}` first")
-    return PeftModel.from_pretrained(base, str(prev), is_trainable=True)
+    if not adapter_complete(start):
+        hint = (f"run `pipeline train --run-id {ctx.run_id} --round {ctx.round - 1}` first" if ctx.round > 0
+                else "generator.adapter must name a saved peft adapter")
+        raise RuntimeError(f"round {ctx.round} trains from the adapter {start}, which is missing or incomplete: {hint}")
+    # the adapter's own rank and alpha, this run's dropout: a checkpoint saved with dropout > 0 would otherwise
+    # make π_θ (train mode) differ from π_old (eval mode) before the first update
+    lora = LoraConfig.from_pretrained(str(start))
+    lora.lora_dropout = tc.lora_dropout
+    return PeftModel.from_pretrained(base, str(start), is_trainable=True, config=lora)
+
+
+def logprob_batches(seqs: list[TrainSequence], first_step: list[list[int]], mbs: int) -> list[list[int]]:
+    """Batches (sequence indices) of a π_old / reference pass: the first optimiser step's micro-batches exactly as
+    training runs them, then one sequence per remaining generation, `mbs` at a time. Kernels round differently at
+    another padded length (up to 2e-5 in fp32 here, far more in bf16), so laid out this way the first step
+    computes π_θ exactly as π_old was computed: ρ = 1 and k3 = 0 before any update."""
+    batches = [list(mb) for mb in first_step]
+    seen = {seqs[i].gen_id for mb in batches for i in mb}
+    rest = []
+    for i, s in enumerate(seqs):
+        if s.gen_id not in seen:
+            seen.add(s.gen_id)
+            rest.append(i)
+    return batches + [rest[j: j + mbs] for j in range(0, len(rest), mbs)]
 
 
 @torch.no_grad()
-def reference_logprobs(model, seqs: list[TrainSequence], mbs: int, pad_id: int, device: str,
+def reference_logprobs(model, seqs: list[TrainSequence], batches: list[list[int]], pad_id: int, device: str,
                        disable_adapter: bool = False, desc: str = "old logprobs",
-                       bf16: bool = False) -> dict[str, torch.Tensor]:
-    """Per unique gen_id, completion log-probs (fp32 values) of `model` in eval mode (no dropout), under the
-    same bf16 autocast as the training forward when `bf16`: π_old and π_θ are then the same computation at the
-    first step (ratio 1, k3 0 before any update), and the pass costs half the fp32 time on CPU."""
+                       bf16: bool = False) -> dict[int, torch.Tensor]:
+    """Per sequence index, completion log-probs (fp32 values) of `model` in eval mode (no dropout) computed on
+    `batches` (`logprob_batches`), under the same bf16 autocast as the training forward when `bf16`: π_old and
+    π_θ are then the same computation at the first step (ratio 1, k3 0 before any update), and the pass costs
+    half the fp32 time on CPU. A sequence outside `batches` takes its generation's first computed value."""
     from tqdm import tqdm
 
     was_training = model.training
     model.eval()
-    uniq = list({s.gen_id: s for s in seqs}.values())
-    out = {}
+    computed: dict[int, torch.Tensor] = {}
+    by_gen: dict[str, torch.Tensor] = {}
     try:
-        for i in tqdm(range(0, len(uniq), mbs), desc=desc, unit="batch", leave=False):
-            chunk = uniq[i: i + mbs]
+        for mb in tqdm(batches, desc=desc, unit="batch", leave=False):
+            chunk = [seqs[i] for i in mb]
             batch = collate(chunk, pad_id, device)
             with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16), \
                     model.disable_adapter() if disable_adapter else contextlib.nullcontext():
                 lp = completion_logprobs(model, batch).float()
-            for b, s in enumerate(chunk):
-                out[s.gen_id] = lp[b, : len(s.completion_ids)].cpu()
+            for b, (i, s) in enumerate(zip(mb, chunk, strict=True)):
+                computed[i] = lp[b, : len(s.completion_ids)].cpu()
+                by_gen.setdefault(s.gen_id, computed[i])
     finally:
         model.train(was_training)
-    return out
+    return {i: computed[i] if i in computed else by_gen[s.gen_id] for i, s in enumerate(seqs)}
 
 
 def _pad_rows(rows: list[torch.Tensor], tc: int, device) -> torch.Tensor:
@@ -211,6 +246,27 @@ def _plan_steps(n: int, tc, rng: np.random.Generator) -> list[list[list[int]]]:
         micro = [order[i: i + tc.micro_batch_size].tolist() for i in range(0, n, tc.micro_batch_size)]
         steps += [micro[i: i + tc.grad_accum] for i in range(0, len(micro), tc.grad_accum)]
     return steps
+
+
+def step_weights(seqs: list[TrainSequence], micro: list[list[int]], tc) -> dict[int, float] | None:
+    """Two-level: each sequence's factor c_b in its optimiser step's loss (`pipeline.grpo.level_weights`: agent
+    and workflow terms, each averaged over its own sequences of the step, weighted by training.two_level);
+    flat: None (a step's loss is the mean of its micro-batches' losses, as SPOGW)."""
+    idx = [i for mb in micro for i in mb]
+    if all(seqs[i].level == "flat" for i in idx):
+        return None
+    w = {"agent": tc.two_level.agent_weight, "workflow": tc.two_level.workflow_weight}
+    c = level_weights([seqs[i].level for i in idx], [len(seqs[i].completion_ids) for i in idx], w, tc.loss_norm)
+    return dict(zip(idx, c.tolist(), strict=True))
+
+
+def kl_masks(chunk: list[TrainSequence], tc) -> bool | torch.Tensor:
+    """The advantage mask of the KL term per sequence: training.kl_mask for flat sequences, the level's switch
+    (training.two_level.*_kl_mask) for agent and workflow sequences."""
+    if all(s.level == "flat" for s in chunk):
+        return tc.kl_mask
+    switch = {"flat": tc.kl_mask, "agent": tc.two_level.agent_kl_mask, "workflow": tc.two_level.workflow_kl_mask}
+    return torch.tensor([switch[s.level] for s in chunk])
 
 
 # ---- the stage -----------------------------------------------------------------------------------------
@@ -251,18 +307,18 @@ def run_train(ctx) -> dict:
     model = load_policy(ctx, device)
     if tc.gradient_checkpointing:
         model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mbs = tc.micro_batch_size
-    old = reference_logprobs(model, seqs, mbs, pad_id, device, bf16=tc.bf16)
+    steps = _plan_steps(len(seqs), tc, np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))) if seqs else []
+    batches = logprob_batches(seqs, steps[0] if steps else [], tc.micro_batch_size)
+    old = reference_logprobs(model, seqs, batches, pad_id, device, bf16=tc.bf16)
     if tc.reference == "none":
         ref = None
-    elif tc.reference == "base" and ctx.round > 0:
-        ref = reference_logprobs(model, seqs, mbs, pad_id, device, disable_adapter=True, desc="ref logprobs",
+    elif tc.reference == "base" and start_adapter(ctx) is not None:
+        ref = reference_logprobs(model, seqs, batches, pad_id, device, disable_adapter=True, desc="ref logprobs",
                                  bf16=tc.bf16)
-    else:  # previous round's checkpoint = π_old (at round 0 both are the base model: a fresh LoRA is a no-op)
+    else:  # the starting adapter = π_old (a fresh LoRA is a no-op: both are the base model)
         ref = old
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
-    steps = _plan_steps(len(seqs), tc, np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))) if seqs else []
     steps_per_epoch = math.ceil(len(steps) / tc.epochs) if steps else 0
     sched = _lr_scheduler(optimizer, tc, len(steps))
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=tc.bf16)
@@ -273,30 +329,34 @@ def run_train(ctx) -> dict:
         lr = sched.get_last_lr()[0]
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
         tokens, mism, mism_n = 0, 0.0, 0
+        weights, ratio_dev = step_weights(seqs, micro, tc), 0.0
         for mb in micro:
             chunk = [seqs[i] for i in mb]
             batch = collate(chunk, pad_id, device)
             tcol = batch.completion_mask.shape[1]
-            old_lp = _pad_rows([old[s.gen_id] for s in chunk], tcol, device)
-            ref_lp = None if ref is None else _pad_rows([ref[s.gen_id] for s in chunk], tcol, device)
+            old_lp = _pad_rows([old[i] for i in mb], tcol, device)
+            ref_lp = None if ref is None else _pad_rows([ref[i] for i in mb], tcol, device)
             with autocast:
                 logp = completion_logprobs(model, batch)
+            cw = None if weights is None else torch.tensor([weights[i] for i in mb], device=device)
             terms: GrpoTerms = grpo_mkl_terms(logp.float(), old_lp, ref_lp, batch.advantages, batch.completion_mask,
-                                              tc.beta if ref is not None else 0.0, tc.clip_eps, tc.kl_mask,
-                                              norm=tc.loss_norm)
-            (terms.loss / len(micro)).backward()
+                                              tc.beta if ref is not None else 0.0, tc.clip_eps, kl_masks(chunk, tc),
+                                              norm=tc.loss_norm, seq_weights=cw)
+            share = 1.0 if cw is not None else 1 / len(micro)  # level weights already normalise over the step
+            (terms.loss * share).backward()
             for k in acc:
-                acc[k] += float(getattr(terms, k).detach()) / len(micro)
+                acc[k] += float(getattr(terms, k).detach()) * (share if k in ("loss", "pg_loss") else 1 / len(micro))
             tokens += int(batch.completion_mask.sum())
-            for s in chunk:
+            ratio_dev = max(ratio_dev, float(terms.ratio_dev))
+            for i, s in zip(mb, chunk, strict=True):
                 if s.gen_logprobs is not None:
-                    mism += float((torch.tensor(s.gen_logprobs) - old[s.gen_id]).abs().sum())
+                    mism += float((torch.tensor(s.gen_logprobs) - old[i]).abs().sum())
                     mism_n += len(s.gen_logprobs)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
         optimizer.step()
         sched.step()
         optimizer.zero_grad(set_to_none=True)
-        metrics.append({"step": step, "epoch": step // steps_per_epoch, **acc, "lr": lr,
+        metrics.append({"step": step, "epoch": step // steps_per_epoch, **acc, "ratio_dev": ratio_dev, "lr": lr,
                         "grad_norm": float(grad_norm), "tokens": tokens,
                         "logp_mismatch": mism / mism_n if mism_n else None, "wall_s": time.perf_counter() - t0})
     model.eval()
@@ -306,7 +366,7 @@ def run_train(ctx) -> dict:
                                      "parent_round": ctx.round - 1 if ctx.round > 0 else None,
                                      "rows_used": len(seqs)}], ctx.run_id, ctx.round)
     mismatch = [m["logp_mismatch"] for m in metrics if m["logp_mismatch"] is not None]
-    counts = {"sequences": len(seqs), "generations": len(old), "steps": len(steps),
+    counts = {"sequences": len(seqs), "generations": len({s.gen_id for s in seqs}), "steps": len(steps),
               "tokens": sum(m["tokens"] for m in metrics), **info,
               "final_loss": metrics[-1]["loss"] if metrics else None,
               "logp_mismatch": float(np.mean(mismatch)) if mismatch else None, "checkpoint": str(ckpt)}

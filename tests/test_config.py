@@ -1,3 +1,5 @@
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -8,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(("name", "run_id"), [("demo.yaml", "demo"), ("smoke.yaml", "smoke"), ("learn.yaml", "learn"),
-                                              ("spogw-humaneval.yaml", "spogw-humaneval")])
+                                              ("spogw-humaneval.yaml", "spogw-humaneval"),
+                                              ("two-level.yaml", "two-level")])
 def test_shipped_configs_validate(name, run_id):
     assert load_config(ROOT / "configs" / name).run_id == run_id
 
@@ -17,7 +20,68 @@ def test_paper_settings():
     cfg = load_config(ROOT / "configs" / "spogw-humaneval.yaml")
     assert (cfg.rollout.m, cfg.curation.n, cfg.curation.t, cfg.training.beta, cfg.rounds) == (16, 14, 4, 0.1, 3)
     assert cfg.generator.model == "Qwen/Qwen2.5-7B-Instruct"
-    assert (cfg.executor.model, cfg.executor.temperature) == ("gpt-4o-mini", 0.0)
+    assert (cfg.executor.model, cfg.executor.temperature) == ("gpt-4o-mini-2024-07-18", 0.0)  # the pinned snapshot
+    assert cfg.rollout.exemplars == "none"  # SPOGW prompts carry no exemplars
+    assert (cfg.curation.top_n, cfg.scoring.reps, cfg.training.reference, cfg.training.kl_mask) == (100, 3, "previous",
+                                                                                                    True)
+
+
+def test_paper_config_says_where_every_value_comes_from():
+    """Each value of the SPOGW config is marked "paper §x" (stated by the paper, in that section) or "ours"."""
+    import re
+
+    lines = (ROOT / "configs" / "spogw-humaneval.yaml").read_text().splitlines()
+    values = [ln for ln in lines if re.match(r"^\s*[a-z_]+:\s*[^\s#]", ln)]
+    assert len(values) >= 40
+    for ln in values:
+        assert re.search(r"#\s*(paper §\d(\.\d)?(-\d\.\d)?\b|ours\b)", ln), f"unmarked value: {ln!r}"
+    marks, path = {}, []
+    for ln in lines:
+        if m := re.match(r"^( *)([a-z_]+):", ln):
+            path = path[: len(m.group(1)) // 2] + [m.group(2)]
+            if "#" in ln and ln in values:
+                marks[".".join(path)] = ln.split("#", 1)[1].strip()
+    # values the paper does not give are ours, not "paper settings"
+    for key in ("training.clip_eps", "training.lr", "training.lora_r", "training.lora_alpha", "training.epochs",
+                "generator.temperature", "generator.max_new_tokens", "scoring.timeout_s"):
+        assert marks[key].startswith("ours"), key
+    for key in ("rollout.m", "curation.n", "curation.t", "training.beta", "curation.top_n", "scoring.reps",
+                "executor.model", "executor.temperature", "generator.model", "rounds"):
+        assert marks[key].startswith("paper §"), key
+
+
+def test_exemplars_names_and_legacy_booleans(tmp_path):
+    assert RunConfig().rollout.exemplars == "buckets"
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  exemplars: none\n")
+    assert load_config(p).rollout.exemplars == "none"
+    assert load_config(p, ["rollout.exemplars=buckets"]).rollout.exemplars == "buckets"
+    # configs frozen while the field was a bool: true showed bucket exemplars, false none
+    p.write_text("rollout:\n  exemplars: true\n")
+    assert load_config(p).rollout.exemplars == "buckets"
+    p.write_text("rollout:\n  exemplars: false\n")
+    assert load_config(p).rollout.exemplars == "none"
+    p.write_text("rollout:\n  exemplars: random\n")
+    with pytest.raises(ConfigError, match=r"rollout\.exemplars: .*'none' or 'buckets'.*'random'"):
+        load_config(p)
+    # a run frozen with `exemplars: false` (and the then default lora_dropout 0.05, saved with every field) keeps
+    # its config hash: sha256 of its one non-default field, as before
+    legacy = hashlib.sha256(json.dumps({"rollout": {"exemplars": False}}, sort_keys=True).encode()).hexdigest()[:16]
+    frozen = {"rollout": {"exemplars": False}, "training": {"lora_dropout": 0.05}}
+    assert RunConfig.model_validate(frozen).config_hash() == legacy
+
+
+
+def test_config_hash_of_runs_frozen_before_the_lora_dropout_default_changed():
+    """lora_dropout's default went from 0.05 to 0: runs frozen before keep their hash (manifests stay valid)."""
+    def sha(body: dict) -> str:
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.05}}).config_hash() == sha({})
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0}}).config_hash() == sha(
+        {"training": {"lora_dropout": 0.0}})
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0, "lr": 0.1}}).config_hash() == sha(
+        {"training": {"lora_dropout": 0.0, "lr": 0.1}})
 
 
 def test_demo_and_smoke_are_embedded():
@@ -25,6 +89,10 @@ def test_demo_and_smoke_are_embedded():
         cfg = load_config(ROOT / "configs" / name)
         assert cfg.generator.model.startswith("embedded:") and cfg.executor.kind == "local"
     assert load_config(ROOT / "configs" / "smoke.yaml").generator.backend == "transformers"
+    two = load_config(ROOT / "configs" / "two-level.yaml")
+    assert two.rollout.mode == "two_level" and two.generator.model.startswith("embedded:")
+    assert (two.curation.agent_adv_stats, two.training.two_level.agent_weight, two.training.two_level.agent_kl_mask) \
+        == ("workflows", 1.0, False)  # the proposal's advantages, loss weights and unmasked KL
     demo, learn = load_config(ROOT / "configs" / "demo.yaml"), load_config(ROOT / "configs" / "learn.yaml")
     assert demo.experiment.seeds == [0] and learn.experiment.seeds == [0, 1, 2]  # docs/learning.md: 3 seeds
 

@@ -30,6 +30,19 @@ def test_assign_buckets_quantiles():
     assert assign_buckets([]) == []
 
 
+def test_assign_buckets_pins_the_extremes_on_mostly_failing_pools():
+    # [0, 0, 0, 1]: linear quantiles at positions 2/3*3 = 2 and 1/3*3 = 1 of the sorted scores are both 0, so
+    # the quantile rule alone makes every item F; the highest value must be F and the lowest S
+    assert assign_buckets([0.0, 0.0, 0.0, 1.0]) == ["S", "S", "S", "F"]
+    assert assign_buckets([1.0, 0.0, 0.0, 0.0]) == ["F", "S", "S", "S"]
+    # mostly passing: 1/3 quantile = 2/3 quantile = 1 = the maximum; the lone 0 stays S
+    assert assign_buckets([1.0, 1.0, 1.0, 0.0]) == ["F", "F", "F", "S"]
+    # interior ties stay together: quantiles (positions 4/3 and 8/3 of [0, .5, .5, .5, 1]) are both .5 -> F
+    assert assign_buckets([0.0, 0.5, 0.5, 0.5, 1.0]) == ["S", "F", "F", "F", "F"]
+    # [0, .2, .6, .8, 1, 1]: 1/3 quantile at position 5/3 = .2 + 2/3*.4 = .4667, 2/3 at 10/3 = .8 + 1/3*.2 = .8667
+    assert assign_buckets([0.0, 0.2, 0.6, 0.8, 1.0, 1.0]) == ["S", "S", "M", "M", "F", "F"]
+
+
 # ---- combinations --------------------------------------------------------------------------------
 
 
@@ -318,32 +331,64 @@ def test_33_queries_x_16_random_thirds_match_the_brute_force(seed):
 # ---- two-level ---------------------------------------------------------------------------------------
 
 
+def test_two_level_agent_advantages_use_all_workflow_scores():
+    """The proposal (§4.1 symbols, §4.3 step 5): A^A_i = (r_i - r̄)/σ with r̄, σ over all r_ij, not the r_i."""
+    (q,) = two_level_advantages({"q": [[0.0, 0.0, 1.0], [0.0, 1.0, 1.0]]}, eps_adv=0.0)
+    # r_ij [0,0,1,0,1,1]: r̄ = .5, σ = .5; r_i = [1/3, 2/3] -> (1/3 - 1/2)/(1/2) = -1/3 and +1/3
+    np.testing.assert_allclose(q.agent_advantages, [-1 / 3, 1 / 3])
+    np.testing.assert_allclose(np.concatenate(q.workflow_advantages), [-1, -1, 1, -1, 1, 1])
+    # the option that keeps the former statistics: r_i [1/3, 2/3] have mean .5, std 1/6 -> ∓1
+    (old,) = two_level_advantages({"q": [[0.0, 0.0, 1.0], [0.0, 1.0, 1.0]]}, eps_adv=0.0, agent_stats="agents")
+    np.testing.assert_allclose(old.agent_advantages, [-1.0, 1.0])
+    np.testing.assert_allclose(np.concatenate(old.workflow_advantages), [-1, -1, 1, -1, 1, 1])
+
+
 def test_two_level_batch_normalisation_hand_computed():
     out = two_level_advantages({"q1": [[1.0, 0.0], [1.0, 1.0]], "q2": [[0.0, 0.0], [0.5]]}, eps_adv=0.0)
     q1, q2 = out
-    # agent rewards [.5, 1 | 0, .5]: mean .5, std sqrt(.125)
     assert q1.agent_rewards.tolist() == [0.5, 1.0] and q2.agent_rewards.tolist() == [0.0, 0.5]
-    sa = math.sqrt(0.125)
-    np.testing.assert_allclose(np.concatenate([q1.agent_advantages, q2.agent_advantages]), [0, 0.5 / sa, -0.5 / sa, 0])
-    # workflow scores [1,0,1,1,0,0,.5]: mean .5, std sqrt(1.5/7)
+    # workflow scores of the batch [1,0,1,1,0,0,.5]: r̄ = .5, σ = sqrt(1.5/7); both levels use them
     sw = math.sqrt(1.5 / 7)
+    np.testing.assert_allclose(np.concatenate([q1.agent_advantages, q2.agent_advantages]), [0, 0.5 / sw, -0.5 / sw, 0])
     np.testing.assert_allclose(q1.workflow_advantages[0], [0.5 / sw, -0.5 / sw])
     np.testing.assert_allclose(q2.workflow_advantages[1], [0.0])
     assert q1.agent_buckets == ["S", "F"] and q1.workflow_buckets == [["F", "S"], ["F", "F"]]
+    # agent statistics: rewards [.5, 1 | 0, .5] have mean .5, std sqrt(.125)
+    a1, a2 = two_level_advantages({"q1": [[1.0, 0.0], [1.0, 1.0]], "q2": [[0.0, 0.0], [0.5]]}, eps_adv=0.0,
+                                  agent_stats="agents")
+    sa = math.sqrt(0.125)
+    np.testing.assert_allclose(np.concatenate([a1.agent_advantages, a2.agent_advantages]), [0, 0.5 / sa, -0.5 / sa, 0])
+    np.testing.assert_allclose(a1.workflow_advantages[0], [0.5 / sw, -0.5 / sw])
 
 
 def test_two_level_per_query_normalisation():
     (q1,) = two_level_advantages({"q1": [[1.0, 0.0], [1.0, 1.0]]}, eps_adv=0.0, norm="query")
-    np.testing.assert_allclose(q1.agent_advantages, [-1.0, 1.0])  # [.5, 1]: mean .75, std .25
-    s = math.sqrt(3) / 4  # [1, 0, 1, 1]: mean .75
+    s = math.sqrt(3) / 4  # the query's workflow scores [1, 0, 1, 1]: r̄ = .75, σ = sqrt(3)/4
+    np.testing.assert_allclose(q1.agent_advantages, [-0.25 / s, 0.25 / s])  # r_i [.5, 1]
     np.testing.assert_allclose(np.concatenate(q1.workflow_advantages), [0.25 / s, -0.75 / s, 0.25 / s, 0.25 / s])
+    (a,) = two_level_advantages({"q1": [[1.0, 0.0], [1.0, 1.0]]}, eps_adv=0.0, norm="query", agent_stats="agents")
+    np.testing.assert_allclose(a.agent_advantages, [-1.0, 1.0])  # [.5, 1]: mean .75, std .25
 
 
 def test_two_level_agent_without_workflows_earns_zero():
+    # the plan without workflows gets r_i = 0 and enters r̄, σ as one score 0: pool [0, 1], r̄ = σ = .5
     (q,) = two_level_advantages({"q": [[], [1.0]]}, norm="query")
     assert q.agent_rewards.tolist() == [0.0, 1.0]
     assert q.agent_advantages == pytest.approx([-0.5 / (0.5 + EPS), 0.5 / (0.5 + EPS)])
-    assert q.workflow_advantages[1].tolist() == [0.0]  # a single workflow: no spread, no signal
+    assert q.workflow_advantages[1] == pytest.approx([0.5 / (0.5 + EPS)])
+    # all other scores equal: σ = 0 would make -r̄/eps = -1e6 without the zero; with it, pool [0, 1, 1]
+    (z,) = two_level_advantages({"q": [[], [1.0, 1.0]]}, eps_adv=0.0, norm="query")
+    s = math.sqrt(2) / 3
+    np.testing.assert_allclose(z.agent_advantages, [-(2 / 3) / s, (1 / 3) / s])
+    # the former statistics: agents [0, 1] (mean .5, std .5), workflows [1] alone (no spread)
+    (o,) = two_level_advantages({"q": [[], [1.0]]}, norm="query", agent_stats="agents")
+    assert o.agent_advantages == pytest.approx([-0.5 / (0.5 + EPS), 0.5 / (0.5 + EPS)])
+    assert o.workflow_advantages[1].tolist() == [0.0]
+
+
+def test_two_level_rejects_unknown_agent_stats():
+    with pytest.raises(ValueError, match="agent_stats"):
+        two_level_advantages({"q": [[1.0]]}, agent_stats="queries")
 
 
 # ---- the stage on a store --------------------------------------------------------------------------------
@@ -441,12 +486,11 @@ def test_run_curate_two_level(tmp_path):
     g = ctx.store.read("groups", ctx.run_id, 0).sort("group_id")
     agents = g.filter((g["level"] == "agent") & g["kept"]).row(0, named=True)
     assert agents["members"] == ["A0", "A1", "A2"] and agents["member_scores"] == [0.5, 1.0, 0.0]
-    s = math.sqrt(1 / 6)  # rewards [.5, 1, 0] (invalid plan earned 0): mean .5
-    assert agents["advantages"] == pytest.approx([0.0, 0.5 / (s + EPS), -0.5 / (s + EPS)])
+    # r̄, σ over the workflow scores [1, 0, 1] and the invalid plan's 0: .5 and .5; rewards [.5, 1, 0]
+    assert agents["advantages"] == pytest.approx([0.0, 0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS)])
     assert agents["kl_mask"] == [False, True, False] and agents["buckets"] == ["M", "F", "S"]
     wf = {r["members"][0]: r for r in g.filter(g["level"] == "workflow").iter_rows(named=True)}
-    sw = math.sqrt(2 / 9)  # workflow scores [1, 0, 1]: mean 2/3
-    assert wf["w00"]["advantages"] == pytest.approx([(1 / 3) / (sw + EPS), -(2 / 3) / (sw + EPS)])
+    assert wf["w00"]["advantages"] == pytest.approx([0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS)])
     assert wf["w00"]["buckets"] == ["F", "S"]
     left = g.filter(~g["kept"]).row(0, named=True)
     assert left["query_id"] == "r" and left["reason"] == "left out: 1 of 1 workflows unscored"

@@ -45,6 +45,14 @@ def test_pick_two_distinct_buckets():
     assert [s.gen_id for s in pick_exemplars(pool, 1e-3, random.Random(1))] == ["f", "m"]
 
 
+def test_mostly_failing_pool_still_gives_a_contrastive_pair():
+    # scores [0, 0, 0, 1] bucket S, S, S, F: two buckets, so one exemplar from each
+    pool = [Shown(f"s{i}", 0.0, "s") for i in range(3)] + [Shown("f", 1.0, "f")]
+    for seed in range(20):
+        picked = pick_exemplars(pool, 1.0, random.Random(seed))
+        assert sorted(p.score for p in picked) == [0.0, 1.0]
+
+
 def test_pick_edge_cases():
     assert pick_exemplars([], 1.0, random.Random(0)) == []
     same = [Shown("a", 0.5, "a"), Shown("b", 0.5, "b")]  # all equal: one bucket (F) -> one exemplar
@@ -81,19 +89,26 @@ def test_pools_from_earlier_rounds(tmp_path):
 
     assert load_pools(st, "run", 0).workflows == []  # round 0: empty pools
     pools = load_pools(st, "run", 1)
-    wf = {s.gen_id: s.score for s in pools.workflows}
-    assert wf == {"w00": 0.75, "w01": 0.25, "w10": 0.0, "w2": 1.0}
+    assert {s.gen_id: s.score for s in pools.workflows} == {"w2": 1.0}  # flat workflows (no agent)
+    # D_W[i]: workflows keyed by the agent that produced them; w00's rep means (1 + .5)/2
+    d_w = {a: {s.gen_id: s.score for s in v} for a, v in pools.workflows_by_agent.items()}
+    assert d_w == {"a0": {"w00": 0.75, "w01": 0.25}, "a1": {"w10": 0.0}}
     ag = {s.gen_id: s.score for s in pools.agents}
-    assert ag == {"a0": pytest.approx(0.5), "a1": 0.0}  # r_i = mean of its workflows' scores
-    assert next(s for s in pools.workflows if s.gen_id == "w00").body == "async def solve(p):\n    return '0'"
-    # workflow pool: keyed by the plan, else the query's, else the run's
-    assert {s.gen_id for s in pools.workflow_pool("q1", plan + "\n")} == {"w00", "w01"}
-    assert {s.gen_id for s in pools.workflow_pool("q1", "a new plan")} == {"w00", "w01", "w10"}
-    assert {s.gen_id for s in pools.workflow_pool("q9")} == {"w00", "w01", "w10", "w2"}
+    assert ag == {"a0": pytest.approx(0.5), "a1": 0.0}  # r_i = mean of its workflows' scores (.75 + .25)/2
+    assert pools.plans == {"a0": plan, "a1": "just a solver"}
+    assert pools.workflows_by_agent["a0"][0].body == "async def solve(p):\n    return '0'"
+    # a new plan conditioned on [a1, a0] draws from the better one's buffer (r .5 > 0), in any order shown
+    assert pools.buffer_agent(["a1", "a0"]) == "a0" and pools.buffer_agent(["a0", "a1"]) == "a0"
+    assert pools.buffer_agent(["a1"]) == "a1"
+    assert pools.buffer_agent([]) is None and pools.buffer_agent(["unknown"]) is None
+    assert {s.gen_id for s in pools.workflow_pool("q2")} == {"w2"}
+    assert {s.gen_id for s in pools.workflow_pool("q9")} == {"w2"}  # no workflows for q9: the run's
     assert {s.gen_id for s in pools.agent_pool("q1")} == {"a0", "a1"}
     assert {s.gen_id for s in pools.agent_pool("q2")} == {"a0", "a1"}  # no agents for q2: the run's
 
     strict = load_pools(st, "run", 1, r_min_agent=0.4, r_min_workflow=0.5)
-    assert {s.gen_id for s in strict.agents} == {"a0"}
-    assert {s.gen_id for s in strict.workflows} == {"w00", "w2"}
-    assert load_pools(st, "run", 2).workflows  # rounds < k, not only k-1
+    assert {s.gen_id for s in strict.agents} == {"a0"}  # D_A: r_i >= .4
+    assert {a: [s.gen_id for s in v] for a, v in strict.workflows_by_agent.items()} == {"a0": ["w00"]}
+    assert {s.gen_id for s in strict.workflows} == {"w2"}
+    assert strict.buffer_agent(["a1"]) is None  # a1's buffer is empty: no workflow exemplars
+    assert load_pools(st, "run", 2).workflows_by_agent  # rounds < k, not only k-1

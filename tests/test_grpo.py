@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.grpo import group_advantages, grpo_mkl_terms, normalise
+from pipeline.grpo import group_advantages, grpo_mkl_terms, level_weights, normalise
 
 LN2 = math.log(2)
 K3_UP, K3_DOWN = 1 - LN2, LN2 - 0.5  # k3 at ref - logp = +ln2 and -ln2
@@ -38,6 +38,7 @@ def test_sequence_norm_masked_kl_hand_computed():
     assert terms.loss.item() == pytest.approx(0.69166666666, abs=1e-9)
     assert terms.kl.item() == pytest.approx((0.5 / 3 + K3_UP) / 2, abs=1e-12)
     assert terms.clip_frac.item() == pytest.approx(2 / 5)  # seq0 token 0 (above 1+ε, A>0), seq1 token 1 (below)
+    assert terms.ratio_dev.item() == pytest.approx(0.5)  # max |ρ - 1| over [1.5, .5, 1.1, 1.5, .5]; padding's 9 out
 
 
 def test_kl_unmasked_penalises_negative_advantages_too():
@@ -120,3 +121,51 @@ def test_all_equal_group_has_zero_advantages():
 def test_normalise_uses_given_statistics():
     np.testing.assert_allclose(normalise([1.0, 3.0], 2.0, 1.0, eps=0.0), [-1.0, 1.0])
     np.testing.assert_allclose(normalise([1.0], 0.0, 0.0, eps=0.5), [2.0])
+
+
+# ---- two-level: an agent term and a workflow term (the proposal's L_GRPO, §4.3) -----------------------------
+
+
+def test_level_weights_hand_computed():
+    levels, lengths = ["agent", "workflow", "workflow", "workflow"], [2, 1, 4, 2]
+    # sequence norm: c_b = w_l / (n_l T_b): agent 1/(1*2); workflows 1/(3*1), 1/(3*4), 1/(3*2)
+    np.testing.assert_allclose(level_weights(levels, lengths, {"agent": 1.0, "workflow": 1.0}),
+                               [1 / 2, 1 / 3, 1 / 12, 1 / 6])
+    np.testing.assert_allclose(level_weights(levels, lengths, {"agent": 0.5, "workflow": 2.0}),
+                               [1 / 4, 2 / 3, 1 / 6, 1 / 3])
+    # token norm: c_b = w_l / N_l with N_agent = 2 and N_workflow = 1 + 4 + 2 = 7 tokens
+    np.testing.assert_allclose(level_weights(levels, lengths, {"agent": 1.0, "workflow": 1.0}, "token"),
+                               [1 / 2, 1 / 7, 1 / 7, 1 / 7])
+
+
+def _two_level_case(d: float = 0.0):
+    """One plan (A^A = +.5, 2 tokens) and three workflows (A^W = +1, +1, -1, 1 token each) at ratio 1; every
+    token has ref - logp = d."""
+    logp = torch.zeros(4, 2, dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0], [1, 0]], dtype=torch.float64)
+    adv = torch.tensor([0.5, 1.0, 1.0, -1.0], dtype=torch.float64)
+    c = torch.tensor(level_weights(["agent", "workflow", "workflow", "workflow"], [2, 1, 1, 1],
+                                   {"agent": 1.0, "workflow": 1.0}))
+    return logp, logp.clone(), logp + d, adv, mask, c
+
+
+def test_two_level_loss_sums_an_agent_and_a_workflow_term():
+    logp, old, ref, adv, mask, c = _two_level_case()
+    # ρ = 1, no KL: L = -[mean_i A^A_i + mean_ij A^W_ij] = -[.5 + (1 + 1 - 1)/3] = -5/6
+    terms = grpo_mkl_terms(logp, old, ref, adv, mask, 0.1, 0.2, False, seq_weights=c)
+    assert terms.loss.item() == pytest.approx(-5 / 6, abs=1e-12)
+    assert terms.pg_loss.item() == pytest.approx(-5 / 6, abs=1e-12)
+    # pooling the four sequences as equals gives the plan 1/4 of the weight: -(.5 + 1 + 1 - 1)/4
+    assert grpo_mkl_terms(logp, old, ref, adv, mask, 0.1, 0.2, False).loss.item() == pytest.approx(-0.375)
+
+
+def test_two_level_kl_switch_per_level():
+    logp, old, ref, adv, mask, c = _two_level_case(d=LN2)  # k3 = 1 - ln2 on every token
+    # the proposal's KL (unmasked on both levels): each term adds β·K3: -[.5 - .1K + 1/3 - .1K]
+    unmasked = grpo_mkl_terms(logp, old, ref, adv, mask, 0.1, 0.2, torch.tensor([False] * 4), seq_weights=c)
+    assert unmasked.loss.item() == pytest.approx(-(0.5 + 1 / 3) + 0.2 * K3_UP, abs=1e-12)
+    # workflow KL masked (A > 0 only): the A^W = -1 workflow carries none: -[.5 - .1K + (1 + 1 - 1 - .2K)/3]
+    wf_masked = grpo_mkl_terms(logp, old, ref, adv, mask, 0.1, 0.2, torch.tensor([False, True, True, True]),
+                               seq_weights=c)
+    assert wf_masked.loss.item() == pytest.approx(-(0.5 - 0.1 * K3_UP + (1 - 0.2 * K3_UP) / 3), abs=1e-12)
+    assert unmasked.kl.item() == pytest.approx(K3_UP, abs=1e-12)  # logged: the plain mean of k3

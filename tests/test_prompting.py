@@ -64,6 +64,11 @@ def test_workflow_under_plan_and_agent_prompts():
                            plan="Ask a solver, then a verifier.")
     assert "Plan to follow:\nAsk a solver, then a verifier." in text
     assert "Score 1.00:" in text and text.index("Plan to follow") < text.index("Task:")
+    # two-level exemplars are shown with the stored plan they were written under
+    under = workflow_prompt("Add 1 and 2.", "math", [Shown("w", 1.0, "async def solve(p):\n    return '3'")],
+                            plan="Ask a solver, then a verifier.", exemplar_plan="Ask two solvers and vote.")
+    assert "Earlier workflows written under this plan:\nAsk two solvers and vote.\nTheir scores" in under
+    assert under.index("Plan to follow") < under.index("Ask two solvers") < under.index("Score 1.00:")
     plan = agent_prompt("Add 1 and 2.", [Shown("a", 0.25, "one solver")])
     assert "Score 0.25:\none solver" in plan and "Add 1 and 2." in plan and "no code" in plan
 

@@ -202,6 +202,68 @@ def test_round1_exemplars_come_from_round0_scores(tmp_path, fake):
         assert len(ids) == 2 and set(ids) <= set(gids)
 
 
+class NumberedPlans(FakeGen):
+    """Every plan text is new ("plan 0", "plan 1", ...): a fresh plan never equals a stored one."""
+
+    plans = 0
+
+    def _generate(self, prompts, sampling, adapter):
+        out = super()._generate(prompts, sampling, adapter)
+        for comps in out:
+            for c in comps:
+                if c.text.startswith("ask a solver"):
+                    c.text, NumberedPlans.plans = f"plan {NumberedPlans.plans}", NumberedPlans.plans + 1
+        return out
+
+
+def test_workflow_exemplars_come_from_the_buffer_of_the_conditioning_agent(tmp_path, fake, monkeypatch):
+    """The proposal's D_W[i]: a round-1 plan was prompted with stored agents a0 (r = .75) and a1 (r = .125); its
+    workflows see exemplars written under a0 only, shown with a0's plan. The query's pool would mix in a1's."""
+    fake()
+    monkeypatch.setattr(rollout, "make_generator", lambda cfg, enable_lora=False, **_: NumberedPlans())
+    ctx = make_ctx(tmp_path, rollout={"mode": "two_level", "n_agents": 2, "n_workflows": 2},
+                   benchmark={"max_queries": 1})
+    run_rollout(ctx)
+    r0 = ctx.store.read("generations", "t", 0)
+    scores = {"r0-q0-a0-w0": 1.0, "r0-q0-a0-w1": 0.5, "r0-q0-a1-w0": 0.0, "r0-q0-a1-w1": 0.25}
+    ctx.store.write("scores", [dict(gen_id=g, rep=0, attempt=0, status="ok", score=x) for g, x in scores.items()],
+                    "t", 0)
+    ckpt = ctx.store.checkpoint_dir("t", 0)
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text("{}")
+    run_rollout(ctx.at_round(1))
+    df = ctx.store.read("generations", "t", 1)
+    plans = {r["gen_id"]: r for r in df.filter(kind_is("agent")).iter_rows(named=True)}
+    r0_plans = set(r0.filter(kind_is("agent"))["text"])
+    assert len({p["text"] for p in plans.values()} | r0_plans) == 4  # round 1's plans are new texts
+    a0_plan = r0.filter(pl.col("gen_id") == "r0-q0-a0")["text"][0]
+    for p in plans.values():
+        assert sorted(p["exemplar_ids"]) == ["r0-q0-a0", "r0-q0-a1"]  # r_i .75 (F) and .125 (S)
+    for w in df.filter(kind_is("workflow")).iter_rows(named=True):
+        # a0's buffer [1.0, .5] has two buckets (F, S): one exemplar from each, both a0's
+        assert sorted(w["exemplar_ids"]) == ["r0-q0-a0-w0", "r0-q0-a0-w1"]
+        assert f"Earlier workflows written under this plan:\n{a0_plan}\n" in w["prompt_text"]
+        assert f"Plan to follow:\n{plans[w['parent_id']]['text']}" in w["prompt_text"]
+
+
+def test_workflow_exemplars_respect_r_min_workflow(tmp_path, fake, monkeypatch):
+    """D_W[i] holds r_ij >= r_min_workflow: with .6 a0 keeps only its 1.0 workflow and a1 none."""
+    fake()
+    monkeypatch.setattr(rollout, "make_generator", lambda cfg, enable_lora=False, **_: NumberedPlans())
+    ctx = make_ctx(tmp_path, rollout={"mode": "two_level", "n_agents": 2, "n_workflows": 2, "r_min_workflow": 0.6},
+                   benchmark={"max_queries": 1})
+    run_rollout(ctx)
+    scores = {"r0-q0-a0-w0": 1.0, "r0-q0-a0-w1": 0.5, "r0-q0-a1-w0": 0.0, "r0-q0-a1-w1": 0.25}
+    ctx.store.write("scores", [dict(gen_id=g, rep=0, attempt=0, status="ok", score=x) for g, x in scores.items()],
+                    "t", 0)
+    ckpt = ctx.store.checkpoint_dir("t", 0)
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text("{}")
+    run_rollout(ctx.at_round(1))
+    wfs = ctx.store.read("generations", "t", 1).filter(kind_is("workflow"))
+    assert [sorted(ids) for ids in wfs["exemplar_ids"]] == [["r0-q0-a0-w0"]] * 4
+
+
 @pytest.mark.parametrize("case", ["adapter", "backend", "template", "server"])
 def test_bad_input_writes_nothing(tmp_path, fake, monkeypatch, case, request):
     fake()
@@ -264,6 +326,25 @@ def test_real_transformers_rollout_round0_and_adapter_round1(tmp_path, monkeypat
     assert t1[0] != t0[0]  # the adapter changed the policy
 
 
+def test_generator_adapter_samples_round_0_only(tmp_path, fake):
+    """generator.adapter is the starting policy: round 0 samples with it (and trains from it), round 1 with round
+    0's checkpoint, which training made from it. Sampling every round with it would leave π_old behind."""
+    gens = fake()
+    start = tmp_path / "sft"
+    start.mkdir()
+    (start / "adapter_config.json").write_text("{}")
+    ctx = make_ctx(tmp_path, generator={"adapter": str(start)})
+    run_rollout(ctx)
+    assert {c[2] for c in gens[-1].calls} == {str(start.resolve())}
+    assert set(ctx.store.read("generations", "t", 0)["adapter_round"].to_list()) == {None}
+    ckpt = ctx.store.checkpoint_dir("t", 0)
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text("{}")
+    run_rollout(ctx.at_round(1))
+    assert {c[2] for c in gens[-1].calls} == {str(ckpt.resolve())}
+    assert set(ctx.store.read("generations", "t", 1)["adapter_round"].to_list()) == {0}
+
+
 def _two_rounds(ctx: RunContext) -> None:
     """Round 0 rolled out and scored, a stand-in checkpoint, then round 1 rolled out."""
     run_rollout(ctx)
@@ -274,9 +355,11 @@ def _two_rounds(ctx: RunContext) -> None:
     run_rollout(ctx.at_round(1))
 
 
-def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake):
+@pytest.mark.parametrize("exemplars", ["buckets", "none"])
+def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake, exemplars):
     """Checkpoint 0 samples round 1 in training; its evaluation (same queries here) must see the same prompts,
-    exemplars included; the base model's evaluation sees round 0's prompts (no exemplars)."""
+    exemplars included (buckets) or none in any round (none, SPOGW); the base model's evaluation sees round 0's
+    prompts (no exemplars)."""
     import yaml
 
     from pipeline.evaluate import open_eval_run
@@ -285,12 +368,15 @@ def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake):
     fake()
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"run_id": "t", "store": {"root": str(tmp_path)}, "benchmark": {"max_queries": 2},
-                                   "generator": {"batch_size": 2}, "rollout": {"m": 3}}))
+                                   "generator": {"batch_size": 2}, "rollout": {"m": 3, "exemplars": exemplars}}))
     ctx = open_run(cfg, "t", 0)
     _two_rounds(ctx)
     train = ctx.store.read("generations", "t", 1).group_by("query_id").agg(pl.col("prompt_text").first(),
                                                                           pl.col("exemplar_ids").first())
-    assert [len(ids) for ids in train.sort("query_id")["exemplar_ids"]] == [2, 1]  # round 1's prompts: exemplars
+    # round 1's training prompts carry exemplars with buckets (q1's pool: all invalid, one bucket), none without
+    assert [len(ids) for ids in train.sort("query_id")["exemplar_ids"]] == ([2, 1] if exemplars == "buckets"
+                                                                            else [0, 0])
+    assert all(("Score " in p) == (exemplars == "buckets") for p in train["prompt_text"])
 
     ev = open_eval_run(str(tmp_path), "t", 0, split="validate")
     run_rollout(ev)
@@ -308,7 +394,7 @@ def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake):
 
 def test_exemplars_switch_off_gives_round0_prompts_in_every_round(tmp_path, fake):
     fake()
-    ctx = make_ctx(tmp_path, rollout={"exemplars": False})
+    ctx = make_ctx(tmp_path, rollout={"exemplars": "none"})
     _two_rounds(ctx)
     p0 = sorted(set(ctx.store.read("generations", "t", 0)["prompt_text"]))
     p1 = sorted(set(ctx.store.read("generations", "t", 1)["prompt_text"]))

@@ -250,10 +250,165 @@ def test_two_level_sequences_carry_their_level_advantage(tmp_path):
     run_curate(ctx)
     seqs, info = load_sequences(ctx)
     adv = {s.gen_id: s.advantage for s in seqs}
-    # agents: rewards [.5, 1] -> A^A = [-1, 1]; workflows [1, 0, 1] (batch): mean 2/3, std sqrt(2/9)
-    assert adv["A0"] == pytest.approx(-1.0, abs=1e-5) and adv["A1"] == pytest.approx(1.0, abs=1e-5)
+    # workflow scores [1, 0, 1] (batch): r̄ = 2/3, σ = sqrt(2/9); agent rewards [.5, 1] use the same r̄, σ
     sw = np.sqrt(2 / 9)
+    assert adv["A0"] == pytest.approx(-(1 / 6) / sw, abs=1e-5) and adv["A1"] == pytest.approx((1 / 3) / sw, abs=1e-5)
     assert adv["w00"] == pytest.approx((1 / 3) / sw, abs=1e-5) and adv["w01"] == pytest.approx(-(2 / 3) / sw, abs=1e-5)
     assert "w10" not in adv and info == {"sequences_truncated": 4, "sequences_dropped": 1,
                                         "distinct_workflows": 4, "distinct_queries": 1}
     assert all(s.prompt_ids == [1, 2] and s.completion_ids == [3] for s in seqs)  # completion tail cut to the cap
+
+
+# ---- a tiny random model: the train stage's wiring in seconds -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A 2-layer random llama folder with the embedded model's tokenizer (a local model ref)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.models import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    cfg = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _two_level_round(tmp_path, tiny_model, sets=()):
+    """Plans A0 (workflows scoring 1, 0) and A1 (one workflow scoring 1), curated."""
+    from test_curate import _ctx, _gen, _score
+
+    from pipeline.curate import run_curate
+
+    ctx = _ctx(tmp_path, ["rollout.mode=two_level", f"generator.model={tiny_model}", *sets])
+    gens = [_gen("A0", "q", 0, "agent"), _gen("A1", "q", 1, "agent"),
+            _gen("w00", "q", 0, parent="A0"), _gen("w01", "q", 1, parent="A0"), _gen("w10", "q", 0, parent="A1")]
+    ctx.store.write("generations", gens, ctx.run_id, 0)
+    ctx.store.write("scores", [_score("w00", score=1.0), _score("w01", score=0.0), _score("w10", score=1.0)],
+                    ctx.run_id, 0)
+    run_curate(ctx)
+    return ctx
+
+
+@pytest.mark.parametrize("mbs, accum", [(5, 1), (2, 3)])
+def test_two_level_first_step_loss_is_the_proposals(tmp_path, tiny_model, mbs, accum):
+    """At step 1 ρ = 1 and k3 = 0, so L = -(w_A mean_i A^A_i + w_W mean_ij A^W_ij) over the step's sequences,
+    however they are cut into micro-batches. Workflow scores [1, 0, 1]: r̄ = 2/3, σ = sqrt(2/9); A^A of the
+    rewards [.5, 1] = [-1/6, 1/3]/σ (mean 1/12/σ), A^W = [1/3, -2/3, 1/3]/σ (mean 0): L = -(1/12)/σ = -0.1768.
+    Pooling the five sequences as equals gave -(1/6)/σ/5 = -0.0707."""
+    from pipeline.train import run_train
+
+    ctx = _two_level_round(tmp_path, tiny_model, [f"training.micro_batch_size={mbs}", f"training.grad_accum={accum}"])
+    run_train(ctx)
+    m = ctx.store.read("train_metrics", ctx.run_id, 0).sort("step")
+    sigma = np.sqrt(2 / 9)
+    assert m.height == 1 and m["loss"][0] == pytest.approx(-(1 / 12) / sigma, abs=1e-5)
+    assert m["pg_loss"][0] == pytest.approx(-(1 / 12) / sigma, abs=1e-5)
+    # the weights of both terms come from the config: the agent term counts twice
+    ctx2 = _two_level_round(tmp_path, tiny_model, [f"training.micro_batch_size={mbs}", "training.grad_accum=3",
+                                                   "training.two_level.agent_weight=2"])
+    run_train(ctx2)
+    assert ctx2.store.read("train_metrics", ctx2.run_id, 0)["loss"][0] == pytest.approx(-(2 / 12) / sigma, abs=1e-5)
+
+
+def test_step_weights_and_kl_masks_follow_the_levels():
+    from pipeline.config import RunConfig
+    from pipeline.train import kl_masks, step_weights
+
+    tc = RunConfig.model_validate({"training": {"two_level": {"workflow_kl_mask": True}}}).training
+    seqs = [TrainSequence("a", [1], [2, 3], 0.5, None, "agent"), TrainSequence("w0", [1], [2], 1.0, None, "workflow"),
+            TrainSequence("w1", [1], [2, 3, 4, 5], -1.0, None, "workflow")]
+    # c = w_l / (n_l T_b): agent 1/(1*2); workflows 1/(2*1), 1/(2*4)
+    assert step_weights(seqs, [[2, 0], [1]], tc) == pytest.approx({2: 1 / 8, 0: 1 / 2, 1: 1 / 2})
+    assert kl_masks(seqs, tc).tolist() == [False, True, True]  # agent KL unmasked, workflow KL masked
+    flat = [TrainSequence("f", [1], [2], 1.0, None)]
+    assert step_weights(flat, [[0]], tc) is None and kl_masks(flat, tc) is True
+
+
+def _random_adapter(model_ref: str, path, dropout: float = 0.05, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    """A rank-4 LoRA adapter with random B (it changes outputs), saved with `dropout`; returns its B weights."""
+    from peft import LoraConfig, get_peft_model
+
+    from pipeline.models import load_causal_lm
+
+    torch.manual_seed(1)
+    model = get_peft_model(load_causal_lm(model_ref, device="cpu"),
+                           LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, scale)
+    model.save_pretrained(str(path))
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+
+
+def _flat_round(ctx) -> None:
+    from test_curate import _gen, _score
+
+    from pipeline.curate import run_curate
+
+    ctx.store.write("generations", [_gen(f"w{i}", "q", i) for i in range(3)], ctx.run_id, ctx.round)
+    ctx.store.write("scores", [_score(f"w{i}", score=float(i % 2)) for i in range(3)], ctx.run_id, ctx.round)
+    run_curate(ctx)
+
+
+def test_first_step_ratio_is_one_from_a_trained_adapter(tmp_path, tiny_model):
+    """Round 1 starts from round 0's adapter (random B, saved with the former default dropout 0.05). π_old is
+    computed in eval mode, π_θ in train mode: with the default dropout 0 (which replaces the adapter's) they agree,
+    ρ = 1 within 1e-5 at step 1. With dropout 0.1 the same step is off by far more."""
+    from test_curate import _ctx
+
+    from pipeline.train import run_train
+
+    for dropout, off in ((None, False), (0.1, True)):
+        sets = [f"generator.model={tiny_model}", "training.micro_batch_size=2", "training.grad_accum=2"]
+        ctx = _ctx(tmp_path, sets + ([f"training.lora_dropout={dropout}"] if dropout else [])).at_round(1)
+        _random_adapter(tiny_model, ctx.store.checkpoint_dir(ctx.run_id, 0))
+        _flat_round(ctx)
+        run_train(ctx)
+        first = ctx.store.read("train_metrics", ctx.run_id, 1).sort("step").row(0, named=True)
+        if off:
+            assert first["ratio_dev"] > 1e-3
+        else:
+            assert first["ratio_dev"] <= 1e-5 and first["clip_frac"] == 0.0 and abs(first["kl"]) <= 1e-9
+
+
+def test_round_0_trains_from_generator_adapter(tmp_path, tiny_model):
+    """generator.adapter samples round 0, so round 0 trains from it (π_old = it): its B weights, its rank (4, not
+    the config's 8), this run's dropout, and ρ = 1 at step 1."""
+    import json
+
+    from test_curate import _ctx
+
+    from pipeline.train import load_policy, run_train
+
+    start = tmp_path / "sft-adapter"
+    want = _random_adapter(tiny_model, start)
+    ctx = _ctx(tmp_path, [f"generator.model={tiny_model}", f"generator.adapter={start}"])
+    model = load_policy(ctx, "cpu")
+    got = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert model.peft_config["default"].lora_dropout == 0.0 and model.peft_config["default"].r == 4
+    _flat_round(ctx)
+    run_train(ctx)
+    assert ctx.store.read("train_metrics", ctx.run_id, 0).sort("step")["ratio_dev"][0] <= 1e-5
+    assert json.loads((ctx.store.checkpoint_dir(ctx.run_id, 0) / "adapter_config.json").read_text())["r"] == 4
+    # a missing generator.adapter is refused with its path
+    bad = _ctx(tmp_path, [f"generator.model={tiny_model}", f"generator.adapter={tmp_path / 'nope'}"])
+    with pytest.raises(RuntimeError, match="trains from the adapter .*nope.*generator.adapter must name"):
+        load_policy(bad, "cpu")
+
+
+def test_logprob_batches_lay_out_the_first_step_as_training_does():
+    from pipeline.train import logprob_batches
+
+    seqs = [TrainSequence(g, [1], [2], 0.0, None) for g in ["a", "b", "a", "c", "d", "b"]]
+    # step 1's micro-batches as they are (index 2 and 0 are both "a": each keeps its own row), then one
+    # sequence per generation not in step 1 (b at 1, c at 3; 5 is b again), two at a time
+    assert logprob_batches(seqs, [[2, 0], [4]], 2) == [[2, 0], [4], [1, 3]]
+    assert logprob_batches(seqs, [], 4) == [[0, 1, 3, 4]]
