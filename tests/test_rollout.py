@@ -198,8 +198,8 @@ def test_round1_exemplars_come_from_round0_scores(tmp_path, fake):
     r0_agents = set(ctx.store.read("generations", "t", 0).filter(kind_is("agent"))["gen_id"])
     for q, ids, prompt in zip(agents["query_id"], agents["exemplar_ids"], agents["prompt_text"], strict=True):
         assert len(ids) == n_exemplars(q) and set(ids) <= r0_agents and "Score " in prompt
-    for ids in wfs["exemplar_ids"]:  # every agent's plan text is the same: one pool over both queries
-        assert len(ids) == 2 and set(ids) <= set(gids)
+    for q, ids in zip(wfs["query_id"], wfs["exemplar_ids"], strict=True):  # D_W of the agent shown to the plan
+        assert len(ids) == n_exemplars(q) and set(ids) <= set(gids)
 
 
 class NumberedPlans(FakeGen):
