@@ -326,6 +326,7 @@ def evaluate(
         summ = evaluate_round(store, run_id, round, split, sets or [])
     except (ConfigError, StageError) as e:
         _fail(str(e))
+    sel = f", Sel@L {summ['select_at_l']}" if "select_at_l" in summ else ""  # two-level: best agent's best workflow
     typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, held-out Mean@L {summ['mean_at_l']}, Best@L "
-               f"{summ['best_at_l']}, valid {summ['valid_share']}, status {summ['status']} (per query: pipeline sql "
-               f"over run {summ['eval_run_id']})")
+               f"{summ['best_at_l']}{sel}, valid {summ['valid_share']}, status {summ['status']} (per query: pipeline "
+               f"sql over run {summ['eval_run_id']})")

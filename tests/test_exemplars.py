@@ -111,4 +111,5 @@ def test_pools_from_earlier_rounds(tmp_path):
     assert {a: [s.gen_id for s in v] for a, v in strict.workflows_by_agent.items()} == {"a0": ["w00"]}
     assert {s.gen_id for s in strict.workflows} == {"w2"}
     assert strict.buffer_agent(["a1"]) is None  # a1's buffer is empty: no workflow exemplars
-    assert load_pools(st, "run", 2).workflows_by_agent  # rounds < k, not only k-1
+    later = load_pools(st, "run", 2)  # rounds < k, not only k-1: round 0's pools are still there
+    assert {a: {x.gen_id: x.score for x in v} for a, v in later.workflows_by_agent.items()} == d_w
