@@ -77,7 +77,8 @@ def test_gradient_vanishes_on_clipped_tokens_both_sides():
 def test_no_reference_means_no_kl():
     logp, old, _, adv, mask = _case()
     terms = grpo_mkl_terms(logp, old, None, adv, mask, beta=0.1, clip_eps=0.2)
-    assert terms.kl.item() == 0.0 and terms.loss.item() == pytest.approx(terms.pg_loss.item())
+    # the same per-token pg as test_sequence_norm_masked_kl_hand_computed: -(2.8/3 - 2.3)/2, and nothing else
+    assert terms.kl.item() == 0.0 and terms.loss.item() == pytest.approx(-(2.8 / 3 - 2.3) / 2, abs=1e-12)
 
 
 def test_ratio_one_gives_advantage_weighted_objective():
