@@ -55,6 +55,9 @@ def sandbox_procs(uids) -> list[int]:
 
 
 BENIGN = "async def solve(problem):\n    return problem[::-1]\n"
+# forks until RLIMIT_NPROC stops it; children keep forking and sleeping
+FORK_BOMB = ("import os, time\nasync def solve(problem):\n    while True:\n        try:\n            os.fork()\n"
+             "        except OSError:\n            time.sleep(0.2)\n")
 
 
 def run_next_to_benign(sb: Sandbox, code: str, problem: str = "abc", limits: Limits = LIMITS):
@@ -91,10 +94,7 @@ def test_memory_bomb(sandbox):
 def test_fork_bomb(sandbox):
     if not isolated(sandbox):
         pytest.skip("needs privilege drop to a dedicated uid (RLIMIT_NPROC is not enforced for root)")
-    # the bomb forks until RLIMIT_NPROC stops it; children keep forking and sleeping
-    code = ("import os, time\nasync def solve(problem):\n    while True:\n        try:\n            os.fork()\n"
-            "        except OSError:\n            time.sleep(0.2)\n")
-    r = run_next_to_benign(sandbox, code, limits=SHORT)
+    r = run_next_to_benign(sandbox, FORK_BOMB, limits=SHORT)
     assert r.status in ("timeout", "killed", "exec_error")
 
 
@@ -239,3 +239,32 @@ def test_scoring_stage_goes_on_after_hostile_rows(sandbox):
     assert [r.status if r.status != "timeout" else "killed" for r in res[:6]] == ["killed", "exec_error",
                                                                                  "exec_error"] * 2
     assert [r.answer for r in res[6:]] == [str(i)[::-1] for i in range(6)]
+
+
+def test_two_sandboxes_fork_bombing_at_once(sandbox):
+    """Two scoring processes on one machine: each has its own zygote and uids. Right after each of its runs
+    returns, nothing of that sandbox's uids may be alive, while the other sandbox keeps bombing. (Before the
+    sweep waited for its kills to land, killed bombs still exiting were seen here in every try.)"""
+    if not isolated(sandbox):
+        pytest.skip("needs privilege drop to a dedicated uid (RLIMIT_NPROC is not enforced for root)")
+    other = Sandbox()
+    other.ensure_started()
+    survivors: list[tuple[int, list[int]]] = []
+
+    async def bomb_repeatedly(sb: Sandbox, n: int) -> None:
+        for i in range(n):
+            r = await run_workflow(FORK_BOMB, "x", limits=dataclasses.replace(LIMITS, timeout_s=1.5), sandbox=sb)
+            assert r.status in ("timeout", "killed", "exec_error"), r
+            assert not r.details["exit"].get("unswept"), r.details
+            left = sandbox_procs(sb.uids)
+            if left:
+                survivors.append((i, left))
+
+    async def both():
+        await asyncio.gather(bomb_repeatedly(sandbox, 4), bomb_repeatedly(other, 4))
+    try:
+        asyncio.run(both())
+    finally:
+        other.close()
+    assert survivors == [], "sandbox processes survived their run's end"
+    assert not set(sandbox.uids) & set(other.uids)  # the two pools never shared a uid

@@ -270,7 +270,8 @@ class Sandbox:
                 out["oversized"] = True  # an over-long or malformed line: the child is not trusted further
             _kill_group(pid)
             raw = await asyncio.wait_for(loop.sock_recv(st_ours, 65536), 30)
-            out["exit"] = json.loads(raw)["exit"] if raw else {"lost": "sandbox supervisor died"}
+            msg = json.loads(raw) if raw else {"exit": {"lost": "sandbox supervisor died"}}
+            out["exit"] = {**msg["exit"], "swept_rounds": msg.get("swept_rounds")} if raw else msg["exit"]
         finally:
             for t in tasks:
                 t.cancel()
@@ -279,8 +280,8 @@ class Sandbox:
             else:
                 run_ours.close()
             st_ours.close()
-            if out["exit"] is not None or pid is None:
-                self._uids.release(uid)
+            if pid is None or (out["exit"] is not None and not out["exit"].get("unswept")):
+                self._uids.release(uid)  # an unswept uid (processes that would not die) is never reused
             elif pid is not None:  # cancelled mid-run: kill it; the uid stays out of the pool until exit
                 _kill_group(pid)
         out["wall_s"] = time.perf_counter() - t0

@@ -38,6 +38,7 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
+SWEEP_ROUNDS = 1000  # ~20 s of waiting for killed processes to exit before giving up on a uid
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -148,23 +149,19 @@ class Zygote:
                 run["exit"] = {"signal": os.WTERMSIG(st)} if os.WIFSIGNALED(st) else {"code": os.WEXITSTATUS(st)}
 
     def sweep(self, run: dict, pid: int) -> int:
-        """Kill every process left by a run; returns the kill rounds used."""
+        """Kill every process left by a run and wait until they are gone; returns the kill rounds used.
+        SIGKILL is not death: a killed process runs its exit path for a while (long on a loaded machine,
+        with another sandbox's fork bomb competing for the CPU) and is counted against its uid's
+        RLIMIT_NPROC until it is reaped. Reporting the run's end before that let a reused uid start with
+        a dying predecessor still on the books, so a run ends only once its uid holds no process."""
         if self.privileged:
-            # A helper with the run's uid calls kill(-1): that signals exactly the processes of that uid,
-            # atomically w.r.t. fork (a forking parent hit by SIGKILL aborts the fork). kill(-1) reports
-            # success whenever other processes exist, so it cannot tell whether it found any: two rounds.
-            helper = os.fork()
-            if helper == 0:
-                try:
-                    os.setresgid(run["uid"], run["uid"], run["uid"])
-                    os.setresuid(run["uid"], run["uid"], run["uid"])
-                    for _ in range(2):
-                        os.kill(-1, signal.SIGKILL)
-                finally:
-                    os._exit(0)
-            os.waitpid(helper, 0)
-            self.reap()
-            return 2
+            for rounds in range(1, SWEEP_ROUNDS + 1):
+                if self._kill_uid(run["uid"]):
+                    return rounds
+                self.reap()  # zombies of the uid re-parented to us count until reaped
+                time.sleep(0.001 * min(rounds, 20))  # let the dying exit; no hot loop on a busy machine
+            run["unswept"] = True
+            return SWEEP_ROUNDS
         for rounds in range(500):
             found = _kill_group(pid) | self._kill_orphans()
             self.reap()
@@ -172,6 +169,33 @@ class Zygote:
                 return rounds
             time.sleep(0.001)
         return 500
+
+    def _kill_uid(self, uid: int) -> bool:
+        """A helper with the run's uid calls kill(-1): that signals exactly the processes of that uid,
+        atomically w.r.t. fork (a forking parent hit by SIGKILL aborts the fork). kill(-1) reports success
+        whenever other processes exist, so it cannot tell whether it found any; instead the helper probes
+        with a fork under RLIMIT_NPROC=2, which succeeds only if it is the uid's sole process (the count
+        includes dying and zombie ones). True when the uid is empty."""
+        helper = os.fork()
+        if helper == 0:
+            code = 1
+            try:
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+                for _ in range(2):
+                    os.kill(-1, signal.SIGKILL)
+                resource.setrlimit(resource.RLIMIT_NPROC, (2, 2))
+                probe = os.fork()
+                if probe == 0:
+                    os._exit(0)
+                os.waitpid(probe, 0)
+                code = 0
+            except BlockingIOError:  # EAGAIN: another process of the uid is still counted
+                code = 1
+            finally:
+                os._exit(code)
+        _, st = os.waitpid(helper, 0)
+        return os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0
 
     def _kill_orphans(self) -> bool:
         """Unprivileged fallback: orphans re-parented to this subreaper that are not runs."""
@@ -208,6 +232,8 @@ class Zygote:
             if self.privileged:
                 run["exit"]["leftover"] = self._leftovers(run["uid"])
             swept = self.sweep(run, pid)
+            if run.get("unswept"):  # the parent keeps this uid out of its pool
+                run["exit"]["unswept"] = True
             self._cleanup_workdir(run["workdir"])
             with contextlib.suppress(OSError):
                 _send(run["status"], {"exit": run["exit"], "swept_rounds": swept})
