@@ -33,11 +33,14 @@ import time
 
 # Pre-imported for the children (a fork inherits them).
 from pipeline.sandbox import child  # noqa: F401  (stdlib-only module)
+from pipeline.sandbox.view import View
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
+NO_VIEW = ("NO FILE VIEW: workflows can read every file the sandbox uid can read, e.g. world-readable benchmark "
+           "hidden tests in site-packages, the store's Parquet parts, configs and the repository")
 SWEEP_ROUNDS = 1000  # ~20 s of waiting for killed processes to exit before giving up on a uid
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 
@@ -62,16 +65,16 @@ def _prctl(option: int, arg: int) -> int:
 
 
 class Zygote:
-    def __init__(self, ctl: socket.socket):
+    def __init__(self, ctl: socket.socket, deny: list[str] | None = None):
         self.ctl = ctl
         self.privileged = os.geteuid() == 0
         self.iso: dict = {"privilege_drop": self.privileged, "uid_sweep": self.privileged, "notes": []}
         self.runs: dict[int, dict] = {}  # pid -> {status: socket, uid, workdir, exit}
         self.tmp_mounts = False
-        self._isolate()
+        self._isolate(deny or [])
 
     # ---- one-time isolation of the zygote (inherited by every child) -------------------------
-    def _isolate(self) -> None:
+    def _isolate(self, deny: list[str]) -> None:
         notes = self.iso["notes"]
         if not self.privileged:
             notes.append("not root: no privilege drop; runs share the user's uid (kill by process group only)")
@@ -82,28 +85,44 @@ class Zygote:
         mnt = _libc.unshare(CLONE_NEWNS) == 0 and _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
         self.iso["mount_namespace"] = mnt
         ro = tmp = False
-        hidden: list[str] = []
         if mnt:
-            hidden = _expose_python()
-            ro = _libc.mount(b"none", b"/", None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) == 0
-            if not ro:
-                notes.append(_err("root file system stays writable"))
+            ro = self._file_system(deny)
             tmp = all(_mount_tmpfs(d, "size=64m,mode=1777") for d in ("/tmp", "/var/tmp", "/dev/shm")
                       if os.path.isdir(d))
             if not tmp:
                 notes.append(_err("shared tmp dirs stay on disk"))
         else:
+            self.iso["file_view"] = False
             notes.append(_err("no mount namespace: work dirs are plain dirs without a size quota"))
+            notes.append(NO_VIEW)
         self.iso["readonly_root"], self.iso["private_tmp"] = ro, tmp
-        self.iso["hidden_dirs"] = hidden
-        if self.privileged and not hidden and _blocked(_python_paths()):
-            notes.append("the Python install is not readable by the sandbox uid: only pre-imported modules work")
         self.tmp_mounts = mnt and tmp
         base = tempfile.gettempdir() if tmp else tempfile.mkdtemp(prefix="pipeline-sbx-")
         self.base = os.path.join(base, ".runs") if tmp else base
         os.makedirs(self.base, mode=0o711, exist_ok=True)
         if _prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:
             notes.append(_err("not a subreaper: orphans are reaped by init"))
+
+    def _file_system(self, deny: list[str]) -> bool:
+        """The deny-by-default view (view.py); failing that, the whole root read-only, with the Python
+        install exposed where its ancestors are closed. Returns whether the root is read-only."""
+        notes = self.iso["notes"]
+        try:
+            self.iso["view"] = View(deny).build()
+            self.iso["file_view"], self.iso["hidden_dirs"] = True, []
+            if self.iso["view"]["not_masked"]:
+                notes.append(f"file view: could not hide {self.iso['view']['not_masked']} (they hold Python)")
+            return True
+        except OSError as e:
+            self.iso["file_view"] = False
+            notes.append(f"file view failed ({e}); {NO_VIEW}")
+        self.iso["hidden_dirs"] = hidden = _expose_python()
+        if self.privileged and not hidden and _blocked(_python_paths()):
+            notes.append("the Python install is not readable by the sandbox uid: only pre-imported modules work")
+        ro = _libc.mount(b"none", b"/", None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) == 0
+        if not ro:
+            notes.append(_err("root file system stays writable"))
+        return ro
 
     # ---- per run ---------------------------------------------------------------------------------
     def _workdir(self, uid: int, disk_mb: int) -> str:
@@ -369,7 +388,8 @@ def _child_setup(uid: int, workdir: str, limits: dict, privileged: bool) -> None
 
 def main() -> None:
     ctl = socket.socket(fileno=int(sys.argv[1]))
-    Zygote(ctl).serve()
+    deny = json.loads(sys.argv[2]) if len(sys.argv) > 2 else []  # paths the view must not show
+    Zygote(ctl, deny).serve()
 
 
 if __name__ == "__main__":
