@@ -23,6 +23,7 @@ records them. Exit status 1 if any check failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -45,7 +46,7 @@ KEYS = {"queries": ("split", "query_id"), "generations": ("gen_id",), "scores": 
         "groups": ("group_id",), "train_metrics": ("step",), "checkpoints": ("path",)}
 # Kill moments are drawn uniformly in [0, STAGE_S] after the stage starts: about each stage's wall time in
 # these trials on the 2-core machine (a kill after the stage ended is recorded as landing in a later one).
-STAGE_S = {"rollout": 40.0, "score": 30.0, "curate": 2.0, "train": 15.0}
+STAGE_S = {"rollout": 60.0, "score": 30.0, "curate": 2.0, "train": 15.0}
 OWNER = {"groups": "curate", "train_metrics": "train", "checkpoints": "train"}  # tables redone if unfinished
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 # Hand-written workflows on basic_arithmetic: exact (score 1), one executor call (varies), slow and wrong.
@@ -223,9 +224,9 @@ def prepare(trial: Path, stage: str, finished: Path | None, rng: random.Random) 
     if stage == "evaluate":  # the finished, trained run of a train trial: its evaluation is the victim
         root = finished / "runs"
         cmd = ["evaluate", "chaos", "--round", "0", "--split", "test", "--store", str(root)]
-        return cmd, root, "chaos-eval-r0", rng.choice(["rollout", "score"])
-    if stage == "rollout":
-        cfg = write_config(trial, 1)
+        return cmd, root, "chaos-eval-r0", "rollout"  # its scoring of untrained samples takes < 1 s
+    if stage == "rollout":  # one sample per generate call: a kill can land between written batches
+        cfg = write_config(trial, 2, benchmark={"size": 20}, generator={"batch_size": 1})
     else:
         cfg = write_config(trial, 4, benchmark={"size": 20}, scoring={"batch_size": 1, "concurrency": 1, "reps": 2})
         scripted_rollout(cfg, "chaos", SCRIPTED)
@@ -269,7 +270,8 @@ def wait_and_kill(proc, marks: list[str], store: Store, run_id: str, watched: st
     end = time.time() + delay
     while time.time() < end and proc.poll() is None:
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # it may have finished first: recorded as "finished"
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     return next((s for s in STAGES if store.manifest(run_id, 0, s) is None), "finished")
 
@@ -281,6 +283,96 @@ def orphans(marks: list[str], rec: dict, after_resume: bool = False) -> list[str
         time.sleep(0.1)
     rec["orphans_gone_s" if not after_resume else "orphans_gone_after_resume_s"] = round(time.time() - t0, 2)
     return [f"orphan processes: {sorted({_cmd(p)[:120] for p in left})}"] if left else []
+
+
+# ---- Prefect: kill -9 of the serve process (with its flow run) or of the server ----------------------------
+class Prefect:
+    """A private Prefect server (own PREFECT_HOME, free port) and `python -m flows.serve`."""
+
+    def __init__(self, home: Path):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.home, self.procs = home, {}
+        self.env = {**ENV, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{self.port}/api",
+                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+    def start(self, what: str) -> None:
+        cmd = {"server": [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                          str(self.port)], "serve": [sys.executable, "-m", "flows.serve"]}[what]
+        env = {k: v for k, v in self.env.items() if not (what == "server" and k == "PREFECT_API_URL")}
+        with open(self.home / f"{what}.log", "ab") as f:
+            self.procs[what] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=f, start_new_session=True)
+        self._wait(what)
+
+    def _wait(self, what: str) -> None:
+        import urllib.request
+
+        for _ in range(600):
+            try:
+                if what == "server":
+                    urllib.request.urlopen(f"{self.env['PREFECT_API_URL']}/health", timeout=2)
+                elif self.cli("deployment", "inspect", "iterate/default").returncode == 0:
+                    return
+                else:
+                    time.sleep(1)
+                    continue
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"Prefect {what} did not come up (log {self.home / what}.log)")
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "prefect", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def kill(self, what: str) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.procs[what].pid, signal.SIGKILL)
+        self.procs[what].wait()
+
+    def stop(self) -> None:
+        for what in list(self.procs):
+            self.kill(what)
+
+
+def prefect_trial(out: Path, victim: str, i: int, rng: random.Random, pf: Prefect) -> dict:
+    """A deployment run of iterate/default killed with its serve process, or with the server, inside a stage;
+    the victim is restarted and the same run id is run again through the deployment, to the end."""
+    trial = out / f"prefect-{victim}-{i}"
+    trial.mkdir(parents=True)
+    cfg = write_config(trial, 4, benchmark={"size": 20}, scoring={"batch_size": 1, "concurrency": 1, "reps": 2})
+    scripted_rollout(cfg, "chaos", SCRIPTED)
+    store, marks = Store(trial / "runs"), [str(trial)]
+    watched = rng.choice(["score", "train"])
+    delay = rng.uniform(0, STAGE_S[watched])
+    rec = {"stage": f"prefect:{victim}", "trial": i, "watched": watched, "delay_s": round(delay, 2), "failures": []}
+    params = [x for kv in (f"config={cfg}", "run_id=chaos", "rounds=1", "retry_delay_s=1") for x in ("--param", kv)]
+    first = pf.cli("deployment", "run", "iterate/default", *params)
+    if first.returncode != 0:
+        return {**rec, "failures": [f"deployment run failed to start: {first.stderr[-500:]}"]}
+    t0 = time.time()
+    while not stage_running(marks, store, "chaos", watched) and time.time() - t0 < 900:
+        time.sleep(0.05)
+    time.sleep(delay)
+    rec["landed_in"] = next((s for s in STAGES if store.manifest("chaos", 0, s) is None), "finished")
+    pf.kill(victim)
+    if victim == "serve":  # the server lives on: the flow run it thought running is left as it is
+        rec["failures"] += orphans(marks, rec)
+    done_before, before = {s for s in STAGES if store.manifest("chaos", 0, s)}, keys(store, "chaos")
+    pf.start(victim)
+    if victim == "server":  # the serve process lost its server mid-run; its flow run may still be running
+        rec["failures"] += orphans(marks, rec)
+    t0 = time.time()
+    res = pf.cli("deployment", "run", "iterate/default", *params, "--watch", timeout=1200)
+    rec["resume_s"] = round(time.time() - t0, 1)
+    if res.returncode != 0:
+        rec["failures"].append(f"the re-run flow did not complete: {res.stdout[-800:]}")
+    rec["failures"] += check_store(store, "chaos", before, done_before) + check_checkpoint(store, "chaos")
+    rec["failures"] += orphans(marks, rec, after_resume=True)
+    return rec
 
 
 # ---- executor soak -------------------------------------------------------------------------------------------
@@ -368,6 +460,22 @@ def soak_checks(store: Store, runs: int) -> list[str]:
     return fails
 
 
+def prefect_trials(out: Path, n: int, rng: random.Random) -> list[dict]:
+    home = out / "prefect-home"
+    home.mkdir()
+    pf, recs = Prefect(home), []
+    try:
+        pf.start("server")
+        pf.start("serve")
+        for victim in ("serve", "server"):
+            for i in range(n):
+                recs.append(rec := prefect_trial(out, victim, i, rng, pf))
+                print(json.dumps(rec), flush=True)
+    finally:
+        pf.stop()
+    return recs
+
+
 # ---- main ----------------------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -377,6 +485,7 @@ def main() -> int:
     ap.add_argument("--stages", default="rollout,score,curate,train,evaluate")
     ap.add_argument("--soak", type=int, default=1000, help="Workflow runs in the executor soak (0: none).")
     ap.add_argument("--vllm", action="store_true", help="Also load one resumed checkpoint in vLLM (slow).")
+    ap.add_argument("--prefect", type=int, default=0, help="Trials per victim (serve, server) through Prefect.")
     a = ap.parse_args()
     if a.out.exists() and any(a.out.iterdir()):
         ap.error(f"--out {a.out} is not empty: give a fresh directory (trial stores are created there)")
@@ -393,16 +502,26 @@ def main() -> int:
                 ap.error("evaluate trials evaluate the finished runs of train trials: list train before evaluate")
             report["trials"].append(rec := kill_trial(a.out, stage, i, rng, finished))
             print(json.dumps(rec), flush=True)
+            save(a.out, report)  # a crash of the suite keeps the figures so far
+    if a.prefect:
+        report["trials"] += prefect_trials(a.out, a.prefect, rng)
     if a.vllm and (ck := next(iter(sorted(a.out.glob("train-*/runs/chaos/round=0/checkpoint"))), None)):
         report["vllm"] = check_vllm(ck) or "loaded"
     if a.soak:
         report["soak"] = soak(a.out, a.soak, a.seed)
         print(json.dumps(report["soak"]), flush=True)
-    failures = [f for t in report["trials"] for f in t["failures"]] + report.get("soak", {}).get("failures", [])
-    report["failures"] = failures
-    (a.out / "chaos.json").write_text(json.dumps(report, indent=2))
+    failures = save(a.out, report)
     print(f"{len(report['trials'])} kill trials, {len(failures)} failures; figures in {a.out / 'chaos.json'}")
     return 1 if failures else 0
+
+
+def save(out: Path, report: dict) -> list[str]:
+    report["failures"] = [f for t in report["trials"] for f in t["failures"]] + report.get("soak", {}).get(
+        "failures", [])
+    tmp = out / ".chaos.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, out / "chaos.json")
+    return report["failures"]
 
 
 if __name__ == "__main__":
