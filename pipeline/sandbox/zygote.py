@@ -92,7 +92,7 @@ class Zygote:
             if not tmp:
                 notes.append(_err("shared tmp dirs stay on disk"))
         else:
-            self.iso["file_view"] = False
+            self.iso["file_view"], self.iso["hidden_dirs"] = False, []
             notes.append(_err("no mount namespace: work dirs are plain dirs without a size quota"))
             notes.append(NO_VIEW)
         self.iso["readonly_root"], self.iso["private_tmp"] = ro, tmp
