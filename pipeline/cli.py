@@ -138,19 +138,21 @@ def train(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0
 
 @app.command()
 def sql(
-    query: str,
+    query: Annotated[str | None, typer.Argument(help="SQL to run; none: an interactive shell.")] = None,
     store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
     out: Annotated[Path | None, typer.Option("--out", help="Write the result to .csv/.json/.parquet.")] = None,
     limit: Annotated[int, typer.Option(help="Rows printed.")] = 50,
 ) -> None:
-    """SQL over the store's views (queries, generations, scores, latest_scores, groups, ...)."""
+    """SQL over the store's views (queries, generations, scores, latest_scores, groups, ...). Without a
+    query: a shell reading `;`-terminated statements until `.quit` or end of input."""
     import duckdb
-    from rich.console import Console
-    from rich.table import Table
 
     from pipeline.store import Store
 
     st = Store(store)
+    if query is None:
+        st.refresh_catalog()
+        return _sql_shell(st, limit)
     try:
         df = st.sql(query)
     except duckdb.Error as e:
@@ -163,10 +165,61 @@ def sql(
         writers[out.suffix](out)
         typer.echo(f"wrote {df.height} rows to {out}")
         return
+    _print_df(df, limit)
+
+
+def _print_df(df, limit: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(*df.columns, caption=f"{df.height} rows")
     for row in df.head(limit).iter_rows():
         table.add_row(*("" if v is None else str(v)[:80] for v in row))
     Console().print(table)
+
+
+def _sql_shell(st, limit: int) -> None:
+    """The SQL shell of `pipeline sql` with no query: one connection with the store's views (refreshed at
+    start), a SQL error costs that statement only. Works without the `duckdb` CLI."""
+    import duckdb
+
+    tty = sys.stdin.isatty()
+    if tty:
+        import readline  # noqa: F401  (line editing and history for input())
+
+        from pipeline.schema import TABLES
+
+        typer.echo(f"store {st.root}: views {', '.join([*TABLES, 'latest_scores'])}. End statements with ';', "
+                   ".quit to leave.")
+    con, buf = st.connect(), ""
+    try:
+        while True:
+            try:
+                line = input(("sql> " if not buf else "...> ") if tty else "")
+            except EOFError:
+                break
+            if not buf and line.strip() in (".quit", ".exit", "\\q"):
+                break
+            buf += line + "\n"
+            if buf.strip() and buf.rstrip().endswith(";"):
+                _shell_statement(con, buf, limit, duckdb.Error)
+                buf = ""
+        if buf.strip():  # a last statement without ';' at end of input
+            _shell_statement(con, buf, limit, duckdb.Error)
+    finally:
+        con.close()
+
+
+def _shell_statement(con, stmt: str, limit: int, error: type[Exception]) -> None:
+    import polars as pl
+
+    try:
+        rel = con.sql(stmt)
+    except error as e:
+        typer.secho(f"SQL error: {e}", fg=typer.colors.RED, err=True)
+        return
+    _print_df(rel.pl() if rel is not None else pl.DataFrame(), limit)
+
 
 
 @bench_app.command("store")

@@ -38,6 +38,10 @@ from pipeline.schema import TABLES, TRANSIENT_STATUSES, schema
 log = logging.getLogger(__name__)
 
 CATALOG = "catalog.duckdb"
+# The catalog's on-disk format. DuckDB 2.x writes storage version 69 by default, which no released `duckdb`
+# CLI on PyPI reads (duckdb-cli 1.5.6 reads 64..68): the README's `duckdb -readonly catalog.duckdb` failed.
+# It holds only views, so the oldest format (DuckDB >= 1.0 reads it) costs nothing.
+CATALOG_STORAGE = "v1.0.0"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a round's checkpoint is complete with these
 
 # A generation's score, the one definition: the mean over its reps' latest attempts, where an invalid workflow
@@ -254,13 +258,19 @@ class Store:
             con.close()
 
     def refresh_catalog(self) -> Path:
-        """Rebuild <root>/catalog.duckdb atomically for the `duckdb` CLI."""
+        """Rebuild <root>/catalog.duckdb atomically for the `duckdb` CLI, in a storage version that CLI reads
+        (see CATALOG_STORAGE)."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / CATALOG
         tmp = self.root / f".{CATALOG}.{uuid.uuid4().hex}.tmp"
-        con = duckdb.connect(str(tmp))
+        con = duckdb.connect()
         try:
+            path = str(tmp).replace("'", "''")
+            con.execute(f"ATTACH '{path}' AS cat (STORAGE_VERSION '{CATALOG_STORAGE}')")
+            con.execute("USE cat")
             self._create_views(con)
+            con.execute("USE memory")
+            con.execute("DETACH cat")
         finally:
             con.close()
         os.replace(tmp, final)

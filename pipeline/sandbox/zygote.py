@@ -33,11 +33,15 @@ import time
 
 # Pre-imported for the children (a fork inherits them).
 from pipeline.sandbox import child  # noqa: F401  (stdlib-only module)
+from pipeline.sandbox.view import View
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
+NO_VIEW = ("NO FILE VIEW: workflows can read every file the sandbox uid can read, e.g. world-readable benchmark "
+           "hidden tests in site-packages, the store's Parquet parts, configs and the repository")
+SWEEP_ROUNDS = 1000  # ~20 s of waiting for killed processes to exit before giving up on a uid
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -61,16 +65,16 @@ def _prctl(option: int, arg: int) -> int:
 
 
 class Zygote:
-    def __init__(self, ctl: socket.socket):
+    def __init__(self, ctl: socket.socket, deny: list[str] | None = None):
         self.ctl = ctl
         self.privileged = os.geteuid() == 0
         self.iso: dict = {"privilege_drop": self.privileged, "uid_sweep": self.privileged, "notes": []}
         self.runs: dict[int, dict] = {}  # pid -> {status: socket, uid, workdir, exit}
         self.tmp_mounts = False
-        self._isolate()
+        self._isolate(deny or [])
 
     # ---- one-time isolation of the zygote (inherited by every child) -------------------------
-    def _isolate(self) -> None:
+    def _isolate(self, deny: list[str]) -> None:
         notes = self.iso["notes"]
         if not self.privileged:
             notes.append("not root: no privilege drop; runs share the user's uid (kill by process group only)")
@@ -81,28 +85,44 @@ class Zygote:
         mnt = _libc.unshare(CLONE_NEWNS) == 0 and _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
         self.iso["mount_namespace"] = mnt
         ro = tmp = False
-        hidden: list[str] = []
         if mnt:
-            hidden = _expose_python()
-            ro = _libc.mount(b"none", b"/", None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) == 0
-            if not ro:
-                notes.append(_err("root file system stays writable"))
+            ro = self._file_system(deny)
             tmp = all(_mount_tmpfs(d, "size=64m,mode=1777") for d in ("/tmp", "/var/tmp", "/dev/shm")
                       if os.path.isdir(d))
             if not tmp:
                 notes.append(_err("shared tmp dirs stay on disk"))
         else:
+            self.iso["file_view"], self.iso["hidden_dirs"] = False, []
             notes.append(_err("no mount namespace: work dirs are plain dirs without a size quota"))
+            notes.append(NO_VIEW)
         self.iso["readonly_root"], self.iso["private_tmp"] = ro, tmp
-        self.iso["hidden_dirs"] = hidden
-        if self.privileged and not hidden and _blocked(_python_paths()):
-            notes.append("the Python install is not readable by the sandbox uid: only pre-imported modules work")
         self.tmp_mounts = mnt and tmp
         base = tempfile.gettempdir() if tmp else tempfile.mkdtemp(prefix="pipeline-sbx-")
         self.base = os.path.join(base, ".runs") if tmp else base
         os.makedirs(self.base, mode=0o711, exist_ok=True)
         if _prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:
             notes.append(_err("not a subreaper: orphans are reaped by init"))
+
+    def _file_system(self, deny: list[str]) -> bool:
+        """The deny-by-default view (view.py); failing that, the whole root read-only, with the Python
+        install exposed where its ancestors are closed. Returns whether the root is read-only."""
+        notes = self.iso["notes"]
+        try:
+            self.iso["view"] = View(deny).build()
+            self.iso["file_view"], self.iso["hidden_dirs"] = True, []
+            if self.iso["view"]["not_masked"]:
+                notes.append(f"file view: could not hide {self.iso['view']['not_masked']} (they hold Python)")
+            return True
+        except OSError as e:
+            self.iso["file_view"] = False
+            notes.append(f"file view failed ({e}); {NO_VIEW}")
+        self.iso["hidden_dirs"] = hidden = _expose_python()
+        if self.privileged and not hidden and _blocked(_python_paths()):
+            notes.append("the Python install is not readable by the sandbox uid: only pre-imported modules work")
+        ro = _libc.mount(b"none", b"/", None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) == 0
+        if not ro:
+            notes.append(_err("root file system stays writable"))
+        return ro
 
     # ---- per run ---------------------------------------------------------------------------------
     def _workdir(self, uid: int, disk_mb: int) -> str:
@@ -148,23 +168,19 @@ class Zygote:
                 run["exit"] = {"signal": os.WTERMSIG(st)} if os.WIFSIGNALED(st) else {"code": os.WEXITSTATUS(st)}
 
     def sweep(self, run: dict, pid: int) -> int:
-        """Kill every process left by a run; returns the kill rounds used."""
+        """Kill every process left by a run and wait until they are gone; returns the kill rounds used.
+        SIGKILL is not death: a killed process runs its exit path for a while (long on a loaded machine,
+        with another sandbox's fork bomb competing for the CPU) and is counted against its uid's
+        RLIMIT_NPROC until it is reaped. Reporting the run's end before that let a reused uid start with
+        a dying predecessor still on the books, so a run ends only once its uid holds no process."""
         if self.privileged:
-            # A helper with the run's uid calls kill(-1): that signals exactly the processes of that uid,
-            # atomically w.r.t. fork (a forking parent hit by SIGKILL aborts the fork). kill(-1) reports
-            # success whenever other processes exist, so it cannot tell whether it found any: two rounds.
-            helper = os.fork()
-            if helper == 0:
-                try:
-                    os.setresgid(run["uid"], run["uid"], run["uid"])
-                    os.setresuid(run["uid"], run["uid"], run["uid"])
-                    for _ in range(2):
-                        os.kill(-1, signal.SIGKILL)
-                finally:
-                    os._exit(0)
-            os.waitpid(helper, 0)
-            self.reap()
-            return 2
+            for rounds in range(1, SWEEP_ROUNDS + 1):
+                if self._kill_uid(run["uid"]):
+                    return rounds
+                self.reap()  # zombies of the uid re-parented to us count until reaped
+                time.sleep(0.001 * min(rounds, 20))  # let the dying exit; no hot loop on a busy machine
+            run["unswept"] = True
+            return SWEEP_ROUNDS
         for rounds in range(500):
             found = _kill_group(pid) | self._kill_orphans()
             self.reap()
@@ -172,6 +188,25 @@ class Zygote:
                 return rounds
             time.sleep(0.001)
         return 500
+
+    def _kill_uid(self, uid: int) -> bool:
+        """A helper with the run's uid calls kill(-1): that signals exactly the processes of that uid,
+        atomically w.r.t. fork (a forking parent hit by SIGKILL aborts the fork). kill(-1) reports success
+        whenever other processes exist, so it cannot tell whether it found any: the helper then probes
+        whether it is the uid's sole process (see _sole_process). True when the uid is empty."""
+        helper = os.fork()
+        if helper == 0:
+            code = 1
+            try:
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+                for _ in range(2):
+                    os.kill(-1, signal.SIGKILL)
+                code = 0 if _sole_process() else 1
+            finally:
+                os._exit(code)
+        _, st = os.waitpid(helper, 0)
+        return os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0
 
     def _kill_orphans(self) -> bool:
         """Unprivileged fallback: orphans re-parented to this subreaper that are not runs."""
@@ -208,6 +243,8 @@ class Zygote:
             if self.privileged:
                 run["exit"]["leftover"] = self._leftovers(run["uid"])
             swept = self.sweep(run, pid)
+            if run.get("unswept"):  # the parent keeps this uid out of its pool
+                run["exit"]["unswept"] = True
             self._cleanup_workdir(run["workdir"])
             with contextlib.suppress(OSError):
                 _send(run["status"], {"exit": run["exit"], "swept_rounds": swept})
@@ -300,6 +337,26 @@ def _expose_python() -> list[str]:
     return covered
 
 
+def _sole_process() -> bool:
+    """Whether the calling process is the only one of its uid. Under RLIMIT_NPROC=2 a new process can be
+    created only if the uid has no other (dying and zombie processes count until reaped). posix_spawn
+    clones with CLONE_VM (no page tables copied, unlike a fork of the zygote, which doubled the cost of a
+    sweep) and spawns a path that does not exist: ENOENT means the process was created, EAGAIN that the
+    limit refused it."""
+    resource.setrlimit(resource.RLIMIT_NPROC, (2, 2))
+    try:
+        os.posix_spawn("/nonexistent/pipeline-sandbox-probe", ["probe"], {})
+    except BlockingIOError:
+        return False
+    except FileNotFoundError:
+        return True
+    probe = os.fork()  # posix_spawn failed otherwise (unexpected): the plain probe
+    if probe == 0:
+        os._exit(0)
+    os.waitpid(probe, 0)
+    return True
+
+
 def _kill_group(pgid: int) -> bool:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -343,7 +400,8 @@ def _child_setup(uid: int, workdir: str, limits: dict, privileged: bool) -> None
 
 def main() -> None:
     ctl = socket.socket(fileno=int(sys.argv[1]))
-    Zygote(ctl).serve()
+    deny = json.loads(sys.argv[2]) if len(sys.argv) > 2 else []  # paths the view must not show
+    Zygote(ctl, deny).serve()
 
 
 if __name__ == "__main__":
