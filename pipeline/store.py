@@ -158,10 +158,15 @@ class Store:
         d.mkdir(parents=True, exist_ok=True)
         name = f"part-{uuid.uuid4().hex}.parquet"
         tmp = d / f".{name}.tmp"  # hidden: globs for *.parquet never match it
-        pq.write_table(data, tmp, compression="zstd", row_group_size=128 * 1024)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, d / name)
+        try:
+            pq.write_table(data, tmp, compression="zstd", row_group_size=128 * 1024)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, d / name)
+        except OSError as e:  # e.g. a full disk: no part, no temp file left; say where and what was lost
+            tmp.unlink(missing_ok=True)
+            raise OSError(e.errno, f"store: {data.num_rows} {table} rows of run {run_id!r} round {round} not "
+                                   f"written to {d}: {e.strerror or e}") from e
         return d / name
 
     # ---- parts and reading ------------------------------------------------------------------------

@@ -63,9 +63,12 @@ def test_store_write_when_fsync_fails_leaves_no_visible_part(tmp_path, monkeypat
     monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(OSError) as e:
         st.write("generations", ROWS[1:], "r", 0)
-    assert e.value.errno == errno.ENOSPC
+    assert e.value.errno == errno.ENOSPC and "No space left on device" in str(e.value)
+    assert f"2 generations rows of run 'r' round 0 not written to {st.round_dir('r', 0) / 'generations'}" \
+        in str(e.value)  # the error says what was lost and where
     monkeypatch.undo()
-    assert len(st.parts("generations")) == 1  # the unfinished part keeps its hidden temp name
+    assert len(st.parts("generations")) == 1
+    assert len(os.listdir(st.round_dir("r", 0) / "generations")) == 1, "the unfinished temp file was removed"
     assert st.sql("select gen_id from generations")["gen_id"].to_list() == ["g0"]
     st.write("generations", ROWS[1:], "r", 0)  # space back: the next write works
     assert sorted(st.sql("select gen_id from generations")["gen_id"].to_list()) == ["g0", "g1", "g2"]
