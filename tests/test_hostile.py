@@ -186,7 +186,7 @@ def test_opening_network_connections(sandbox):
             "    s = socket.create_connection(('127.0.0.1', int(problem)), timeout=1)\n    return 'connected'\n")
     try:
         r = run_next_to_benign(sandbox, code, problem=str(port))
-        assert r.status == "exec_error" and "OSError" in r.error or "unreachable" in r.error.lower()
+        assert r.status == "exec_error" and ("OSError" in r.error or "unreachable" in r.error.lower()), r.error
         with pytest.raises(BlockingIOError):
             srv.accept()  # nothing ever reached the listener
     finally:
