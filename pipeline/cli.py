@@ -268,13 +268,19 @@ def experiment(
     typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")
 
 
+def _num(x: float | None, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
 def _echo_experiment(summary: dict) -> None:
     from pipeline.experiment import headline
 
     for a in summary["arms"]:
         typer.echo(f"seed {a['seed']} {'base model' if a['round'] < 0 else 'round ' + str(a['round'])}: "
-                   f"held-out Mean@L {a['mean_at_l']:.3f}, Best@L {a['best_at_l']:.3f}, valid {a['valid_share']:.2f}, "
-                   f"status {a['status']}")
+                   f"held-out Mean@L {a['mean_at_l']:.3f}, Best@L {a['best_at_l']:.3f}, "
+                   f"Majority@L {_num(a.get('majority_at_l'))}, valid {a['valid_share']:.2f}, "
+                   f"tokens/query generator {_num(a.get('gen_tokens_per_query'), 0)} executor "
+                   f"{_num(a.get('exec_tokens_per_query'), 0)}, status {a['status']}")
     for line in headline(summary):
         typer.echo(line)
 
@@ -327,5 +333,7 @@ def evaluate(
     except (ConfigError, StageError) as e:
         _fail(str(e))
     typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, held-out Mean@L {summ['mean_at_l']}, Best@L "
-               f"{summ['best_at_l']}, valid {summ['valid_share']}, status {summ['status']} (per query: pipeline sql "
+               f"{summ['best_at_l']}, Majority@L {summ['majority_at_l']}, valid {summ['valid_share']}, tokens/query "
+               f"generator {summ['gen_tokens_per_query']} executor {summ['exec_tokens_per_query']}, "
+               f"status {summ['status']} (per query: pipeline sql "
                f"over run {summ['eval_run_id']})")

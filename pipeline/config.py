@@ -57,6 +57,9 @@ class GeneratorConfig(_Strict):
         "auto", description="vllm: sample a round's adapter merged into a copy of the base weights instead of "
         "through LoRA kernels (8x slower than the base model on CPU); auto = merge on CPU.",
     )
+    prices: PriceConfig = Field(
+        default_factory=lambda: PriceConfig(), description="Generator price table: each sample's cost_usd."
+    )
 
 
 class PriceConfig(_Strict):

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from pipeline.benchmarks.base import Item, load_benchmark
 from pipeline.exemplars import Pools, load_pools, pick_exemplars, tau_at
+from pipeline.executors import cost_usd
 from pipeline.generation import BACKENDS, Completion, Generator, Sampling, make_generator
 from pipeline.models import load_tokenizer
 from pipeline.prompting import agent_prompt, render, require_chat_template, workflow_prompt
@@ -170,7 +171,8 @@ class _Rollout:
                 token_logprobs=c.token_logprobs, model=g.model, backend=g.backend, adapter_round=self.adapter_round,
                 sampling=sampling.to_json(adapter=self.adapter), exemplar_ids=req.exemplar_ids,
                 finish_reason=c.finish_reason, valid=reason is None, invalid_reason=reason,
-                retokenized=c.retokenized, latency_s=latency,
+                retokenized=c.retokenized, latency_s=latency, attempt=0,
+                cost_usd=cost_usd(g.prices, len(c.prompt_token_ids or []), len(c.token_ids or [])),
             ))
         return rows
 
