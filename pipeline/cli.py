@@ -317,6 +317,59 @@ def report(
 
 
 @app.command()
+def baseline(
+    config: Annotated[Path, typer.Argument(help="Run config YAML: its benchmark, executor and experiment section.")],
+    methods: Annotated[list[str], typer.Option("--method", help="io, cot, cot_sc, self_review, ensemble_select, "
+                                               "pot, task_best (repeatable).")],
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived runs after this run "
+                                               "(default: the config's run_id).")] = None,
+    split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
+    candidates: Annotated[list[str] | None, typer.Option(
+        "--candidates", help="task_best: runs whose round-0 workflows are candidates too (repeatable).")] = None,
+    max_candidates: Annotated[int, typer.Option(help="task_best: at most this many workflows of --candidates.")] = 16,
+    sets: SetOpt = None,
+) -> None:
+    """Run baselines (fixed programs) on the held-out queries through the same sandbox, executor and score stage
+    as generated workflows, each in the derived run <run_id>-baseline-<method>; prints Mean@L / Best@L /
+    Majority@L and tokens per query."""
+    from pipeline.baselines import baseline_run_id, run_baseline
+    from pipeline.stages.runner import StageError
+
+    for m in methods:
+        try:
+            summ = run_baseline(str(config), m, None, run_id, split, sets or [], candidates or [], max_candidates)
+        except (ConfigError, StageError) as e:
+            _fail(str(e))
+        typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
+                   f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, valid "
+                   f"{_num(summ['valid_share'], 2)}, tokens/query generator {_num(summ['gen_tokens_per_query'], 0)} "
+                   f"executor {_num(summ['exec_tokens_per_query'], 0)}, status {summ['status']}")
+        for task, win in summ.get("selected", {}).items():
+            typer.echo(f"  task {task}: {win['label']} (mean {win['mean_score']:.3f} on {win['queries']} selection "
+                       f"queries, run {baseline_run_id(run_id or load_config(config).run_id, 'select', 'validate')})")
+
+
+@app.command()
+def compare(
+    run_ids: Annotated[list[str], typer.Argument(help="Runs whose round 0 holds workflows (evaluations, baselines, "
+                                                 "SMC).")],
+    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
+) -> None:
+    """One Markdown table of Mean@L / Best@L / Majority@L and tokens per query, one row per run."""
+    from pipeline.baselines import compare as compare_runs
+    from pipeline.baselines import markdown_table
+    from pipeline.store import Store
+
+    try:
+        res = compare_runs(Store(store), run_ids)
+    except ConfigError as e:
+        _fail(str(e))
+    typer.echo(markdown_table(res["rows"]))
+    if not res["same_queries"]:
+        typer.secho("warning: the runs do not hold the same queries", fg=typer.colors.YELLOW, err=True)
+
+
+@app.command()
 def evaluate(
     run_id: Annotated[str, typer.Argument(help="The trained run.")],
     round: Annotated[int, typer.Option("--round", help="Checkpoint of this round (-1: base model).")],

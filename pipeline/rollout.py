@@ -26,8 +26,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pipeline.benchmarks.base import Item, load_benchmark
-from pipeline.exemplars import Pools, load_pools, pick_exemplars, tau_at
 from pipeline.executors import cost_usd
+from pipeline.exemplars import Pools, load_pools, pick_exemplars, tau_at
 from pipeline.generation import BACKENDS, Completion, Generator, Sampling, make_generator
 from pipeline.models import load_tokenizer
 from pipeline.prompting import agent_prompt, render, require_chat_template, workflow_prompt
