@@ -133,6 +133,14 @@ class RolloutConfig(_Strict):
         "rounds (evaluation runs: the trained run's, so prompts are built as in training).",
     )
     exemplar_round: int | None = Field(None, ge=0, description="With exemplar_run: use its rounds below this one.")
+    repair_attempts: int = Field(
+        0, ge=0, description="Self-repair (W4S: 3): a workflow that is invalid or fails its self-check goes back to "
+        "the generator with its error up to this many times (pipeline.repair); 0 = off.",
+    )
+    repair_check: Literal["run", "static"] = Field(
+        "run", description="Self-repair's check: `run` = one sandbox run on its own query (a crash, timeout or no "
+        "answer fails it; the gold answer is never read), `static` = the contract check only.",
+    )
 
 
 class RewardConfig(_Strict):
