@@ -25,12 +25,12 @@ Methods (`PROGRAMS`; the executor's settings apply to every `llm()` call, as for
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 from collections.abc import Callable
 
 from pipeline.config import ConfigError, load_config
+from pipeline.reward import program_key
 from pipeline.run import RunContext, open_run
 from pipeline.store import Store
 from pipeline.workflow import check_workflow, extract_code
@@ -188,19 +188,11 @@ def run_fixed(config: str, method: str, call, run_id: str | None = None, split: 
 # ---- task_best ------------------------------------------------------------------------------------------------
 
 
-def code_key(code: str) -> str:
-    """Two workflows are the same program when their ASTs are (comments and layout aside); unparsable: the text."""
-    try:
-        return ast.dump(ast.parse(code))
-    except (SyntaxError, ValueError):
-        return " ".join(code.split())
-
-
 def candidate_programs(store: Store, runs: list[str], limit: int) -> list[tuple[str, str, dict]]:
     """The fixed programs, then up to `limit` distinct valid workflows of `runs` (round 0) that scored above 0 on
     their own query, best first (ties: gen_id); each (label, code, provenance)."""
     out = [(m, PROGRAMS[m], {"candidate": m}) for m in FIXED]
-    seen = {code_key(c) for _, c, _ in out}
+    seen = {program_key(c) for _, c, _ in out}
     for run in runs:
         if not (store.run_dir(run) / "config.yaml").is_file():
             raise ConfigError(f"--candidates: run {run!r} not found under {store.root}")
@@ -214,7 +206,7 @@ def candidate_programs(store: Store, runs: list[str], limit: int) -> list[tuple[
     added = 0
     for run, gid, score, text in df.iter_rows():
         code = extract_code(text or "")
-        key = code_key(code)
+        key = program_key(code)
         if added >= limit or key in seen:
             continue
         seen.add(key)

@@ -146,6 +146,9 @@ class RolloutConfig(_Strict):
 class RewardConfig(_Strict):
     complexity_weight: float = Field(0.0, ge=0, description="Weight of the complexity penalty (AST/calls).")
     cost_weight: float = Field(0.0, ge=0, description="Weight of the executor-token cost penalty.")
+    diversity_weight: float = Field(
+        0.0, ge=0, description="Weight of FlowReasoner's diversity term, a penalty on 1 - diversity (pipeline.reward).",
+    )
     judge: JudgeConfig | None = Field(None, description="Optional LLM-as-judge for free-form answers.")
 
 

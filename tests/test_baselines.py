@@ -15,7 +15,6 @@ from pipeline.baselines import (
     PROGRAMS,
     baseline_run_id,
     candidate_programs,
-    code_key,
     compare,
     markdown_table,
     run_baseline,
@@ -23,6 +22,7 @@ from pipeline.baselines import (
 )
 from pipeline.benchmarks import load_benchmark
 from pipeline.config import ConfigError, load_config
+from pipeline.reward import program_key
 from pipeline.stages.runner import run_stage
 from pipeline.store import Store
 from pipeline.workflow import check_workflow
@@ -37,12 +37,12 @@ def test_every_fixed_program_is_a_valid_workflow():
     assert {m: check_workflow(PROGRAMS[m]) for m in FIXED} == dict.fromkeys(FIXED)
 
 
-def test_code_key_ignores_comments_and_layout_only():
+def test_program_key_ignores_comments_and_layout_only():
     a = "async def solve(p):\n    # add them\n    return str(1 + 2)\n"
     b = "async def solve(p):\n\n    return str(1+2)  # same program\n"
     c = "async def solve(p):\n    return str(1 + 3)\n"
-    assert code_key(a) == code_key(b) and code_key(a) != code_key(c)
-    assert code_key("def (") == "def ("  # unparsable: the text, whitespace collapsed
+    assert program_key(a) == program_key(b) and program_key(a) != program_key(c)
+    assert program_key("def (") == "def ("  # unparsable: the text, whitespace collapsed
 
 
 def test_select_per_task_hand_computed():
