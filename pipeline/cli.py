@@ -350,6 +350,36 @@ def baseline(
 
 
 @app.command()
+def smc(
+    config: Annotated[Path, typer.Argument(help="Run config YAML: generator, executor, smc, experiment.")],
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived run <run_id>-smc "
+                                               "(default: the config's run_id).")] = None,
+    split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
+    plain_l: Annotated[int | None, typer.Option("--plain-l", help="Also sample this many plain workflows per query "
+                                                "(<run_id>-plain-l<L>) to compare at an executor budget.")] = None,
+    sets: SetOpt = None,
+) -> None:
+    """BayesFlow's SMC workflow sampler (N particles, K look-ahead rollouts, T steps; smc.* in the config) on the
+    held-out queries; prints Mean@L / Best@L / Majority@L (L = N), tokens and workflow runs per query."""
+    from pipeline.smc import executed_per_query, run_plain, run_smc
+    from pipeline.stages.runner import StageError
+    from pipeline.store import Store
+
+    try:
+        summs = [run_smc(str(config), None, run_id, split, sets or [])]
+        if plain_l:
+            summs.append(run_plain(str(config), plain_l, None, run_id, split, sets or []))
+    except (ConfigError, StageError) as e:
+        _fail(str(e))
+    for summ in summs:
+        runs = executed_per_query(Store(load_config(config, sets or []).store.root), summ["eval_run_id"])
+        typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
+                   f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, tokens/query generator "
+                   f"{_num(summ['gen_tokens_per_query'], 0)} executor {_num(summ['exec_tokens_per_query'], 0)}, "
+                   f"workflow runs/query {runs:.1f}, status {summ['status']}")
+
+
+@app.command()
 def compare(
     run_ids: Annotated[list[str], typer.Argument(help="Runs whose round 0 holds workflows (evaluations, baselines, "
                                                  "SMC).")],

@@ -235,6 +235,20 @@ class ExperimentConfig(_Strict):
     ci_level: float = Field(0.95, gt=0, lt=1, description="Level of the bootstrap interval.")
 
 
+class SMCConfig(_Strict):
+    """`pipeline smc`: BayesFlow's SMC workflow sampler (pipeline.smc), with the paper's parameter names."""
+
+    N: int = Field(4, gt=0, description="Particles (partial workflows) per query; also L of the final workflows.")
+    K: int = Field(2, gt=0, description="Look-ahead rollouts per particle and step.")
+    T: int = Field(3, gt=0, description="Steps (`# Step <n>:` chunks) built one at a time.")
+    beta: float = Field(1.0, ge=0, description="Particle weight (1/K) sum_k exp(beta R); the paper's is 1.")
+    reward: Literal["consistency", "oracle"] = Field(
+        "consistency", description="R of a rollout: agreement of its answer with the step's other rollouts (no "
+        "gold answer); oracle: the benchmark metric (reads the gold answer: analysis only).",
+    )
+    seed: int = Field(0, description="Seed of the resampling draws.")
+
+
 class RunConfig(_Strict):
     run_id: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Run name (a folder).")
     rounds: int = Field(3, gt=0, description="Rounds of rollout -> score -> curate -> train.")
@@ -247,6 +261,7 @@ class RunConfig(_Strict):
     curation: CurationConfig = Field(default_factory=CurationConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
+    smc: SMCConfig = Field(default_factory=SMCConfig)
 
     def config_hash(self) -> str:
         """Fingerprint of what the stages compute, kept in every stage manifest. Fields at their default value
