@@ -18,15 +18,18 @@ Methods (`PROGRAMS`; the executor's settings apply to every `llm()` call, as for
 - task_best: the best task-level workflow, one program for every query of a task (AFlow searches for one;
   SCALE asks whether query-level workflows beat it). Candidates are the fixed programs above and the distinct valid
   workflows with a positive score of `--candidates` runs; each runs once on each query of the selection split
-  (CONFIG's training queries: `benchmark.max_queries` of `validate`) in the run `<run_id>-baseline-select`;
+  (CONFIG's training queries: `benchmark.max_queries` of `validate`) in the run `<run_id>-baseline-validate-select`;
   per task the candidate with the best mean score wins (ties: fewer executor tokens, then the earlier candidate),
-  and the held-out run holds L copies of its task's winner per query.
+  and the held-out run holds L copies of its task's winner per query. A generated candidate's mean leaves out the
+  query it was written for: a query-level workflow (numbers copied into the code) is right there and nowhere else,
+  which says nothing about it as a task-level program.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 
 from pipeline.config import ConfigError, load_config
@@ -190,7 +193,7 @@ def run_fixed(config: str, method: str, call, run_id: str | None = None, split: 
 
 def candidate_programs(store: Store, runs: list[str], limit: int) -> list[tuple[str, str, dict]]:
     """The fixed programs, then up to `limit` distinct valid workflows of `runs` (round 0) that scored above 0 on
-    their own query, best first (ties: gen_id); each (label, code, provenance)."""
+    their own query, best first (ties: gen_id); each (label, code, provenance: a workflow's own `query_id`)."""
     out = [(m, PROGRAMS[m], {"candidate": m}) for m in FIXED]
     seen = {program_key(c) for _, c, _ in out}
     for run in runs:
@@ -198,19 +201,19 @@ def candidate_programs(store: Store, runs: list[str], limit: int) -> list[tuple[
             raise ConfigError(f"--candidates: run {run!r} not found under {store.root}")
     if not runs or limit <= 0:
         return out
-    df = store.sql("SELECT s.run_id, s.gen_id, s.score, g.text FROM generation_scores s JOIN "
+    df = store.sql("SELECT s.run_id, s.gen_id, s.query_id, s.score, g.text FROM generation_scores s JOIN "
                    "(SELECT run_id, round, gen_id, any_value(text) AS text FROM generations GROUP BY ALL) g "
                    "USING (run_id, round, gen_id) WHERE s.run_id IN (SELECT unnest($runs)) AND s.round = 0 "
                    "AND s.kind = 'workflow' AND s.valid AND s.score > 0 ORDER BY s.score DESC, s.run_id, s.gen_id",
                    {"runs": runs})
     added = 0
-    for run, gid, score, text in df.iter_rows():
+    for run, gid, qid, score, text in df.iter_rows():
         code = extract_code(text or "")
         key = program_key(code)
         if added >= limit or key in seen:
             continue
         seen.add(key)
-        out.append((f"{run}:{gid}", code, {"candidate": f"{run}:{gid}", "own_score": score}))
+        out.append((f"{run}:{gid}", code, {"candidate": f"{run}:{gid}", "own_score": score, "query_id": qid}))
         added += 1
     return out
 
@@ -236,12 +239,14 @@ def select_per_task(rows: list[dict]) -> dict[str, dict]:
 
 
 def _selection_rows(store: Store, run_id: str, tasks: dict[str, str]) -> list[dict]:
+    """The selection run's scores as `select_per_task` rows, without a candidate's run on its own query."""
     df = store.sql("SELECT s.query_id, s.slot, s.score, coalesce(s.tokens_in, 0) + coalesce(s.tokens_out, 0) AS tok, "
-                   "g.model FROM generation_scores s JOIN (SELECT run_id, round, gen_id, any_value(model) AS model "
-                   "FROM generations GROUP BY ALL) g USING (run_id, round, gen_id) "
-                   "WHERE s.run_id = $run AND s.round = 0 AND s.kind = 'workflow'", {"run": run_id})
+                   "g.model, g.sampling FROM generation_scores s JOIN (SELECT run_id, round, gen_id, any_value(model) "
+                   "AS model, any_value(sampling) AS sampling FROM generations GROUP BY ALL) g "
+                   "USING (run_id, round, gen_id) WHERE s.run_id = $run AND s.round = 0 AND s.kind = 'workflow'",
+                   {"run": run_id})
     return [{"task": tasks[q], "label": m, "order": slot, "score": 0.0 if s is None else s, "exec_tokens": tok}
-            for q, slot, s, tok, m in df.iter_rows()]
+            for q, slot, s, tok, m, prov in df.iter_rows() if json.loads(prov or "{}").get("query_id") != q]
 
 
 def run_task_best(config: str, call, run_id: str | None = None, split: str = "test", sets: list[str] | None = None,
@@ -299,7 +304,10 @@ def describe(store: Store, run_id: str) -> str:
     if method:
         return method
     adapter = open_run(None, run_id, 0, None, str(store.root)).cfg.generator.adapter
-    return "generator, base model" if not adapter else f"generator + {adapter}"
+    if not adapter:
+        return "generator, base model"
+    m = re.search(r"([^/]+)/round=(\d+)/checkpoint/?$", adapter)
+    return f"generator + {m.group(1)} round {m.group(2)}" if m else f"generator + {adapter}"
 
 
 def compare(store: Store, run_ids: list[str], describe_fn: Callable[[Store, str], str] = describe) -> dict:

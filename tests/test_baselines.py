@@ -157,3 +157,29 @@ def test_task_best_picks_the_generic_program_on_the_training_queries(tmp_path, e
 def test_unknown_method_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="unknown baseline method 'nope'; methods: io, cot"):
         run_baseline(str(tmp_path / "x.yaml"), "nope", in_process)
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_task_best_leaves_out_a_candidates_own_query(tmp_path, executor):
+    """A query-level workflow (its query's answer copied into the code) is right on its own query only: its
+    selection mean is taken over the other queries (0 on 1 query), not 0.5 on 2."""
+    path = _config(tmp_path, executor.url)
+    executor.reply = "no idea"
+    v0, _ = load_benchmark(load_config(path).benchmark).items()  # the selection (validate) queries
+    st = Store(tmp_path / "store")
+    st.run_dir("src").mkdir(parents=True)
+    (st.run_dir("src") / "config.yaml").write_text("run_id: src\n")
+    hard = f"async def solve(problem):\n    return {str(v0.reference['answer'])!r}\n"
+    st.write("generations", [{"gen_id": "g1", "kind": "workflow", "query_id": v0.id, "slot": 0, "valid": True,
+                              "text": hard}], "src", 0)
+    st.write("scores", [{"gen_id": "g1", "query_id": v0.id, "rep": 0, "attempt": 0, "status": "ok", "score": 1.0}],
+             "src", 0)
+    s = run_baseline(str(path), "task_best", in_process, candidates=["src"])
+    sel = st.generation_scores(baseline_run_id("b", "select", "validate"), 0, 1, set())
+    copied = sel.filter(sel["slot"] == 6)
+    assert dict(zip(copied["query_id"], copied["score"], strict=True))[v0.id] == 1.0  # right on its own query
+    assert sorted(copied["score"].to_list()) == [0.0, 1.0]  # and only there
+    # all candidates score 0 off their own query; the tie goes to the fewest executor tokens: the copied workflow
+    assert s["selected"] == {"chain_sum": {"label": "src:g1", "order": 6, "mean_score": 0.0, "exec_tokens": 0.0,
+                                           "queries": 1}}
+    assert s["mean_at_l"] == 0.0
