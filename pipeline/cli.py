@@ -380,6 +380,30 @@ def smc(
 
 
 @app.command()
+def sample(
+    config: Annotated[Path, typer.Argument(help="Run config YAML: generator, executor, experiment.")],
+    L: Annotated[int, typer.Option("--l", help="Workflows sampled per held-out query.")],
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived run <run_id>-plain-l<L> "
+                                               "(default: the config's run_id).")] = None,
+    split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
+    sets: SetOpt = None,
+) -> None:
+    """Plain sampling: the configured generator writes L workflows per held-out query (rollout and score stages;
+    with rollout.repair_attempts, self-repair too); prints Mean@L / Best@L / Majority@L and tokens per query."""
+    from pipeline.smc import run_plain
+    from pipeline.stages.runner import StageError
+
+    try:
+        summ = run_plain(str(config), L, None, run_id, split, sets or [])
+    except (ConfigError, StageError) as e:
+        _fail(str(e))
+    typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
+               f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, tokens/query generator "
+               f"{_num(summ['gen_tokens_per_query'], 0)} executor {_num(summ['exec_tokens_per_query'], 0)}, "
+               f"status {summ['status']}")
+
+
+@app.command()
 def compare(
     run_ids: Annotated[list[str], typer.Argument(help="Runs whose round 0 holds workflows (evaluations, baselines, "
                                                  "SMC).")],
