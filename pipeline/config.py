@@ -247,6 +247,10 @@ class SMCConfig(_Strict):
         "gold answer); oracle: the benchmark metric (reads the gold answer: analysis only).",
     )
     seed: int = Field(0, description="Seed of the resampling draws.")
+    resample: bool = Field(
+        True, description="false: plain sampling of N complete workflows from the same prompt (no steps, runs or "
+        "weights), SMC's comparison at an executor budget.",
+    )
 
 
 class RunConfig(_Strict):

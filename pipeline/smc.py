@@ -23,6 +23,10 @@ posterior sampling (BayesFlow, appendix B). `oracle` scores rollouts with the be
 answer: an upper bound for analysis, not an inference-time method. BayesFlow's R is validation accuracy of a
 task-level workflow; here workflows are per query, so R is per query too.
 
+`smc.resample: false` draws N complete workflows per query from the same prompt instead (no steps, runs or
+weights): plain sampling from the same prior p, the comparison at an executor budget (N = SMC's workflow runs per
+query, `executed_per_query`), in the run `<run>-smc-plain-n<N>`.
+
 Not implemented: the refiner (M > 0, MCTS in the paper). A crashed SMC run starts over (its rows are discarded).
 """
 
@@ -183,6 +187,15 @@ class SMC:
         q.particles = [Particle(q.particles[i].prefix, q.particles[i].complete, list(q.particles[i].rollouts))
                        for i in a]
 
+    def draw(self, queries: list[Query]) -> None:
+        """Plain sampling from the same prompt (and workflow_prefix): N complete workflows per query, no steps, no
+        runs, no weights: the comparison for SMC at an executor budget (`smc.resample: false`)."""
+        todo = [(q, i, p) for q in queries for i, p in enumerate(q.particles)]
+        outs = self.sample([q.prompt + p.prefix for q, _, p in todo], 1, "plain")
+        for (q, i, p), comps in zip(todo, outs, strict=True):
+            (full,) = self._record(q, q.prompt + p.prefix, comps, 1, i, 0, p.prefix)
+            q.particles[i] = Particle(full, True, [full])
+
     def sweep(self, queries: list[Query]) -> None:
         for t in range(1, self.cfg.T + 1):
             if all(p.complete for q in queries for p in q.particles):
@@ -194,8 +207,10 @@ class SMC:
 # ---- the derived run -------------------------------------------------------------------------------------------
 
 
-def smc_run_id(run_id: str, split: str = "test") -> str:
-    return f"{run_id}-smc" if split == "test" else f"{run_id}-smc-{split}"
+def smc_run_id(run_id: str, split: str = "test", plain_n: int | None = None) -> str:
+    """`<run>-smc`, or `<run>-smc-plain-n<N>` for plain sampling from the SMC prompt (`smc.resample: false`)."""
+    tag = "smc" if plain_n is None else f"smc-plain-n{plain_n}"
+    return f"{run_id}-{tag}" if split == "test" else f"{run_id}-{tag}-{split}"
 
 
 def open_smc_run(config: str, run_id: str | None = None, split: str = "test",
@@ -208,7 +223,8 @@ def open_smc_run(config: str, run_id: str | None = None, split: str = "test",
     sets = list(sets or [])
     cfg = load_config(config, sets)
     frozen = [f"benchmark.train_split={split}", "rounds=1", "rollout.exemplars=false", *eval_sets(cfg)[:1]]
-    return open_run(config, smc_run_id(run_id or cfg.run_id, split), 0, frozen + sets)
+    rid = smc_run_id(run_id or cfg.run_id, split, None if cfg.smc.resample else cfg.smc.N)
+    return open_run(config, rid, 0, frozen + sets)
 
 
 def _reward_fn(ctx: RunContext, bench) -> Callable[[object, list[dict]], list[float]]:
@@ -247,7 +263,8 @@ def final_rows(ctx: RunContext, queries: list[Query]) -> list[dict]:
         for n, p in enumerate(q.particles):
             text = p.rollouts[0]
             reason = check_workflow(extract_code(text), ctx.cfg.rollout.max_workflow_chars)
-            prov = {"method": "smc", "N": ctx.cfg.smc.N, "K": ctx.cfg.smc.K, "T": ctx.cfg.smc.T,
+            prov = {"method": "smc" if ctx.cfg.smc.resample else "smc prompt, plain sampling", "N": ctx.cfg.smc.N,
+                    "K": ctx.cfg.smc.K, "T": ctx.cfg.smc.T,
                     "beta": ctx.cfg.smc.beta, "reward": ctx.cfg.smc.reward, "steps": q.steps}
             rows.append(dict(gen_id=gen_id(0, q.item.id, "workflow", n), kind="workflow", query_id=q.item.id, slot=n,
                              text=text, model=g.model, backend=g.backend, sampling=json.dumps(prov),
@@ -279,7 +296,7 @@ def sample_smc(ctx: RunContext) -> dict:
     gen = make_generator(ctx.cfg.generator)
     try:
         smc = SMC(ctx, _sampler(ctx, gen), lambda jobs: run_checks(ctx.cfg, jobs, "smc"), _reward_fn(ctx, bench))
-        smc.sweep(queries)
+        smc.sweep(queries) if s.resample else smc.draw(queries)
     finally:
         gen.close()
     ctx.store.write("generations", smc.rows, ctx.run_id, 0)

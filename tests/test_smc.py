@@ -154,3 +154,14 @@ def test_smc_run_end_to_end(tmp_path, monkeypatch):
     prov = json.loads(gens.filter(gens["kind"] == "workflow")["sampling"][0])
     assert (prov["method"], prov["N"], prov["K"], prov["T"]) == ("smc", 3, 2, 2)
     assert gen.calls == 1  # step 1's extension only: complete particles need no look-ahead or step 2
+
+
+def test_plain_draw_samples_n_complete_workflows_and_runs_nothing():
+    cfg = RunConfig(smc=SMCConfig(N=3, resample=False))
+    smc = SMC(SimpleNamespace(cfg=cfg), lambda ps, n, key: [[_comp(X)] for _ in ps],
+              lambda jobs: pytest.fail("plain sampling runs nothing"), lambda item, rows: [])
+    q = Query(SimpleNamespace(id="q", prompt="p"), "P", [Particle(""), Particle(""), Particle("")], Uniforms())
+    smc.draw([q])
+    assert [p.rollouts for p in q.particles] == [[X]] * 3 and all(p.complete for p in q.particles)
+    assert [r["gen_id"] for r in smc.rows] == ["smc-q-t1-p0-k0", "smc-q-t1-p1-k0", "smc-q-t1-p2-k0"]
+    assert smc.checks == [] and q.steps == []
