@@ -321,13 +321,19 @@ def experiment(
     typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")
 
 
+def _num(x: float | None, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
 def _echo_experiment(summary: dict) -> None:
     from pipeline.experiment import headline
 
     for a in summary["arms"]:
         typer.echo(f"seed {a['seed']} {'base model' if a['round'] < 0 else 'round ' + str(a['round'])}: "
-                   f"held-out Mean@L {a['mean_at_l']:.3f}, Best@L {a['best_at_l']:.3f}, valid {a['valid_share']:.2f}, "
-                   f"status {a['status']}")
+                   f"held-out Mean@L {a['mean_at_l']:.3f}, Best@L {a['best_at_l']:.3f}, "
+                   f"Majority@L {_num(a.get('majority_at_l'))}, valid {a['valid_share']:.2f}, "
+                   f"tokens/query generator {_num(a.get('gen_tokens_per_query'), 0)} executor "
+                   f"{_num(a.get('exec_tokens_per_query'), 0)}, status {a['status']}")
     for line in headline(summary):
         typer.echo(line)
 
@@ -364,6 +370,113 @@ def report(
 
 
 @app.command()
+def baseline(
+    config: Annotated[Path, typer.Argument(help="Run config YAML: its benchmark, executor and experiment section.")],
+    methods: Annotated[list[str], typer.Option("--method", help="io, cot, cot_sc, self_review, ensemble_select, "
+                                               "pot, task_best (repeatable).")],
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived runs after this run "
+                                               "(default: the config's run_id).")] = None,
+    split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
+    candidates: Annotated[list[str] | None, typer.Option(
+        "--candidates", help="task_best: runs whose round-0 workflows are candidates too (repeatable).")] = None,
+    max_candidates: Annotated[int, typer.Option(help="task_best: at most this many workflows of --candidates.")] = 16,
+    sets: SetOpt = None,
+) -> None:
+    """Run baselines (fixed programs) on the held-out queries through the same sandbox, executor and score stage
+    as generated workflows, each in the derived run <run_id>-baseline-<method>; prints Mean@L / Best@L /
+    Majority@L and tokens per query."""
+    from pipeline.baselines import baseline_run_id, run_baseline
+    from pipeline.stages.runner import StageError
+
+    for m in methods:
+        try:
+            summ = run_baseline(str(config), m, None, run_id, split, sets or [], candidates or [], max_candidates)
+        except (ConfigError, StageError) as e:
+            _fail(str(e))
+        typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
+                   f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, valid "
+                   f"{_num(summ['valid_share'], 2)}, tokens/query generator {_num(summ['gen_tokens_per_query'], 0)} "
+                   f"executor {_num(summ['exec_tokens_per_query'], 0)}, status {summ['status']}")
+        for task, win in summ.get("selected", {}).items():
+            typer.echo(f"  task {task}: {win['label']} (mean {win['mean_score']:.3f} on {win['queries']} selection "
+                       f"queries, run {baseline_run_id(run_id or load_config(config).run_id, 'select', 'validate')})")
+
+
+@app.command()
+def smc(
+    config: Annotated[Path, typer.Argument(help="Run config YAML: generator, executor, smc, experiment.")],
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived run <run_id>-smc "
+                                               "(default: the config's run_id).")] = None,
+    split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
+    plain_l: Annotated[int | None, typer.Option("--plain-l", help="Also sample this many plain workflows per query "
+                                                "(<run_id>-plain-l<L>) to compare at an executor budget.")] = None,
+    sets: SetOpt = None,
+) -> None:
+    """BayesFlow's SMC workflow sampler (N particles, K look-ahead rollouts, T steps; smc.* in the config) on the
+    held-out queries; prints Mean@L / Best@L / Majority@L (L = N), tokens and workflow runs per query."""
+    from pipeline.smc import executed_per_query, run_plain, run_smc
+    from pipeline.stages.runner import StageError
+    from pipeline.store import Store
+
+    try:
+        summs = [run_smc(str(config), None, run_id, split, sets or [])]
+        if plain_l:
+            summs.append(run_plain(str(config), plain_l, None, run_id, split, sets or []))
+    except (ConfigError, StageError) as e:
+        _fail(str(e))
+    for summ in summs:
+        runs = executed_per_query(Store(load_config(config, sets or []).store.root), summ["eval_run_id"])
+        typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
+                   f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, tokens/query generator "
+                   f"{_num(summ['gen_tokens_per_query'], 0)} executor {_num(summ['exec_tokens_per_query'], 0)}, "
+                   f"workflow runs/query {runs:.1f}, status {summ['status']}")
+
+
+@app.command()
+def sample(
+    config: Annotated[Path, typer.Argument(help="Run config YAML: generator, executor, experiment.")],
+    L: Annotated[int, typer.Option("--l", help="Workflows sampled per held-out query.")],
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived run <run_id>-plain-l<L> "
+                                               "(default: the config's run_id).")] = None,
+    split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
+    sets: SetOpt = None,
+) -> None:
+    """Plain sampling: the configured generator writes L workflows per held-out query (rollout and score stages;
+    with rollout.repair_attempts, self-repair too); prints Mean@L / Best@L / Majority@L and tokens per query."""
+    from pipeline.smc import run_plain
+    from pipeline.stages.runner import StageError
+
+    try:
+        summ = run_plain(str(config), L, None, run_id, split, sets or [])
+    except (ConfigError, StageError) as e:
+        _fail(str(e))
+    typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
+               f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, tokens/query generator "
+               f"{_num(summ['gen_tokens_per_query'], 0)} executor {_num(summ['exec_tokens_per_query'], 0)}, "
+               f"status {summ['status']}")
+
+
+@app.command()
+def compare(
+    run_ids: Annotated[list[str], typer.Argument(help="Runs whose round 0 holds workflows (evaluations, baselines, "
+                                                 "SMC).")],
+    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
+) -> None:
+    """One Markdown table of Mean@L / Best@L / Majority@L and tokens per query, one row per run."""
+    from pipeline.baselines import compare as compare_runs
+    from pipeline.baselines import markdown_table
+    from pipeline.store import Store
+
+    try:
+        res = compare_runs(Store(store), run_ids)
+    except ConfigError as e:
+        _fail(str(e))
+    typer.echo(markdown_table(res["rows"]))
+    if not res["same_queries"]:
+        typer.secho("warning: the runs do not hold the same queries", fg=typer.colors.YELLOW, err=True)
+
+
+@app.command()
 def evaluate(
     run_id: Annotated[str, typer.Argument(help="The trained run.")],
     round: Annotated[int, typer.Option("--round", help="Checkpoint of this round (-1: base model).")],
@@ -381,5 +494,6 @@ def evaluate(
         _fail(str(e))
     sel = f", Sel@L {summ['select_at_l']}" if "select_at_l" in summ else ""  # two-level: best agent's best workflow
     typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, held-out Mean@L {summ['mean_at_l']}, Best@L "
-               f"{summ['best_at_l']}{sel}, valid {summ['valid_share']}, status {summ['status']} (per query: pipeline "
-               f"sql over run {summ['eval_run_id']})")
+               f"{summ['best_at_l']}{sel}, Majority@L {summ['majority_at_l']}, valid {summ['valid_share']}, "
+               f"tokens/query generator {summ['gen_tokens_per_query']} executor {summ['exec_tokens_per_query']}, "
+               f"status {summ['status']} (per query: pipeline sql over run {summ['eval_run_id']})")

@@ -58,6 +58,9 @@ class GeneratorConfig(_Strict):
         "auto", description="vllm: sample a round's adapter merged into a copy of the base weights instead of "
         "through LoRA kernels (8x slower than the base model on CPU); auto = merge on CPU.",
     )
+    prices: PriceConfig = Field(
+        default_factory=lambda: PriceConfig(), description="Generator price table: each sample's cost_usd."
+    )
 
 
 class PriceConfig(_Strict):
@@ -135,6 +138,14 @@ class RolloutConfig(_Strict):
         "rounds (evaluation runs: the trained run's, so prompts are built as in training).",
     )
     exemplar_round: int | None = Field(None, ge=0, description="With exemplar_run: use its rounds below this one.")
+    repair_attempts: int = Field(
+        0, ge=0, description="Self-repair (W4S: 3): a workflow that is invalid or fails its self-check goes back to "
+        "the generator with its error up to this many times (pipeline.repair); 0 = off.",
+    )
+    repair_check: Literal["run", "static"] = Field(
+        "run", description="Self-repair's check: `run` = one sandbox run on its own query (a crash, timeout or no "
+        "answer fails it; the gold answer is never read), `static` = the contract check only.",
+    )
 
     @field_validator("exemplars", mode="before")
     @classmethod
@@ -148,6 +159,9 @@ class RolloutConfig(_Strict):
 class RewardConfig(_Strict):
     complexity_weight: float = Field(0.0, ge=0, description="Weight of the complexity penalty (AST/calls).")
     cost_weight: float = Field(0.0, ge=0, description="Weight of the executor-token cost penalty.")
+    diversity_weight: float = Field(
+        0.0, ge=0, description="Weight of FlowReasoner's diversity term, a penalty on 1 - diversity (pipeline.reward).",
+    )
     judge: JudgeConfig | None = Field(None, description="Optional LLM-as-judge for free-form answers.")
 
 
@@ -254,6 +268,24 @@ class ExperimentConfig(_Strict):
     ci_level: float = Field(0.95, gt=0, lt=1, description="Level of the bootstrap interval.")
 
 
+class SMCConfig(_Strict):
+    """`pipeline smc`: BayesFlow's SMC workflow sampler (pipeline.smc), with the paper's parameter names."""
+
+    N: int = Field(4, gt=0, description="Particles (partial workflows) per query; also L of the final workflows.")
+    K: int = Field(2, gt=0, description="Look-ahead rollouts per particle and step.")
+    T: int = Field(3, gt=0, description="Steps (`# Step <n>:` chunks) built one at a time.")
+    beta: float = Field(1.0, ge=0, description="Particle weight (1/K) sum_k exp(beta R); the paper's is 1.")
+    reward: Literal["consistency", "oracle"] = Field(
+        "consistency", description="R of a rollout: agreement of its answer with the step's other rollouts (no "
+        "gold answer); oracle: the benchmark metric (reads the gold answer: analysis only).",
+    )
+    seed: int = Field(0, description="Seed of the resampling draws.")
+    resample: bool = Field(
+        True, description="false: plain sampling of N complete workflows from the same prompt (no steps, runs or "
+        "weights), SMC's comparison at an executor budget.",
+    )
+
+
 class RunConfig(_Strict):
     run_id: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Run name (a folder).")
     rounds: int = Field(3, gt=0, description="Rounds of rollout -> score -> curate -> train.")
@@ -266,6 +298,7 @@ class RunConfig(_Strict):
     curation: CurationConfig = Field(default_factory=CurationConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
+    smc: SMCConfig = Field(default_factory=SMCConfig)
 
     def config_hash(self) -> str:
         """Fingerprint of what the stages compute, kept in every stage manifest. Fields at their default value

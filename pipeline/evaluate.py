@@ -10,10 +10,13 @@ evaluation shows exemplars drawn from the trained run's rounds <= k (`rollout.ex
 base model (k = -1) gets round 0's prompts, which have none. Held-out queries have no exemplars of their
 own, so, as for any query without a pool in training, exemplars come from the run's whole pool.
 
-`eval_summary` reports per-query Mean@L and Best@L (pipeline.learning), the valid share and the status mix,
-with a workflow's score from the store's `generation_scores` view, as in curation (mean over reps, invalid = 0,
-transient or unscored = no score yet). For a two-level run it adds the proposal's inference-time selection
-(pipeline.selection: per query the best agent, then its best workflow) as Sel@L, `select_at_l`.
+`eval_summary` reports per-query Mean@L, Best@L and Majority@L (pipeline.learning), the valid share, the status
+mix and the tokens per query of the generator and the executor (the store's `query_usage` view), with a workflow's
+score from the store's `generation_scores` view, as in curation (mean over reps, invalid = 0, transient or
+unscored = no score yet). Of a self-repair chain only its last attempt counts (`final`): a query's L workflows are
+its L slots. Any derived run whose round 0 holds workflows (baselines, SMC) is summarised the same way.
+For a two-level run it adds the proposal's inference-time selection (pipeline.selection: per query the best
+agent, then its best workflow) as Sel@L, `select_at_l`.
 `evaluate_round` runs the evaluation's stages through a stage caller.
 """
 
@@ -58,22 +61,66 @@ def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
     return open_run(saved, eid, 0, frozen + list(sets or []), str(store.root))
 
 
+def generation_votes(store: Store, run_id: str, round: int, family: str) -> dict[str, str | None]:
+    """gen_id -> the normalised answer it votes with in Majority@L: of its reps' latest runs that ended `ok`, the
+    most frequent vote (a tie: the earliest rep's); None when no rep gave an answer."""
+    from pipeline.benchmarks.metrics import vote_key
+
+    df = store.sql("SELECT gen_id, rep, status, answer FROM latest_scores WHERE run_id = $run AND round = $round "
+                   "ORDER BY gen_id, rep", {"run": run_id, "round": round})
+    votes: dict[str, list[str]] = {}
+    for gid, _, status, answer in df.iter_rows():
+        key = vote_key(answer, family) if status == "ok" else None
+        votes.setdefault(gid, [])
+        if key is not None:
+            votes[gid].append(key)
+    return {g: (max(v, key=v.count) if v else None) for g, v in votes.items()}
+
+
+USAGE_KEYS = ("gen_tokens_in", "gen_tokens_out", "gen_cost_usd", "exec_calls", "exec_tokens_in", "exec_tokens_out",
+              "exec_cost_usd")
+
+
+def query_usage(store: Store, run_id: str, round: int = 0) -> dict[str, dict]:
+    """query_id -> its row of the store's `query_usage` view (generator and executor tokens and cost)."""
+    df = store.sql("SELECT * FROM query_usage WHERE run_id = $run AND round = $round", {"run": run_id, "round": round})
+    return {r["query_id"]: {k: r[k] for k in USAGE_KEYS} for r in df.iter_rows(named=True)}
+
+
+def usage_summary(usage: list[dict]) -> dict:
+    """Means per query: generator tokens (in + out), executor tokens (in + out), executor calls, cost (both)."""
+    if not usage:
+        return {"gen_tokens_per_query": None, "exec_tokens_per_query": None, "exec_calls_per_query": None,
+                "cost_usd_per_query": None}
+    n = len(usage)
+    return {"gen_tokens_per_query": sum(u["gen_tokens_in"] + u["gen_tokens_out"] for u in usage) / n,
+            "exec_tokens_per_query": sum(u["exec_tokens_in"] + u["exec_tokens_out"] for u in usage) / n,
+            "exec_calls_per_query": sum(u["exec_calls"] for u in usage) / n,
+            "cost_usd_per_query": sum(u["gen_cost_usd"] + u["exec_cost_usd"] for u in usage) / n}
+
+
 def eval_summary(store: Store, eval_id: str) -> dict:
-    """Split-level Mean@L / Best@L / valid share over the eval run's queries, the status mix of its latest
-    runs, and `per_query` (one dict per query: workflows, mean_at_l, best_at_l, valid_share, pending)."""
+    """Split-level Mean@L / Best@L / Majority@L / valid share and tokens per query over the eval run's queries,
+    the status mix of its latest runs, and `per_query` (one dict per query: workflows, mean_at_l, best_at_l,
+    majority_at_l, valid_share, pending and its `query_usage` columns)."""
+    from pipeline.benchmarks import load_benchmark
     from pipeline.curate import load_round
     from pipeline.learning import query_metrics, split_summary
 
     ctx = open_run(None, eval_id, 0, None, str(store.root))
-    gens = load_round(ctx).filter(pl.col("kind") == "workflow")
+    gens = load_round(ctx).filter((pl.col("kind") == "workflow") & pl.col("final"))
+    votes = generation_votes(store, eval_id, 0, load_benchmark(ctx.cfg.benchmark).family)
     rows = [{"query_id": r["query_id"], "gen_id": r["gen_id"], "parent_id": r["parent_id"], "valid": r["valid"],
-             "score": r["score"] if r["state"] == "ok" else None} for r in gens.iter_rows(named=True)]
+             "score": r["score"] if r["state"] == "ok" else None, "vote": votes.get(r["gen_id"])}
+            for r in gens.iter_rows(named=True)]
     per_query = query_metrics(rows)
+    usage = query_usage(store, eval_id)
     status = store.sql("SELECT status, count(*) AS n FROM latest_scores WHERE run_id = $run AND round = 0 "
                        "GROUP BY status ORDER BY status", {"run": eval_id})
     out = {"eval_run_id": eval_id, **split_summary(per_query),
+           **usage_summary([usage[q.query_id] for q in per_query if q.query_id in usage]),
            "status": dict(zip(status["status"].to_list(), status["n"].to_list(), strict=True)),
-           "per_query": [asdict(q) for q in per_query]}
+           "per_query": [asdict(q) | usage.get(q.query_id, {}) for q in per_query]}
     if ctx.cfg.rollout.mode == "two_level":
         add_selection(out, rows)
     return out

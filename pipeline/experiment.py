@@ -33,6 +33,7 @@ from pipeline.learning import METRICS, bootstrap_ci, paired_differences
 from pipeline.store import Store
 
 BASE = -1  # the round index of the base model in evaluations
+METRIC_NAMES = {"mean_at_l": "Mean@L", "best_at_l": "Best@L", "majority_at_l": "Majority@L", "select_at_l": "Sel@L"}
 log = logging.getLogger("pipeline.experiment")
 
 
@@ -101,8 +102,10 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
         for metric in compared_metrics(cfg):
             pairs: list[tuple[int, str, float]] = []  # (seed, query, arm - base)
             for s in seeds:
-                base = {q["query_id"]: q[metric] for q in per_query if q["seed"] == s and q["round"] == BASE}
-                arm = {q["query_id"]: q[metric] for q in per_query if q["seed"] == s and q["round"] == k}
+                base = {q["query_id"]: q[metric] for q in per_query
+                        if q["seed"] == s and q["round"] == BASE and q.get(metric) is not None}
+                arm = {q["query_id"]: q[metric] for q in per_query
+                       if q["seed"] == s and q["round"] == k and q.get(metric) is not None}
                 pairs += [(s, qid, d) for qid, d in paired_differences(arm, base).items()]
             if not pairs:
                 continue
@@ -115,8 +118,8 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
                 if mine:
                     c = bootstrap_ci(mine, ex.bootstrap, ex.ci_level, seed=0)
                     per_seed.append({"seed": s, "n": c.n, "mean": c.mean, "lo": c.lo, "hi": c.hi})
-            base_mean = _mean([q[metric] for q in per_query if q["round"] == BASE])
-            arm_mean = _mean([q[metric] for q in per_query if q["round"] == k])
+            base_mean = _mean([q[metric] for q in per_query if q["round"] == BASE and q.get(metric) is not None])
+            arm_mean = _mean([q[metric] for q in per_query if q["round"] == k and q.get(metric) is not None])
             paired.append({"round": k, "metric": metric, "base": base_mean, "trained": arm_mean, **asdict(ci),
                            "lo_by_query": by_query.lo, "hi_by_query": by_query.hi, "per_seed": per_seed})
     return {"experiment": cfg.run_id, "seeds": seeds, "rounds": cfg.rounds, "split": split,
@@ -148,7 +151,7 @@ def headline(summary: dict) -> list[str]:
     """Lines a person reads first: per evaluated round, held-out Mean@L / Best@L against the base model."""
     lines = []
     for p in summary["paired"]:
-        name = {"mean_at_l": "Mean@L", "best_at_l": "Best@L", "select_at_l": "Sel@L"}[p["metric"]]
+        name = METRIC_NAMES.get(p["metric"], p["metric"])
         seeds = ", ".join(f"s{x['seed']} {x['mean']:+.3f}" for x in p.get("per_seed", []))
         lines.append(
             f"round {p['round']} vs base, held-out {name} (L={summary['eval_l']}, {p['n']} seed x query pairs): "

@@ -1,9 +1,13 @@
-"""Held-out metrics of a learning experiment: per-query Mean@L / Best@L (BayesFlow's definitions), paired
+"""Held-out metrics of a learning experiment: per-query Mean@L / Best@L / Majority@L (BayesFlow's definitions), paired
 differences against the base model, and percentile-bootstrap confidence intervals. Pure functions.
 
 For one query and its L sampled workflows with scores s_1..s_L in [0, 1] (an invalid workflow scores 0):
 - Mean@L = (1/L) sum_j s_j: the expected score of one sampled workflow;
 - Best@L = max_j s_j: for 0/1 scores, "at least one of the L workflows is right".
+- Majority@L: the L workflows vote with their normalised answers (`benchmarks.metrics.vote_key`); the score of
+  the most frequent answer (the mean score of the workflows that gave it), so for 0/1 scores "the majority
+  answer is right". Workflows without an answer (invalid, crashed) do not vote; no vote at all scores 0; a tie
+  between answers scores the mean of their values: the expected score of a uniformly random tie-break.
 A split's Mean@L / Best@L is the mean over its queries. Workflows whose runs are still transient
 (executor errors) or unscored have no score yet and are left out of L (and counted).
 
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-METRICS = ("mean_at_l", "best_at_l")
+METRICS = ("mean_at_l", "best_at_l", "majority_at_l")
 
 
 @dataclass(frozen=True)
@@ -31,31 +35,51 @@ class QueryMetrics:
     best_at_l: float
     valid_share: float
     pending: int  # workflows left out: no final score yet
+    majority_at_l: float | None = None  # None when the rows carry no votes
+
+
+def majority_at_l(votes: Sequence[tuple[str | None, float]]) -> float:
+    """`votes`: (normalised answer, None: no vote; score) per workflow; see the module doc."""
+    by_answer: dict[str, list[float]] = {}
+    for answer, score in votes:
+        if answer is not None:
+            by_answer.setdefault(answer, []).append(score)
+    if not by_answer:
+        return 0.0
+    top = max(len(v) for v in by_answer.values())
+    return float(np.mean([np.mean(v) for v in by_answer.values() if len(v) == top]))
 
 
 def query_metrics(rows: Sequence[Mapping]) -> list[QueryMetrics]:
-    """`rows`: one per workflow with query_id, score (None: no final score yet) and valid.
-    Returns one QueryMetrics per query that has at least one scored workflow, in first-seen order."""
+    """`rows`: one per workflow with query_id, score (None: no final score yet), valid and, for Majority@L, vote
+    (its normalised answer, None: no vote). Returns one QueryMetrics per query that has at least one scored
+    workflow, in first-seen order."""
     by_q: dict[str, list[Mapping]] = {}
     for r in rows:
         by_q.setdefault(r["query_id"], []).append(r)
     out = []
     for qid, rs in by_q.items():
-        s = np.array([0.0 if not r["valid"] else r["score"] for r in rs if not r["valid"] or r["score"] is not None])
-        if s.size == 0:
+        scored = [(r, 0.0 if not r["valid"] else r["score"]) for r in rs if not r["valid"] or r["score"] is not None]
+        if not scored:
             continue
+        s = np.array([x for _, x in scored])
+        votes = [(r.get("vote") if r["valid"] else None, x) for r, x in scored]
+        maj = majority_at_l(votes) if any("vote" in r for r in rs) else None
         out.append(QueryMetrics(qid, int(s.size), float(s.mean()), float(s.max()),
-                                float(np.mean([bool(r["valid"]) for r in rs])), len(rs) - int(s.size)))
+                                float(np.mean([bool(r["valid"]) for r in rs])), len(rs) - int(s.size), maj))
     return out
 
 
 def split_summary(per_query: Sequence[QueryMetrics]) -> dict:
     """Means over queries of the per-query metrics (None when there is no query)."""
     if not per_query:
-        return {"queries": 0, "mean_at_l": None, "best_at_l": None, "valid_share": None, "workflows": 0, "pending": 0}
+        return {"queries": 0, "mean_at_l": None, "best_at_l": None, "majority_at_l": None, "valid_share": None,
+                "workflows": 0, "pending": 0}
+    majority = [q.majority_at_l for q in per_query if q.majority_at_l is not None]
     return {"queries": len(per_query),
             "mean_at_l": float(np.mean([q.mean_at_l for q in per_query])),
             "best_at_l": float(np.mean([q.best_at_l for q in per_query])),
+            "majority_at_l": float(np.mean(majority)) if len(majority) == len(per_query) else None,
             "valid_share": float(np.mean([q.valid_share for q in per_query])),
             "workflows": sum(q.workflows for q in per_query), "pending": sum(q.pending for q in per_query)}
 

@@ -91,3 +91,9 @@ def render(tokenizer, user: str, system: str | None = None) -> str:
     messages = [{"role": "system", "content": (system if system is not None else template("system")).strip()},
                 {"role": "user", "content": user}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def repair_prompt(problem: str, family: str, code: str, error: str) -> str:
+    """User message of self-repair: the task, the workflow that failed its check and why."""
+    return _fill("repair", contract=contract(family), problem=problem.strip(), code=code.strip("\n"),
+                 error=error.strip())

@@ -15,8 +15,9 @@ import polars as pl
 from pipeline.schema import STATUSES
 from pipeline.store import Store
 
-# Per round: generations and valid share, workflow scores (`generation_scores`), executor usage, curated groups
-# and training metrics. FULL JOINs: a round that stopped early still shows what it has.
+# Per round: generations and valid share, workflow scores (`generation_scores`), executor usage, generator and
+# executor tokens per query (`query_usage`), curated groups and training metrics. FULL JOINs: a round that stopped
+# early still shows what it has.
 _ROUND_SQL = """
 WITH g AS (
   SELECT round, count(*) AS workflows, avg(CASE WHEN valid THEN 1.0 ELSE 0.0 END) AS valid_share
@@ -29,6 +30,10 @@ u AS (
          sum(tokens_out)::BIGINT AS tokens_out,
          sum(cost_usd) AS cost_usd
   FROM latest_scores WHERE run_id = $run GROUP BY round),
+q AS (
+  SELECT round, avg(gen_tokens_in + gen_tokens_out) AS gen_tokens_per_query,
+         avg(exec_tokens_in + exec_tokens_out) AS exec_tokens_per_query
+  FROM query_usage WHERE run_id = $run GROUP BY round),
 c AS (SELECT round, count(*) FILTER (WHERE kept) AS groups_kept FROM groups WHERE run_id = $run GROUP BY round),
 t AS (
   SELECT round, count(*) AS steps, avg(loss) AS loss, avg(kl) AS kl, avg(clip_frac) AS clip_frac,
@@ -36,15 +41,16 @@ t AS (
   FROM train_metrics WHERE run_id = $run GROUP BY round),
 r AS (SELECT round FROM g UNION SELECT round FROM s UNION SELECT round FROM c UNION SELECT round FROM t)
 SELECT r.round, workflows, valid_share, scored, mean_score, best_score, llm_calls, tokens_in, tokens_out,
-       cost_usd, groups_kept, steps, loss, kl, clip_frac, train_tokens
-FROM r LEFT JOIN g USING (round) LEFT JOIN s USING (round) LEFT JOIN u USING (round)
+       cost_usd, gen_tokens_per_query, exec_tokens_per_query, groups_kept, steps, loss, kl, clip_frac, train_tokens
+FROM r LEFT JOIN g USING (round) LEFT JOIN s USING (round) LEFT JOIN u USING (round) LEFT JOIN q USING (round)
        LEFT JOIN c USING (round) LEFT JOIN t USING (round)
 ORDER BY r.round
 """
 
 
 def round_stats(store: Store, run_id: str) -> pl.DataFrame:
-    """One row per round: workflows, valid_share, scored, mean_score, best_score, usage, groups, training."""
+    """One row per round: workflows, valid_share, scored, mean_score, best_score, usage, tokens per query, groups,
+    training."""
     return store.sql(_ROUND_SQL, {"run": run_id})
 
 

@@ -1,10 +1,15 @@
-"""Multi-purpose reward (pure): benchmark metric minus weighted complexity and cost penalties.
+"""Multi-purpose reward (pure, FlowReasoner): benchmark metric minus weighted complexity, cost and redundancy penalties.
 
-    score = clip(metric - w_complexity * complexity - w_cost * cost, 0, 1)
+    score = clip(metric - w_complexity * complexity - w_cost * cost - w_diversity * (1 - diversity), 0, 1)
 
 - complexity in [0, 1]: half AST size, half helper call sites (`llm(...)` / `run_tests(...)` in the
   source), each saturating at a scale: 0.5 * min(1, nodes / AST_SCALE) + 0.5 * min(1, calls / CALL_SCALE).
 - cost in [0, 1]: executor tokens (in + out) of the run, saturating at TOKEN_SCALE.
+- diversity in (0, 1]: FlowReasoner's diversity, the distinctness ratio (Chen et al. 2024: distinct solutions over
+  all solutions) of the workflows sampled for the same prompt, spread over them: a workflow scores 1 / (number of
+  the group's workflows that are the same program, itself included), so the group's mean is its distinctness ratio
+  and a program no other sample repeats scores 1. It enters as a penalty on redundancy, 1 - diversity, so a
+  workflow never scores above its metric (a bonus would pay a wrong but unusual workflow).
 Weights come from `scoring.reward` (default 0: the score is the metric, as in the paper). All components
 are stored, so another weighting can be recomputed from the store without re-running anything.
 """
@@ -12,6 +17,8 @@ are stored, so another weighting can be recomputed from the store without re-run
 from __future__ import annotations
 
 import ast
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 AST_SCALE = 2000
@@ -28,6 +35,7 @@ class RewardParts:
     cost: float  # before weighting
     ast_nodes: int
     helper_calls: int
+    diversity: float = 1.0  # before weighting
 
 
 def code_stats(code: str) -> tuple[int, int]:
@@ -53,13 +61,31 @@ def cost_term(tokens_in: int, tokens_out: int, token_scale: int = TOKEN_SCALE) -
     return min(1.0, (tokens_in + tokens_out) / token_scale)
 
 
+def program_key(code: str) -> str:
+    """Two workflows are the same program when their ASTs are (comments and layout aside); unparsable: the text
+    with whitespace collapsed."""
+    try:
+        return ast.dump(ast.parse(code))
+    except (SyntaxError, ValueError):
+        return " ".join(code.split())
+
+
+def diversity_terms(codes: Sequence[str]) -> list[float]:
+    """Per workflow of one group (the samples of one prompt): 1 / (group members that are the same program)."""
+    keys = [program_key(c) for c in codes]
+    counts = Counter(keys)
+    return [1.0 / counts[k] for k in keys]
+
+
 def combine(metric: float, complexity: float, cost: float, complexity_weight: float = 0.0,
-            cost_weight: float = 0.0) -> float:
-    return min(1.0, max(0.0, metric - complexity_weight * complexity - cost_weight * cost))
+            cost_weight: float = 0.0, diversity: float = 1.0, diversity_weight: float = 0.0) -> float:
+    penalty = complexity_weight * complexity + cost_weight * cost + diversity_weight * (1.0 - diversity)
+    return min(1.0, max(0.0, metric - penalty))
 
 
 def reward(metric: float, code: str, tokens_in: int, tokens_out: int, complexity_weight: float = 0.0,
-           cost_weight: float = 0.0) -> RewardParts:
+           cost_weight: float = 0.0, diversity: float = 1.0, diversity_weight: float = 0.0) -> RewardParts:
     nodes, calls = code_stats(code)
     cx, co = complexity_term(nodes, calls), cost_term(tokens_in, tokens_out)
-    return RewardParts(combine(metric, cx, co, complexity_weight, cost_weight), metric, cx, co, nodes, calls)
+    score = combine(metric, cx, co, complexity_weight, cost_weight, diversity, diversity_weight)
+    return RewardParts(score, metric, cx, co, nodes, calls, diversity)

@@ -26,6 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pipeline.benchmarks.base import Item, load_benchmark
+from pipeline.executors import cost_usd
 from pipeline.exemplars import Pools, load_pools, pick_exemplars, tau_at
 from pipeline.generation import BACKENDS, Completion, Generator, Sampling, make_generator
 from pipeline.models import load_tokenizer
@@ -183,7 +184,8 @@ class _Rollout:
                 token_logprobs=c.token_logprobs, model=g.model, backend=g.backend, adapter_round=self.adapter_round,
                 sampling=sampling.to_json(adapter=self.adapter), exemplar_ids=req.exemplar_ids,
                 finish_reason=c.finish_reason, valid=reason is None, invalid_reason=reason,
-                retokenized=c.retokenized, latency_s=latency,
+                retokenized=c.retokenized, latency_s=latency, attempt=0,
+                cost_usd=cost_usd(g.prices, len(c.prompt_token_ids or []), len(c.token_ids or [])),
             ))
         return rows
 
@@ -277,15 +279,26 @@ def run_rollout(ctx: RunContext) -> dict:
     ro = _Rollout(ctx, items, bench.family, tokenizer, pools, adapter, adapter_round)
     have = ro.existing()
     todo = ro.requests(have)
-    sampled = 0
+    sampled, repaired = 0, {}
     with contextlib.ExitStack() as stack:
         gen = _start_generator(ctx, ro, stack) if todo else None
         _write_queries(ctx, items)  # after the engine started: a backend that cannot start writes nothing
         if gen is not None:
             stack.callback(gen.close)
             sampled = _sample_all(ctx, ro, gen, todo)
+        if cfg.rollout.repair_attempts:
+            from pipeline.repair import self_repair
+
+            def engine() -> Generator:  # a resumed rollout may have only repairs left: start the engine then
+                nonlocal gen
+                if gen is None:
+                    gen = _start_generator(ctx, ro, stack)
+                    stack.callback(gen.close)
+                return gen
+
+            repaired = {"repair": self_repair(ctx, ro, engine)}
     counts = _counts(ctx, sampled)
-    ctx.finish("rollout", queries=len(items), **counts)
-    log.info("rollout round %d: %s", ctx.round, counts)
-    return {"queries": len(items), **counts}
+    ctx.finish("rollout", queries=len(items), **counts, **repaired)
+    log.info("rollout round %d: %s", ctx.round, counts | repaired)
+    return {"queries": len(items), **counts, **repaired}
 

@@ -38,7 +38,7 @@ TABLES: dict[str, pa.Schema] = {
         [
             ("run_id", pa.string()),
             ("gen_id", pa.string()),
-            ("kind", pa.string()),  # agent | workflow
+            ("kind", pa.string()),  # agent | workflow | smc (an SMC look-ahead rollout, pipeline.smc)
             ("parent_id", pa.string()),  # the agent of a two-level workflow, else null
             ("query_id", pa.string()),
             ("slot", pa.int32()),  # sample index within (query, parent): the idempotency key
@@ -58,6 +58,10 @@ TABLES: dict[str, pa.Schema] = {
             ("retokenized", pa.bool_()),  # token ids re-derived from text (server gave none)
             ("latency_s", pa.float64()),
             ("created_at", _ts),
+            # added with issue 12 (nullable: parts written before read them as null)
+            ("cost_usd", pa.float64()),  # generator cost of this sample (generator.prices); null = not priced
+            ("repair_of", pa.string()),  # self-repair: the gen_id this generation repairs, else null
+            ("attempt", pa.int32()),  # self-repair: 0 = first sample, a = a-th repair; null = before repair existed
         ]
     ),
     "scores": pa.schema(
@@ -75,6 +79,27 @@ TABLES: dict[str, pa.Schema] = {
             ("details", pa.string()),  # JSON metric details
             ("answer", pa.string()),
             ("error", pa.string()),
+            ("llm_calls", pa.int32()),
+            ("tokens_in", pa.int64()),
+            ("tokens_out", pa.int64()),
+            ("cost_usd", pa.float64()),
+            ("wall_s", pa.float64()),
+            ("created_at", _ts),
+            ("diversity", pa.float64()),  # FlowReasoner's distinctness component (before weighting); null = older
+        ]
+    ),
+    # Runs of a workflow at generation time, before the score stage: self-repair's quick self-check and SMC's
+    # look-ahead scoring. Their executor usage is part of a query's cost (the `query_usage` view).
+    "checks": pa.schema(
+        [
+            ("run_id", pa.string()),
+            ("gen_id", pa.string()),
+            ("query_id", pa.string()),
+            ("purpose", pa.string()),  # repair | smc
+            ("status", pa.string()),  # a sandbox status (STATUSES)
+            ("answer", pa.string()),
+            ("error", pa.string()),
+            ("reward", pa.float64()),  # smc: R(workflow) used in its particle's weight; repair: null
             ("llm_calls", pa.int32()),
             ("tokens_in", pa.int64()),
             ("tokens_out", pa.int64()),

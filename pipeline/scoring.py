@@ -21,7 +21,7 @@ import polars as pl
 from tqdm import tqdm
 
 from pipeline.benchmarks.base import Benchmark, Item, load_benchmark
-from pipeline.reward import reward
+from pipeline.reward import diversity_terms, reward
 from pipeline.run import RunContext
 from pipeline.sandbox import Limits, default_sandbox, run_workflow
 from pipeline.schema import FINAL_STATUSES, transient_statuses
@@ -81,9 +81,11 @@ def _gold(item: Item) -> str:
 class _Scorer:
     """Per-invocation state: benchmark, executor, judge, limits; `score(job)` -> one `scores` row."""
 
-    def __init__(self, ctx: RunContext, bench: Benchmark, texts: dict[str, str], items: dict[str, Item]):
+    def __init__(self, ctx: RunContext, bench: Benchmark, texts: dict[str, str], items: dict[str, Item],
+                 diversity: dict[str, float] | None = None):
         cfg = ctx.cfg
         self.cfg, self.bench, self.texts, self.items = cfg, bench, texts, items
+        self.diversity = diversity or {}
         self.limits = Limits.from_config(cfg.scoring)
         self._executor = self._judge = None
 
@@ -145,10 +147,12 @@ class _Scorer:
                     row.update(status="executor_error" if transient else "exec_error",
                                error=f"metric failed: {type(e).__name__}: {e}"[:4000])
         w = self.cfg.scoring.reward
-        parts = reward(row["metric"], code, row["tokens_in"], row["tokens_out"], w.complexity_weight, w.cost_weight)
-        row.update(score=parts.score, complexity=parts.complexity, cost=parts.cost)
+        parts = reward(row["metric"], code, row["tokens_in"], row["tokens_out"], w.complexity_weight, w.cost_weight,
+                       self.diversity.get(job.gen_id, 1.0), w.diversity_weight)
+        row.update(score=parts.score, complexity=parts.complexity, cost=parts.cost, diversity=parts.diversity)
         details["reward"] = {"ast_nodes": parts.ast_nodes, "helper_calls": parts.helper_calls,
-                             "complexity_weight": w.complexity_weight, "cost_weight": w.cost_weight}
+                             "complexity_weight": w.complexity_weight, "cost_weight": w.cost_weight,
+                             "diversity_weight": w.diversity_weight}
         row["details"] = json.dumps(details, default=str)
         return row
 
@@ -195,7 +199,18 @@ async def _run(ctx: RunContext, scorer: _Scorer, jobs: list[Job]) -> dict[str, i
     return counts
 
 
-def _score_jobs(ctx: RunContext, items: dict[str, Item], texts: dict[str, str], jobs: list[Job]) -> dict[str, int]:
+def group_diversity(gens: pl.DataFrame) -> dict[str, float]:
+    """gen_id -> FlowReasoner's diversity term within its group: the workflows of the same (query, parent), i.e.
+    the samples of one prompt, repairs included (pipeline.reward.diversity_terms)."""
+    out: dict[str, float] = {}
+    for _, grp in gens.group_by(["query_id", "parent_id"], maintain_order=True):
+        codes = [extract_code(t or "") for t in grp["text"]]
+        out.update(zip(grp["gen_id"], diversity_terms(codes), strict=True))
+    return out
+
+
+def _score_jobs(ctx: RunContext, items: dict[str, Item], texts: dict[str, str], jobs: list[Job],
+                diversity: dict[str, float] | None = None) -> dict[str, int]:
     if not jobs:
         return {}
     bench = load_benchmark(ctx.cfg.benchmark)
@@ -204,7 +219,7 @@ def _score_jobs(ctx: RunContext, items: dict[str, Item], texts: dict[str, str], 
     iso = default_sandbox().ensure_started()
     for note in iso.get("notes", []):
         log.warning("sandbox: %s", note)
-    return asyncio.run(_run(ctx, _Scorer(ctx, bench, texts, items), jobs))
+    return asyncio.run(_run(ctx, _Scorer(ctx, bench, texts, items, diversity), jobs))
 
 
 def run_scoring(ctx: RunContext, only_failed: bool = False) -> dict:
@@ -223,12 +238,13 @@ def run_scoring(ctx: RunContext, only_failed: bool = False) -> dict:
     transient = transient_statuses(cfg.scoring.retry_timeouts)
     pairs = list(zip(gens["gen_id"], gens["query_id"], strict=True))
     texts = dict(zip(gens["gen_id"], gens["text"], strict=True))
+    diversity = group_diversity(gens)
     counts: dict[str, int] = {}
     # a normal call runs the missing rows, then gives transient failures (executor down) one new attempt, so a
     # retried stage heals a short outage by itself; --only-failed does the second pass alone
     for retry_pass in ([True] if only_failed else [False, True]):
         jobs = plan(pairs, latest_attempts(store, ctx.run_id, ctx.round), cfg.scoring.reps, retry_pass, transient)
-        for status, n in _score_jobs(ctx, items, texts, jobs).items():
+        for status, n in _score_jobs(ctx, items, texts, jobs, diversity).items():
             counts[status] = counts.get(status, 0) + n
         ran += len(jobs)
     latest = latest_attempts(store, ctx.run_id, ctx.round)

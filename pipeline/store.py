@@ -10,6 +10,7 @@ Layout (DESIGN.md §2):
 Derived views (one definition each, used by every stage, the report and evaluation):
     latest_scores      the latest attempt of each (generation, rep)
     generation_scores  one row per generation: its score over reps (see GENERATION_SCORES_SQL)
+    query_usage        one row per (run, round, query): generator and executor tokens and cost (QUERY_USAGE_SQL)
 
 Writers never touch catalog.duckdb while working; it is rebuilt into a temp file and renamed, so a
 user holding it open in the `duckdb` CLI keeps a consistent (older) copy.
@@ -50,8 +51,10 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a round'
 GENERATION_SCORES_SQL = f"""
 WITH g AS (
     SELECT run_id, round, gen_id, any_value(kind) AS kind, any_value(parent_id) AS parent_id,
-           any_value(query_id) AS query_id, min(slot) AS slot, bool_and(coalesce(valid, true)) AS valid
+           any_value(query_id) AS query_id, min(slot) AS slot, bool_and(coalesce(valid, true)) AS valid,
+           any_value(repair_of) AS repair_of, coalesce(max(attempt), 0) AS attempt
     FROM generations GROUP BY run_id, round, gen_id),
+repaired AS (SELECT DISTINCT run_id, round, repair_of AS gen_id FROM generations WHERE repair_of IS NOT NULL),
 s AS (
     SELECT run_id, round, gen_id, count(DISTINCT rep) AS reps_scored,
            count(*) FILTER (WHERE status IN ({", ".join(f"'{t}'" for t in TRANSIENT_STATUSES)})) AS transient_runs,
@@ -61,11 +64,42 @@ s AS (
            sum(llm_calls) AS llm_calls, sum(tokens_in) AS tokens_in, sum(tokens_out) AS tokens_out,
            sum(cost_usd) AS cost_usd
     FROM latest_scores GROUP BY run_id, round, gen_id)
-SELECT g.*, coalesce(s.reps_scored, 0) AS reps_scored, coalesce(s.transient_runs, 0) AS transient_runs,
-       coalesce(s.timeout_runs, 0) AS timeout_runs,
+SELECT g.*, r.gen_id IS NULL AS final, coalesce(s.reps_scored, 0) AS reps_scored,
+       coalesce(s.transient_runs, 0) AS transient_runs, coalesce(s.timeout_runs, 0) AS timeout_runs,
        CASE WHEN NOT g.valid THEN 0.0 ELSE s.score END AS score,
        s.llm_calls, s.tokens_in, s.tokens_out, s.cost_usd
-FROM g LEFT JOIN s USING (run_id, round, gen_id)
+FROM g LEFT JOIN s USING (run_id, round, gen_id) LEFT JOIN repaired r USING (run_id, round, gen_id)
+"""
+
+# What answering one query cost, the one definition (evaluation summaries, baselines, the report): generator tokens
+# of every generation of the query (any kind: plans, workflows, repairs, SMC rollouts; the prompt counted once per
+# sample, as n separate requests would be billed), and executor tokens of its scoring runs (latest attempts, all
+# reps) plus its generation-time runs (`checks`: self-repair's self-checks, SMC's look-ahead scoring).
+QUERY_USAGE_SQL = """
+WITH g AS (
+    SELECT run_id, round, gen_id, any_value(query_id) AS query_id, any_value(kind) AS kind,
+           any_value(coalesce(len(prompt_token_ids), 0)) AS tin, any_value(coalesce(len(token_ids), 0)) AS tout,
+           any_value(coalesce(cost_usd, 0)) AS cost
+    FROM generations GROUP BY run_id, round, gen_id),
+gq AS (
+    SELECT run_id, round, query_id, count(*) FILTER (WHERE kind = 'workflow') AS workflows, count(*) AS generations,
+           sum(tin)::BIGINT AS gen_tokens_in, sum(tout)::BIGINT AS gen_tokens_out, sum(cost) AS gen_cost_usd
+    FROM g GROUP BY run_id, round, query_id),
+sq AS (
+    SELECT run_id, round, query_id, sum(llm_calls)::BIGINT AS calls, sum(tokens_in)::BIGINT AS tin,
+           sum(tokens_out)::BIGINT AS tout, sum(cost_usd) AS cost
+    FROM latest_scores GROUP BY run_id, round, query_id),
+cq AS (
+    SELECT run_id, round, query_id, count(*) AS checks, sum(llm_calls)::BIGINT AS calls,
+           sum(tokens_in)::BIGINT AS tin, sum(tokens_out)::BIGINT AS tout, sum(cost_usd) AS cost
+    FROM checks GROUP BY run_id, round, query_id)
+SELECT gq.run_id, gq.round, gq.query_id, gq.workflows, gq.generations, coalesce(cq.checks, 0) AS checks,
+       gq.gen_tokens_in, gq.gen_tokens_out, gq.gen_cost_usd,
+       coalesce(sq.calls, 0) + coalesce(cq.calls, 0) AS exec_calls,
+       coalesce(sq.tin, 0) + coalesce(cq.tin, 0) AS exec_tokens_in,
+       coalesce(sq.tout, 0) + coalesce(cq.tout, 0) AS exec_tokens_out,
+       coalesce(sq.cost, 0) + coalesce(cq.cost, 0) AS exec_cost_usd
+FROM gq LEFT JOIN sq USING (run_id, round, query_id) LEFT JOIN cq USING (run_id, round, query_id)
 """
 
 _DUCK_TYPES = {
@@ -203,8 +237,10 @@ class Store:
         if not files:
             empty = pl.from_arrow(schema(table).empty_table())
             return empty.with_columns(pl.lit(None, pl.Int32).alias("round")).lazy()
+        # the full schema: columns added later read as null from older parts, whichever part comes first
+        full = dict(pl.from_arrow(schema(table).empty_table()).schema)
         return pl.scan_parquet(
-            [str(f) for f in files], hive_partitioning=True, hive_schema={"round": pl.Int32},
+            [str(f) for f in files], hive_partitioning=True, hive_schema={"round": pl.Int32}, schema=full,
             missing_columns="insert", extra_columns="ignore",
         )
 
@@ -215,15 +251,18 @@ class Store:
     def _view_sql(self, table: str) -> str:
         files = self.parts(table)
         good = [p for p in files if self._is_ok(p)]
+        cols = ", ".join(f"CAST(NULL AS {_duck_type(f.type)}) AS {f.name}" for f in schema(table))
+        empty = f"SELECT {cols}, CAST(NULL AS INTEGER) AS round WHERE false"
         if not good:
-            cols = ", ".join(f"CAST(NULL AS {_duck_type(f.type)}) AS {f.name}" for f in schema(table))
-            return f"SELECT {cols}, CAST(NULL AS INTEGER) AS round WHERE false"
+            return empty
         opts = "hive_partitioning = true, union_by_name = true, hive_types = {'round': INTEGER}"
         if len(good) == len(files):  # glob: parts written after the refresh are visible too
             src = f"'{self.root}/*/round=*/{table}/*.parquet'"
         else:  # a corrupt part would fail the whole glob: list the readable ones
             src = "[" + ", ".join(f"'{p}'" for p in good) + "]"
-        return f"SELECT * FROM read_parquet({src}, {opts})"
+        # the empty typed relation first: every column of the schema exists even when no part has it yet (parts
+        # written before a column was added), and BY NAME never duplicates one a newer part has
+        return f"{empty} UNION ALL BY NAME SELECT * FROM read_parquet({src}, {opts})"
 
     def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
         for t in TABLES:
@@ -234,6 +273,7 @@ class Store:
             "ORDER BY attempt DESC, created_at DESC) = 1"
         )
         con.execute(f"CREATE OR REPLACE VIEW generation_scores AS {GENERATION_SCORES_SQL}")
+        con.execute(f"CREATE OR REPLACE VIEW query_usage AS {QUERY_USAGE_SQL}")
 
     def generation_scores(self, run_id: str, round: int, reps: int, transient: Iterable[str]) -> pl.DataFrame:
         """The `generation_scores` rows of one round, ordered (query, parent, slot), with `state`:

@@ -69,6 +69,6 @@ def test_experiments_compare_sel_at_l_for_two_level_runs():
     from pipeline.config import RunConfig
     from pipeline.experiment import compared_metrics
 
-    assert compared_metrics(RunConfig()) == ("mean_at_l", "best_at_l")
+    assert compared_metrics(RunConfig()) == ("mean_at_l", "best_at_l", "majority_at_l")
     two = RunConfig.model_validate({"rollout": {"mode": "two_level"}})
-    assert compared_metrics(two) == ("mean_at_l", "best_at_l", "select_at_l")
+    assert compared_metrics(two) == ("mean_at_l", "best_at_l", "majority_at_l", "select_at_l")

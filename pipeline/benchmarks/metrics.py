@@ -240,3 +240,26 @@ def f1_score(answer: str, golds: Iterable[str]) -> MetricResult:
     best = max(range(len(golds)), key=f1s.__getitem__)
     em = any(norm == normalize_answer(g) for g in golds)
     return MetricResult(f1s[best], {"normalized": norm, "best_gold": golds[best], "f1": f1s[best], "exact_match": em})
+
+
+# ---------------------------------------------------------------- votes (Majority@L)
+
+
+def vote_key(answer: str | None, family: str) -> str | None:
+    """The normalised answer a workflow votes with in Majority@L; None: no vote (no answer, or an empty one).
+
+    code: the answer with whitespace collapsed (programs are compared as written). Otherwise the last
+    \\boxed{} content (math) or the last number, canonical ("1,444.0" and "1444" agree, "-67" and "[-67]" too),
+    as the numeric metrics read an answer; an answer without a number: its SQuAD/DROP normalisation."""
+    if answer is None or not str(answer).strip():
+        return None
+    text = str(answer).strip()
+    if family == "code":
+        return " ".join(text.split())
+    if family == "math" and (boxed := last_boxed(text)) is not None:
+        return " ".join(boxed.split())
+    num = last_number(text)
+    if num is not None:
+        value = float(num)
+        return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
+    return normalize_answer(text) or None

@@ -1,0 +1,167 @@
+"""BayesFlow's SMC sampler (issue 12): step cutting, look-ahead weights, multinomial resampling and one scripted sweep,
+all by hand; then the derived run end to end with a scripted generator."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from pipeline.config import RunConfig, SMCConfig
+from pipeline.generation.base import Completion, Generator
+from pipeline.smc import SMC, Particle, Query, _reward_fn, consistency_rewards, cut_step, lookahead_weight, resample
+
+HEAD = "```python\nasync def solve(problem):\n"
+S1 = "    # Step 1: a\n    x = 1\n"
+S2 = "    # Step 2: b\n    return str(x)\n```"
+X = HEAD + S1 + S2  # two steps, answers "1"
+X_ALT = HEAD + S1 + "    # Step 2: c\n    return str(x + 1)\n```"  # the same first step, answers "2"
+Y = HEAD + "    # Step 1: a\n    return '1'\n```"  # one step, answers "1"
+
+
+def test_cut_step_ends_before_the_next_step_comment():
+    assert cut_step(X, 1) == (HEAD + S1, False)
+    assert cut_step(X, 2) == (X, True)  # no third step: complete
+    assert cut_step(Y, 1) == (Y, True)
+    assert cut_step("async def solve(p):\n    return 1\n", 1) == ("async def solve(p):\n    return 1\n", True)
+    assert cut_step("#step 1\na\n  # STEP 2: b\nc", 1) == ("#step 1\na\n", False)  # case and spacing
+
+
+def test_lookahead_weight_is_the_mean_of_exp_beta_r():
+    assert lookahead_weight([1.0, 0.0]) == pytest.approx((math.e + 1) / 2)
+    assert lookahead_weight([0.5], beta=2.0) == pytest.approx(math.e)
+    assert lookahead_weight([0.0, 0.0, 0.0], beta=5.0) == 1.0
+    with pytest.raises(ValueError, match="at least one"):
+        lookahead_weight([])
+
+
+def test_resample_is_multinomial_by_the_inverse_cdf():
+    # weights 1, e, 1: cdf 1/(2+e) = 0.2119, (1+e)/(2+e) = 0.7881, 1
+    assert resample([1.0, math.e, 1.0], [0.1, 0.5, 0.79, 0.95, 0.2119]) == [0, 1, 2, 2, 0]
+    assert resample([0.0, 2.0], [0.0, 0.99]) == [1, 1]  # a zero weight is never drawn
+    with pytest.raises(ValueError, match="positive sum"):
+        resample([0.0, 0.0], [0.5])
+
+
+def test_consistency_reward_is_the_share_of_the_same_answer():
+    assert consistency_rewards(["5", "5", "7", None]) == [0.5, 0.5, 0.25, 0.0]
+    assert consistency_rewards([None]) == [0.0] and consistency_rewards([]) == []
+
+
+class Uniforms:
+    """A stand-in for the query's numpy Generator: the resampling uniforms, step by step."""
+
+    def __init__(self, *steps):
+        self.steps = list(steps)
+
+    def random(self, n):
+        u = self.steps.pop(0)
+        assert len(u) == n
+        return u
+
+
+def _comp(text):
+    return Completion(text, [1, 2], [3, 4, 5], [-0.1, -0.1, -0.1], "stop")
+
+
+def test_one_sweep_hand_computed():
+    """N = 2, K = 2, T = 2 on one query. Step 1: particle 0 samples X (two steps) and is cut after step 1; its
+    second rollout is X_ALT; particle 1 samples Y (complete). Runs: X -> "1", X_ALT -> "2", Y -> "1", so R = 2/3,
+    1/3, 2/3; w0 = (e^(2/3) + e^(1/3)) / 2, w1 = e^(2/3); uniforms 0.3, 0.5 against cdf w0 / (w0 + w1) = 0.4619
+    keep both. Step 2: particle 0 samples the rest of X and completes; X and Y answer "1": R = 1, w = e, e;
+    uniforms 0.9, 0.1 swap them. Final workflows: Y, X; three runs (X is not run twice)."""
+    cfg = RunConfig(smc=SMCConfig(N=2, K=2, T=2))
+    prefix1 = HEAD + S1
+    script = {("extend:1", ""): [[_comp(X)], [_comp(Y)]],
+              ("lookahead:1", prefix1): [[_comp("    # Step 2: c\n    return str(x + 1)\n```")]],
+              ("extend:2", prefix1): [[_comp(S2)]]}
+    prompts = []
+
+    def sample(ps, n, key):
+        prompts.append((key, ps))
+        return script[(key, ps[0].removeprefix("P"))]
+
+    answers = {"return str(x)": "1", "return str(x + 1)": "2", "return '1'": "1"}
+
+    def run(jobs):
+        return [{"gen_id": j.gen_id, "query_id": j.item.id, "status": "ok",
+                 "answer": next(a for k, a in answers.items() if j.code.rstrip().endswith(k))} for j in jobs]
+
+    smc = SMC(SimpleNamespace(cfg=cfg), sample, run, _reward_fn(SimpleNamespace(cfg=cfg),
+                                                               SimpleNamespace(family="procedural")))
+    q = Query(SimpleNamespace(id="q", prompt="p"), "P", [Particle(""), Particle("")],
+              Uniforms([0.3, 0.5], [0.9, 0.1]))
+    smc.sweep([q])
+    w0 = (math.exp(2 / 3) + math.exp(1 / 3)) / 2
+    assert [s["t"] for s in q.steps] == [1, 2]
+    assert q.steps[0]["weights"] == pytest.approx([w0, math.exp(2 / 3)]) and q.steps[0]["ancestors"] == [0, 1]
+    assert q.steps[1]["weights"] == pytest.approx([math.e, math.e]) and q.steps[1]["ancestors"] == [1, 0]
+    assert [p.rollouts[0] for p in q.particles] == [Y, X] and all(p.complete for p in q.particles)
+    assert [k for k, _ in prompts] == ["extend:1", "lookahead:1", "extend:2"]
+    assert prompts[2][1] == ["P" + prefix1]  # only the unfinished particle is extended
+    assert sorted(r["answer"] for r in smc.checks) == ["1", "1", "2"]
+    ids = [r["gen_id"] for r in smc.rows]
+    assert ids == ["smc-q-t1-p0-k0", "smc-q-t1-p1-k0", "smc-q-t1-p0-k1", "smc-q-t2-p0-k0"]
+    assert {r["gen_id"]: r["reward"] for r in smc.checks} == {  # the last R each run had: X and Y at step 2
+        "smc-q-t1-p0-k0": 1.0, "smc-q-t1-p1-k0": 1.0, "smc-q-t1-p0-k1": pytest.approx(1 / 3)}
+
+
+class Scripted(Generator):
+    backend = "scripted"
+
+    def __init__(self):
+        self.calls = 0
+
+    def _generate(self, prompts, sampling, adapter):
+        self.calls += 1
+        body = "    # Step 1: compute\n    return str(eval(problem.split(': ')[1].rstrip(' =')))\n```"
+        return [[_comp(HEAD + body) for _ in range(sampling.n)] for _ in prompts]
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_smc_run_end_to_end(tmp_path, monkeypatch):
+    import pipeline.generation
+    from pipeline.smc import run_smc
+    from pipeline.stages.runner import run_stage
+    from pipeline.store import Store
+
+    cfg = yaml.safe_load(Path("configs/smoke.yaml").read_text())
+    cfg.update(run_id="s", rounds=1)
+    cfg["store"]["root"] = str(tmp_path / "store")
+    cfg["benchmark"] = {"name": "procedural", "tasks": ["chain_sum"], "size": 20}
+    cfg["rollout"] = {"mode": "flat", "exemplars": False}
+    cfg["experiment"] = {"eval_queries": 2}
+    cfg["smc"] = {"N": 3, "K": 2, "T": 2}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    gen = Scripted()
+    monkeypatch.setattr(pipeline.generation, "make_generator", lambda g, **kw: gen)
+    s = run_smc(str(path), lambda **kw: run_stage(kw["stage"], kw["run_id"], kw["round"], kw["store_root"],
+                                                 kw.get("sets"), isolate=False))
+    # one step per workflow: every particle completes at step 1; its workflow evaluates the expression: right
+    assert (s["eval_run_id"], s["queries"], s["workflows"]) == ("s-smc", 2, 6)
+    assert (s["mean_at_l"], s["best_at_l"], s["majority_at_l"]) == (1.0, 1.0, 1.0)
+    assert s["smc"] == {"queries": 2, "rollouts": 6, "runs": 2, "workflows": 6, "steps_with_comments": 0}
+    st = Store(tmp_path / "store")
+    gens = st.read("generations", "s-smc", 0)
+    assert sorted(gens["kind"].unique().to_list()) == ["smc", "workflow"]
+    # generator tokens: 6 rollouts x (2 prompt + 3 completion); executor: no llm() calls
+    assert (s["gen_tokens_per_query"], s["exec_tokens_per_query"]) == (15.0, 0.0)
+    prov = json.loads(gens.filter(gens["kind"] == "workflow")["sampling"][0])
+    assert (prov["method"], prov["N"], prov["K"], prov["T"]) == ("smc", 3, 2, 2)
+    assert gen.calls == 1  # step 1's extension only: complete particles need no look-ahead or step 2
+
+
+def test_plain_draw_samples_n_complete_workflows_and_runs_nothing():
+    cfg = RunConfig(smc=SMCConfig(N=3, resample=False))
+    smc = SMC(SimpleNamespace(cfg=cfg), lambda ps, n, key: [[_comp(X)] for _ in ps],
+              lambda jobs: pytest.fail("plain sampling runs nothing"), lambda item, rows: [])
+    q = Query(SimpleNamespace(id="q", prompt="p"), "P", [Particle(""), Particle(""), Particle("")], Uniforms())
+    smc.draw([q])
+    assert [p.rollouts for p in q.particles] == [[X]] * 3 and all(p.complete for p in q.particles)
+    assert [r["gen_id"] for r in smc.rows] == ["smc-q-t1-p0-k0", "smc-q-t1-p1-k0", "smc-q-t1-p2-k0"]
+    assert smc.checks == [] and q.steps == []
