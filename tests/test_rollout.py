@@ -216,15 +216,14 @@ class NumberedPlans(FakeGen):
         return out
 
 
-def test_workflow_exemplars_come_from_the_buffer_of_the_conditioning_agent(tmp_path, fake, monkeypatch):
-    """The proposal's D_W[i]: a round-1 plan was prompted with stored agents a0 (r = .75) and a1 (r = .125); its
-    workflows see exemplars written under a0 only, shown with a0's plan. The query's pool would mix in a1's."""
+def _two_level_rounds(tmp_path, fake, monkeypatch, **rollout_cfg) -> RunContext:
+    """One query, 2 plans x 2 workflows with new plan texts each round; round 0 scored a0: [1, .5], a1: [0, .25];
+    then round 1 rolled out from a stand-in checkpoint."""
     fake()
     monkeypatch.setattr(rollout, "make_generator", lambda cfg, enable_lora=False, **_: NumberedPlans())
-    ctx = make_ctx(tmp_path, rollout={"mode": "two_level", "n_agents": 2, "n_workflows": 2},
+    ctx = make_ctx(tmp_path, rollout={"mode": "two_level", "n_agents": 2, "n_workflows": 2, **rollout_cfg},
                    benchmark={"max_queries": 1})
     run_rollout(ctx)
-    r0 = ctx.store.read("generations", "t", 0)
     scores = {"r0-q0-a0-w0": 1.0, "r0-q0-a0-w1": 0.5, "r0-q0-a1-w0": 0.0, "r0-q0-a1-w1": 0.25}
     ctx.store.write("scores", [dict(gen_id=g, rep=0, attempt=0, status="ok", score=x) for g, x in scores.items()],
                     "t", 0)
@@ -232,7 +231,14 @@ def test_workflow_exemplars_come_from_the_buffer_of_the_conditioning_agent(tmp_p
     ckpt.mkdir(parents=True)
     (ckpt / "adapter_config.json").write_text("{}")
     run_rollout(ctx.at_round(1))
-    df = ctx.store.read("generations", "t", 1)
+    return ctx
+
+
+def test_workflow_exemplars_come_from_the_buffer_of_the_conditioning_agent(tmp_path, fake, monkeypatch):
+    """The proposal's D_W[i]: a round-1 plan was prompted with stored agents a0 (r = .75) and a1 (r = .125); its
+    workflows see exemplars written under a0 only, shown with a0's plan. The query's pool would mix in a1's."""
+    ctx = _two_level_rounds(tmp_path, fake, monkeypatch)
+    r0, df = ctx.store.read("generations", "t", 0), ctx.store.read("generations", "t", 1)
     plans = {r["gen_id"]: r for r in df.filter(kind_is("agent")).iter_rows(named=True)}
     r0_plans = set(r0.filter(kind_is("agent"))["text"])
     assert len({p["text"] for p in plans.values()} | r0_plans) == 4  # round 1's plans are new texts
@@ -248,18 +254,7 @@ def test_workflow_exemplars_come_from_the_buffer_of_the_conditioning_agent(tmp_p
 
 def test_workflow_exemplars_respect_r_min_workflow(tmp_path, fake, monkeypatch):
     """D_W[i] holds r_ij >= r_min_workflow: with .6 a0 keeps only its 1.0 workflow and a1 none."""
-    fake()
-    monkeypatch.setattr(rollout, "make_generator", lambda cfg, enable_lora=False, **_: NumberedPlans())
-    ctx = make_ctx(tmp_path, rollout={"mode": "two_level", "n_agents": 2, "n_workflows": 2, "r_min_workflow": 0.6},
-                   benchmark={"max_queries": 1})
-    run_rollout(ctx)
-    scores = {"r0-q0-a0-w0": 1.0, "r0-q0-a0-w1": 0.5, "r0-q0-a1-w0": 0.0, "r0-q0-a1-w1": 0.25}
-    ctx.store.write("scores", [dict(gen_id=g, rep=0, attempt=0, status="ok", score=x) for g, x in scores.items()],
-                    "t", 0)
-    ckpt = ctx.store.checkpoint_dir("t", 0)
-    ckpt.mkdir(parents=True)
-    (ckpt / "adapter_config.json").write_text("{}")
-    run_rollout(ctx.at_round(1))
+    ctx = _two_level_rounds(tmp_path, fake, monkeypatch, r_min_workflow=0.6)
     wfs = ctx.store.read("generations", "t", 1).filter(kind_is("workflow"))
     assert [sorted(ids) for ids in wfs["exemplar_ids"]] == [["r0-q0-a0-w0"]] * 4
 
