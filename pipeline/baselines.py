@@ -303,11 +303,12 @@ def describe(store: Store, run_id: str) -> str:
     method = json.loads(df["sampling"][0] or "{}").get("method") if df.height else None
     if method:
         return method
-    adapter = open_run(None, run_id, 0, None, str(store.root)).cfg.generator.adapter
-    if not adapter:
-        return "generator, base model"
-    m = re.search(r"([^/]+)/round=(\d+)/checkpoint/?$", adapter)
-    return f"generator + {m.group(1)} round {m.group(2)}" if m else f"generator + {adapter}"
+    cfg = open_run(None, run_id, 0, None, str(store.root)).cfg
+    adapter, repair = cfg.generator.adapter, cfg.rollout.repair_attempts
+    m = re.search(r"([^/]+)/round=(\d+)/checkpoint/?$", adapter or "")
+    name = ("generator, base model" if not adapter
+            else f"generator + {m.group(1)} round {m.group(2)}" if m else f"generator + {adapter}")
+    return name + (f", self-repair <= {repair}" if repair else "")
 
 
 def compare(store: Store, run_ids: list[str], describe_fn: Callable[[Store, str], str] = describe) -> dict:
