@@ -20,7 +20,9 @@ Methods (`PROGRAMS`; the executor's settings apply to every `llm()` call, as for
   workflows with a positive score of `--candidates` runs; each runs once on each query of the selection split
   (CONFIG's training queries: `benchmark.max_queries` of `validate`) in the run `<run_id>-baseline-validate-select`;
   per task the candidate with the best mean score wins (ties: fewer executor tokens, then the earlier candidate),
-  and the held-out run holds L copies of its task's winner per query. A generated candidate's mean leaves out the
+  and the held-out run holds L copies of its task's winner per query.
+- program:<file>: a hand-written program (a task-level workflow someone wrote) run like the fixed ones, in
+  `<run_id>-baseline-program-<file stem>`. A generated candidate's mean leaves out the
   query it was written for: a query-level workflow (numbers copied into the code) is right there and nowhere else,
   which says nothing about it as a task-level program.
 """
@@ -31,6 +33,7 @@ import json
 import logging
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
 from pipeline.reward import program_key
@@ -100,6 +103,7 @@ FIXED = tuple(PROGRAMS)
 TASK_BEST = "task_best"
 METHODS = (*FIXED, TASK_BEST)
 SELECT = "select"  # the task_best selection run's tag
+PROGRAM_PREFIX = "program:"  # method "program:<file>": a hand-written program for every query, run `program-<stem>`
 
 
 def baseline_run_id(run_id: str, method: str, split: str = "test") -> str:
@@ -107,7 +111,7 @@ def baseline_run_id(run_id: str, method: str, split: str = "test") -> str:
 
 
 def _check_method(method: str) -> None:
-    if method not in METHODS:
+    if method not in METHODS and not method.startswith(PROGRAM_PREFIX):
         raise ConfigError(f"unknown baseline method {method!r}; methods: {', '.join(METHODS)}")
 
 
@@ -176,14 +180,16 @@ def _score(ctx: RunContext, call, sets: list[str] | None) -> None:
 
 
 def run_fixed(config: str, method: str, call, run_id: str | None = None, split: str = "test",
-              sets: list[str] | None = None) -> dict:
-    """A fixed program's baseline run: L copies of it per held-out query, scored; returns its `eval_summary`."""
+              sets: list[str] | None = None, program: str | None = None) -> dict:
+    """A fixed program's baseline run: L copies of it per held-out query, scored; returns its `eval_summary`.
+    `program`: the source of a user-given program (`pipeline baseline --program FILE`), named `method`."""
     from pipeline.evaluate import eval_summary
 
+    code = PROGRAMS[method] if program is None else program
     ctx = open_baseline_run(config, method, run_id, split, sets)
     L = ctx.cfg.rollout.m
     queries = write_queries(ctx)
-    write_programs(ctx, {q["query_id"]: [(method, PROGRAMS[method], {"method": method})] * L for q in queries})
+    write_programs(ctx, {q["query_id"]: [(method, code, {"method": method})] * L for q in queries})
     _score(ctx, call, sets)
     return eval_summary(ctx.store, ctx.run_id)
 
@@ -285,6 +291,11 @@ def run_baseline(config: str, method: str, call=None, run_id: str | None = None,
 
     _check_method(method)
     call = call or direct_call()
+    if method.startswith(PROGRAM_PREFIX):
+        path = Path(method.removeprefix(PROGRAM_PREFIX))
+        if not path.is_file():
+            raise ConfigError(f"--program {path}: file not found")
+        return run_fixed(config, f"program-{path.stem}", call, run_id, split, sets, path.read_text())
     if method == TASK_BEST:
         return run_task_best(config, call, run_id, split, sets, candidates, max_candidates)
     return run_fixed(config, method, call, run_id, split, sets)
@@ -303,11 +314,12 @@ def describe(store: Store, run_id: str) -> str:
     method = json.loads(df["sampling"][0] or "{}").get("method") if df.height else None
     if method:
         return method
-    adapter = open_run(None, run_id, 0, None, str(store.root)).cfg.generator.adapter
-    if not adapter:
-        return "generator, base model"
-    m = re.search(r"([^/]+)/round=(\d+)/checkpoint/?$", adapter)
-    return f"generator + {m.group(1)} round {m.group(2)}" if m else f"generator + {adapter}"
+    cfg = open_run(None, run_id, 0, None, str(store.root)).cfg
+    adapter, repair = cfg.generator.adapter, cfg.rollout.repair_attempts
+    m = re.search(r"([^/]+)/round=(\d+)/checkpoint/?$", adapter or "")
+    name = ("generator, base model" if not adapter
+            else f"generator + {m.group(1)} round {m.group(2)}" if m else f"generator + {adapter}")
+    return name + (f", self-repair <= {repair}" if repair else "")
 
 
 def compare(store: Store, run_ids: list[str], describe_fn: Callable[[Store, str], str] = describe) -> dict:

@@ -372,14 +372,16 @@ def report(
 @app.command()
 def baseline(
     config: Annotated[Path, typer.Argument(help="Run config YAML: its benchmark, executor and experiment section.")],
-    methods: Annotated[list[str], typer.Option("--method", help="io, cot, cot_sc, self_review, ensemble_select, "
-                                               "pot, task_best (repeatable).")],
+    methods: Annotated[list[str] | None, typer.Option("--method", help="io, cot, cot_sc, self_review, "
+                                                      "ensemble_select, pot, task_best (repeatable).")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived runs after this run "
                                                "(default: the config's run_id).")] = None,
     split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
     candidates: Annotated[list[str] | None, typer.Option(
         "--candidates", help="task_best: runs whose round-0 workflows are candidates too (repeatable).")] = None,
     max_candidates: Annotated[int, typer.Option(help="task_best: at most this many workflows of --candidates.")] = 16,
+    programs: Annotated[list[Path] | None, typer.Option(
+        "--program", help="A hand-written workflow file run on every query (repeatable).")] = None,
     sets: SetOpt = None,
 ) -> None:
     """Run baselines (fixed programs) on the held-out queries through the same sandbox, executor and score stage
@@ -388,7 +390,7 @@ def baseline(
     from pipeline.baselines import baseline_run_id, run_baseline
     from pipeline.stages.runner import StageError
 
-    for m in methods:
+    for m in [*(methods or []), *(f"program:{p}" for p in programs or [])]:
         try:
             summ = run_baseline(str(config), m, None, run_id, split, sets or [], candidates or [], max_candidates)
         except (ConfigError, StageError) as e:

@@ -183,3 +183,15 @@ def test_task_best_leaves_out_a_candidates_own_query(tmp_path, executor):
     assert s["selected"] == {"chain_sum": {"label": "src:g1", "order": 6, "mean_score": 0.0, "exec_tokens": 0.0,
                                            "queries": 1}}
     assert s["mean_at_l"] == 0.0
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_a_hand_written_program_runs_as_a_baseline(tmp_path, executor):
+    path = _config(tmp_path, executor.url)
+    s = run_baseline(str(path), "program:configs/programs/expression_eval.py", in_process)
+    # it evaluates each query's expression in Python: right on both queries, L = 2 each, no executor call
+    assert s["eval_run_id"] == "b-baseline-program-expression_eval"
+    assert (s["mean_at_l"], s["best_at_l"], s["majority_at_l"], s["exec_tokens_per_query"]) == (1.0, 1.0, 1.0, 0.0)
+    assert executor.requests == []
+    with pytest.raises(ConfigError, match="--program nope.py: file not found"):
+        run_baseline(str(path), "program:nope.py", in_process)
