@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,7 +196,6 @@ async def _run(ctx: RunContext, scorer: _Scorer, jobs: list[Job]) -> dict[str, i
         for t in tasks:
             t.cancel()
         flush()
-        await scorer.aclose()
     return counts
 
 
@@ -209,17 +209,36 @@ def group_diversity(gens: pl.DataFrame) -> dict[str, float]:
     return out
 
 
-def _score_jobs(ctx: RunContext, items: dict[str, Item], texts: dict[str, str], jobs: list[Job],
-                diversity: dict[str, float] | None = None) -> dict[str, int]:
-    if not jobs:
-        return {}
+def _make_scorer(ctx: RunContext, items: dict[str, Item], texts: dict[str, str],
+                 diversity: dict[str, float]) -> _Scorer:
     bench = load_benchmark(ctx.cfg.benchmark)
     if hasattr(bench, "test_timeout_s"):
         bench.test_timeout_s = ctx.cfg.scoring.test_timeout_s
     iso = default_sandbox().ensure_started()
     for note in iso.get("notes", []):
         log.warning("sandbox: %s", note)
-    return asyncio.run(_run(ctx, _Scorer(ctx, bench, texts, items, diversity), jobs))
+    return _Scorer(ctx, bench, texts, items, diversity)
+
+
+async def _score_passes(ctx: RunContext, passes: list[bool], plan_jobs: Callable[[bool], list[Job]],
+                        make_scorer: Callable[[], _Scorer]) -> tuple[int, dict[str, int]]:
+    """Run each pass's jobs (planned when the pass starts, from the rows written so far) on one scorer, made at
+    the first pass with work: the benchmark, the sandbox and the executor (a local one loads its model) are set
+    up once per call, not once per pass. Returns (runs, runs by status)."""
+    scorer, ran, counts = None, 0, {}
+    try:
+        for retry_pass in passes:
+            jobs = plan_jobs(retry_pass)
+            if not jobs:
+                continue
+            scorer = scorer or make_scorer()
+            for status, n in (await _run(ctx, scorer, jobs)).items():
+                counts[status] = counts.get(status, 0) + n
+            ran += len(jobs)
+    finally:
+        if scorer is not None:
+            await scorer.aclose()
+    return ran, counts
 
 
 def run_scoring(ctx: RunContext, only_failed: bool = False) -> dict:
@@ -234,19 +253,18 @@ def run_scoring(ctx: RunContext, only_failed: bool = False) -> dict:
     if missing:
         raise ValueError(f"run {ctx.run_id!r} round {ctx.round}: generations reference queries without a "
                          f"`queries` row: {missing[:5]}")
-    ran = 0
     transient = transient_statuses(cfg.scoring.retry_timeouts)
     pairs = list(zip(gens["gen_id"], gens["query_id"], strict=True))
     texts = dict(zip(gens["gen_id"], gens["text"], strict=True))
     diversity = group_diversity(gens)
-    counts: dict[str, int] = {}
+
+    def plan_jobs(retry_pass: bool) -> list[Job]:
+        return plan(pairs, latest_attempts(store, ctx.run_id, ctx.round), cfg.scoring.reps, retry_pass, transient)
+
     # a normal call runs the missing rows, then gives transient failures (executor down) one new attempt, so a
     # retried stage heals a short outage by itself; --only-failed does the second pass alone
-    for retry_pass in ([True] if only_failed else [False, True]):
-        jobs = plan(pairs, latest_attempts(store, ctx.run_id, ctx.round), cfg.scoring.reps, retry_pass, transient)
-        for status, n in _score_jobs(ctx, items, texts, jobs, diversity).items():
-            counts[status] = counts.get(status, 0) + n
-        ran += len(jobs)
+    ran, counts = asyncio.run(_score_passes(ctx, [True] if only_failed else [False, True], plan_jobs,
+                                            lambda: _make_scorer(ctx, items, texts, diversity)))
     latest = latest_attempts(store, ctx.run_id, ctx.round)
     total = len(pairs) * cfg.scoring.reps
     final = {k: s for k, (s, _) in latest.items() if s in FINAL_STATUSES or (s == "timeout" and s not in transient)}
