@@ -22,6 +22,16 @@ def transient_statuses(retry_timeouts: bool) -> set[str]:
 
 _ts = pa.timestamp("us", tz="UTC")
 
+# What one sandbox run of a workflow used, in `scores` (the score stage) and `checks` (runs at generation time)
+_RUN_USAGE = [
+    ("llm_calls", pa.int32()),
+    ("tokens_in", pa.int64()),
+    ("tokens_out", pa.int64()),
+    ("cost_usd", pa.float64()),
+    ("wall_s", pa.float64()),
+    ("created_at", _ts),
+]
+
 TABLES: dict[str, pa.Schema] = {
     "queries": pa.schema(
         [
@@ -79,12 +89,7 @@ TABLES: dict[str, pa.Schema] = {
             ("details", pa.string()),  # JSON metric details
             ("answer", pa.string()),
             ("error", pa.string()),
-            ("llm_calls", pa.int32()),
-            ("tokens_in", pa.int64()),
-            ("tokens_out", pa.int64()),
-            ("cost_usd", pa.float64()),
-            ("wall_s", pa.float64()),
-            ("created_at", _ts),
+            *_RUN_USAGE,
             ("diversity", pa.float64()),  # FlowReasoner's distinctness component (before weighting); null = older
         ]
     ),
@@ -100,12 +105,7 @@ TABLES: dict[str, pa.Schema] = {
             ("answer", pa.string()),
             ("error", pa.string()),
             ("reward", pa.float64()),  # smc: R(workflow) used in its particle's weight; repair: null
-            ("llm_calls", pa.int32()),
-            ("tokens_in", pa.int64()),
-            ("tokens_out", pa.int64()),
-            ("cost_usd", pa.float64()),
-            ("wall_s", pa.float64()),
-            ("created_at", _ts),
+            *_RUN_USAGE,
         ]
     ),
     "groups": pa.schema(
