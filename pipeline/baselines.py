@@ -119,14 +119,13 @@ def open_baseline_run(config: str, method: str, run_id: str | None = None, split
                       sets: list[str] | None = None, held_out: bool = True) -> RunContext:
     """Create (first call) or reopen the derived run of `method` on `split`. `held_out`: the experiment's query
     count and L (as evaluation runs); else CONFIG's own queries (task_best's selection run)."""
+    from pipeline.evaluate import derived_run_sets
     from pipeline.experiment import eval_sets
 
-    if split not in ("validate", "test"):
-        raise ConfigError(f"split must be 'validate' or 'test', got {split!r}")
+    frozen = derived_run_sets(split)
     sets = list(sets or [])
     cfg = load_config(config, sets)
     bid = baseline_run_id(run_id or cfg.run_id, method, split)
-    frozen = [f"benchmark.train_split={split}", "rounds=1", "rollout.exemplars=false"]
     return open_run(config, bid, 0, frozen + (eval_sets(cfg) if held_out else []) + sets)
 
 

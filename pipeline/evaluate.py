@@ -38,11 +38,22 @@ def eval_run_id(run_id: str, round: int, split: str = "test") -> str:
     return f"{run_id}-eval-{tag}" if split == "test" else f"{run_id}-eval-{split}-{tag}"
 
 
+def check_split(split: str) -> None:
+    if split not in ("validate", "test"):
+        raise ConfigError(f"split must be 'validate' or 'test', got {split!r}")
+
+
+def derived_run_sets(split: str) -> list[str]:
+    """The frozen overrides of a method's derived run on `split` (baselines, SMC, plain sampling): CONFIG's
+    queries of that split, one round, no exemplars."""
+    check_split(split)
+    return [f"benchmark.train_split={split}", "rounds=1", "rollout.exemplars=false"]
+
+
 def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
                   sets: list[str] | None = None) -> RunContext:
     """Create (first call) or reopen the evaluation run of round `round`'s checkpoint (-1: base model)."""
-    if split not in ("validate", "test"):
-        raise ConfigError(f"split must be 'validate' or 'test', got {split!r}")
+    check_split(split)
     store = Store(store_root)
     saved = store.run_dir(run_id) / "config.yaml"
     if not saved.is_file():

@@ -216,13 +216,12 @@ def smc_run_id(run_id: str, split: str = "test", plain_n: int | None = None) -> 
 def open_smc_run(config: str, run_id: str | None = None, split: str = "test",
                  sets: list[str] | None = None) -> RunContext:
     """The derived run: CONFIG on `split` with the experiment's held-out query count, exemplars off."""
+    from pipeline.evaluate import derived_run_sets
     from pipeline.experiment import eval_sets
 
-    if split not in ("validate", "test"):
-        raise ConfigError(f"split must be 'validate' or 'test', got {split!r}")
     sets = list(sets or [])
     cfg = load_config(config, sets)
-    frozen = [f"benchmark.train_split={split}", "rounds=1", "rollout.exemplars=false", *eval_sets(cfg)[:1]]
+    frozen = [*derived_run_sets(split), *eval_sets(cfg)[:1]]
     rid = smc_run_id(run_id or cfg.run_id, split, None if cfg.smc.resample else cfg.smc.N)
     return open_run(config, rid, 0, frozen + sets)
 
@@ -339,17 +338,15 @@ def run_plain(config: str, L: int, call=None, run_id: str | None = None, split: 
               sets: list[str] | None = None) -> dict:
     """Plain sampling for comparison with SMC at a chosen executor budget: the configured generator samples L
     workflows per held-out query (the rollout stage, flat), scored by the score stage; returns `eval_summary`."""
-    from pipeline.evaluate import eval_summary
+    from pipeline.evaluate import derived_run_sets, eval_summary
     from pipeline.experiment import eval_sets
     from pipeline.stages.rounds import direct_call
 
-    if split not in ("validate", "test"):
-        raise ConfigError(f"split must be 'validate' or 'test', got {split!r}")
+    frozen = derived_run_sets(split)
     call = call or direct_call()
     sets = list(sets or [])
     cfg = load_config(config, sets)
-    frozen = [f"benchmark.train_split={split}", "rounds=1", "rollout.exemplars=false", "rollout.mode=flat",
-              *eval_sets(cfg)[:1], f"rollout.m={L}"]
+    frozen += ["rollout.mode=flat", *eval_sets(cfg)[:1], f"rollout.m={L}"]
     ctx = open_run(config, plain_run_id(run_id or cfg.run_id, L, split), 0, frozen + sets)
     for stage in ("rollout", "score"):
         call(stage=stage, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=sets)
