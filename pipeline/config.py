@@ -199,6 +199,19 @@ class CurationConfig(_Strict):
     max_kept_per_query: int | None = Field(
         None, gt=0, description="Cap of kept groups per query, any mode (slots go to next groups); null: none."
     )
+    rwr_temperature: float = Field(
+        0.4, gt=0, description="`weighted` rows (rwr): a workflow's weight is exp(reward / this) (W4S: 0.4); the "
+        "reward is its score, or in refine rollouts RLAO's turn reward.",
+    )
+    pairs_per_query: int = Field(
+        4, gt=0, description="`pair` rows (score_dpo): pairs drawn per query, with replacement, with probability "
+        "proportional to (s_w - s_l)^pair_gap_power over the round's pairs with s_w > s_l (ScoreFlow).",
+    )
+    pair_gap_power: float = Field(3.0, gt=0, description="ScoreFlow's d(x) = x^p of a pair's score gap; its p is 3.")
+    best_above: float = Field(
+        0.0, ge=0, description="`best` rows (sft_best): a query's best workflow is kept when its score is above this "
+        "(rejection sampling; 0: any workflow that scored).",
+    )
 
     @model_validator(mode="after")
     def _sharpen_fits(self) -> CurationConfig:
@@ -218,6 +231,16 @@ class TwoLevelLossConfig(_Strict):
 
 
 class TrainingConfig(_Strict):
+    objective: Literal["iogrpo_mkl", "grpo", "rwr", "score_dpo", "sft_best"] = Field(
+        "iogrpo_mkl", description="Loss (pipeline.objectives): iogrpo_mkl (SPOGW), grpo (KL on every token), rwr "
+        "(reward-weighted regression; W4S's RLAO on refine rollouts), score_dpo (ScoreFlow), sft_best (SFT on each "
+        "query's best workflow).",
+    )
+    dpo_beta: float = Field(0.1, gt=0, description="score_dpo: β of the preference sigmoid (ScoreFlow / TRL: 0.1).")
+    data_run: str | None = Field(
+        None, description="Train on this run's curated round (same round) instead of this run's, starting from its "
+        "previous checkpoint: `pipeline ablate` trains one round's data with several objectives this way.",
+    )
     lora_r: int = Field(16, gt=0, description="LoRA rank.")
     lora_alpha: int = Field(32, gt=0, description="LoRA alpha.")
     lora_dropout: float = Field(

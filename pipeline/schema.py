@@ -122,6 +122,10 @@ TABLES: dict[str, pa.Schema] = {
             ("advantages", pa.list_(pa.float64())),
             ("kl_mask", pa.list_(pa.bool_())),
             ("buckets", pa.list_(pa.string())),  # F / M / S per member
+            # added with issue 11 (nullable: parts written before read them as null = a GRPO group)
+            ("kind", pa.string()),  # what the row is for an objective (pipeline.objectives.KINDS): group | pair |
+            # weighted | best
+            ("weights", pa.list_(pa.float64())),  # per member: pair / weighted / best rows' loss weights
         ]
     ),
     "train_metrics": pa.schema(
