@@ -111,8 +111,36 @@ class BenchmarkConfig(_Strict):
     max_queries: int | None = Field(None, gt=0, description="Use only the first N queries of the split.")
 
 
+class RefineConfig(_Strict):
+    """`rollout.mode: refine`: W4S's multi-turn refinement (pipeline.refine). A task's state is its current workflow
+    and the feedback of its validation runs; each turn samples K candidates, self-checks (and repairs, up to
+    `rollout.repair_attempts`) them, runs them on the task's items, and the best advances the state."""
+
+    turns: int = Field(3, gt=0, description="T: refinement turns per task and round.")
+    candidates: int = Field(4, gt=0, description="K: candidate workflows sampled from each state.")
+    unit: Literal["task", "query"] = Field(
+        "task", description="task: one workflow for a task of `task_size` training queries (W4S); query: each query "
+        "is its own task of one item.",
+    )
+    task_size: int = Field(
+        8, gt=0, description="task unit: validation items per task (consecutive queries of the train split; the last "
+        "task of a round may be smaller).",
+    )
+    failure_cases: int = Field(3, ge=0, description="Failed validation items shown in a state's feedback.")
+    show_gold: bool = Field(
+        True, description="task unit: feedback shows a failed item's gold answer (W4S; training items). The query "
+        "unit never shows it: it is the answer the workflow is asked for.",
+    )
+    start: str | None = Field(
+        None, description="Code of the workflow shown at turn 0; null: the prompt's example workflow of the "
+        "benchmark family.",
+    )
+
+
 class RolloutConfig(_Strict):
-    mode: Literal["flat", "two_level"] = Field("flat", description="flat (SPOGW) or two_level (agent/workflow).")
+    mode: Literal["flat", "two_level", "refine"] = Field(
+        "flat", description="flat (SPOGW), two_level (agent/workflow) or refine (W4S's multi-turn refinement).",
+    )
     m: int = Field(16, gt=0, description="flat: workflows sampled per query.")
     n_agents: int = Field(4, gt=0, description="two_level: agent plans per query (N_A).")
     n_workflows: int = Field(4, gt=0, description="two_level: workflows per agent plan (N_W).")
@@ -140,11 +168,15 @@ class RolloutConfig(_Strict):
     exemplar_round: int | None = Field(None, ge=0, description="With exemplar_run: use its rounds below this one.")
     repair_attempts: int = Field(
         0, ge=0, description="Self-repair (W4S: 3): a workflow that is invalid or fails its self-check goes back to "
-        "the generator with its error up to this many times (pipeline.repair); 0 = off.",
+        "the generator with its error up to this many times (pipeline.repair); 0 = off. Refine mode always "
+        "self-checks its candidates and skips one still failing after this many repairs.",
     )
     repair_check: Literal["run", "static"] = Field(
         "run", description="Self-repair's check: `run` = one sandbox run on its own query (a crash, timeout or no "
         "answer fails it; the gold answer is never read), `static` = the contract check only.",
+    )
+    refine: RefineConfig = Field(
+        default_factory=RefineConfig, description="refine mode: turns, candidates, task unit and feedback (W4S)."
     )
 
     @field_validator("exemplars", mode="before")

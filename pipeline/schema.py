@@ -49,8 +49,8 @@ TABLES: dict[str, pa.Schema] = {
             ("run_id", pa.string()),
             ("gen_id", pa.string()),
             ("kind", pa.string()),  # agent | workflow | smc (an SMC look-ahead rollout, pipeline.smc)
-            ("parent_id", pa.string()),  # the agent of a two-level workflow, else null
-            ("query_id", pa.string()),
+            ("parent_id", pa.string()),  # the agent of a two-level workflow; refine: the state's workflow; else null
+            ("query_id", pa.string()),  # refine rollouts of the task unit: the task id (`task:<first query>+<n>`)
             ("slot", pa.int32()),  # sample index within (query, parent): the idempotency key
             ("prompt_text", pa.string()),
             ("text", pa.string()),
@@ -72,6 +72,7 @@ TABLES: dict[str, pa.Schema] = {
             ("cost_usd", pa.float64()),  # generator cost of this sample (generator.prices); null = not priced
             ("repair_of", pa.string()),  # self-repair: the gen_id this generation repairs, else null
             ("attempt", pa.int32()),  # self-repair: 0 = first sample, a = a-th repair; null = before repair existed
+            ("turn", pa.int32()),  # refine rollouts: the refinement turn (0-based) it was sampled in, else null
         ]
     ),
     "scores": pa.schema(
@@ -100,12 +101,35 @@ TABLES: dict[str, pa.Schema] = {
             ("run_id", pa.string()),
             ("gen_id", pa.string()),
             ("query_id", pa.string()),
-            ("purpose", pa.string()),  # repair | smc
+            ("purpose", pa.string()),  # repair (a self-check) | smc | refine (a validation run of a refine turn)
             ("status", pa.string()),  # a sandbox status (STATUSES)
             ("answer", pa.string()),
             ("error", pa.string()),
-            ("reward", pa.float64()),  # smc: R(workflow) used in its particle's weight; repair: null
+            ("reward", pa.float64()),  # smc: R(workflow) used in its particle's weight; refine: the item's metric;
+            # repair: null
             *_RUN_USAGE,
+        ]
+    ),
+    # Refine rollouts (pipeline.refine, W4S): one row per candidate of a (task, turn), written when the turn is
+    # complete (its presence marks the turn done for a resumed rollout).
+    "turns": pa.schema(
+        [
+            ("run_id", pa.string()),
+            ("task_id", pa.string()),  # the generations' query_id: `task:<first query id>+<n>` or a query id
+            ("turn", pa.int32()),
+            ("slot", pa.int32()),  # the candidate's index k in 0..K-1
+            ("gen_id", pa.string()),  # the candidate's workflow: the last attempt of its repair chain
+            ("root_id", pa.string()),  # the sampled action (attempt 0); = gen_id when it was not repaired
+            ("attempts", pa.int32()),  # repairs used (0 = none)
+            ("parent_id", pa.string()),  # the workflow the state showed (the last advanced one); null: the start
+            ("items", pa.int32()),  # validation items it ran on (0 when skipped)
+            ("accuracy", pa.float64()),  # mean metric over those items; null when skipped
+            ("previous", pa.float64()),  # accuracy of the state's workflow
+            ("best_before", pa.float64()),  # best accuracy of the task before this turn (start and advanced ones)
+            ("reward", pa.float64()),  # RLAO (pipeline.refine.rlao_rewards); null when skipped
+            ("advanced", pa.bool_()),  # the best candidate of the turn: the next turn's state
+            ("skipped", pa.bool_()),  # still failing its self-check after rollout.repair_attempts repairs
+            ("created_at", _ts),
         ]
     ),
     "groups": pa.schema(
