@@ -2,7 +2,8 @@
 error, up to `rollout.repair_attempts` times; then, still failing, it is left as it is (and scored as it is).
 
 It runs inside the rollout stage after sampling, for any rollout mode (a two-level workflow keeps its agent plan as
-`parent_id`). The self-check (`rollout.repair_check`) is `run`: one sandbox run of the workflow on its own query
+`parent_id`; refine rollouts call it once per turn, on that turn's candidates, and skip what still fails). The
+self-check (`rollout.repair_check`) is `run`: one sandbox run of the workflow on its own query
 (`pipeline.checks`: crashes, timeouts and missing answers fail it; the gold answer is never read), or `static`:
 the contract check alone. A repair is a new `generations` row of the same query and slot with `repair_of` = the
 workflow it repairs and `attempt` = 1, 2, ...; its prompt (`prompts/repair.txt`) shows the task, the failed code
@@ -52,8 +53,8 @@ def _checked(ctx) -> dict[str, dict]:
     return {r["gen_id"]: r for r in df.iter_rows(named=True)}
 
 
-def _check(ctx, ends: pl.DataFrame, items: dict, checked: dict[str, dict]) -> int:
-    """Self-check the chain ends that have no check yet; writes their `checks` rows."""
+def _check(ctx, ends: pl.DataFrame, items: dict, checked: dict[str, dict], executor=None) -> int:
+    """Self-check the chain ends that have no check yet; writes their `checks` rows. `executor`: one to reuse."""
     todo = [CheckJob(r["gen_id"], extract_code(r["text"] or ""), items[r["query_id"]])
             for r in ends.iter_rows(named=True) if r["gen_id"] not in checked]
     if not todo:
@@ -61,7 +62,7 @@ def _check(ctx, ends: pl.DataFrame, items: dict, checked: dict[str, dict]) -> in
     if ctx.cfg.rollout.repair_check == "static":
         rows = [static_row(j, "repair", ctx.cfg.rollout.max_workflow_chars) for j in todo]
     else:
-        rows = run_checks(ctx.cfg, todo, "repair")
+        rows = run_checks(ctx.cfg, todo, "repair", executor)
     ctx.store.write("checks", rows, ctx.run_id, ctx.round)
     checked.update({r["gen_id"]: r for r in rows})
     return len(rows)
@@ -81,8 +82,10 @@ def _requests(ro, failing: list[tuple[dict, str]], parent: dict[str, str | None]
     return out
 
 
-def _repair(ctx, ro, engine: Callable, failing: list[tuple[dict, str]], parent: dict, items: dict) -> int:
-    """One repair per failing chain end, sampled in batches of generator.batch_size; returns rows written."""
+def _repair(ctx, ro, engine: Callable, failing: list[tuple[dict, str]], parent: dict, items: dict,
+            extra: dict | None = None) -> int:
+    """One repair per failing chain end, sampled in batches of generator.batch_size; returns rows written. `extra`:
+    columns set on every repair row (a refine rollout's turn)."""
     reqs = _requests(ro, failing, parent, items, ro.family)
     by_id = {repair_id(root_of(r["gen_id"], parent), (r["attempt"] or 0) + 1): r for r, _ in failing}
     written, size = 0, ctx.cfg.generator.batch_size
@@ -95,36 +98,41 @@ def _repair(ctx, ro, engine: Callable, failing: list[tuple[dict, str]], parent: 
         rows = [row for r, comps in zip(batch, outs, strict=True) for row in ro.rows(r, comps, sampling, latency)]
         for row in rows:
             broken = by_id[row["gen_id"]]
-            row.update(repair_of=broken["gen_id"], attempt=(broken["attempt"] or 0) + 1)
+            row.update(repair_of=broken["gen_id"], attempt=(broken["attempt"] or 0) + 1, **(extra or {}))
         ctx.store.write("generations", rows, ctx.run_id, ctx.round)
         written += len(rows)
     return written
 
 
-def self_repair(ctx, ro, engine: Callable) -> dict:
+def self_repair(ctx, ro, engine: Callable, *, items: dict | None = None,
+                scope: Callable[[pl.DataFrame], pl.DataFrame] | None = None, extra: dict | None = None,
+                executor=None) -> dict:
     """Check, repair, check again ... up to `rollout.repair_attempts` repairs per slot (module doc). `ro`: the
     rollout's `_Rollout` (prompt rendering, sampling, row building); `engine()`: the generator, started on first
     use. Returns counts: checked, repairs, fixed (chains that pass after a repair), gave_up (still failing after
-    the last attempt)."""
+    the last attempt). Refine rollouts (pipeline.refine) pass `items` (a generation's query_id -> the item its
+    self-check runs on and its repair prompt shows), `scope` (the generations of one turn), `extra` (the turn
+    column of its repairs) and `executor` (one shared by every check)."""
     limit = ctx.cfg.rollout.repair_attempts
-    items = {it.id: it for it in ro.items}
+    items = {it.id: it for it in ro.items} if items is None else items
+    scope = scope or (lambda df: df)
     checked, counts = _checked(ctx), {"checked": 0, "repairs": 0}
     for _ in range(limit + 1):
-        gens = ctx.store.read("generations", ctx.run_id, ctx.round)
+        gens = scope(ctx.store.read("generations", ctx.run_id, ctx.round))
         parent = dict(zip(gens["gen_id"], gens["repair_of"], strict=True))
         ends = chain_ends(gens)
-        counts["checked"] += _check(ctx, ends, items, checked)
+        counts["checked"] += _check(ctx, ends, items, checked, executor)
         failing = [(r, why) for r in ends.iter_rows(named=True)
                    if (why := failure(checked[r["gen_id"]]["status"], checked[r["gen_id"]]["answer"],
                                       checked[r["gen_id"]]["error"])) is not None and (r["attempt"] or 0) < limit]
         if not failing:
             break
-        counts["repairs"] += _repair(ctx, ro, engine, failing, parent, items)
-    return counts | _outcome(ctx, checked)
+        counts["repairs"] += _repair(ctx, ro, engine, failing, parent, items, extra)
+    return counts | _outcome(ctx, checked, scope)
 
 
-def _outcome(ctx, checked: dict[str, dict]) -> dict:
-    ends = chain_ends(ctx.store.read("generations", ctx.run_id, ctx.round))
+def _outcome(ctx, checked: dict[str, dict], scope: Callable[[pl.DataFrame], pl.DataFrame]) -> dict:
+    ends = chain_ends(scope(ctx.store.read("generations", ctx.run_id, ctx.round)))
     fixed = gave_up = 0
     for r in ends.iter_rows(named=True):
         c = checked.get(r["gen_id"])
