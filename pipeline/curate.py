@@ -558,8 +558,13 @@ def run_curate(ctx) -> dict:
     if df.height == 0:
         raise RuntimeError(f"run {ctx.run_id!r} round {ctx.round}: no generations to curate (run rollout first)")
     two_level = ctx.cfg.rollout.mode == "two_level"
-    rows, counts = (_two_level_rows if two_level else _flat_rows)(ctx, df)
+    if ctx.cfg.rollout.mode == "refine":  # W4S's refinement turns: weighted (RLAO) and group rows, pipeline.refine
+        from pipeline.refine import curate_refine
+
+        rows, counts = curate_refine(ctx, df)
+    else:
+        rows, counts = (_two_level_rows if two_level else _flat_rows)(ctx, df)
     ctx.store.write("groups", rows, ctx.run_id, ctx.round)
-    counts["level"] = "two_level" if two_level else ctx.cfg.curation.mode
+    counts.setdefault("level", "two_level" if two_level else ctx.cfg.curation.mode)
     ctx.finish("curate", **counts)
     return counts

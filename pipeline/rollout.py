@@ -275,6 +275,10 @@ def run_rollout(ctx: RunContext) -> dict:
     require_chat_template(tokenizer, cfg.generator.model)
     bench = load_benchmark(cfg.benchmark)
     items = bench.items()
+    if cfg.rollout.mode == "refine":  # W4S's multi-turn refinement: its own loop over tasks and turns
+        from pipeline.refine import run_refine
+
+        return run_refine(ctx, _Rollout(ctx, items, bench.family, tokenizer, Pools(), adapter, adapter_round), bench)
     pools = exemplar_pools(ctx)
     ro = _Rollout(ctx, items, bench.family, tokenizer, pools, adapter, adapter_round)
     have = ro.existing()

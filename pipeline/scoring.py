@@ -243,6 +243,10 @@ async def _score_passes(ctx: RunContext, passes: list[bool], plan_jobs: Callable
 
 def run_scoring(ctx: RunContext, only_failed: bool = False) -> dict:
     """Score the round's workflow generations (see the module doc); returns counts."""
+    if ctx.cfg.rollout.mode == "refine":  # the rollout's validation runs are the score: nothing runs again
+        from pipeline.refine import score_refine
+
+        return score_refine(ctx, only_failed)
     store, cfg = ctx.store, ctx.cfg
     gens = store.read("generations", ctx.run_id, ctx.round).filter(pl.col("kind") == "workflow")
     gens = gens.unique("gen_id", keep="first").sort(["query_id", "gen_id"])
