@@ -122,9 +122,9 @@ def open_baseline_run(config: str, method: str, run_id: str | None = None, split
     from pipeline.evaluate import derived_run_sets
     from pipeline.experiment import eval_sets
 
-    frozen = derived_run_sets(split)
     sets = list(sets or [])
     cfg = load_config(config, sets)
+    frozen = derived_run_sets(split, cfg)
     bid = baseline_run_id(run_id or cfg.run_id, method, split)
     return open_run(config, bid, 0, frozen + (eval_sets(cfg) if held_out else []) + sets)
 

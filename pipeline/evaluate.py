@@ -15,6 +15,8 @@ mix and the tokens per query of the generator and the executor (the store's `que
 score from the store's `generation_scores` view, as in curation (mean over reps, invalid = 0, transient or
 unscored = no score yet). Of a self-repair chain only its last attempt counts (`final`): a query's L workflows are
 its L slots. Any derived run whose round 0 holds workflows (baselines, SMC) is summarised the same way.
+A refine run (rollout.mode: refine) is evaluated in flat mode: its feedback shows gold answers, so held-out
+queries get L workflows each from the flat workflow prompt (W4S's optimise-on-validation-then-test is not done).
 For a two-level run it adds the proposal's inference-time selection (pipeline.selection: per query the best
 agent, then its best workflow) as Sel@L, `select_at_l`.
 `evaluate_round` runs the evaluation's stages through a stage caller.
@@ -26,7 +28,7 @@ from dataclasses import asdict
 
 import polars as pl
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, read_yaml
 from pipeline.run import RunContext, open_run
 from pipeline.store import Store
 
@@ -43,11 +45,13 @@ def check_split(split: str) -> None:
         raise ConfigError(f"split must be 'validate' or 'test', got {split!r}")
 
 
-def derived_run_sets(split: str) -> list[str]:
+def derived_run_sets(split: str, cfg=None) -> list[str]:
     """The frozen overrides of a method's derived run on `split` (baselines, SMC, plain sampling): CONFIG's
-    queries of that split, one round, no exemplars."""
+    queries of that split, one round, no exemplars; flat rollouts for a refine CONFIG `cfg` (its feedback reads
+    gold answers, and its score stage reads refine turns)."""
     check_split(split)
-    return [f"benchmark.train_split={split}", "rounds=1", "rollout.exemplars=false"]
+    refine = cfg is not None and cfg.rollout.mode == "refine"
+    return [f"benchmark.train_split={split}", "rounds=1", "rollout.exemplars=false", *(["rollout.mode=flat"] * refine)]
 
 
 def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
@@ -69,6 +73,9 @@ def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
         adapter = str(ckpt)
     frozen = [f"benchmark.train_split={split}", f"generator.adapter={adapter}", "rounds=1",
               f"store.root={store.root}", f"rollout.exemplar_run={run_id}", f"rollout.exemplar_round={round + 1}"]
+    if (read_yaml(saved).get("rollout") or {}).get("mode") == "refine":
+        # refine feedback reads gold answers: held-out queries get L flat workflows each (pipeline.refine)
+        frozen.append("rollout.mode=flat")
     return open_run(saved, eid, 0, frozen + list(sets or []), str(store.root))
 
 

@@ -50,7 +50,7 @@ def eval_sets(cfg: RunConfig) -> list[str]:
     """Overrides of an evaluation run: the held-out query count and L (flat: L samples per query)."""
     ex = cfg.experiment
     sets = [f"benchmark.max_queries={'null' if ex.eval_queries is None else ex.eval_queries}"]
-    if cfg.rollout.mode == "flat":
+    if cfg.rollout.mode in ("flat", "refine"):  # refine runs are evaluated flat (pipeline.evaluate.open_eval_run)
         sets.append(f"rollout.m={ex.eval_l}")
     return sets
 

@@ -221,7 +221,7 @@ def open_smc_run(config: str, run_id: str | None = None, split: str = "test",
 
     sets = list(sets or [])
     cfg = load_config(config, sets)
-    frozen = [*derived_run_sets(split), *eval_sets(cfg)[:1]]
+    frozen = [*derived_run_sets(split, cfg), *eval_sets(cfg)[:1]]
     rid = smc_run_id(run_id or cfg.run_id, split, None if cfg.smc.resample else cfg.smc.N)
     return open_run(config, rid, 0, frozen + sets)
 
