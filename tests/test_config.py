@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize(("name", "run_id"), [("demo.yaml", "demo"), ("smoke.yaml", "smoke"), ("learn.yaml", "learn"),
                                               ("spogw-humaneval.yaml", "spogw-humaneval"),
-                                              ("two-level.yaml", "two-level")])
+                                              ("two-level.yaml", "two-level"), ("refine.yaml", "refine")])
 def test_shipped_configs_validate(name, run_id):
     assert load_config(ROOT / "configs" / name).run_id == run_id
 
