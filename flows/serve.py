@@ -4,7 +4,8 @@ Deployments: experiment/demo (the README's demo: configs/demo.yaml, one seed, he
 model), experiment/learn (configs/learn.yaml, 3 seeds: docs/learning.md), experiment/default (--param
 config=PATH), iterate/smoke (the whole loop in minutes, configs/smoke.yaml), iterate/default (--param
 config=PATH), score/rescore (re-score failed rows of a round), evaluate/default (a round's checkpoint on the
-test split). Then: `prefect deployment run experiment/demo [--param run_id=R] [--watch]`.
+test split), ablate/objectives (docs/objectives.md: one round's data trained with every objective). Then:
+`prefect deployment run experiment/demo [--param run_id=R] [--watch]`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 
+from flows.ablate import ablate as ablate_flow
 from flows.evaluate import evaluate as evaluate_flow
 from flows.experiment import experiment as experiment_flow
 from flows.iterate import SMOKE_CONFIG
@@ -26,8 +28,9 @@ from pipeline.stages.runner import REPO
 
 def deployments(task_runner: str = "thread") -> list[RunnerDeployment]:
     runner = task_runner_from_spec(task_runner)
-    iterate, score, evaluate, experiment = (f.with_options(task_runner=runner)
-                                            for f in (iterate_flow, score_flow, evaluate_flow, experiment_flow))
+    iterate, score, evaluate, experiment, ablate = (f.with_options(task_runner=runner) for f in
+                                                    (iterate_flow, score_flow, evaluate_flow, experiment_flow,
+                                                     ablate_flow))
     return [
         experiment.to_deployment("demo", parameters={"config": "configs/demo.yaml"},
                                  description="The README's demo: one seed of SPOGW on Qwen2.5-Coder-0.5B, held-out "
@@ -43,6 +46,9 @@ def deployments(task_runner: str = "thread") -> list[RunnerDeployment]:
         evaluate.to_deployment("default", parameters={"split": "test"},
                                description="Score round K's checkpoint on the test split: --param run_id=R "
                                            "--param round=K."),
+        ablate.to_deployment("objectives", parameters={"config": "configs/learn.yaml"},
+                             description="docs/objectives.md: round 0 of configs/learn.yaml trained with each "
+                                         "objective, held-out Mean@L / Best@L with paired intervals."),
     ]
 
 

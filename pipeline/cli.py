@@ -321,6 +321,37 @@ def experiment(
     typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")
 
 
+@app.command()
+def ablate(
+    config: Annotated[Path, typer.Argument(help="Run config YAML (`experiment` sets seeds and evaluation).")],
+    objectives: Annotated[str | None, typer.Option(
+        "--objectives", help="Comma-separated objectives, the first is the reference arm (default: all registered)."
+    )] = None,
+    seeds: Annotated[int | None, typer.Option("--seeds", help="Seeds 0..N-1 (default: experiment.seeds).")] = None,
+    round: Annotated[int, typer.Option("--round", help="The round whose curated data every objective trains on.")] = 0,
+    run_id: RunIdOpt = None,
+    retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
+    sets: SetOpt = None,
+) -> None:
+    """Train one round's curated data with several objectives (training.objective) and compare their held-out
+    evaluations with paired bootstrap intervals (results under <store>/experiments/<run_id>-ablation/)."""
+    import shlex
+
+    from pipeline.ablation import run_ablation, table
+    from pipeline.stages.rounds import direct_call
+    from pipeline.stages.runner import RetryPolicy, StageError
+
+    command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    names = [o.strip() for o in objectives.split(",") if o.strip()] if objectives else None
+    try:
+        summary = run_ablation(config, direct_call(RetryPolicy(retries)), names, seeds, round, run_id, sets or [],
+                               command)
+    except (ConfigError, StageError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(table(summary))
+    typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")
+
+
 def _num(x: float | None, digits: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 

@@ -430,6 +430,64 @@ def _level_stats(scope: Sequence[tuple[str, np.ndarray, list[np.ndarray]]],
     return _stats(pool), _stats(pool)
 
 
+# ---- data of the other objectives (pipeline.objectives) -------------------------------------------
+
+
+def score_pairs(scores: Mapping[str, Sequence[float]], per_query: int, power: float,
+                rng: np.random.Generator) -> list[tuple[str, int, int]]:
+    """ScoreFlow's preference data: every (w, l) of a query with s_w > s_l, then `per_query` x (queries with a pair)
+    draws with replacement over the round's pairs, P(w, l) ∝ (s_w - s_l)^power; a pair drawn twice trains twice.
+    Returns (query id, index of w, index of l) per draw, in draw order."""
+    pool: list[tuple[str, int, int]] = []
+    gaps: list[float] = []
+    for qid, s in scores.items():
+        for i, si in enumerate(s):
+            for j, sj in enumerate(s):
+                if si > sj:
+                    pool.append((qid, i, j))
+                    gaps.append((si - sj) ** power)
+    if not pool:
+        return []
+    n = per_query * len({q for q, _, _ in pool})
+    p = np.asarray(gaps) / sum(gaps)
+    return [pool[k] for k in rng.choice(len(pool), size=n, replace=True, p=p)]
+
+
+def rwr_weights(rewards: Sequence[float], temperature: float) -> np.ndarray:
+    """Reward-weighted regression's weights exp(r / τ) (W4S: τ = 0.4)."""
+    return np.exp(np.asarray(rewards, dtype=float) / temperature)
+
+
+def best_member(scores: Sequence[float], above: float) -> int | None:
+    """Rejection sampling: the index of the highest score (the first of ties) if it is above `above`, else None."""
+    if not len(scores):
+        return None
+    i = int(np.argmax(scores))
+    return i if scores[i] > above else None
+
+
+def objective_rows(scores: Mapping[str, Sequence[float]], gen_ids: Mapping[str, Sequence[str]], cc,
+                   rng: np.random.Generator) -> tuple[list[dict], dict]:
+    """Flat rows of the `pair` (score_dpo), `weighted` (rwr) and `best` (sft_best) kinds of a round's queries."""
+    rows = []
+    for j, (qid, w, lo) in enumerate(score_pairs(scores, cc.pairs_per_query, cc.pair_gap_power, rng)):
+        ids, s = gen_ids[qid], scores[qid]
+        rows.append(_row(qid, f"{qid}/pair{j}", "flat", [ids[w], ids[lo]], [s[w], s[lo]], kept=True, kind="pair",
+                         weights=[1.0, 1.0]))
+    n_pairs = len(rows)
+    best = 0
+    for qid, s in scores.items():
+        rows.append(_row(qid, f"{qid}/weighted", "flat", gen_ids[qid], s, kept=True, kind="weighted",
+                         weights=rwr_weights(s, cc.rwr_temperature)))
+        b = best_member(s, cc.best_above)
+        best += b is not None
+        rows.append(_row(qid, f"{qid}/best", "flat", [gen_ids[qid][b]] if b is not None else list(gen_ids[qid]),
+                         [s[b]] if b is not None else s, kept=b is not None, kind="best",
+                         weights=[1.0] if b is not None else None,
+                         reason=None if b is not None else f"no workflow scored above {cc.best_above:g}"))
+    return rows, {"pairs": n_pairs, "best_kept": best}
+
+
 # ---- the curate stage ---------------------------------------------------------------------------
 
 def load_round(ctx) -> pl.DataFrame:
@@ -449,21 +507,22 @@ def _left_out_reason(states: Sequence[str]) -> str | None:
 
 def _row(qid: str, gid: str, level: str, members: Sequence[str], scores: Sequence[float | None], *,
          kept: bool, reason: str | None = None, advantages: Sequence[float] | None = None,
-         buckets: Sequence[str] | None = None) -> dict:
+         buckets: Sequence[str] | None = None, kind: str = "group", weights: Sequence[float] | None = None) -> dict:
     vals = np.array([x for x in scores if x is not None], dtype=float)
     return {
         "group_id": gid, "query_id": qid, "level": level, "members": list(members),
         "member_scores": list(scores), "variance": float(vals.var()) if vals.size else None, "kept": kept,
         "reason": reason, "advantages": None if advantages is None else [float(a) for a in advantages],
         "kl_mask": None if advantages is None else [bool(a > 0) for a in advantages],
-        "buckets": None if buckets is None else list(buckets),
+        "buckets": None if buckets is None else list(buckets), "kind": kind,
+        "weights": None if weights is None else [float(w) for w in weights],
     }
 
 
 def _distinct(rows: Sequence[dict]) -> dict:
     """distinct_workflows: distinct gen_ids among the kept groups' members (in two_level, agent plans
     included: every sequence trained on); distinct_queries: queries with at least one kept group."""
-    kept = [r for r in rows if r["kept"]]
+    kept = [r for r in rows if r["kept"] and r["kind"] == "group"]
     return {"distinct_workflows": len({g for r in kept for g in r["members"]}),
             "distinct_queries": len({r["query_id"] for r in kept})}
 
@@ -510,7 +569,9 @@ def _flat_rows(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
     counts = {"queries": len(scores) + left_out, "queries_left_out": left_out, "queries_filtered": len(res.dropped),
               "candidate_groups": sum(res.candidates.values()), "groups_kept": len(res.groups),
               "sequences": sum(len(g.members) for g in res.groups)} | _distinct(rows)
-    return rows, counts
+    more, more_counts = objective_rows(scores, gen_ids, cc, np.random.default_rng(
+        derived_seed(cc.seed, "pairs", ctx.round)))
+    return rows + more, counts | more_counts
 
 
 def _two_level_rows(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:

@@ -28,7 +28,7 @@ from dataclasses import asdict
 
 import polars as pl
 
-from pipeline.config import ConfigError, read_yaml
+from pipeline.config import ConfigError, load_config
 from pipeline.run import RunContext, open_run
 from pipeline.store import Store
 
@@ -71,9 +71,13 @@ def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
         if not ckpt.is_dir():
             raise ConfigError(f"run {run_id!r} has no checkpoint for round {round} ({ckpt}); train that round first")
         adapter = str(ckpt)
+    # exemplars as in training: from the run whose rounds the checkpoint's data came from (an ablation arm trains
+    # on training.data_run's round)
+    saved_cfg = load_config(saved)
+    pool = saved_cfg.training.data_run or run_id
     frozen = [f"benchmark.train_split={split}", f"generator.adapter={adapter}", "rounds=1",
-              f"store.root={store.root}", f"rollout.exemplar_run={run_id}", f"rollout.exemplar_round={round + 1}"]
-    if (read_yaml(saved).get("rollout") or {}).get("mode") == "refine":
+              f"store.root={store.root}", f"rollout.exemplar_run={pool}", f"rollout.exemplar_round={round + 1}"]
+    if saved_cfg.rollout.mode == "refine":
         # refine feedback reads gold answers: held-out queries get L flat workflows each (pipeline.refine)
         frozen.append("rollout.mode=flat")
     return open_run(saved, eid, 0, frozen + list(sets or []), str(store.root))

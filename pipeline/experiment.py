@@ -109,22 +109,28 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
                 pairs += [(s, qid, d) for qid, d in paired_differences(arm, base).items()]
             if not pairs:
                 continue
-            diffs = [d for _, _, d in pairs]
-            ci = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0)
-            by_query = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0, clusters=[q for _, q, _ in pairs])
-            per_seed = []
-            for s in seeds:
-                mine = [d for ss, _, d in pairs if ss == s]
-                if mine:
-                    c = bootstrap_ci(mine, ex.bootstrap, ex.ci_level, seed=0)
-                    per_seed.append({"seed": s, "n": c.n, "mean": c.mean, "lo": c.lo, "hi": c.hi})
             base_mean = _mean([q[metric] for q in per_query if q["round"] == BASE and q.get(metric) is not None])
             arm_mean = _mean([q[metric] for q in per_query if q["round"] == k and q.get(metric) is not None])
-            paired.append({"round": k, "metric": metric, "base": base_mean, "trained": arm_mean, **asdict(ci),
-                           "lo_by_query": by_query.lo, "hi_by_query": by_query.hi, "per_seed": per_seed})
+            paired.append({"round": k, "metric": metric, "base": base_mean, "trained": arm_mean,
+                           **paired_interval(pairs, seeds, ex)})
     return {"experiment": cfg.run_id, "seeds": seeds, "rounds": cfg.rounds, "split": split,
             "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "arms": arms, "paired": paired,
             "per_query": per_query}
+
+
+def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], ex) -> dict:
+    """(seed, query, arm - base) differences -> their mean with a percentile-bootstrap interval over pairs, one over
+    queries (a drawn query brings its pairs of every seed) and each seed's own mean and interval."""
+    diffs = [d for _, _, d in pairs]
+    ci = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0)
+    by_query = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0, clusters=[q for _, q, _ in pairs])
+    per_seed = []
+    for s in seeds:
+        mine = [d for ss, _, d in pairs if ss == s]
+        if mine:
+            c = bootstrap_ci(mine, ex.bootstrap, ex.ci_level, seed=0)
+            per_seed.append({"seed": s, "n": c.n, "mean": c.mean, "lo": c.lo, "hi": c.hi})
+    return {**asdict(ci), "lo_by_query": by_query.lo, "hi_by_query": by_query.hi, "per_seed": per_seed}
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ import polars as pl
 
 from pipeline.benchmarks.base import Item
 from pipeline.checks import CheckJob, failure, run_checks
+from pipeline.curate import _row, rwr_weights
 from pipeline.grpo import group_advantages
 from pipeline.prompting import example, refine_prompt, render
 from pipeline.repair import chain_ends, root_of, self_repair
@@ -89,11 +89,6 @@ def best_index(accuracies: Sequence[float | None]) -> int | None:
     """The candidate that advances the state: the highest accuracy, the first on ties; None when all are skipped."""
     live = [(a, -i) for i, a in enumerate(accuracies) if a is not None]
     return -max(live)[1] if live else None
-
-
-def rwr_weights(rewards: Sequence[float], temperature: float) -> list[float]:
-    """exp(r / τ) per member (W4S convert_data.py; `curation.rwr_temperature`, W4S: 0.4)."""
-    return [math.exp(r / temperature) for r in rewards]
 
 
 @dataclass(frozen=True)
@@ -447,16 +442,6 @@ def score_refine(ctx, only_failed: bool = False) -> dict:
 # ---- curation ------------------------------------------------------------------------------------------------------
 
 
-def _group_row(task_id: str, gid: str, kind: str, members: list[str], scores: list, *, kept: bool,
-               reason: str | None = None, advantages=None, weights=None) -> dict:
-    vals = np.array([x for x in scores if x is not None], dtype=float)
-    return {"group_id": gid, "query_id": task_id, "level": "flat", "members": members, "member_scores": scores,
-            "variance": float(vals.var()) if vals.size else None, "kept": kept, "reason": reason,
-            "advantages": None if advantages is None else [float(a) for a in advantages],
-            "kl_mask": None if advantages is None else [bool(a > 0) for a in advantages], "buckets": None,
-            "kind": kind, "weights": weights}
-
-
 def curate_refine(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
     """`groups` rows of a refine round from its `turns` rows, per (task, turn), over the candidates that were not
     skipped (in slot order): a `weighted` row (member_scores = accuracies, weights = exp(RLAO reward /
@@ -474,21 +459,21 @@ def curate_refine(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
         live = grp.filter(~pl.col("skipped"))
         gid = f"{task_id}/t{turn}"
         if live.height == 0:
-            rows.append(_group_row(task_id, f"{gid}/weighted", "weighted", grp["gen_id"].to_list(),
-                                   [None] * grp.height, kept=False,
+            rows.append(_row(task_id, f"{gid}/weighted", "flat", grp["gen_id"].to_list(),
+                                   [None] * grp.height, kept=False, kind="weighted",
                                    reason=f"all {grp.height} candidates skipped (self-check failed after the repairs)"))
             continue
         members, accs, rewards = live["gen_id"].to_list(), live["accuracy"].to_list(), live["reward"].to_list()
         missing = sorted(set(members) - known)
         if missing:
             raise RuntimeError(f"refine candidates without a generation or score: {missing[:5]}")
-        rows.append(_group_row(task_id, f"{gid}/weighted", "weighted", members, accs, kept=True,
-                               weights=rwr_weights(rewards, cc.rwr_temperature)))
+        rows.append(_row(task_id, f"{gid}/weighted", "flat", members, accs, kept=True, kind="weighted",
+                         weights=rwr_weights(rewards, cc.rwr_temperature)))
         adv = group_advantages(accs, cc.eps_adv)
         var = float(np.var(accs))
         flat = None if var > 0 else f"no variance: all {len(accs)} candidates scored {accs[0]:g}"
-        rows.append(_group_row(task_id, f"{gid}/group", "group", members, accs, kept=var > 0, advantages=adv,
-                               reason=flat))
+        rows.append(_row(task_id, f"{gid}/group", "flat", members, accs, kept=var > 0, advantages=adv,
+                         reason=flat))
     kept = [r for r in rows if r["kept"]]
     counts = {"level": "refine", "tasks": turns["task_id"].n_unique(),
               "turns": turns.select("task_id", "turn").unique().height, "candidates": turns.height,

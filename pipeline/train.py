@@ -30,7 +30,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from pipeline.grpo import GrpoTerms, grpo_mkl_loss, grpo_mkl_terms, level_weights
+from pipeline.grpo import grpo_mkl_loss, grpo_mkl_terms, level_weights
 from pipeline.run import derived_seed
 from pipeline.store import ADAPTER_FILES, adapter_complete
 
@@ -45,9 +45,11 @@ class TrainSequence:
     gen_id: str
     prompt_ids: list[int]
     completion_ids: list[int]
-    advantage: float
+    advantage: float  # the row's coefficient: a group's advantage, another kind's loss weight
     gen_logprobs: list[float] | None  # as sampled (diagnostics only)
     level: str = "flat"  # its group's level: flat | agent | workflow
+    score: float | None = None  # its score in the row (score_dpo's s_w / s_l)
+    group_id: str | None = None
 
 
 @dataclass
@@ -115,39 +117,49 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, head_chunk: int = 
 # ---- data -----------------------------------------------------------------------------------------
 
 
-def load_sequences(ctx) -> tuple[list[TrainSequence], dict]:
-    """Kept groups' members joined to their generations; the completion tail is cut to max_seq_len."""
+def load_sequences(ctx, kind: str = "group") -> tuple[list[TrainSequence], dict]:
+    """Kept `groups` rows of `kind` (pipeline.objectives.KINDS; the round of training.data_run when set), each member
+    joined to its generation: a sequence with the row's coefficient (group: its advantage; other kinds: its weight)
+    and score. The completion tail is cut to max_seq_len. A pair with a member that cannot be trained on is dropped
+    whole, so `pair` sequences stay (chosen, rejected) at positions (2p, 2p + 1)."""
     max_len = ctx.cfg.training.max_seq_len
-    groups = ctx.store.read("groups", ctx.run_id, ctx.round).filter(pl.col("kept"))
+    data_run = ctx.cfg.training.data_run or ctx.run_id
+    groups = (ctx.store.read("groups", data_run, ctx.round).filter(pl.col("kept"))
+              .filter(pl.col("kind").fill_null("group") == kind))
     info = {"sequences_truncated": 0, "sequences_dropped": 0, "distinct_workflows": 0, "distinct_queries": 0}
     if groups.height == 0:
         return [], info
-    members = (groups.select("group_id", "level", "members", "advantages").explode("members", "advantages")
-               .rename({"members": "gen_id", "advantages": "advantage"}))
-    gens = (ctx.store.scan("generations", ctx.run_id, ctx.round)
+    coef = "advantages" if kind == "group" else "weights"
+    members = (groups.select("group_id", "level", "members", pl.col(coef).alias("coef"), "member_scores")
+               .explode("members", "coef", "member_scores").rename({"members": "gen_id", "member_scores": "score"}))
+    gens = (ctx.store.scan("generations", data_run, ctx.round)
             .select("gen_id", "query_id", "prompt_token_ids", "token_ids", "token_logprobs")
             .unique("gen_id", keep="first").collect())
     rows = members.join(gens, on="gen_id", how="left", maintain_order="left")
-    seqs = []
+    seqs, bad_groups = [], set()
     for r in rows.iter_rows(named=True):
         prompt, comp = r["prompt_token_ids"], r["token_ids"]
         if not prompt or not comp or len(prompt) >= max_len:
             info["sequences_dropped"] += 1  # no generation row, no tokens, or a prompt longer than the cap
+            bad_groups.add(r["group_id"])
             continue
         glp = r["token_logprobs"]
         if len(prompt) + len(comp) > max_len:
             info["sequences_truncated"] += 1
             comp = comp[: max_len - len(prompt)]
             glp = glp[: len(comp)] if glp else glp
-        seqs.append(TrainSequence(r["gen_id"], list(prompt), list(comp), float(r["advantage"]),
-                                  list(glp) if glp and len(glp) == len(comp) else None, r["level"]))
+        seqs.append(TrainSequence(r["gen_id"], list(prompt), list(comp), float(r["coef"]),
+                                  list(glp) if glp and len(glp) == len(comp) else None, r["level"],
+                                  None if r["score"] is None else float(r["score"]), r["group_id"]))
+    if kind == "pair" and bad_groups:
+        seqs = [s for s in seqs if s.group_id not in bad_groups]
     if info["sequences_dropped"]:
         log.warning("%d group members skipped (missing generation, empty completion or prompt >= max_seq_len)",
                     info["sequences_dropped"])
     trained = rows.filter(pl.col("gen_id").is_in(list({s.gen_id for s in seqs})))
     info["distinct_workflows"] = trained["gen_id"].n_unique()
     info["distinct_queries"] = trained["query_id"].n_unique()
-    log.info("training on %d sequences: %d distinct workflows from %d queries", len(seqs),
+    log.info("training on %d sequences (%s rows): %d distinct workflows from %d queries", len(seqs), kind,
              info["distinct_workflows"], info["distinct_queries"])
     return seqs, info
 
@@ -158,8 +170,8 @@ def load_sequences(ctx) -> tuple[list[TrainSequence], dict]:
 def start_adapter(ctx) -> Path | None:
     """The adapter the round's policy starts from, which sampled the round (π_old): generator.adapter at round 0
     when set, else round k-1's checkpoint; None: a fresh LoRA on the base model (round 0)."""
-    if ctx.round > 0:
-        return ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1)
+    if ctx.round > 0:  # the policy that sampled the data: of training.data_run when training on its round
+        return ctx.store.checkpoint_dir(ctx.cfg.training.data_run or ctx.run_id, ctx.round - 1)
     return Path(ctx.cfg.generator.adapter).expanduser() if ctx.cfg.generator.adapter else None
 
 
@@ -238,12 +250,15 @@ def _pad_rows(rows: list[torch.Tensor], tc: int, device) -> torch.Tensor:
     return out.to(device)
 
 
-def _plan_steps(n: int, tc, rng: np.random.Generator) -> list[list[list[int]]]:
-    """Epochs of shuffled micro-batches grouped into optimiser steps: steps[i] = [micro-batch indices]."""
+def _plan_steps(n: int, tc, rng: np.random.Generator, unit: int = 1) -> list[list[list[int]]]:
+    """Epochs of shuffled micro-batches grouped into optimiser steps: steps[i] = [micro-batch sequence indices].
+    Sequences come in units of `unit` consecutive ones (2: score_dpo's pairs) that are shuffled and batched whole,
+    `micro_batch_size` units a micro-batch."""
     steps = []
     for _ in range(tc.epochs):
-        order = rng.permutation(n)
-        micro = [order[i: i + tc.micro_batch_size].tolist() for i in range(0, n, tc.micro_batch_size)]
+        order = rng.permutation(n // unit)
+        micro = [[u * unit + k for u in order[i: i + tc.micro_batch_size].tolist() for k in range(unit)]
+                 for i in range(0, n // unit, tc.micro_batch_size)]
         steps += [micro[i: i + tc.grad_accum] for i in range(0, len(micro), tc.grad_accum)]
     return steps
 
@@ -290,33 +305,47 @@ def _lr_scheduler(optimizer, tc, total_steps: int):
     return get_scheduler(name, optimizer, num_warmup_steps=tc.warmup_steps, num_training_steps=max(total_steps, 1))
 
 
+def _seq_tensor(seqs: list[TrainSequence], mb: list[int], field: str, device) -> torch.Tensor | None:
+    vals = [getattr(seqs[i], field) for i in mb]
+    return None if any(v is None for v in vals) else torch.tensor(vals, dtype=torch.float32, device=device)
+
+
 def run_train(ctx) -> dict:
-    """Train the round's adapter on its curated groups and write the round's checkpoint."""
+    """Train the round's adapter with `training.objective` on its curated rows and write the round's checkpoint."""
     from tqdm import tqdm
 
     from pipeline.models import load_tokenizer
+    from pipeline.objectives import LossInput, get_objective
 
     ckpt = ctx.store.checkpoint_dir(ctx.run_id, ctx.round)
     tc = ctx.cfg.training
+    obj = get_objective(tc.objective)
+    if obj.kind != "group" and ctx.cfg.rollout.mode == "two_level":
+        raise ValueError(f"training.objective={obj.name} trains on {obj.kind} rows, which curation writes for flat "
+                         "and refine rollouts; a two_level round has agent and workflow groups only")
+    if obj.needs_ref and tc.reference == "none":
+        raise ValueError(f"training.objective={obj.name} needs a reference model; training.reference is 'none'")
     torch.manual_seed(derived_seed(tc.seed, "train", ctx.round))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    seqs, info = load_sequences(ctx)
+    seqs, info = load_sequences(ctx, obj.kind)
     if not seqs:
-        log.warning("round %d has no kept groups: the checkpoint is the unchanged adapter", ctx.round)
+        log.warning("round %d has no kept %s rows: the checkpoint is the unchanged adapter", ctx.round, obj.kind)
     pad_id = load_tokenizer(ctx.cfg.generator.model).pad_token_id or 0
     model = load_policy(ctx, device)
     if tc.gradient_checkpointing:
         model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    steps = _plan_steps(len(seqs), tc, np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))) if seqs else []
+    rng = np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))
+    steps = _plan_steps(len(seqs), tc, rng, 2 if obj.paired else 1) if seqs else []
     batches = logprob_batches(seqs, steps[0] if steps else [], tc.micro_batch_size)
-    old = reference_logprobs(model, seqs, batches, pad_id, device, bf16=tc.bf16)
-    if tc.reference == "none":
-        ref = None
-    elif tc.reference == "base" and start_adapter(ctx) is not None:
-        ref = reference_logprobs(model, seqs, batches, pad_id, device, disable_adapter=True, desc="ref logprobs",
-                                 bf16=tc.bf16)
-    else:  # the starting adapter = π_old (a fresh LoRA is a no-op: both are the base model)
-        ref = old
+    old = reference_logprobs(model, seqs, batches, pad_id, device, bf16=tc.bf16) if obj.needs_old else None
+    ref = None
+    if obj.uses_ref and tc.reference != "none":
+        if tc.reference == "base" and start_adapter(ctx) is not None:
+            ref = reference_logprobs(model, seqs, batches, pad_id, device, disable_adapter=True, desc="ref logprobs",
+                                     bf16=tc.bf16)
+        else:  # the starting adapter = π_old (a fresh LoRA is a no-op: both are the base model)
+            ref = old if old is not None else reference_logprobs(model, seqs, batches, pad_id, device,
+                                                                 desc="ref logprobs", bf16=tc.bf16)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(steps) / tc.epochs) if steps else 0
@@ -324,32 +353,35 @@ def run_train(ctx) -> dict:
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=tc.bf16)
     model.train()
     metrics = []
-    for step, micro in enumerate(tqdm(steps, desc=f"train round {ctx.round}", unit="step")):
+    for step, micro in enumerate(tqdm(steps, desc=f"train round {ctx.round} ({obj.name})", unit="step")):
         t0 = time.perf_counter()
         lr = sched.get_last_lr()[0]
-        acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
+        acc: dict[str, float | None] = {"loss": 0.0, "pg_loss": 0.0, "kl": None, "clip_frac": None}
         tokens, mism, mism_n = 0, 0.0, 0
-        weights, ratio_dev = step_weights(seqs, micro, tc), 0.0
+        weights, ratio_dev = step_weights(seqs, micro, tc), None
         for mb in micro:
             chunk = [seqs[i] for i in mb]
             batch = collate(chunk, pad_id, device)
             tcol = batch.completion_mask.shape[1]
-            old_lp = _pad_rows([old[i] for i in mb], tcol, device)
-            ref_lp = None if ref is None else _pad_rows([ref[i] for i in mb], tcol, device)
             with autocast:
                 logp = completion_logprobs(model, batch)
             cw = None if weights is None else torch.tensor([weights[i] for i in mb], device=device)
-            terms: GrpoTerms = grpo_mkl_terms(logp.float(), old_lp, ref_lp, batch.advantages, batch.completion_mask,
-                                              tc.beta if ref is not None else 0.0, tc.clip_eps, kl_masks(chunk, tc),
-                                              norm=tc.loss_norm, seq_weights=cw)
+            terms = obj.fn(LossInput(
+                logp=logp.float(), mask=batch.completion_mask, coef=batch.advantages,
+                old_logp=None if old is None else _pad_rows([old[i] for i in mb], tcol, device),
+                ref_logp=None if ref is None else _pad_rows([ref[i] for i in mb], tcol, device),
+                scores=_seq_tensor(seqs, mb, "score", device), kl_mask=kl_masks(chunk, tc), seq_weights=cw), tc)
             share = 1.0 if cw is not None else 1 / len(micro)  # level weights already normalise over the step
             (terms.loss * share).backward()
             for k in acc:
-                acc[k] += float(getattr(terms, k).detach()) * (share if k in ("loss", "pg_loss") else 1 / len(micro))
+                v, w = getattr(terms, k), share if k in ("loss", "pg_loss") else 1 / len(micro)
+                if v is not None:
+                    acc[k] = (acc[k] or 0.0) + float(v.detach()) * w
             tokens += int(batch.completion_mask.sum())
-            ratio_dev = max(ratio_dev, float(terms.ratio_dev))
+            if terms.ratio_dev is not None:
+                ratio_dev = max(ratio_dev or 0.0, float(terms.ratio_dev))
             for i, s in zip(mb, chunk, strict=True):
-                if s.gen_logprobs is not None:
+                if s.gen_logprobs is not None and old is not None:
                     mism += float((torch.tensor(s.gen_logprobs) - old[i]).abs().sum())
                     mism_n += len(s.gen_logprobs)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
@@ -366,8 +398,8 @@ def run_train(ctx) -> dict:
                                      "parent_round": ctx.round - 1 if ctx.round > 0 else None,
                                      "rows_used": len(seqs)}], ctx.run_id, ctx.round)
     mismatch = [m["logp_mismatch"] for m in metrics if m["logp_mismatch"] is not None]
-    counts = {"sequences": len(seqs), "generations": len({s.gen_id for s in seqs}), "steps": len(steps),
-              "tokens": sum(m["tokens"] for m in metrics), **info,
+    counts = {"objective": obj.name, "sequences": len(seqs), "generations": len({s.gen_id for s in seqs}),
+              "steps": len(steps), "tokens": sum(m["tokens"] for m in metrics), **info,
               "final_loss": metrics[-1]["loss"] if metrics else None,
               "logp_mismatch": float(np.mean(mismatch)) if mismatch else None, "checkpoint": str(ckpt)}
     ctx.finish("train", **counts)

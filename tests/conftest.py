@@ -111,3 +111,21 @@ def vllm_server(tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 2-layer random llama folder with the embedded model's tokenizer (a local model ref)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.models import load_tokenizer
+
+    tok = load_tokenizer("embedded:smollm2-135m-instruct")
+    cfg = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

@@ -7,6 +7,7 @@ import math
 import uuid
 
 import numpy as np
+import polars as pl
 import pytest
 
 from pipeline.curate import (
@@ -436,7 +437,8 @@ def test_run_curate_flat_left_out_invalid_and_reps(tmp_path):
     assert counts["candidate_groups"] == 4 and counts["groups_kept"] == 4  # C(4,3) groups of query a
     # a's groups sharpen to (a2,a1) (a3,a1) (a2,a0) (a2,a1): all four workflows, one query
     assert counts["distinct_workflows"] == 4 and counts["distinct_queries"] == 1
-    g = ctx.store.read("groups", ctx.run_id, 0)
+    full = ctx.store.read("groups", ctx.run_id, 0)
+    g = full.filter(full["kind"] == "group")
     kept = g.filter(g["kept"])
     assert set(kept["query_id"]) == {"a"} and kept["level"].unique().to_list() == ["flat"]
     best = kept.sort("variance", descending=True).row(0, named=True)
@@ -452,7 +454,7 @@ def test_run_curate_flat_left_out_invalid_and_reps(tmp_path):
     from pipeline.stages.runner import run_stage
 
     assert run_stage("curate", ctx.run_id, 0, str(ctx.store.root))["skipped"] is True
-    assert ctx.store.read("groups", ctx.run_id, 0).height == g.height
+    assert ctx.store.read("groups", ctx.run_id, 0).height == full.height
 
 
 def test_run_curate_flat_records_screened_out_summary(tmp_path):
@@ -462,7 +464,7 @@ def test_run_curate_flat_records_screened_out_summary(tmp_path):
     ctx.store.write("generations", [_gen(f"q{i}", "q", i) for i in range(4)], ctx.run_id, 0)
     ctx.store.write("scores", [_score(f"q{i}", score=s) for i, s in enumerate([0.0, 0.3, 1.0, 0.6])], ctx.run_id, 0)
     run_curate(ctx)
-    g = ctx.store.read("groups", ctx.run_id, 0)
+    g = ctx.store.read("groups", ctx.run_id, 0).filter(pl.col("kind") == "group")
     assert g.filter(g["kept"]).height == 1
     (row,) = g.filter(~g["kept"]).iter_rows(named=True)
     assert row["reason"].startswith("screened out: 3 of 4 candidate groups below the top-1 variance cut")
@@ -524,7 +526,7 @@ def test_run_curate_dedupe_and_cap_from_the_config(tmp_path):
     counts = run_curate(ctx)  # a: [a0,a2] [a0,a3] [a1,a3] (cap 3, r2 a duplicate); then b's r1 [b0,b3]
     assert counts["groups_kept"] == 4 and counts["candidate_groups"] == 14
     assert counts["distinct_workflows"] == 6 and counts["distinct_queries"] == 2
-    g = ctx.store.read("groups", ctx.run_id, 0)
+    g = ctx.store.read("groups", ctx.run_id, 0).filter(pl.col("kind") == "group")
     kept = g.filter(g["kept"]).sort("group_id")
     assert kept["members"].to_list() == [["a0", "a2"], ["a0", "a3"], ["a1", "a3"], ["b0", "b3"]]
     reasons = {r["query_id"]: r["reason"] for r in g.filter(~g["kept"]).iter_rows(named=True)}

@@ -263,23 +263,6 @@ def test_two_level_sequences_carry_their_level_advantage(tmp_path):
 # ---- a tiny random model: the train stage's wiring in seconds -------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    """A 2-layer random llama folder with the embedded model's tokenizer (a local model ref)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from pipeline.models import load_tokenizer
-
-    tok = load_tokenizer(MODEL)
-    cfg = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
 def _two_level_round(tmp_path, tiny_model, sets=()):
     """Plans A0 (workflows scoring 1, 0) and A1 (one workflow scoring 1), curated."""
     from test_curate import _ctx, _gen, _score
