@@ -72,9 +72,9 @@ def test_weighted_nll_by_hand(name):
     fn = get_objective(name).fn
     # sequence norm: (2·(ln2 + 2 ln2)/2 + 1·ln2) / 2 = 2 ln 2
     t = fn(_nll_batch([2.0, 1.0]), _tc())
-    assert float(t.loss) == pytest.approx(2 * LN2, abs=1e-6) and t.kl is None and t.ratio_dev is None
+    assert float(t.loss.detach()) == pytest.approx(2 * LN2, abs=1e-6) and t.kl is None and t.ratio_dev is None
     # token norm: (2·3 ln2 + 1·ln2) / 3 tokens
-    assert float(fn(_nll_batch([2.0, 1.0]), _tc(loss_norm="token")).loss) == pytest.approx(7 * LN2 / 3, abs=1e-6)
+    assert float(fn(_nll_batch([2.0, 1.0]), _tc(loss_norm="token")).loss.detach()) == pytest.approx(7 * LN2 / 3, abs=1e-6)
     # the gradient of a token's log-prob is -w/(B·T_b): heavier rows are pulled harder
     inp = _nll_batch([2.0, 1.0])
     fn(inp, _tc()).loss.backward()
@@ -95,14 +95,14 @@ def test_score_dpo_by_hand():
     # z = β·(s_w·Δ_w - (1 - s_l)·Δ_l) = 0.1·(0.8·1 - 0.8·(-0.5)) = 0.12; loss = log(1 + e^{-0.12})
     inp = LossInput(logp=logp, mask=mask, coef=torch.tensor([1.0, 1.0]), ref_logp=ref, scores=torch.tensor([0.8, 0.2]))
     want = math.log1p(math.exp(-0.12))
-    assert float(fn(inp, _tc()).loss) == pytest.approx(want, abs=1e-6)
+    assert float(fn(inp, _tc()).loss.detach()) == pytest.approx(want, abs=1e-6)
     # scores 1 and 0: DPO's margin β·(Δ_w - Δ_l) = 0.15
     inp = LossInput(logp=logp, mask=mask, coef=torch.tensor([1.0, 1.0]), ref_logp=ref, scores=torch.tensor([1.0, 0.0]))
-    assert float(fn(inp, _tc()).loss) == pytest.approx(math.log1p(math.exp(-0.15)), abs=1e-6)
+    assert float(fn(inp, _tc()).loss.detach()) == pytest.approx(math.log1p(math.exp(-0.15)), abs=1e-6)
     # two pairs, weights 1 and 3 (per pair, read at the chosen row): the mean of w_p·loss_p = 2·loss
     two = LossInput(logp=torch.cat([logp, logp]), mask=torch.cat([mask, mask]), coef=torch.tensor([1.0, 1, 3, 3]),
                     ref_logp=torch.cat([ref, ref]), scores=torch.tensor([0.8, 0.2, 0.8, 0.2]))
-    assert float(fn(two, _tc(dpo_beta=0.1)).loss) == pytest.approx(2 * want, abs=1e-6)
+    assert float(fn(two, _tc(dpo_beta=0.1)).loss.detach()) == pytest.approx(2 * want, abs=1e-6)
     with pytest.raises(ValueError, match="pairs: got 3 sequences"):
         fn(LossInput(logp=logp[:1].repeat(3, 1), mask=mask[:1].repeat(3, 1), coef=torch.ones(3),
                      ref_logp=ref[:1].repeat(3, 1), scores=torch.ones(3)), _tc())

@@ -349,7 +349,7 @@ def test_refine_resumes_an_interrupted_turn_without_duplicates(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_refine_rollout_score_curate_through_prefect_on_the_embedded_model(tmp_path):
+def test_refine_round_through_prefect_on_the_embedded_model(tmp_path):
     """SmolLM2-135M writes the workflows and executes them: T=3 turns x K=2 candidates of one task of 2 items, one
     repair allowed; the stages run through Prefect stage tasks in child processes. The tiny model's samples decide
     how many candidates are repaired or skipped, so the SQL checks that the numbers add up."""
@@ -377,11 +377,11 @@ def test_refine_rollout_score_curate_through_prefect_on_the_embedded_model(tmp_p
     def refine_round() -> list[dict]:
         call = submitting_call(RetryPolicy(1, 1.0))
         return [call(stage=s, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=None)
-                for s in ("rollout", "score", "curate")]
+                for s in ("rollout", "score", "curate", "train")]
 
     with prefect_test_harness(server_startup_timeout=120):
         res = refine_round()
-    assert [r["skipped"] for r in res] == [False, False, False]
+    assert [r["skipped"] for r in res] == [False, False, False, False]
     st = Store(tmp_path / "runs")
     turns = st.sql("SELECT turn, count(*) n, count(*) FILTER (WHERE skipped) skipped, "
                    "count(*) FILTER (WHERE advanced) advanced, sum(attempts) repairs FROM turns "
@@ -405,3 +405,9 @@ def test_refine_rollout_score_curate_through_prefect_on_the_embedded_model(tmp_p
     assert (cur["level"], cur["candidates"], cur["skipped"], cur["turns"]) == ("refine", 6, skipped, 3)
     kinds = st.sql("SELECT kind, count(*) n FROM groups WHERE run_id = 'refine-e2e' GROUP BY kind")
     assert dict(kinds.rows()).get("weighted") == 3
+    # RLAO: the train stage regresses on the kept weighted rows' candidates, weights exp(r / 0.4)
+    trained = st.sql("SELECT coalesce(sum(len(members)), 0) n FROM groups WHERE run_id = 'refine-e2e' AND kept "
+                     "AND kind = 'weighted'")["n"][0]
+    tr = st.manifest("refine-e2e", 0, "train")["counts"]
+    assert tr["objective"] == "rwr" and tr["sequences"] == trained
+    assert (st.checkpoint_dir("refine-e2e", 0) / "adapter_model.safetensors").is_file()
