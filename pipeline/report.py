@@ -34,7 +34,8 @@ q AS (
   SELECT round, avg(gen_tokens_in + gen_tokens_out) AS gen_tokens_per_query,
          avg(exec_tokens_in + exec_tokens_out) AS exec_tokens_per_query
   FROM query_usage WHERE run_id = $run GROUP BY round),
-c AS (SELECT round, count(*) FILTER (WHERE kept) AS groups_kept FROM groups WHERE run_id = $run GROUP BY round),
+c AS (SELECT round, count(*) FILTER (WHERE kept AND coalesce(kind, 'group') = 'group') AS groups_kept FROM groups
+      WHERE run_id = $run GROUP BY round),
 t AS (
   SELECT round, count(*) AS steps, avg(loss) AS loss, avg(kl) AS kl, avg(clip_frac) AS clip_frac,
          sum(tokens)::BIGINT AS train_tokens

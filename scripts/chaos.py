@@ -176,6 +176,7 @@ def check_manifests(store: Store, run_id: str) -> list[str]:
             fails.append(f"score manifest written with non-final rows: {by_status}")
     if m["curate"]:
         groups = store.read("groups", run_id, 0)
+        groups = groups.filter(groups["kind"].fill_null("group") == "group")  # the GRPO groups the manifest counts
         kept = int(groups["kept"].sum()) if groups.height else 0
         if m["curate"]["counts"]["groups_kept"] != kept:
             fails.append(f"curate manifest {m['curate']['counts']['groups_kept']} kept vs {kept} rows")
