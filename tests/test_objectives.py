@@ -74,7 +74,8 @@ def test_weighted_nll_by_hand(name):
     t = fn(_nll_batch([2.0, 1.0]), _tc())
     assert float(t.loss.detach()) == pytest.approx(2 * LN2, abs=1e-6) and t.kl is None and t.ratio_dev is None
     # token norm: (2·3 ln2 + 1·ln2) / 3 tokens
-    assert float(fn(_nll_batch([2.0, 1.0]), _tc(loss_norm="token")).loss.detach()) == pytest.approx(7 * LN2 / 3, abs=1e-6)
+    tok = fn(_nll_batch([2.0, 1.0]), _tc(loss_norm="token")).loss.detach()
+    assert float(tok) == pytest.approx(7 * LN2 / 3, abs=1e-6)
     # the gradient of a token's log-prob is -w/(B·T_b): heavier rows are pulled harder
     inp = _nll_batch([2.0, 1.0])
     fn(inp, _tc()).loss.backward()
@@ -301,3 +302,25 @@ def test_ablation_plans_arms_and_pairs_them_by_hand(tmp_path, monkeypatch):
     assert "| sft_best (best rows) | 0.750 | 0.750 | +0.500 [" in md
     with pytest.raises(ValueError, match="unknown objective 'ppo'"):
         ab.run_ablation("configs/smoke.yaml", call, ["ppo"], seeds=1, run_id="ab", sets=sets)
+
+
+def test_cli_train_with_another_objective_then_sql(tmp_path, tiny_model):
+    """The user's path: `pipeline train CONFIG --run-id R --round 0 --set training.objective=sft_best` trains the
+    curated round with that loss, and SQL over the store shows what each kind holds."""
+    from test_curate import _ctx
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    ctx = _ctx(tmp_path, [f"generator.model={tiny_model}"])
+    _round(ctx, [1.0, 0.0, 0.5])
+    saved = ctx.store.run_dir(ctx.run_id) / "config.yaml"
+    r = CliRunner().invoke(app, ["train", str(saved), "--run-id", ctx.run_id, "--round", "0",
+                                 "--set", "training.objective=sft_best"])
+    assert r.exit_code == 0, r.output
+    assert ctx.store.manifest(ctx.run_id, 0, "train")["counts"]["objective"] == "sft_best"
+    assert ctx.store.read("train_metrics", ctx.run_id, 0)["tokens"].sum() == 3  # w0's 3 completion tokens, once
+    got = ctx.store.sql("select kind, count(*) as n, sum(len(members)) as seqs from groups where kept "
+                        "group by kind order by kind")
+    # one C(3,3) group sharpened to 2; 4 pair draws (pairs_per_query x 1 query); 1 weighted row of 3; 1 best
+    assert got.rows() == [("best", 1, 1), ("group", 1, 2), ("pair", 4, 8), ("weighted", 1, 3)]
