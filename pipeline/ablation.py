@@ -25,7 +25,15 @@ from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.evaluate import eval_run_id, eval_summary, evaluate_round
-from pipeline.experiment import BASE, METRIC_NAMES, compared_metrics, eval_sets, paired_interval, plan
+from pipeline.experiment import (
+    BASE,
+    METRIC_NAMES,
+    compared_metrics,
+    eval_sets,
+    mean_or_none,
+    paired_interval,
+    plan,
+)
 from pipeline.learning import paired_differences
 from pipeline.objectives import OBJECTIVES, get_objective
 from pipeline.run import open_run
@@ -64,8 +72,8 @@ def summarise(store: Store, cfg, objectives: list[str], seeds: list[int], round:
         rows = [q for (s, a), qs in per_query.items() if a == arm for q in qs.values()]
         if not rows:
             continue
-        means = {m: _mean([q[m] for q in rows if q.get(m) is not None]) for m in compared_metrics(cfg)}
-        arms.append({"arm": arm, "n": len(rows), "valid_share": _mean([q["valid_share"] for q in rows
+        means = {m: mean_or_none([q[m] for q in rows if q.get(m) is not None]) for m in compared_metrics(cfg)}
+        arms.append({"arm": arm, "n": len(rows), "valid_share": mean_or_none([q["valid_share"] for q in rows
                                                                          if q.get("valid_share") is not None]),
                      **means})
     for arm in objectives:
@@ -85,10 +93,6 @@ def summarise(store: Store, cfg, objectives: list[str], seeds: list[int], round:
                                    **paired_interval(pairs, seeds, ex)})
     return {"experiment": cfg.run_id, "round": round, "objectives": objectives, "seeds": seeds, "split": split,
             "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "arms": arms, "paired": paired}
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def table(summary: dict) -> str:

@@ -109,8 +109,8 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
                 pairs += [(s, qid, d) for qid, d in paired_differences(arm, base).items()]
             if not pairs:
                 continue
-            base_mean = _mean([q[metric] for q in per_query if q["round"] == BASE and q.get(metric) is not None])
-            arm_mean = _mean([q[metric] for q in per_query if q["round"] == k and q.get(metric) is not None])
+            base_mean = mean_or_none([q[metric] for q in per_query if q["round"] == BASE and q.get(metric) is not None])
+            arm_mean = mean_or_none([q[metric] for q in per_query if q["round"] == k and q.get(metric) is not None])
             paired.append({"round": k, "metric": metric, "base": base_mean, "trained": arm_mean,
                            **paired_interval(pairs, seeds, ex)})
     return {"experiment": cfg.run_id, "seeds": seeds, "rounds": cfg.rounds, "split": split,
@@ -133,7 +133,8 @@ def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], ex) -
     return {**asdict(ci), "lo_by_query": by_query.lo, "hi_by_query": by_query.hi, "per_seed": per_seed}
 
 
-def _mean(xs: list[float]) -> float | None:
+def mean_or_none(xs: list[float]) -> float | None:
+    """The mean, or None for no values (an arm without evaluations)."""
     return sum(xs) / len(xs) if xs else None
 
 

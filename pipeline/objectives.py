@@ -62,7 +62,6 @@ class Objective:
     needs_ref: bool  # reference log-probs; without one (`training.reference: none`) the objective refuses to run
     uses_ref: bool  # a reference enters the loss when there is one (a KL term)
     paired: bool = False  # sequences come in (chosen, rejected) pairs that a micro-batch never splits
-    doc: str = ""
 
 
 OBJECTIVES: dict[str, Objective] = {}
@@ -77,8 +76,7 @@ def register_objective(name: str, kind: str, *, needs_old: bool = False, needs_r
     def deco(fn: Callable) -> Callable:
         if name in OBJECTIVES:
             raise ValueError(f"objective {name!r} is already registered")
-        OBJECTIVES[name] = Objective(name, kind, fn, needs_old, needs_ref, uses_ref or needs_ref, paired,
-                                     (fn.__doc__ or "").strip().split("\n")[0])
+        OBJECTIVES[name] = Objective(name, kind, fn, needs_old, needs_ref, uses_ref or needs_ref, paired)
         return fn
 
     return deco
@@ -91,24 +89,24 @@ def get_objective(name: str) -> Objective:
         raise ValueError(f"unknown objective {name!r}; registered: {', '.join(OBJECTIVES)}") from None
 
 
-def _from_grpo(t) -> LossTerms:
+def _clipped(inp: LossInput, tc, kl_mask: bool | torch.Tensor) -> LossTerms:
+    """The clipped-ratio surrogate with β·k3 where `kl_mask` allows it (pipeline.grpo.grpo_mkl_terms)."""
+    t = grpo_mkl_terms(inp.logp, inp.old_logp, inp.ref_logp, inp.coef, inp.mask,
+                       tc.beta if inp.ref_logp is not None else 0.0, tc.clip_eps, kl_mask,
+                       norm=tc.loss_norm, seq_weights=inp.seq_weights)
     return LossTerms(t.loss, t.pg_loss, t.kl, t.clip_frac, t.ratio_dev)
 
 
 @register_objective("iogrpo_mkl", "group", needs_old=True, uses_ref=True)
 def iogrpo_mkl(inp: LossInput, tc) -> LossTerms:
     """SPOGW's ioGRPO with the advantage-masked KL (pipeline.grpo.grpo_mkl_terms)."""
-    return _from_grpo(grpo_mkl_terms(inp.logp, inp.old_logp, inp.ref_logp, inp.coef, inp.mask,
-                                     tc.beta if inp.ref_logp is not None else 0.0, tc.clip_eps, inp.kl_mask,
-                                     norm=tc.loss_norm, seq_weights=inp.seq_weights))
+    return _clipped(inp, tc, inp.kl_mask)
 
 
 @register_objective("grpo", "group", needs_old=True, uses_ref=True)
 def grpo(inp: LossInput, tc) -> LossTerms:
     """Plain GRPO: the same clipped surrogate, the KL on every completion token (no advantage mask)."""
-    return _from_grpo(grpo_mkl_terms(inp.logp, inp.old_logp, inp.ref_logp, inp.coef, inp.mask,
-                                     tc.beta if inp.ref_logp is not None else 0.0, tc.clip_eps, False,
-                                     norm=tc.loss_norm, seq_weights=inp.seq_weights))
+    return _clipped(inp, tc, False)
 
 
 def weighted_nll(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, norm: str = "sequence",
