@@ -215,31 +215,38 @@ def logprob_batches(seqs: list[TrainSequence], first_step: list[list[int]], mbs:
 
 
 @torch.no_grad()
-def reference_logprobs(model, seqs: list[TrainSequence], batches: list[list[int]], pad_id: int, device: str,
-                       disable_adapter: bool = False, desc: str = "old logprobs",
-                       bf16: bool = False) -> dict[int, torch.Tensor]:
+def reference_logprobs(model, seqs: list[TrainSequence], batches: list[list[int]], pad_id: int, device,
+                       disable_adapter: bool = False, desc: str = "old logprobs", bf16: bool = False,
+                       shard: tuple[int, int] = (0, 1)) -> dict[int, torch.Tensor]:
     """Per sequence index, completion log-probs (fp32 values) of `model` in eval mode (no dropout) computed on
     `batches` (`logprob_batches`), under the same bf16 autocast as the training forward when `bf16`: π_old and
     π_θ are then the same computation at the first step (ratio 1, k3 0 before any update), and the pass costs
-    half the fp32 time on CPU. A sequence outside `batches` takes its generation's first computed value."""
+    half the fp32 time on CPU. A sequence outside `batches` takes its generation's first computed value.
+    `shard=(rank, n)`: this rank computes batches[rank::n] (its share of the first step is exactly the
+    micro-batches it trains on, `pipeline.parallel.rank_share`) and the ranks' results are gathered."""
     from tqdm import tqdm
 
+    from pipeline.parallel import gather_logprobs
+
+    rank, n = shard
     was_training = model.training
     model.eval()
     computed: dict[int, torch.Tensor] = {}
-    by_gen: dict[str, torch.Tensor] = {}
     try:
-        for mb in tqdm(batches, desc=desc, unit="batch", leave=False):
+        for mb in tqdm(batches[rank::n], desc=desc, unit="batch", leave=False, disable=rank > 0):
             chunk = [seqs[i] for i in mb]
             batch = collate(chunk, pad_id, device)
-            with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16), \
+            with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16), \
                     model.disable_adapter() if disable_adapter else contextlib.nullcontext():
                 lp = completion_logprobs(model, batch).float()
             for b, (i, s) in enumerate(zip(mb, chunk, strict=True)):
                 computed[i] = lp[b, : len(s.completion_ids)].cpu()
-                by_gen.setdefault(s.gen_id, computed[i])
     finally:
         model.train(was_training)
+    computed = gather_logprobs(computed, n)
+    by_gen: dict[str, torch.Tensor] = {}
+    for i in (i for mb in batches for i in mb):  # "first computed" in the batches' order, whoever computed it
+        by_gen.setdefault(seqs[i].gen_id, computed[i])
     return {i: computed[i] if i in computed else by_gen[s.gen_id] for i, s in enumerate(seqs)}
 
 
@@ -287,12 +294,13 @@ def kl_masks(chunk: list[TrainSequence], tc) -> bool | torch.Tensor:
 # ---- the stage -----------------------------------------------------------------------------------------
 
 
-def save_adapter_atomic(model, dest: Path) -> None:
-    """save_pretrained into a temp folder next to `dest`, then rename: `dest` is whole or absent."""
+def save_adapter_atomic(model, dest: Path, state_dict: dict | None = None) -> None:
+    """save_pretrained into a temp folder next to `dest`, then rename: `dest` is whole or absent. `state_dict`:
+    the full one when the model's own is sharded (FSDP)."""
     from pipeline.models import atomic_dir
 
     with atomic_dir(dest, suffix=".tmp") as tmp:
-        model.save_pretrained(str(tmp))
+        model.save_pretrained(str(tmp), state_dict=state_dict)
         for f in ADAPTER_FILES:
             with open(tmp / f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -311,11 +319,14 @@ def _seq_tensor(seqs: list[TrainSequence], mb: list[int], field: str, device) ->
 
 
 def run_train(ctx) -> dict:
-    """Train the round's adapter with `training.objective` on its curated rows and write the round's checkpoint."""
+    """Train the round's adapter with `training.objective` on its curated rows and write the round's checkpoint.
+    Under `accelerate launch --num_processes N` it trains data-parallel (`pipeline.parallel`): the same global
+    batches, each optimiser step's micro-batches dealt to the ranks, gradients all-reduced; rank 0 writes."""
     from tqdm import tqdm
 
     from pipeline.models import load_tokenizer
     from pipeline.objectives import LossInput, get_objective
+    from pipeline.parallel import LogprobModule, make_accelerator, rank_share, reduce_step
 
     ckpt = ctx.store.checkpoint_dir(ctx.run_id, ctx.round)
     tc = ctx.cfg.training
@@ -325,8 +336,10 @@ def run_train(ctx) -> dict:
                          "and refine rollouts; a two_level round has agent and workflow groups only")
     if obj.needs_ref and tc.reference == "none":
         raise ValueError(f"training.objective={obj.name} needs a reference model; training.reference is 'none'")
-    torch.manual_seed(derived_seed(tc.seed, "train", ctx.round))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    accel = make_accelerator()
+    rank, n_ranks, device = accel.process_index, accel.num_processes, accel.device
+    main = accel.is_main_process
+    torch.manual_seed(derived_seed(tc.seed, "train", ctx.round))  # the same fresh LoRA on every rank
     seqs, info = load_sequences(ctx, obj.kind)
     if not seqs:
         log.warning("round %d has no kept %s rows: the checkpoint is the unchanged adapter", ctx.round, obj.kind)
@@ -337,70 +350,87 @@ def run_train(ctx) -> dict:
     rng = np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))
     steps = _plan_steps(len(seqs), tc, rng, 2 if obj.paired else 1) if seqs else []
     batches = logprob_batches(seqs, steps[0] if steps else [], tc.micro_batch_size)
-    old = reference_logprobs(model, seqs, batches, pad_id, device, bf16=tc.bf16) if obj.needs_old else None
+    lp_args = {"pad_id": pad_id, "device": device, "bf16": tc.bf16, "shard": (rank, n_ranks)}
+    old = reference_logprobs(model, seqs, batches, **lp_args) if obj.needs_old else None
     ref = None
     if obj.uses_ref and tc.reference != "none":
         if tc.reference == "base" and start_adapter(ctx) is not None:
-            ref = reference_logprobs(model, seqs, batches, pad_id, device, disable_adapter=True, desc="ref logprobs",
-                                     bf16=tc.bf16)
+            ref = reference_logprobs(model, seqs, batches, disable_adapter=True, desc="ref logprobs", **lp_args)
         else:  # the starting adapter = π_old (a fresh LoRA is a no-op: both are the base model)
-            ref = old if old is not None else reference_logprobs(model, seqs, batches, pad_id, device,
-                                                                 desc="ref logprobs", bf16=tc.bf16)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
+            ref = old if old is not None else reference_logprobs(model, seqs, batches, desc="ref logprobs", **lp_args)
+    policy = accel.prepare(LogprobModule(model))  # DDP / FSDP wrap the call the loss goes through
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)  # after prepare: FSDP's sharded params
     steps_per_epoch = math.ceil(len(steps) / tc.epochs) if steps else 0
     sched = _lr_scheduler(optimizer, tc, len(steps))
-    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=tc.bf16)
-    model.train()
+    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.bf16)
+    policy.train()
     metrics = []
-    for step, micro in enumerate(tqdm(steps, desc=f"train round {ctx.round} ({obj.name})", unit="step")):
+    for step, micro in enumerate(tqdm(steps, desc=f"train round {ctx.round} ({obj.name})", unit="step",
+                                      disable=not main)):
         t0 = time.perf_counter()
         lr = sched.get_last_lr()[0]
-        acc: dict[str, float | None] = {"loss": 0.0, "pg_loss": 0.0, "kl": None, "clip_frac": None}
-        tokens, mism, mism_n = 0, 0.0, 0
-        weights, ratio_dev = step_weights(seqs, micro, tc), None
-        for mb in micro:
+        acc: dict[str, float | None] = {"loss": 0.0, "pg_loss": 0.0, "kl": None, "clip_frac": None, "ratio_dev": None,
+                                        "tokens": 0.0, "mism": 0.0, "mism_n": 0.0}
+        weights = step_weights(seqs, micro, tc)
+        share_mbs = rank_share(micro, rank, n_ranks)
+        for j, (mb, real) in enumerate(share_mbs):
             chunk = [seqs[i] for i in mb]
             batch = collate(chunk, pad_id, device)
             tcol = batch.completion_mask.shape[1]
-            with autocast:
-                logp = completion_logprobs(model, batch)
-            cw = None if weights is None else torch.tensor([weights[i] for i in mb], device=device)
-            terms = obj.fn(LossInput(
-                logp=logp.float(), mask=batch.completion_mask, coef=batch.advantages,
-                old_logp=None if old is None else _pad_rows([old[i] for i in mb], tcol, device),
-                ref_logp=None if ref is None else _pad_rows([ref[i] for i in mb], tcol, device),
-                scores=_seq_tensor(seqs, mb, "score", device), kl_mask=kl_masks(chunk, tc), seq_weights=cw), tc)
-            share = 1.0 if cw is not None else 1 / len(micro)  # level weights already normalise over the step
-            (terms.loss * share).backward()
-            for k in acc:
+            # DDP all-reduces at each rank's last backward of the step only
+            sync = contextlib.nullcontext() if j == len(share_mbs) - 1 else accel.no_sync(policy)
+            with sync:
+                with autocast:
+                    logp = policy(batch)
+                cw = None if weights is None else torch.tensor([weights[i] for i in mb], device=device)
+                terms = obj.fn(LossInput(
+                    logp=logp.float(), mask=batch.completion_mask, coef=batch.advantages,
+                    old_logp=None if old is None else _pad_rows([old[i] for i in mb], tcol, device),
+                    ref_logp=None if ref is None else _pad_rows([ref[i] for i in mb], tcol, device),
+                    scores=_seq_tensor(seqs, mb, "score", device), kl_mask=kl_masks(chunk, tc), seq_weights=cw), tc)
+                share = 1.0 if cw is not None else 1 / len(micro)  # level weights already normalise over the step
+                # x ranks: DDP averages the ranks' gradients, the step's gradient is their sum; a filler weighs 0
+                accel.backward(terms.loss * (share * n_ranks if real else 0.0))
+            if not real:
+                continue
+            for k in ("loss", "pg_loss", "kl", "clip_frac"):
                 v, w = getattr(terms, k), share if k in ("loss", "pg_loss") else 1 / len(micro)
                 if v is not None:
                     acc[k] = (acc[k] or 0.0) + float(v.detach()) * w
-            tokens += int(batch.completion_mask.sum())
+            acc["tokens"] += int(batch.completion_mask.sum())
             if terms.ratio_dev is not None:
-                ratio_dev = max(ratio_dev or 0.0, float(terms.ratio_dev))
+                acc["ratio_dev"] = max(acc["ratio_dev"] or 0.0, float(terms.ratio_dev))
             for i, s in zip(mb, chunk, strict=True):
                 if s.gen_logprobs is not None and old is not None:
-                    mism += float((torch.tensor(s.gen_logprobs) - old[i]).abs().sum())
-                    mism_n += len(s.gen_logprobs)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
+                    acc["mism"] += float((torch.tensor(s.gen_logprobs) - old[i]).abs().sum())
+                    acc["mism_n"] += len(s.gen_logprobs)
+        grad_norm = accel.clip_grad_norm_(params, tc.max_grad_norm)
         optimizer.step()
         sched.step()
         optimizer.zero_grad(set_to_none=True)
-        metrics.append({"step": step, "epoch": step // steps_per_epoch, **acc, "ratio_dev": ratio_dev, "lr": lr,
-                        "grad_norm": float(grad_norm), "tokens": tokens,
-                        "logp_mismatch": mism / mism_n if mism_n else None, "wall_s": time.perf_counter() - t0})
-    model.eval()
-    save_adapter_atomic(model, ckpt)
-    ctx.store.write("train_metrics", metrics, ctx.run_id, ctx.round)
-    ctx.store.write("checkpoints", [{"path": str(ckpt), "base_model": ctx.cfg.generator.model,
-                                     "parent_round": ctx.round - 1 if ctx.round > 0 else None,
-                                     "rows_used": len(seqs)}], ctx.run_id, ctx.round)
+        acc = reduce_step(acc, n_ranks, maxed=("ratio_dev",))
+        mism, mism_n = acc.pop("mism"), acc.pop("mism_n")
+        metrics.append({"step": step, "epoch": step // steps_per_epoch, **acc, "tokens": int(acc["tokens"]), "lr": lr,
+                        "grad_norm": float(grad_norm), "logp_mismatch": mism / mism_n if mism_n else None,
+                        "wall_s": time.perf_counter() - t0})
+    policy.eval()
+    adapter = accel.get_state_dict(policy) if accel.distributed_type.name == "FSDP" else None  # collective
+    if main:
+        peft_model = accel.unwrap_model(policy).model
+        if adapter is not None:  # FSDP: the gathered full state dict, the adapter's keys without the wrapper's
+            adapter = {k.removeprefix("model."): v for k, v in adapter.items()}
+        save_adapter_atomic(peft_model, ckpt, adapter)
+        ctx.store.write("train_metrics", metrics, ctx.run_id, ctx.round)
+        ctx.store.write("checkpoints", [{"path": str(ckpt), "base_model": ctx.cfg.generator.model,
+                                         "parent_round": ctx.round - 1 if ctx.round > 0 else None,
+                                         "rows_used": len(seqs)}], ctx.run_id, ctx.round)
     mismatch = [m["logp_mismatch"] for m in metrics if m["logp_mismatch"] is not None]
     counts = {"objective": obj.name, "sequences": len(seqs), "generations": len({s.gen_id for s in seqs}),
-              "steps": len(steps), "tokens": sum(m["tokens"] for m in metrics), **info,
+              "steps": len(steps), "tokens": sum(m["tokens"] for m in metrics), **info, "processes": n_ranks,
               "final_loss": metrics[-1]["loss"] if metrics else None,
               "logp_mismatch": float(np.mean(mismatch)) if mismatch else None, "checkpoint": str(ckpt)}
-    ctx.finish("train", **counts)
+    if main:
+        ctx.finish("train", **counts)
+    accel.wait_for_everyone()  # every rank returns after the manifest exists (the runner checks it)
     return counts

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -56,6 +57,8 @@ def _transient_types() -> tuple[type[BaseException], ...]:
         types += [openai.APIConnectionError, openai.RateLimitError, openai.InternalServerError]
     if (httpx := sys.modules.get("httpx")) is not None:
         types += [httpx.TransportError]
+    if (dist := sys.modules.get("torch.distributed")) is not None and hasattr(dist, "DistError"):
+        types += [dist.DistError]  # a peer rank of a launched stage died: the collective fails on the others
     return tuple(types)
 
 
@@ -123,11 +126,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _custom_launcher(stage: str) -> str:
+    return os.environ.get(f"PIPELINE_LAUNCHER_{stage.upper()}", "").strip()
+
+
 def launcher(stage: str) -> list[str]:
-    """The child's interpreter command: $PIPELINE_LAUNCHER_<STAGE> (e.g. `accelerate launch --num_processes 1`)
+    """The child's interpreter command: $PIPELINE_LAUNCHER_<STAGE> (e.g. `accelerate launch --num_processes 2`)
     or this Python. The rest of the command line is `-m pipeline.stages ...`, which both accept."""
-    custom = os.environ.get(f"PIPELINE_LAUNCHER_{stage.upper()}", "").strip()
+    custom = _custom_launcher(stage)
     return shlex.split(custom) if custom else [sys.executable]
+
+
+def _result_files(result: Path) -> list[Path]:
+    """Rank 0's result, then any other rank's (`<result>.rank<r>`: written only when that rank failed)."""
+    return [result] + sorted(result.parent.glob(result.name + ".rank*"))
 
 
 def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[str], only_failed: bool) -> dict:
@@ -141,13 +153,20 @@ def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         proc = subprocess.run(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        if result.is_file():
-            body = json.loads(result.read_text())
-            if "error" in body:
-                raise StageError(stage, round, body["error"], body["transient"])
-            return body["counts"]
+        bodies = [json.loads(f.read_text()) for f in _result_files(result) if f.is_file()]
+        if bodies and "counts" in bodies[0] and proc.returncode == 0:
+            return bodies[0]["counts"]
+        if errors := [b for b in bodies if "error" in b]:
+            # a rank whose peer died fails in a collective (transient); prefer a rank's own permanent error
+            first = next((b for b in errors if not b["transient"]), errors[0])
+            raise StageError(stage, round, first["error"], first["transient"])
         if proc.returncode < 0:  # killed (OOM killer, operator): the stage resumes on retry
             raise StageError(stage, round, f"child killed by signal {-proc.returncode}", transient=True)
+        if _custom_launcher(stage):
+            # a launcher (accelerate/torchrun) exits 1 when one of its processes was killed: every Python error
+            # is written to a result file, so none means a process died (signal, OOM killer) and a retry can help
+            raise StageError(stage, round, f"launched stage exited with status {proc.returncode} and no result (a "
+                             "process was killed?)", transient=True)
         raise StageError(stage, round, f"child exited with status {proc.returncode} and no result", transient=False)
 
 
@@ -203,13 +222,20 @@ def child_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only-failed", action="store_true")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     a = ap.parse_args(argv)
+    rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # as a launcher sets them
     try:
         st = get_stage(a.stage)
+        if n > 1 and st.name != "train":
+            raise ValueError(f"stage {st.name!r} runs as one process; only train runs data-parallel "
+                             f"(unset PIPELINE_LAUNCHER_{st.name.upper()} or launch 1 process)")
         ctx = open_run(None, a.run_id, a.round, a.sets, a.store)
+        if rank > 0:  # one writer: rank 0 discards what an unfinished attempt left; the others train
+            st = dataclasses.replace(st, discard=(), checkpoint=False)
         body: dict[str, Any] = {"counts": execute(ctx, st, **_options(st, a.only_failed))}
     except StageError as e:
         body = {"error": e.reason, "transient": e.transient}
     except Exception as e:  # config errors and the like: permanent, reported to the parent
-        body = {"error": f"{type(e).__name__}: {e}", "transient": False}
-    Path(a.result).write_text(json.dumps(body, default=str))
+        body = {"error": f"{type(e).__name__}: {e}", "transient": is_transient(e)}
+    if rank == 0 or "error" in body:  # rank 0 reports; another rank only its own failure
+        Path(a.result if rank == 0 else f"{a.result}.rank{rank}").write_text(json.dumps(body, default=str))
     return 0 if "counts" in body else 1
