@@ -68,11 +68,17 @@ class GeneratorConfig(_Strict):
         None, description="LoRA adapter folder of the starting policy: round 0 samples with it and trains from it "
         "(π_old); later rounds use the previous round's checkpoint. Default: the base model.",
     )
-    batch_size: int = Field(8, gt=0, description="Prompts per generation call (transformers/openai).")
+    batch_size: int = Field(
+        8, gt=0, description="Prompts per generation call (transformers/openai); openai: also the most requests in "
+        "flight on each endpoint.",
+    )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: GPU memory fraction.")
     max_model_len: int = Field(4096, gt=0, description="vllm: context length.")
     enforce_eager: bool = Field(True, description="vllm: skip graph capture (fast start).")
-    tensor_parallel_size: int = Field(1, gt=0, description="vllm: tensor parallel degree.")
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="vllm: tensor parallel degree (GPUs per engine); openai endpoints: each server's own "
+        "--tensor-parallel-size.",
+    )
     max_lora_rank: int = Field(64, gt=0, description="vllm: largest LoRA rank it can load.")
     merge_adapter: Literal["auto", "always", "never"] = Field(
         "auto", description="vllm: sample a round's adapter merged into a copy of the base weights instead of "

@@ -120,7 +120,7 @@ def test_server_loads_adapter_at_run_time(server, hf, adapter):
                 assert not s.retokenized
                 assert_same(s, h)
                 assert s.text == h.text
-    assert len(gen._loaded) == 1  # loaded once, reused
+    assert [len(ep.loaded) for ep in gen.endpoints] == [1]  # loaded once, reused
 
 
 def test_rollout_through_vllm_offline_and_server(tmp_path, monkeypatch, engine, server, adapter):
