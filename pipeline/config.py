@@ -9,6 +9,7 @@ import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,6 +21,22 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def server_urls(base_url: str | None, endpoints: list[str]) -> list[str]:
+    """The OpenAI-compatible servers a section talks to: its `endpoints`, else its one `base_url`."""
+    return list(endpoints) or ([base_url] if base_url else [])
+
+
+def _check_url(url: str) -> str:
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0  # .port checks the port
+    except ValueError:  # a port that is no number or out of range
+        ok = False
+    if not ok:
+        raise ValueError(f"{url!r} is not an http(s) URL like http://127.0.0.1:8000/v1")
+    return url
 
 
 class StoreConfig(_Strict):
@@ -38,6 +55,9 @@ class GeneratorConfig(_Strict):
         "float32", description="Weights dtype; float32 keeps logprobs comparable across backends."
     )
     base_url: str | None = Field(None, description="openai backend: the OpenAI-compatible server's URL.")
+    endpoints: list[str] = Field(
+        default_factory=list, description="openai backend: several servers' URLs to spread prompts over (scale-out)."
+    )
     api_key_env: str = Field("OPENAI_API_KEY", description="openai backend: env var holding the API key.")
     served_model: str | None = Field(None, description="openai backend: the model name the server knows.")
     max_new_tokens: int = Field(512, gt=0, description="Completion length cap per sample.")
@@ -48,11 +68,17 @@ class GeneratorConfig(_Strict):
         None, description="LoRA adapter folder of the starting policy: round 0 samples with it and trains from it "
         "(π_old); later rounds use the previous round's checkpoint. Default: the base model.",
     )
-    batch_size: int = Field(8, gt=0, description="Prompts per generation call (transformers/openai).")
+    batch_size: int = Field(
+        8, gt=0, description="Prompts per generation call (transformers/openai); openai: also the most requests in "
+        "flight on each endpoint.",
+    )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: GPU memory fraction.")
     max_model_len: int = Field(4096, gt=0, description="vllm: context length.")
     enforce_eager: bool = Field(True, description="vllm: skip graph capture (fast start).")
-    tensor_parallel_size: int = Field(1, gt=0, description="vllm: tensor parallel degree.")
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="vllm: tensor parallel degree (GPUs per engine); openai endpoints: each server's own "
+        "--tensor-parallel-size.",
+    )
     max_lora_rank: int = Field(64, gt=0, description="vllm: largest LoRA rank it can load.")
     merge_adapter: Literal["auto", "always", "never"] = Field(
         "auto", description="vllm: sample a round's adapter merged into a copy of the base weights instead of "
@@ -61,6 +87,27 @@ class GeneratorConfig(_Strict):
     prices: PriceConfig = Field(
         default_factory=lambda: PriceConfig(), description="Generator price table: each sample's cost_usd."
     )
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return None if v is None else _check_url(v)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        if len({u.rstrip("/") for u in v}) < len(v):
+            raise ValueError(f"an endpoint is listed twice: {v}")
+        return [_check_url(u) for u in v]
+
+    @model_validator(mode="after")
+    def _one_server_setting(self) -> GeneratorConfig:
+        if self.backend == "openai" and bool(self.base_url) == bool(self.endpoints):
+            raise ValueError(
+                "backend openai needs either generator.base_url (one server) or generator.endpoints (a list), "
+                f"not {'both' if self.base_url else 'neither'}"
+                + (" (over a saved base_url: --set generator.base_url=null)" if self.base_url else ""))
+        return self
 
 
 class PriceConfig(_Strict):

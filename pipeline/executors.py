@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.config import ExecutorConfig, PriceConfig
+from pipeline.config import ExecutorConfig, PriceConfig, server_urls
 
 MAX_RETRY_AFTER_S = 120.0
 
@@ -77,6 +77,16 @@ def parse_retry_after(headers: Any) -> float | None:
             return None
 
 
+def retryable(e: BaseException) -> bool:
+    """An openai-client error worth another try, here or on another endpoint: 429 / 408 / 409 / 5xx, connection
+    errors, timeouts and malformed bodies; not other client errors (the request itself is wrong)."""
+    import openai
+
+    if isinstance(e, openai.APIStatusError):
+        return e.status_code in (408, 409, 429) or e.status_code >= 500
+    return isinstance(e, openai.APIConnectionError | openai.APIResponseValidationError | TimeoutError | ValueError)
+
+
 class Executor:
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
                        max_tokens: int | None = None) -> ExecutorReply:
@@ -93,23 +103,16 @@ class OpenAIExecutor(Executor):
     def __init__(self, cfg: ExecutorConfig, *, sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep):
         import openai
 
-        urls = list(cfg.endpoints) or ([cfg.base_url] if cfg.base_url else [])
+        urls = server_urls(cfg.base_url, cfg.endpoints)
         if not urls:
             raise ValueError("executor.kind=openai needs executor.base_url or executor.endpoints")
         key = os.environ.get(cfg.api_key_env) or "EMPTY"  # local servers accept any key
-        self.cfg, self._openai, self._sleep = cfg, openai, sleep
+        self.cfg, self._sleep = cfg, sleep
         # The client's own retries are off: tenacity's (complete) count every attempt and move to the next endpoint.
         self.clients = [openai.AsyncOpenAI(base_url=u, api_key=key, max_retries=0, timeout=cfg.timeout_s)
                         for u in urls]
         self._next = itertools.cycle(range(len(urls)))
         self._sem: asyncio.Semaphore | None = None
-
-    def retryable(self, e: BaseException) -> bool:
-        """429 / 408 / 409 / 5xx, connection errors, timeouts and malformed bodies; not other client errors."""
-        o = self._openai
-        if isinstance(e, o.APIStatusError):
-            return e.status_code in (408, 409, 429) or e.status_code >= 500
-        return isinstance(e, o.APIConnectionError | o.APIResponseValidationError | TimeoutError | ValueError)
 
     async def _once(self, messages: list[dict], temperature: float, n: int, asked: int,
                     max_tokens: int | None) -> ExecutorReply:
@@ -123,7 +126,7 @@ class OpenAIExecutor(Executor):
             if not getattr(resp, "choices", None):
                 raise ValueError(f"malformed response: no choices ({str(resp)[:200]})")
         except Exception as e:
-            if not self.retryable(e):
+            if not retryable(e):
                 raise ExecutorError(f"{client.base_url}: {type(e).__name__}: {e}") from e
             raise
         texts = [(c.message.content or "") for c in resp.choices] * (n // asked)

@@ -120,7 +120,7 @@ def test_server_loads_adapter_at_run_time(server, hf, adapter):
                 assert not s.retokenized
                 assert_same(s, h)
                 assert s.text == h.text
-    assert len(gen._loaded) == 1  # loaded once, reused
+    assert [len(ep.loaded) for ep in gen.endpoints] == [1]  # loaded once, reused
 
 
 def test_rollout_through_vllm_offline_and_server(tmp_path, monkeypatch, engine, server, adapter):
@@ -159,3 +159,97 @@ def test_seeded_batch_larger_than_one_prefill_step(vgen):
     assert [len(row) for row in first] == [8] * 8
     again = vgen.generate(prompts, s)  # seeds still decide the samples
     assert [[c.token_ids for c in row] for row in again] == [[c.token_ids for c in row] for row in first]
+
+
+# ---- two servers: generator.endpoints ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def second_server(tmp_path_factory):
+    """A second vLLM server beside the session's one (one more start, 1-2 min on CPU); yields (its /v1 URL,
+    its process)."""
+    from conftest import launch_vllm_server, stop_vllm_server, wait_vllm_server
+
+    log = tmp_path_factory.mktemp("vllm2") / "server.log"
+    proc, url = launch_vllm_server(log)
+    try:
+        wait_vllm_server(proc, url, log)
+        yield url + "/v1", proc
+    finally:
+        stop_vllm_server(proc)
+
+
+def served_requests(url: str) -> float:
+    """Requests the server finished, by its own Prometheus counter (every finish reason)."""
+    import httpx
+
+    from pipeline.generation.openai_server import server_root
+
+    text = httpx.get(server_root(url) + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def served_models(url: str) -> set[str]:
+    import httpx
+
+    return {m["id"] for m in httpx.get(url + "/models", timeout=10).json()["data"]}
+
+
+def test_two_servers_share_prompts_and_adapter(server, second_server, smol_tokenizer, adapter):
+    urls = [server, second_server[0]]
+    prompts = chat_prompts(smol_tokenizer, [f"What is {i} + {i + 3}?" for i in range(4)])
+    before = [served_requests(u) for u in urls]
+    s = Sampling(n=1, temperature=0.0, max_new_tokens=16)
+    with make_generator(GeneratorConfig(model=MODEL, backend="openai", endpoints=urls, batch_size=2)) as two:
+        rows = two.generate(prompts, s, adapter)
+        name = two._adapter_model(adapter)
+    assert all(after > b for after, b in zip([served_requests(u) for u in urls], before, strict=True))
+    assert all(name in served_models(u) for u in urls)  # loaded on both at run time
+    with make_generator(GeneratorConfig(model=MODEL, backend="openai", base_url=server, batch_size=2)) as one:
+        ref = one.generate(prompts, s, adapter)
+    for row, ref_row in zip(rows, ref, strict=True):
+        assert len(row) == 1
+        for c, r in zip(row, ref_row, strict=True):
+            assert len(c.token_ids) == len(c.token_logprobs) > 0 and not c.retokenized
+            assert c.prompt_token_ids == r.prompt_token_ids and c.text
+            assert_same(c, r)  # greedy: the same as one server, whichever served the prompt
+
+
+def test_rollout_over_two_servers_equals_one(tmp_path, monkeypatch, server, second_server, adapter):
+    """Round 1 (round 0's adapter), greedy: the two-endpoint rollout writes what the one-endpoint rollout writes."""
+    import shutil
+
+    monkeypatch.setattr(rollout, "load_benchmark", lambda cfg: TinyBench(cfg))
+    monkeypatch.setattr(rollout, "make_generator", make_generator)
+    frames = {}
+    for name, where in (("two", {"endpoints": [server, second_server[0]]}), ("one", {"base_url": server})):
+        ctx = make_ctx(tmp_path / name, round=1, benchmark={"max_queries": 2}, rollout={"mode": "flat", "m": 2},
+                       generator={"backend": "openai", "max_new_tokens": 16, "batch_size": 2, "temperature": 0.0,
+                                  **where})
+        shutil.copytree(adapter, ctx.store.checkpoint_dir("t", 0))
+        assert rollout.run_rollout(ctx)["sampled_now"] == 4
+        frames[name] = ctx.store.read("generations", "t", 1).sort("gen_id")
+    cols = ["gen_id", "prompt_token_ids", "token_ids", "text", "finish_reason"]
+    assert frames["two"].select(cols).to_dicts() == frames["one"].select(cols).to_dicts()
+    for a, b in zip(frames["two"]["token_logprobs"], frames["one"]["token_logprobs"], strict=True):
+        assert list(a) == pytest.approx(list(b), abs=TOL)
+
+
+def test_a_server_dying_mid_rollout_hands_its_prompts_over(server, second_server, smol_tokenizer, caplog):
+    """The second server stops after the generator started: its prompts go to the first, the log names it.
+    (Last in the module: the second server is gone afterwards.)"""
+    import logging
+
+    from conftest import stop_vllm_server
+
+    url2, proc = second_server
+    prompts = chat_prompts(smol_tokenizer, [f"Name {i} colours." for i in range(4)])
+    s = Sampling(n=1, temperature=1.0, max_new_tokens=8, seed=3)
+    with make_generator(GeneratorConfig(model=MODEL, backend="openai", endpoints=[url2, server])) as gen:
+        stop_vllm_server(proc)
+        with caplog.at_level(logging.WARNING, "pipeline.generation.openai_server"):
+            rows = gen.generate(prompts, s)
+        assert [ep.url for ep in gen.endpoints if ep.failed] == [url2]
+    assert [len(row) for row in rows] == [1] * 4 and all(row[0].token_ids for row in rows)
+    assert f"generator endpoint {url2} failed" in caplog.text

@@ -28,10 +28,12 @@ def make_generator(cfg: GeneratorConfig, *, enable_lora: bool = False, max_model
             seed=cfg.seed,
         )
     if cfg.backend == "openai":
+        from pipeline.config import server_urls
         from pipeline.generation.openai_server import OpenAIGenerator
 
-        return OpenAIGenerator(cfg.model, cfg.base_url, cfg.served_model, cfg.api_key_env,
-                               concurrency=cfg.batch_size)
+        # a call of batch_size prompts is in flight at once, spread over the servers
+        return OpenAIGenerator(cfg.model, server_urls(cfg.base_url, cfg.endpoints), cfg.served_model,
+                               cfg.api_key_env, concurrency=cfg.batch_size)
     raise GenerationError(f"unknown generation backend {cfg.backend!r}; use one of {', '.join(BACKENDS)}")
 
 
