@@ -318,3 +318,14 @@ def test_rounds_run_on_an_s3_store_with_the_endpoint_from_the_config(bucket, s3_
     run_rounds(cfg, None, None, direct_call(RetryPolicy(retries=0, delay_s=0)))
     assert len(fakes.calls) == n
     assert open_run(None, "s3run", 1, store_root=f"s3://{bucket}/runs").done("curate")
+    # evaluating a checkpoint: the eval run's generator.adapter is the s3:// checkpoint, materialised for rollout
+    from pipeline.evaluate import open_eval_run
+    from pipeline.report import build_report
+    from pipeline.rollout import resolve_adapter
+
+    ev = open_eval_run(f"s3://{bucket}/runs", "s3run", 1)
+    assert ev.cfg.generator.adapter == f"s3://{bucket}/runs/s3run/round=1/checkpoint" and st.read_config(ev.run_id)
+    path, _ = resolve_adapter(ev)
+    assert json.loads((Path(path) / "adapter_config.json").read_text())["tag"].startswith("round1-")
+    assert str(build_report(st, "s3run")) == f"s3://{bucket}/runs/s3run/report.html"
+    assert "<h1>Run s3run</h1>" in (st.run_dir("s3run") / "report.html").read_text()
