@@ -37,7 +37,7 @@ from pipeline.experiment import (
 from pipeline.learning import paired_differences
 from pipeline.objectives import OBJECTIVES, get_objective
 from pipeline.run import open_run
-from pipeline.store import Store
+from pipeline.store import Store, store_for
 
 log = logging.getLogger("pipeline.ablation")
 
@@ -120,13 +120,13 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 
 
 def write_results(store: Store, summary: dict, extra: dict) -> Path:
-    out = ablation_dir(store, summary["experiment"])
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".ablation.json.tmp"
-    tmp.write_text(json.dumps({**summary, **extra}, indent=1, default=str))
-    tmp.replace(out / "ablation.json")
-    (out / "ablation.md").write_text(table(summary) + "\n")
-    return out
+    dest = ablation_dir(store, summary["experiment"])
+    with store.output_dir(dest) as out:  # on object storage: written locally, then uploaded file by file
+        tmp = out / ".ablation.json.tmp"
+        tmp.write_text(json.dumps({**summary, **extra}, indent=1, default=str))
+        tmp.replace(out / "ablation.json")
+        (out / "ablation.md").write_text(table(summary) + "\n")
+    return dest
 
 
 def run_ablation(config: str | Path, call, objectives: list[str] | None = None, seeds: int | None = None,
@@ -149,7 +149,7 @@ def run_ablation(config: str | Path, call, objectives: list[str] | None = None, 
         raise ValueError(f"objectives repeat: {objectives}")
     if round < 0:
         raise ValueError(f"--round must be >= 0, got {round}")
-    store, split = Store(cfg.store.root), cfg.experiment.eval_split
+    store, split = store_for(cfg.store), cfg.experiment.eval_split
     t0, done, summary, walls = time.perf_counter(), [], {}, {}
     for sp in plan(cfg, list(range(seeds)) if seeds is not None else None):
         t_seed = time.perf_counter()

@@ -151,13 +151,15 @@ def sql(
 
     st = Store(store)
     if query is None:
-        st.refresh_catalog()
+        if not st.remote:  # catalog.duckdb is local-only; the shell below loads the views itself
+            st.refresh_catalog()
         return _sql_shell(st, limit)
     try:
         df = st.sql(query)
     except duckdb.Error as e:
         _fail(f"SQL error: {e}")
-    st.refresh_catalog()
+    if not st.remote:
+        st.refresh_catalog()
     if out is not None:
         writers = {".csv": df.write_csv, ".json": df.write_json, ".parquet": df.write_parquet}
         if out.suffix not in writers:
@@ -449,7 +451,7 @@ def smc(
     held-out queries; prints Mean@L / Best@L / Majority@L (L = N), tokens and workflow runs per query."""
     from pipeline.smc import executed_per_query, run_plain, run_smc
     from pipeline.stages.runner import StageError
-    from pipeline.store import Store
+    from pipeline.store import store_for
 
     try:
         summs = [run_smc(str(config), None, run_id, split, sets or [])]
@@ -458,7 +460,7 @@ def smc(
     except (ConfigError, StageError) as e:
         _fail(str(e))
     for summ in summs:
-        runs = executed_per_query(Store(load_config(config, sets or []).store.root), summ["eval_run_id"])
+        runs = executed_per_query(store_for(load_config(config, sets or []).store), summ["eval_run_id"])
         typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
                    f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, tokens/query generator "
                    f"{_num(summ['gen_tokens_per_query'], 0)} executor {_num(summ['exec_tokens_per_query'], 0)}, "

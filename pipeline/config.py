@@ -40,7 +40,10 @@ def _check_url(url: str) -> str:
 
 
 class StoreConfig(_Strict):
-    root: str = Field("data/runs", description="Directory holding runs' Parquet parts and catalog.duckdb.")
+    root: str = Field("data/runs", description="Where runs live: a directory (with catalog.duckdb) or "
+                      "s3://bucket/prefix (docs/scale-out-store.md).")
+    endpoint_url: str | None = Field(None, description="s3:// roots: an S3-compatible server's URL (default: "
+                                     "$AWS_ENDPOINT_URL, else AWS); credentials only from the environment.")
 
 
 class GeneratorConfig(_Strict):
@@ -476,7 +479,7 @@ def config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
 
 
 def read_yaml(path: str | Path) -> dict:
-    path = Path(path)
+    path = Path(path) if isinstance(path, str) else path  # a store's UPath (s3://) reads as it is
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:

@@ -30,7 +30,7 @@ import polars as pl
 from pipeline.config import RunConfig, load_config
 from pipeline.evaluate import eval_run_id, eval_summary, evaluate_round
 from pipeline.learning import METRICS, bootstrap_ci, paired_differences
-from pipeline.store import Store
+from pipeline.store import Store, store_for
 
 BASE = -1  # the round index of the base model in evaluations
 METRIC_NAMES = {"mean_at_l": "Mean@L", "best_at_l": "Best@L", "majority_at_l": "Majority@L", "select_at_l": "Sel@L"}
@@ -142,16 +142,16 @@ def write_results(store: Store, summary: dict, extra: dict | None = None) -> Pat
     """experiment.json, per_query.csv and report.html under <store>/experiments/<run_id>/; returns the folder."""
     from pipeline.report import build_experiment_report
 
-    out = experiment_dir(store, summary["experiment"])
-    out.mkdir(parents=True, exist_ok=True)
+    dest = experiment_dir(store, summary["experiment"])
     body = {**summary, **(extra or {})}
-    tmp = out / ".experiment.json.tmp"
-    tmp.write_text(json.dumps(body, indent=1, default=str))
-    tmp.replace(out / "experiment.json")
-    if summary["per_query"]:
-        pl.DataFrame(summary["per_query"]).write_csv(out / "per_query.csv")
-    build_experiment_report(body, out / "report.html")
-    return out
+    with store.output_dir(dest) as out:  # on object storage: written locally, then uploaded file by file
+        tmp = out / ".experiment.json.tmp"
+        tmp.write_text(json.dumps(body, indent=1, default=str))
+        tmp.replace(out / "experiment.json")
+        if summary["per_query"]:
+            pl.DataFrame(summary["per_query"]).write_csv(out / "per_query.csv")
+        build_experiment_report(body, out / "report.html")
+    return dest
 
 
 def headline(summary: dict) -> list[str]:
@@ -179,7 +179,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     cfg = load_config(path, sets)
     if run_id:
         cfg = cfg.model_copy(update={"run_id": run_id})
-    store = Store(cfg.store.root)
+    store = store_for(cfg.store)
     t0 = time.perf_counter()
     walls: dict[int, float] = {}
     done: list[int] = []

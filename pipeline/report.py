@@ -177,7 +177,10 @@ def build_report(store: Store, run_id: str, out: Path | None = None) -> Path:
         f"</head><body><h1>Run {html.escape(run_id)}</h1><p>store: {html.escape(str(store.root))}</p>"
         f"<h2>Summary per round</h2>{_table(summary)}{''.join(parts)}</body></html>"
     )
-    out = out or store.run_dir(run_id) / "report.html"
+    if out is None:
+        out = store.run_dir(run_id) / "report.html"
+        store.put_text(out, page)
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)
     return out

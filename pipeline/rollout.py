@@ -70,14 +70,15 @@ def resolve_adapter(ctx: RunContext) -> tuple[str | None, int | None]:
     if ctx.round > 0:
         path, rnd = ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1), ctx.round - 1
     elif ctx.cfg.generator.adapter:
-        path, rnd = Path(ctx.cfg.generator.adapter).expanduser(), None
+        path, rnd = ctx.cfg.generator.adapter, None
     else:
         return None, None
-    if not (path / "adapter_config.json").is_file():
+    local = ctx.store.local_adapter(path)  # an s3:// checkpoint: downloaded into the local cache when complete
+    if local is None or not (local / "adapter_config.json").is_file():
         hint = ("set generator.adapter to an existing peft adapter folder" if rnd is None
                 else f"train round {rnd} first (`pipeline train CONFIG --run-id {ctx.run_id} --round {rnd}`)")
         raise RolloutError(f"adapter folder {path} is missing (no adapter_config.json): {hint}")
-    return str(path.resolve()), rnd
+    return str(local.resolve()), rnd
 
 
 def exemplar_source(ctx: RunContext) -> tuple[str, int]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from pipeline.config import (
     ConfigError,
@@ -15,9 +16,8 @@ from pipeline.config import (
     config_from_dict,
     diff_configs,
     load_config,
-    read_yaml,
 )
-from pipeline.store import Store
+from pipeline.store import Store, use_endpoint
 
 
 def derived_seed(seed: int, *keys: object) -> int:
@@ -41,7 +41,8 @@ class RunContext:
 
     def finish(self, stage: str, **counts: Any) -> dict:
         body = self.store.write_manifest(self.run_id, self.round, stage, self.frozen_hash, **counts)
-        self.store.refresh_catalog()
+        if not self.store.remote:  # the CLI's catalog file is local-only (Store.refresh_catalog)
+            self.store.refresh_catalog()
         return body
 
     def at_round(self, round: int) -> RunContext:
@@ -69,11 +70,13 @@ def open_run(
     if not run_id:
         raise ConfigError("give a CONFIG file or --run-id of an existing run")
     # the store root may itself come from a --set (a new run can be put anywhere)
-    root = store_root or (load_config(config, sets).store.root if given else RunConfig().store.root)
-    store = Store(root)
+    named = load_config(config, sets).store if given else RunConfig().store
+    use_endpoint(named.endpoint_url)
+    store = Store(store_root or named.root)
     saved_path = store.run_dir(run_id) / "config.yaml"
-    if saved_path.is_file():
-        frozen = config_from_dict(read_yaml(saved_path), str(saved_path))
+    saved_text = store.read_config(run_id)
+    if saved_text is not None:
+        frozen = config_from_dict(yaml.safe_load(saved_text) or {}, str(saved_path))
         if given is not None:
             # the CONFIG matches if it alone, or with this invocation's --set, gives the saved config
             candidates = [given, load_config(config, sets)] if sets else [given]
@@ -89,10 +92,7 @@ def open_run(
         frozen = load_config(config, sets)
         frozen = frozen.model_copy(update={"run_id": run_id})
         frozen = config_from_dict(frozen.model_dump(), str(config))
-        saved_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = saved_path.with_suffix(".yaml.tmp")
-        tmp.write_text(frozen.to_yaml())
-        os.replace(tmp, saved_path)
+        store.put_text(saved_path, frozen.to_yaml())  # whole or absent (temp + rename, or one PUT)
         sets = []  # already frozen into the saved config
     cfg = frozen
     if sets:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from pipeline.grpo import grpo_mkl_loss, grpo_mkl_terms, level_weights
 from pipeline.run import derived_seed
-from pipeline.store import ADAPTER_FILES, adapter_complete
+from pipeline.store import adapter_complete
 
 __all__ = ["grpo_mkl_loss", "grpo_mkl_terms", "run_train", "TrainSequence", "Batch", "collate", "completion_logprobs"]
 
@@ -171,8 +170,14 @@ def start_adapter(ctx) -> Path | None:
     """The adapter the round's policy starts from, which sampled the round (π_old): generator.adapter at round 0
     when set, else round k-1's checkpoint; None: a fresh LoRA on the base model (round 0)."""
     if ctx.round > 0:  # the policy that sampled the data: of training.data_run when training on its round
-        return ctx.store.checkpoint_dir(ctx.cfg.training.data_run or ctx.run_id, ctx.round - 1)
-    return Path(ctx.cfg.generator.adapter).expanduser() if ctx.cfg.generator.adapter else None
+        ckpt = ctx.store.checkpoint_dir(ctx.cfg.training.data_run or ctx.run_id, ctx.round - 1)
+    elif ctx.cfg.generator.adapter:
+        ckpt = ctx.cfg.generator.adapter
+    else:
+        return None
+    # a local folder for peft (an s3:// checkpoint is materialised in the cache); an incomplete one as named,
+    # for load_policy's error
+    return ctx.store.local_adapter(ckpt) or ckpt
 
 
 def load_policy(ctx, device: str):
@@ -294,18 +299,6 @@ def kl_masks(chunk: list[TrainSequence], tc) -> bool | torch.Tensor:
 # ---- the stage -----------------------------------------------------------------------------------------
 
 
-def save_adapter_atomic(model, dest: Path, state_dict: dict | None = None) -> None:
-    """save_pretrained into a temp folder next to `dest`, then rename: `dest` is whole or absent. `state_dict`:
-    the full one when the model's own is sharded (FSDP)."""
-    from pipeline.models import atomic_dir
-
-    with atomic_dir(dest, suffix=".tmp") as tmp:
-        model.save_pretrained(str(tmp), state_dict=state_dict)
-        for f in ADAPTER_FILES:
-            with open(tmp / f, "rb") as fh:
-                os.fsync(fh.fileno())
-
-
 def _lr_scheduler(optimizer, tc, total_steps: int):
     from transformers import get_scheduler
 
@@ -420,7 +413,9 @@ def run_train(ctx) -> dict:
         peft_model = accel.unwrap_model(policy).model
         if adapter is not None:  # FSDP: the gathered full state dict, the adapter's keys without the wrapper's
             adapter = {k.removeprefix("model."): v for k, v in adapter.items()}
-        save_adapter_atomic(peft_model, ckpt, adapter)
+        # whole or absent, on a local path or object storage
+        ctx.store.publish_checkpoint(lambda d: peft_model.save_pretrained(str(d), state_dict=adapter), ctx.run_id,
+                                     ctx.round)
         ctx.store.write("train_metrics", metrics, ctx.run_id, ctx.round)
         ctx.store.write("checkpoints", [{"path": str(ckpt), "base_model": ctx.cfg.generator.model,
                                          "parent_round": ctx.round - 1 if ctx.round > 0 else None,

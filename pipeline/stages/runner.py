@@ -33,6 +33,7 @@ from typing import Any
 
 from pipeline.run import RunContext, open_run
 from pipeline.stages import Stage, get_stage
+from pipeline.store import Store
 
 log = logging.getLogger("pipeline.stages")
 REPO = Path(__file__).resolve().parents[2]
@@ -203,12 +204,10 @@ def round_s(x: float) -> float:
 
 def record_timing(store_root: str | Path, run_id: str, result: dict[str, Any]) -> None:
     """Append a stage's wall time to <store>/<run_id>/timings.jsonl (append-only: a crash loses nothing)."""
-    path = Path(store_root) / run_id / "timings.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    store = Store(store_root)
     line = {k: result[k] for k in ("round", "stage", "skipped", "wall_s")}
     line["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
+    store.append_line(store.run_dir(run_id) / "timings.jsonl", json.dumps(line))
 
 
 def child_main(argv: list[str] | None = None) -> int:
