@@ -183,3 +183,30 @@ def test_finish_refuses_until_every_shard_is_complete_and_shards_are_checked(tmp
         run_stage("curate", "t", 0, root, shard=(0, 2))
     with pytest.raises(ValueError, match="bad shard"):
         Shard.parse("1-of-2")
+
+
+@pytest.mark.usefixtures("shared_sandbox")  # `pipeline score` scores in this process
+def test_cli_scores_shards_one_after_another_and_an_empty_shard_completes(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from pipeline.report import stage_timings
+
+    _, root = make_run(tmp_path, [SOLVER, "def solve(p): return 1"], n_queries=2)
+    owners = sorted(i for q in _queries_of(root)[0] | _queries_of(root)[1] for i in range(3) if Shard(i, 3).owns(q))
+    assert owners == [0, 2], "the test data must leave shard 1 of 3 empty"
+    res = CliRunner().invoke(app, ["score", "--run-id", "t", "--store", root, "--shards", "3"])
+    assert res.exit_code == 0, res.output
+    st = Store(root)
+    assert [st.manifest("t", 0, Shard(i, 3).manifest("score"))["counts"]["runs"] for i in range(3)] == [2, 0, 2]
+    assert st.manifest("t", 0, "score")["counts"] == {"runs": 4, "workflows": 4, "by_status": {"ok": 2, "invalid": 2}}
+    lines = [json.loads(x) for x in (st.run_dir("t") / "timings.jsonl").read_text().splitlines()]
+    assert [x.get("shard") for x in lines] == ["0/3", "1/3", "2/3", None]
+    assert stage_timings(st, "t")["wall_s"].to_list() == [lines[-1]["wall_s"]], "the report shows the stage's total"
+    res = CliRunner().invoke(app, ["score", "--run-id", "t", "--store", root, "--shards", "3"])
+    assert res.exit_code == 0 and "'skipped': True" in res.output
+    assert len((st.run_dir("t") / "timings.jsonl").read_text().splitlines()) == 5, "a finished stage is one skip"
+    res = CliRunner().invoke(app, ["score", "--run-id", "t", "--store", root, "--shards", "0"])
+    assert res.exit_code == 2
