@@ -210,3 +210,33 @@ def test_cli_scores_shards_one_after_another_and_an_empty_shard_completes(tmp_pa
     assert len((st.run_dir("t") / "timings.jsonl").read_text().splitlines()) == 5, "a finished stage is one skip"
     res = CliRunner().invoke(app, ["score", "--run-id", "t", "--store", root, "--shards", "0"])
     assert res.exit_code == 2
+
+
+def test_pipeline_run_path_scores_shards_in_threads_then_merges(tmp_path, monkeypatch):
+    """`pipeline run --shards N`: direct_call makes the N shard calls at once (threads), then one merge."""
+    import dataclasses
+
+    from test_flows import FakeStages, _config, install_stages
+
+    from pipeline.stages.rounds import direct_call, run_rounds
+    from pipeline.stages.runner import RetryPolicy
+
+    fake, calls, barrier = FakeStages(), [], threading.Barrier(2, timeout=30)
+    make = fake.make
+
+    def shard_score(ctx, only_failed=False, shard=None):
+        barrier.wait()  # both shards are in flight at once, or this times out
+        calls.append((str(shard), threading.current_thread().name))
+        ctx.finish(shard.manifest("score"), runs=1)
+        return {"runs": 1}
+
+    def merge(ctx, only_failed=False):
+        calls.append(("merge", threading.current_thread().name))
+        return make("score")(ctx)
+
+    install_stages(monkeypatch, make)
+    monkeypatch.setitem(STAGES, "score", dataclasses.replace(STAGES["score"], fn=shard_score, merge=merge))
+    out = run_rounds(_config(tmp_path, rounds=1), None, "d", direct_call(RetryPolicy(0, 0)), shards=2)
+    assert sorted(c[0] for c in calls[:2]) == ["0/2", "1/2"] and calls[2] == ("merge", "MainThread")
+    assert len({c[1] for c in calls[:2]}) == 2 and out["rounds"][0]["mean_score"] == 0.25
+    assert Store(tmp_path / "runs").manifest("d", 0, "score")["counts"] == {"rows": 1}
