@@ -27,13 +27,14 @@ def _iterate_run_name() -> str:
 @flow(name="iterate", flow_run_name=_iterate_run_name, log_prints=True)
 def iterate(config: str = SMOKE_CONFIG, rounds: int | None = None, run_id: str | None = None,
             evaluate_split: str | None = None, retries: int = 2, retry_delay_s: float = 20.0,
-            in_process: bool = False, sets: list[str] | None = None) -> dict:
+            in_process: bool = False, sets: list[str] | None = None, shards: int = 1) -> dict:
     """Run `rounds` rounds (default: the config's) of rollout -> score -> curate -> train.
 
     Re-running with the same run_id skips completed stages and resumes a half-done one.
     evaluate_split: also score each round's checkpoint on this split (e.g. "test") in a derived run.
     in_process: run every stage in the flow's process (debugging; models then stay in memory).
     sets: per-invocation overrides, e.g. ["executor.base_url=http://h:8000/v1"] (frozen on a new run).
+    shards: score each round as that many tasks split by query (on a Dask task runner: over its workers).
     """
     call = submitting_call(RetryPolicy(retries, retry_delay_s), in_process)
 
@@ -42,7 +43,7 @@ def iterate(config: str = SMOKE_CONFIG, rounds: int | None = None, run_id: str |
             evaluate(run_id, k, evaluate_split, store_root, retries=retries, retry_delay_s=retry_delay_s,
                      in_process=in_process)
 
-    summary = run_rounds(config, rounds, run_id, call, after_round, sets)
+    summary = run_rounds(config, rounds, run_id, call, after_round, sets, shards)
     for r in summary["rounds"]:
         print(f"run {summary['run_id']} round {r['round']}: mean score {_fmt(r['mean_score'])}, "
               f"best {_fmt(r['best_score'])}, stage wall s {r['wall_s']}")

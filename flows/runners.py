@@ -2,7 +2,7 @@
 
     thread[:N]        threads in the flow-run process (default; stages still fork their own child)
     dask[:ADDRESS]    a Dask cluster: tcp://host:8786, or a temporary local cluster without ADDRESS
-                      (needs `pip install prefect-dask`)
+                      (needs `pip install -e ".[dask]"`, which scripts/setup.sh does)
     ray[:ADDRESS]     a Ray cluster: ray://host:10001, or a local one (needs `pip install prefect-ray`)
 
 Workers on other machines need the repository installed and the same store root (a shared
@@ -26,7 +26,7 @@ def task_runner_from_spec(spec: str) -> TaskRunner:
         try:
             from prefect_dask import DaskTaskRunner
         except ImportError:
-            raise RunnerSpecError("task runner 'dask' needs prefect-dask: pip install prefect-dask") from None
+            raise RunnerSpecError("task runner 'dask' needs prefect-dask: pip install -e \".[dask]\"") from None
         return DaskTaskRunner(address=arg) if arg else DaskTaskRunner()
     if kind == "ray":
         try:

@@ -10,16 +10,17 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.tasks import submitting_call
+from pipeline.stages.rounds import call_stage
 from pipeline.stages.runner import RetryPolicy
 from pipeline.store import Store
 
 
 @flow(name="score", flow_run_name="score {run_id} round {round}", log_prints=True)
 def score(run_id: str, round: int = 0, only_failed: bool = True, store: str = "data/runs",
-          sets: list[str] | None = None, retries: int = 2, retry_delay_s: float = 20.0) -> dict:
-    """Score round `round` of `run_id`; `sets` are per-invocation overrides (e.g. a new executor endpoint)."""
-    res = submitting_call(RetryPolicy(retries, retry_delay_s))(
-        stage="score", run_id=run_id, round=round, store_root=str(Store(store).root), sets=sets,
-        only_failed=only_failed)
+          sets: list[str] | None = None, retries: int = 2, retry_delay_s: float = 20.0, shards: int = 1) -> dict:
+    """Score round `round` of `run_id`; `sets` are per-invocation overrides (e.g. a new executor endpoint);
+    `shards` > 1 splits it into that many tasks by query (on Dask: spread over the workers)."""
+    call = submitting_call(RetryPolicy(retries, retry_delay_s))
+    res = call_stage(call, "score", run_id, round, str(Store(store).root), sets, only_failed, shards)
     print(f"score {run_id} round {round}: {res['counts']}")
     return res

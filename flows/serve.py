@@ -6,6 +6,8 @@ config=PATH), iterate/smoke (the whole loop in minutes, configs/smoke.yaml), ite
 config=PATH), score/rescore (re-score failed rows of a round), evaluate/default (a round's checkpoint on the
 test split), ablate/objectives (docs/objectives.md: one round's data trained with every objective). Then:
 `prefect deployment run experiment/demo [--param run_id=R] [--watch]`.
+With `--task-runner dask:tcp://HOST:8786`, `--param shards=N` on iterate or score spreads each round's scoring
+over the Dask workers (docs/scale-out-scoring.md).
 """
 
 from __future__ import annotations

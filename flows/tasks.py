@@ -1,32 +1,48 @@
-"""The one Prefect task: a stage of a round, run by the library's stage runner (pipeline.stages.runner)."""
+"""The one Prefect task: a stage of a round (or one shard of it), run by the library's stage runner
+(pipeline.stages.runner)."""
 
 from __future__ import annotations
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import wait
+from prefect.runtime import task_run
 
-from pipeline.stages.rounds import StageCall
+from pipeline.stages.rounds import Caller
 from pipeline.stages.runner import RetryPolicy, record_timing, run_stage
 
 
+def _task_run_name() -> str:
+    p = task_run.parameters
+    shard = p.get("shard")
+    return f"round {p['round']} {p['stage']}" + (f" shard {shard[0]}/{shard[1]}" if shard else "")
+
+
 # NO_CACHE: a stage must always be asked (it skips itself by manifest); Prefect's input cache must not.
-@task(name="stage", task_run_name="round {round} {stage}", cache_policy=NO_CACHE, **RetryPolicy().prefect_options())
+@task(name="stage", task_run_name=_task_run_name, cache_policy=NO_CACHE, **RetryPolicy().prefect_options())
 def stage_task(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None,
-               only_failed: bool = False, isolate: bool | None = None) -> dict:
-    """One stage of one round; returns a small dict (counts, wall time), never frames."""
-    res = run_stage(stage, run_id, round, store_root, sets, only_failed, isolate)
+               only_failed: bool = False, isolate: bool | None = None, shard: tuple[int, int] | None = None) -> dict:
+    """One stage (or shard `(i, n)` of it) of one round; returns a small dict (counts, wall time, host and pid of
+    the process that ran it), never frames."""
+    res = run_stage(stage, run_id, round, store_root, sets, only_failed, isolate, shard)
     record_timing(store_root, run_id, res)
     verb = "skipped (manifest complete)" if res["skipped"] else f"done in {res['wall_s']:.1f}s"
-    get_run_logger().info("round %d %s %s: %s", round, stage, verb, res["counts"])
+    which = f"{stage} shard {res['shard']}" if "shard" in res else stage
+    get_run_logger().info("round %d %s %s on %s pid %d: %s", round, which, verb, res["host"], res["pid"],
+                          res["counts"])
     return res
 
 
-def submitting_call(policy: RetryPolicy, in_process: bool = False) -> StageCall:
+def submitting_call(policy: RetryPolicy, in_process: bool = False) -> Caller:
     """A stage caller for the library's loops that submits `stage_task` to the flow's task runner (thread, Dask,
-    Ray decide where it runs) with `policy`'s retries; in_process keeps every stage in the flow's process."""
+    Ray decide where it runs) with `policy`'s retries; in_process keeps every stage in the flow's process. Several
+    calls (shards) are submitted at once, so the task runner spreads them over its workers."""
     staged = stage_task.with_options(**policy.prefect_options())
+    isolate = False if in_process else None
 
-    def call(**kw) -> dict:
-        return staged.submit(**kw, isolate=False if in_process else None).result()
+    def many(kws: list[dict]) -> list[dict]:
+        futures = [staged.submit(**kw, isolate=isolate) for kw in kws]
+        wait(futures)  # every shard ends before a failure is raised: none is left writing
+        return [f.result() for f in futures]
 
-    return call
+    return Caller(lambda **kw: many([kw])[0], many)

@@ -25,6 +25,8 @@ RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="Run id (default:
 RoundOpt = Annotated[int, typer.Option("--round", help="Round index k (0 = base model).")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: --set rollout.m=4 (repeatable).")]
 StoreOpt = Annotated[str | None, typer.Option("--store", help="Store root (default: the config's store.root).")]
+ShardsOpt = Annotated[int, typer.Option("--shards", min=1, help="Score each round as N shards split by query "
+                                        "(docs/scale-out-scoring.md); the result is the same for any N.")]
 
 
 def _fail(msg: str) -> None:
@@ -94,17 +96,18 @@ def chat(
     typer.echo(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
 
 
-def _stage(stage: str, config, run_id, round, sets, store=None, only_failed: bool = False) -> None:
+def _stage(stage: str, config, run_id, round, sets, store=None, only_failed: bool = False, shards: int = 1) -> None:
     """One stage in this process through the stage runner: a finished stage is skipped, an unfinished attempt's
-    leftovers are discarded, and a failure is printed as `round K STAGE: reason`."""
-    from pipeline.stages.runner import StageError, record_timing, run_stage
+    leftovers are discarded, and a failure is printed as `round K STAGE: reason`. Shards run one after another."""
+    from pipeline.stages.rounds import call_stage, direct_call
+    from pipeline.stages.runner import RetryPolicy, StageError
 
     ctx = _ctx(config, run_id, round, sets, store)
-    try:
-        res = run_stage(stage, ctx.run_id, round, str(ctx.store.root), sets, only_failed=only_failed, isolate=False)
+    try:  # no retries here (a re-run resumes); direct_call records the timings
+        res = call_stage(direct_call(RetryPolicy(retries=0), isolate=False), stage, ctx.run_id, round,
+                         str(ctx.store.root), sets, only_failed, shards)
     except StageError as e:
         _fail(str(e))
-    record_timing(ctx.store.root, ctx.run_id, res)
     typer.echo({**res["counts"], "skipped": True} if res["skipped"] else res["counts"])
 
 
@@ -118,10 +121,10 @@ def rollout(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt =
 def score(
     config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
     only_failed: Annotated[bool, typer.Option("--only-failed", help="Re-run transient failures only.")] = False,
-    store: StoreOpt = None,
+    store: StoreOpt = None, shards: ShardsOpt = 1,
 ) -> None:
     """Run each workflow of a round in the sandbox and write `scores` (idempotent)."""
-    _stage("score", config, run_id, round, sets, store, only_failed)
+    _stage("score", config, run_id, round, sets, store, only_failed, shards)
 
 
 @app.command()
@@ -280,16 +283,17 @@ def run_cmd(
     run_id: RunIdOpt = None,
     rounds: Annotated[int | None, typer.Option("--rounds", help="Rounds (default: the config's).")] = None,
     retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
-    sets: SetOpt = None,
+    sets: SetOpt = None, shards: ShardsOpt = 1,
 ) -> None:
-    """All rounds without a Prefect server (same skip/resume/retry rules as the iterate flow)."""
+    """All rounds without a Prefect server (same skip/resume/retry rules as the iterate flow); --shards N scores
+    each round as N child processes at once."""
     from pipeline.report import build_report
     from pipeline.stages.rounds import direct_call, run_rounds
     from pipeline.stages.runner import RetryPolicy, StageError
     from pipeline.store import Store
 
     try:
-        summary = run_rounds(config, rounds, run_id, direct_call(RetryPolicy(retries)), sets=sets or [])
+        summary = run_rounds(config, rounds, run_id, direct_call(RetryPolicy(retries)), sets=sets or [], shards=shards)
     except (ConfigError, StageError) as e:
         _fail(str(e))
     for r in summary["rounds"]:

@@ -77,7 +77,7 @@ def stage_timings(store: Store, run_id: str) -> pl.DataFrame:
     """Wall seconds per (round, stage): the last run of each stage that did work (skips are 0 s)."""
     path = store.run_dir(run_id) / "timings.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    rows = [r for r in rows if not r.get("skipped")]
+    rows = [r for r in rows if not r.get("skipped") and "shard" not in r]  # a sharded stage's own line is its total
     if not rows:
         return pl.DataFrame(schema={"round": pl.Int64, "stage": pl.String, "wall_s": pl.Float64})
     return (pl.DataFrame(rows).group_by("round", "stage", maintain_order=True).agg(pl.col("wall_s").last())

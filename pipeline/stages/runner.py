@@ -6,6 +6,8 @@
   stages that start over; rollout and scoring resume their own rows instead;
 - child process: model-loading stages run in `python -m pipeline.stages ...`, so model memory is freed between
   stages, and the child dies with its parent (no orphan keeps writing to the store after the run is killed);
+- shards: a shardable stage (score) can run as N calls, `shard=(i, n)`, each on its own queries, skipped and
+  resumed by its own manifest; `finish_shards` writes the stage manifest once all N are complete;
 - failures: `StageError.transient` says whether a retry can help (a lost endpoint or network, a killed child,
   a stage that returned with work left) or not (a bad config, a bug); `RetryPolicy` retries the former, the
   same way on the Prefect path (task retries) and the `pipeline run` path (tenacity).
@@ -22,6 +24,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.run import RunContext, open_run
-from pipeline.stages import Stage, get_stage
+from pipeline.stages import Shard, Stage, get_stage
 from pipeline.store import Store
 
 log = logging.getLogger("pipeline.stages")
@@ -97,28 +100,49 @@ class RetryPolicy:
         return retrying(fn, *args, **kwargs)
 
 
-def _options(stage: Stage, only_failed: bool) -> dict[str, Any]:
+def as_shard(shard: Shard | tuple[int, int] | list[int] | str | None) -> Shard | None:
+    """A shard from `Shard`, `(i, n)` (lists too: task parameters may come back as lists) or `"i/n"`; one shard of
+    one is the whole stage (None)."""
+    if shard is None or isinstance(shard, Shard):
+        sh = shard
+    elif isinstance(shard, str):
+        sh = Shard.parse(shard)
+    else:
+        sh = Shard(*shard)
+    return None if sh is None or sh.count == 1 else sh
+
+
+def _options(stage: Stage, only_failed: bool, shard: Shard | None = None) -> dict[str, Any]:
     if only_failed and "only_failed" not in stage.options:
         raise ValueError(f"stage {stage.name!r} has no only_failed option")
-    return {"only_failed": True} if only_failed else {}
+    if shard is not None and not stage.shardable:
+        raise ValueError(f"stage {stage.name!r} cannot be sharded")
+    return {**({"only_failed": True} if only_failed else {}), **({"shard": shard} if shard is not None else {})}
 
 
-def execute(ctx: RunContext, stage: Stage, **options: Any) -> dict:
-    """Run the stage function here: discard an unfinished attempt's leftovers, call it, classify its failure.
-    A stage that returns without its manifest has work left (transient: a re-run resumes it)."""
+def execute(ctx: RunContext, stage: Stage, merge: bool = False, **options: Any) -> dict:
+    """Run the stage function (`merge`: the stage's merge of its shards) here: discard an unfinished attempt's
+    leftovers, call it, classify its failure. A stage that returns without its manifest (the shard's, for a shard)
+    has work left (transient: a re-run resumes it)."""
+    shard = options.get("shard")
     try:
         if stage.discard or stage.checkpoint:
             ctx.store.discard_unfinished(ctx.run_id, ctx.round, stage.discard, stage.checkpoint)
-        counts = stage.function()(ctx, **options)
+        counts = (stage.merge_function() if merge else stage.function())(ctx, **options)
     except StageError:
         raise
     except Exception as e:
-        raise StageError(stage.name, ctx.round, f"{type(e).__name__}: {e}", is_transient(e)) from e
-    if not stage.done(ctx):
+        raise StageError(_name(stage.name, shard), ctx.round, f"{type(e).__name__}: {e}", is_transient(e)) from e
+    if not stage.done(ctx, shard):
         hint = f" ({stage.left_hint})" if stage.left_hint else ""
-        raise StageError(stage.name, ctx.round,
+        raise StageError(_name(stage.name, shard), ctx.round,
                          f"work left, no manifest written: {counts}; re-running resumes it{hint}", transient=True)
     return dict(counts or {})
+
+
+def _name(stage: str, shard: Shard | None) -> str:
+    """How errors and logs name a stage call: `score`, `score shard 1/4`."""
+    return stage if shard is None else f"{stage} shard {shard}"
 
 
 def _die_with_parent() -> None:
@@ -143,59 +167,99 @@ def _result_files(result: Path) -> list[Path]:
     return [result] + sorted(result.parent.glob(result.name + ".rank*"))
 
 
-def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[str], only_failed: bool) -> dict:
+def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[str], only_failed: bool,
+               shard: Shard | None = None) -> dict:
+    name = _name(stage, shard)
     with tempfile.TemporaryDirectory(prefix="stage-") as tmp:
         result = Path(tmp) / "result.json"
         cmd = launcher(stage) + ["-m", "pipeline.stages", stage, "--run-id", run_id, "--round", str(round),
                                  "--store", store_root, "--result", str(result)]
         cmd += ["--only-failed"] if only_failed else []
+        cmd += ["--shard", str(shard)] if shard is not None else []
         for s in sets:
             cmd += ["--set", s]
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         proc = subprocess.run(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         bodies = [json.loads(f.read_text()) for f in _result_files(result) if f.is_file()]
-        if bodies and "counts" in bodies[0] and proc.returncode == 0:
+        if bodies and "counts" in bodies[0]:  # rank 0 finished (after every rank met at the end)
             return bodies[0]["counts"]
         if errors := [b for b in bodies if "error" in b]:
             # a rank whose peer died fails in a collective (transient); prefer a rank's own permanent error
             first = next((b for b in errors if not b["transient"]), errors[0])
-            raise StageError(stage, round, first["error"], first["transient"])
+            raise StageError(name, round, first["error"], first["transient"])
         if proc.returncode < 0:  # killed (OOM killer, operator): the stage resumes on retry
-            raise StageError(stage, round, f"child killed by signal {-proc.returncode}", transient=True)
+            raise StageError(name, round, f"child killed by signal {-proc.returncode}", transient=True)
         if _custom_launcher(stage):
             # a launcher (accelerate/torchrun) exits 1 when one of its processes was killed: every Python error
             # is written to a result file, so none means a process died (signal, OOM killer) and a retry can help
-            raise StageError(stage, round, f"launched stage exited with status {proc.returncode} and no result (a "
+            raise StageError(name, round, f"launched stage exited with status {proc.returncode} and no result (a "
                              "process was killed?)", transient=True)
-        raise StageError(stage, round, f"child exited with status {proc.returncode} and no result", transient=False)
+        raise StageError(name, round, f"child exited with status {proc.returncode} and no result", transient=False)
 
 
 def run_stage(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None,
-              only_failed: bool = False, isolate: bool | None = None) -> dict:
-    """Run (or skip) one stage of a round; returns {stage, round, skipped, wall_s, counts}.
+              only_failed: bool = False, isolate: bool | None = None,
+              shard: Shard | tuple[int, int] | None = None) -> dict:
+    """Run (or skip) one stage of a round; returns {stage, round, skipped, wall_s, counts} (+ shard, host, pid).
 
     The run must exist (its frozen config in the store); `sets` are this invocation's overrides. `only_failed`
     (score) re-runs transiently failed rows even when the manifest exists; `isolate` defaults to the stage's own
-    process for model-loading stages. Failures raise `StageError`.
+    process for model-loading stages. `shard=(i, n)` (shardable stages) does shard i's part only, skipped by its own
+    manifest; `finish_shards` completes the stage. Failures raise `StageError`.
     """
     st = get_stage(stage)
     sets = list(sets or [])
-    options = _options(st, only_failed)
+    sh = as_shard(shard)
+    options = _options(st, only_failed, sh)
     t0 = time.perf_counter()
-    try:
-        ctx = open_run(None, run_id, round, sets, store_root)
-    except Exception as e:  # a run that cannot be opened (missing, bad config) will not open on a retry either
-        raise StageError(stage, round, f"{type(e).__name__}: {e}", transient=False) from e
-    if st.done(ctx) and not only_failed:
-        return {"stage": stage, "round": round, "skipped": True, "wall_s": 0.0,
-                "counts": ctx.store.manifest(run_id, round, stage)["counts"]}
+    ctx = _open(stage, run_id, round, sets, store_root)
+    if not only_failed and (st.done(ctx) or (sh is not None and st.done(ctx, sh))):
+        which = stage if st.done(ctx) else sh.manifest(stage)
+        return _result(stage, round, sh, True, 0.0, ctx.store.manifest(run_id, round, which)["counts"])
     if st.isolated if isolate is None else isolate:
-        counts = _run_child(stage, run_id, round, str(ctx.store.root), sets, only_failed)
+        counts = _run_child(stage, run_id, round, str(ctx.store.root), sets, only_failed, sh)
     else:
         counts = execute(ctx, st, **options)
-    return {"stage": stage, "round": round, "skipped": False, "wall_s": round_s(time.perf_counter() - t0),
-            "counts": counts}
+    return _result(stage, round, sh, False, time.perf_counter() - t0, counts)
+
+
+def finish_shards(stage: str, run_id: str, round: int, store_root: str, shards: int, sets: list[str] | None = None,
+                  only_failed: bool = False) -> dict:
+    """Write a sharded stage's manifest once all `shards` shards have theirs (the stage's merge function, here: it
+    only reads the store); a missing shard is work left (transient: re-running resumes it). Returns run_stage's
+    result shape."""
+    st = get_stage(stage)
+    t0 = time.perf_counter()
+    ctx = _open(stage, run_id, round, list(sets or []), store_root)
+    if st.done(ctx) and not only_failed:
+        return _result(stage, round, None, True, 0.0, ctx.store.manifest(run_id, round, stage)["counts"])
+    missing = [str(sh) for i in range(shards) if not st.done(ctx, sh := Shard(i, shards))]
+    if missing:
+        raise StageError(stage, round, f"work left, no manifest written: shard(s) {', '.join(missing)} not complete; "
+                                       "re-running resumes them", transient=True)
+    counts = execute(ctx, st, merge=True, **_options(st, only_failed))
+    return _result(stage, round, None, False, time.perf_counter() - t0, counts)
+
+
+def stage_done(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None) -> bool:
+    """Whether the stage's manifest is complete (a skip), read here without running anything."""
+    return get_stage(stage).done(_open(stage, run_id, round, list(sets or []), store_root))
+
+
+def _open(stage: str, run_id: str, round: int, sets: list[str], store_root: str) -> RunContext:
+    try:
+        return open_run(None, run_id, round, sets, store_root)
+    except Exception as e:  # a run that cannot be opened (missing, bad config) will not open on a retry either
+        raise StageError(stage, round, f"{type(e).__name__}: {e}", transient=False) from e
+
+
+def _result(stage: str, round: int, shard: Shard | None, skipped: bool, wall_s: float, counts: dict) -> dict:
+    """A stage call's result; `host` and `pid` say which machine and process ran it (a Dask worker, for shards)."""
+    res = {"stage": stage, "round": round, "skipped": skipped, "wall_s": round_s(wall_s), "counts": counts}
+    if shard is not None:
+        res["shard"] = str(shard)
+    return {**res, "host": socket.gethostname(), "pid": os.getpid()}
 
 
 def round_s(x: float) -> float:
@@ -206,6 +270,8 @@ def record_timing(store_root: str | Path, run_id: str, result: dict[str, Any]) -
     """Append a stage's wall time to <store>/<run_id>/timings.jsonl (append-only: a crash loses nothing)."""
     store = Store(store_root)
     line = {k: result[k] for k in ("round", "stage", "skipped", "wall_s")}
+    if "shard" in result:  # the stage's own line (finish_shards, with the whole fan-out's wall time) is the total
+        line["shard"] = result["shard"]
     line["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     store.append_line(store.run_dir(run_id) / "timings.jsonl", json.dumps(line))
 
@@ -219,6 +285,7 @@ def child_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", required=True)
     ap.add_argument("--result", required=True, help="Where to write the JSON result.")
     ap.add_argument("--only-failed", action="store_true")
+    ap.add_argument("--shard", help="INDEX/COUNT: this shard of the stage's queries only (shardable stages).")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     a = ap.parse_args(argv)
     rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # as a launcher sets them
@@ -230,7 +297,7 @@ def child_main(argv: list[str] | None = None) -> int:
         ctx = open_run(None, a.run_id, a.round, a.sets, a.store)
         if rank > 0:  # one writer: rank 0 discards what an unfinished attempt left; the others train
             st = dataclasses.replace(st, discard=(), checkpoint=False)
-        body: dict[str, Any] = {"counts": execute(ctx, st, **_options(st, a.only_failed))}
+        body: dict[str, Any] = {"counts": execute(ctx, st, **_options(st, a.only_failed, as_shard(a.shard)))}
     except StageError as e:
         body = {"error": e.reason, "transient": e.transient}
     except Exception as e:  # config errors and the like: permanent, reported to the parent
