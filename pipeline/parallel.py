@@ -6,9 +6,12 @@ then runs MULTI_CPU over gloo), every rank builds the same data and the same ste
 optimiser step's micro-batches are dealt round-robin to the ranks (`rank_share`). Each rank back-propagates its
 share's loss with the single-process weights, times N because DDP averages the all-reduced gradients: the summed
 gradient is the one-process gradient up to float summation order. π_old / reference log-probs are computed on each
-rank's share of the batches and gathered (`gather_logprobs`). Rank 0 alone writes the checkpoint, `train_metrics`
-and the manifest. FSDP is Accelerate's own switch (`accelerate launch --use_fsdp ...` or an Accelerate config file
-with `distributed_type: FSDP`): the model goes through `Accelerator.prepare` either way.
+rank's share of the batches, after DDP has broadcast rank 0's weights, and gathered (`gather_logprobs`). Rank 0
+alone writes the checkpoint, `train_metrics` and the manifest.
+
+FSDP is refused for now (`make_accelerator`): Accelerate runs CPU processes as DDP whatever the launch flags say, so
+no FSDP run could be tested here, and with `--use_fsdp` transformers loads the weights on rank 0 only (the others
+start from random ones): measured, π_old then differs from π_θ at step 1 (|ρ - 1| = 0.19) and the adapter is wrong.
 """
 
 from __future__ import annotations
@@ -19,15 +22,22 @@ import torch
 def make_accelerator():
     """The Accelerator of a training stage. Mixed precision stays the trainer's own bf16 autocast
     (training.bf16), so one process and N compute the same thing; the device is Accelerate's (cuda:<local rank>)."""
+    import os
+
     from accelerate import Accelerator
 
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") or \
+            os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        raise RuntimeError("training runs data-parallel (DDP) only: FSDP/DeepSpeed launches are not supported yet "
+                           "(untested; see docs/scale-out.md); launch with `accelerate launch --multi_gpu "
+                           "--num_processes N` instead")
     return Accelerator(cpu=not torch.cuda.is_available())
 
 
 class LogprobModule(torch.nn.Module):
-    """`completion_logprobs` as the module's forward, so DDP/FSDP see the call: DDP's gradient all-reduce and
-    FSDP's parameter gathering hook into the wrapped module's forward, which the trainer's decoder + head split
-    (never [B, T, V] logits) would otherwise bypass."""
+    """`completion_logprobs` as the module's forward, so DDP sees the call: its gradient all-reduce is prepared in
+    the wrapped module's forward, which the trainer's decoder + head split (never [B, T, V] logits) would
+    otherwise bypass."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()

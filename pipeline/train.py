@@ -343,6 +343,8 @@ def run_train(ctx) -> dict:
     rng = np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))
     steps = _plan_steps(len(seqs), tc, rng, 2 if obj.paired else 1) if seqs else []
     batches = logprob_batches(seqs, steps[0] if steps else [], tc.micro_batch_size)
+    # DDP broadcasts rank 0's weights here: π_old / reference below then come from the weights every rank trains
+    policy = accel.prepare(LogprobModule(model))  # DDP wraps the call the loss goes through
     lp_args = {"pad_id": pad_id, "device": device, "bf16": tc.bf16, "shard": (rank, n_ranks)}
     old = reference_logprobs(model, seqs, batches, **lp_args) if obj.needs_old else None
     ref = None
@@ -351,9 +353,8 @@ def run_train(ctx) -> dict:
             ref = reference_logprobs(model, seqs, batches, disable_adapter=True, desc="ref logprobs", **lp_args)
         else:  # the starting adapter = π_old (a fresh LoRA is a no-op: both are the base model)
             ref = old if old is not None else reference_logprobs(model, seqs, batches, desc="ref logprobs", **lp_args)
-    policy = accel.prepare(LogprobModule(model))  # DDP / FSDP wrap the call the loss goes through
     params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)  # after prepare: FSDP's sharded params
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(steps) / tc.epochs) if steps else 0
     sched = _lr_scheduler(optimizer, tc, len(steps))
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.bf16)
@@ -408,14 +409,10 @@ def run_train(ctx) -> dict:
                         "grad_norm": float(grad_norm), "logp_mismatch": mism / mism_n if mism_n else None,
                         "wall_s": time.perf_counter() - t0})
     policy.eval()
-    adapter = accel.get_state_dict(policy) if accel.distributed_type.name == "FSDP" else None  # collective
     if main:
         peft_model = accel.unwrap_model(policy).model
-        if adapter is not None:  # FSDP: the gathered full state dict, the adapter's keys without the wrapper's
-            adapter = {k.removeprefix("model."): v for k, v in adapter.items()}
         # whole or absent, on a local path or object storage
-        ctx.store.publish_checkpoint(lambda d: peft_model.save_pretrained(str(d), state_dict=adapter), ctx.run_id,
-                                     ctx.round)
+        ctx.store.publish_checkpoint(lambda d: peft_model.save_pretrained(str(d)), ctx.run_id, ctx.round)
         ctx.store.write("train_metrics", metrics, ctx.run_id, ctx.round)
         ctx.store.write("checkpoints", [{"path": str(ckpt), "base_model": ctx.cfg.generator.model,
                                          "parent_round": ctx.round - 1 if ctx.round > 0 else None,

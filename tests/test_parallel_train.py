@@ -19,7 +19,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow  # starts 2-process launches (~30 s each here)
 
 
 def _free_port() -> int:
@@ -92,6 +91,19 @@ def _assert_same_training(one, two) -> None:
         assert np.allclose(m1[col].to_numpy(), m2[col].to_numpy(), rtol=1e-4, atol=1e-6), col
 
 
+def test_fsdp_and_deepspeed_launches_are_refused(monkeypatch):
+    """Untested here (Accelerate runs CPU processes as DDP), and silently wrong with FSDP's rank-0-only loading:
+    refused with a message that says what to launch instead."""
+    from pipeline.parallel import make_accelerator
+
+    for var in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.setenv(var, "true")
+        with pytest.raises(RuntimeError, match="DDP.*only.*--multi_gpu --num_processes N"):
+            make_accelerator()
+        monkeypatch.delenv(var)
+
+
+@pytest.mark.slow  # 2-process launches: ~30 s each here
 def test_two_processes_train_the_one_process_adapter(curated_round, monkeypatch):
     ctx = curated_round
     one = _train(ctx, monkeypatch, 1)
@@ -124,6 +136,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow
 def test_kill_one_rank_fails_the_stage_and_the_retry_starts_over(tmp_path, tiny_model, monkeypatch):
     from pipeline.stages.runner import StageError, run_stage
 
