@@ -127,8 +127,8 @@ def _import_trl():
         raise TrlMissing(
             f"the TRL baseline needs `trl` (and `datasets`), which do not import here: {e}. Carry the wheels: on a "
             f"machine with PyPI, `pip download --no-deps -d .whl trl=={TRL_VERSION} datasets dill multiprocess` "
-            "(see docs/scale-out-bench.md for the full list, about 3 MB), then here `pip install --no-deps --target "
-            "/tmp/site .whl/*.whl` and `export PYTHONPATH=/tmp/site:$PYTHONPATH`") from e
+            "(docs/scale-out-bench.md has the full list and flags, about 5 MB), then here `pip install --no-deps "
+            "--target /tmp/site .whl/*.whl` and `export PYTHONPATH=/tmp/site:$PYTHONPATH`") from e
     return Dataset, GRPOConfig, GRPOTrainer
 
 
