@@ -270,11 +270,28 @@ def bench_curate() -> None:
 
 
 @bench_app.command("train")
-def bench_train() -> None:
-    """Training-step tokens/s against TRL's GRPO loss + backward on the same model and batch."""
-    from pipeline.perf.train import main
+def bench_train(
+    arch: Annotated[str | None, typer.Option(help="Built-in architecture with seeded random weights, from its config "
+                                             "(qwen2-1.5b, tiny); default: the embedded 135M model.")] = None,
+    batch: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 8,
+    completion_len: Annotated[int | None, typer.Option(min=1, help="Longest completion (default 512 on CUDA, "
+                                                       "128 on CPU); completions are ragged below it.")] = None,
+    prompt_len: Annotated[int, typer.Option(min=1, help="Prompt ids per sequence with --arch.")] = 256,
+    reps: Annotated[int, typer.Option(min=1, help="Timed steps per side (median), after one warm-up.")] = 3,
+    gradient_checkpointing: Annotated[bool, typer.Option(help="Checkpoint the decoder layers (both sides).")] = False,
+    weights_dtype: Annotated[str, typer.Option(help="float32 (the trainer's fp32 master weights) or bfloat16.")]
+    = "float32",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result dict here as JSON.")] = None,
+) -> None:
+    """Training-step tokens/s against TRL's GRPO loss + backward on the same model and batch (CUDA: bf16 autocast,
+    peak memory and MFU)."""
+    from pipeline.perf.train import TrlMissing, run
 
-    main()
+    try:
+        run(arch, batch, completion_len, reps, prompt_len, gradient_checkpointing, weights_dtype, json_out,
+            echo=typer.echo)
+    except (TrlMissing, ValueError) as e:
+        _fail(str(e))
 
 
 @app.command("run")
@@ -536,3 +553,7 @@ def evaluate(
                f"{summ['best_at_l']}{sel}, Majority@L {summ['majority_at_l']}, valid {summ['valid_share']}, "
                f"tokens/query generator {summ['gen_tokens_per_query']} executor {summ['exec_tokens_per_query']}, "
                f"status {summ['status']} (per query: pipeline sql over run {summ['eval_run_id']})")
+
+
+if __name__ == "__main__":  # `python -m pipeline.cli ...` where the package is not installed
+    app()

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import polars as pl
 import torch
 
+# polars / the store / the run config are imported where used: the step functions below (collate,
+# completion_logprobs) import with torch alone, as `pipeline bench train` needs on a bare GPU machine.
 from pipeline.grpo import grpo_mkl_loss, grpo_mkl_terms, level_weights
-from pipeline.run import derived_seed
-from pipeline.store import adapter_complete
 
 __all__ = ["grpo_mkl_loss", "grpo_mkl_terms", "run_train", "TrainSequence", "Batch", "collate", "completion_logprobs"]
 
@@ -121,6 +120,8 @@ def load_sequences(ctx, kind: str = "group") -> tuple[list[TrainSequence], dict]
     joined to its generation: a sequence with the row's coefficient (group: its advantage; other kinds: its weight)
     and score. The completion tail is cut to max_seq_len. A pair with a member that cannot be trained on is dropped
     whole, so `pair` sequences stay (chosen, rejected) at positions (2p, 2p + 1)."""
+    import polars as pl
+
     max_len = ctx.cfg.training.max_seq_len
     data_run = ctx.cfg.training.data_run or ctx.run_id
     groups = (ctx.store.read("groups", data_run, ctx.round).filter(pl.col("kept"))
@@ -185,6 +186,7 @@ def load_policy(ctx, device: str):
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from pipeline.models import load_causal_lm
+    from pipeline.store import adapter_complete
 
     tc = ctx.cfg.training
     base = load_causal_lm(ctx.cfg.generator.model, dtype="float32", device=device)
@@ -320,6 +322,7 @@ def run_train(ctx) -> dict:
     from pipeline.models import load_tokenizer
     from pipeline.objectives import LossInput, get_objective
     from pipeline.parallel import LogprobModule, make_accelerator, rank_share, reduce_step
+    from pipeline.run import derived_seed
 
     ckpt = ctx.store.checkpoint_dir(ctx.run_id, ctx.round)
     tc = ctx.cfg.training

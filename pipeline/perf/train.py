@@ -1,34 +1,108 @@
 """`pipeline bench train`: tokens/s of one training step (forward, ioGRPO-mKL loss, backward) against
 TRL's GRPO loss + backward (`GRPOTrainer.compute_loss`, loss_type="grpo") on the same LoRA model and
 the same batch, in the same process. Also checks the two losses agree (mask off, sequence norm):
-same formula, two implementations. On a GPU it runs under bf16 autocast and prints MFU.
+same formula, two implementations. On a GPU it runs under bf16 autocast and prints MFU and peak memory.
+
+The model is the embedded 135M one by default, or `--arch NAME`: a built-in architecture (ARCHS) made from its
+config with seeded random weights, so no weights travel (a bare GPU machine can run a 1.5B-class step). Its batch
+needs no tokenizer: random prompt ids of a fixed length plus ragged random completions; TRL gets a 3-token
+in-memory tokenizer for its pad/eos ids.
+
+MFU counts model FLOPs, the same for both implementations (recomputation under checkpointing is not counted):
+6 per matmul parameter per token (forward 2 + backward 4, PaLM's model FLOPs), the LM head only at the completion
+positions that are scored, embedding lookups none. With LoRA the frozen weights get no weight gradient, so the work a
+step needs is nearer 4 per parameter per token: printed too ("4N"). PaLM's attention term, 12·L·d·T per token of a
+T-token sequence (non-causal count), is printed as a third figure.
 """
 
 from __future__ import annotations
 
+import json
+import platform
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 
 import torch
 
 from pipeline.train import TrainSequence, collate, completion_logprobs, grpo_mkl_terms
 
 MODEL = "embedded:smollm2-135m-instruct"
-BATCH, REPS, BETA, EPS = 8, 3, 0.1, 0.2
+BATCH, REPS, BETA, EPS, PROMPT_LEN = 8, 3, 0.1, 0.2, 256
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 tensor-core peaks
+TRL_VERSION = "1.16.0"  # the version the project's venv has; what a GPU machine without TRL should carry
+
+# `transformers.AutoConfig.for_model(model_type, **kwargs)`. qwen2-1.5b: Qwen2.5-1.5B's published shape.
+ARCHS: dict[str, tuple[str, dict]] = {
+    "qwen2-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+                                 max_position_embeddings=32768, rms_norm_eps=1e-6, use_sliding_window=False)),
+    "tiny": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True, rope_theta=1e6,
+                           max_position_embeddings=4096)),
+}
 
 
-def _batch(tok, device: str, completion_len: int) -> list[TrainSequence]:
+def arch_config(name: str):
+    from transformers import AutoConfig
+
+    if name not in ARCHS:
+        raise ValueError(f"unknown --arch {name!r}; built-in: {', '.join(ARCHS)}")
+    model_type, kw = ARCHS[name]
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def build_arch(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
+    """The architecture `name` with seeded random weights (`from_config`), built directly on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(arch_config(name), dtype=dtype)
+
+
+def matmul_params(model) -> tuple[int, int]:
+    """(N, head): N = parameters that are matmul weights per token, i.e. all but the input embedding (a tied
+    embedding counts once, as the LM head); head = the LM head's V·d."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())  # parameters() lists a tied weight once
+    return (total if emb is head else total - emb.numel()), head.numel()
+
+
+def tiny_tokenizer():
+    """A 3-token in-memory tokenizer: TRL's trainer wants pad/eos ids; the batch itself is made of ids."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _ragged(i: int, completion_len: int) -> int:
+    return max(1, completion_len - 16 * (i % 4))  # ragged completions, as in real rounds
+
+
+def _batch(tok, batch: int, completion_len: int) -> list[TrainSequence]:
     g = torch.Generator().manual_seed(0)
     seqs = []
-    for i in range(BATCH):
+    for i in range(batch):
         prompt = tok.apply_chat_template([{"role": "user", "content": f"Write workflow {i} that solves the task."}],
                                          add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        n = completion_len - 16 * (i % 4)  # ragged completions, as in real rounds
-        comp = torch.randint(100, tok.vocab_size, (n,), generator=g).tolist()
+        comp = torch.randint(100, tok.vocab_size, (_ragged(i, completion_len),), generator=g).tolist()
         seqs.append(TrainSequence(f"s{i}", list(prompt), comp, 1.0 if i % 2 else -1.0, None))
     return seqs
+
+
+def _id_batch(vocab: int, batch: int, prompt_len: int, completion_len: int) -> list[TrainSequence]:
+    """Tokenizer-free: random prompt ids of a fixed length, ragged random completions (ids 3.. : not pad/eos)."""
+    g = torch.Generator().manual_seed(0)
+    return [TrainSequence(f"s{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(),
+                          torch.randint(3, vocab, (_ragged(i, completion_len),), generator=g).tolist(),
+                          1.0 if i % 2 else -1.0, None) for i in range(batch)]
 
 
 def _timed(fn, device: str) -> float:
@@ -41,14 +115,30 @@ def _timed(fn, device: str) -> float:
     return time.perf_counter() - t0
 
 
-def _trl_trainer(model, tok, out_dir: str, bf16: bool):
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+class TrlMissing(RuntimeError):
+    pass
 
-    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=BATCH, num_generations=BATCH, beta=BETA,
+
+def _import_trl():
+    try:
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        raise TrlMissing(
+            f"the TRL baseline needs `trl` (and `datasets`), which do not import here: {e}. Carry the wheels: on a "
+            f"machine with PyPI, `pip download --no-deps -d .whl trl=={TRL_VERSION} datasets dill multiprocess` "
+            "(docs/scale-out-bench.md has the full list and flags, about 5 MB), then here `pip install --no-deps "
+            "--target /tmp/site .whl/*.whl` and `export PYTHONPATH=/tmp/site:$PYTHONPATH`") from e
+    return Dataset, GRPOConfig, GRPOTrainer
+
+
+def _trl_trainer(model, tok, out_dir: str, bf16: bool, batch: int, gradient_checkpointing: bool):
+    Dataset, GRPOConfig, GRPOTrainer = _import_trl()
+    # gradient_checkpointing mirrors ours: TRL's default (True) would add an input-grad hook to the shared model
+    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=batch, num_generations=batch, beta=BETA,
                       epsilon=EPS, loss_type="grpo", report_to="none", bf16=bf16, use_cpu=not bf16,
-                      logging_steps=1, max_completion_length=256)
-    ds = Dataset.from_dict({"prompt": ["x"] * BATCH})
+                      logging_steps=1, max_completion_length=256, gradient_checkpointing=gradient_checkpointing)
+    ds = Dataset.from_dict({"prompt": ["x"] * batch})
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                           train_dataset=ds, processing_class=tok)
     trainer.current_gradient_accumulation_steps = 1  # normally set inside Trainer's loop; one step, no accumulation
@@ -74,30 +164,76 @@ def _trl_inputs(seqs: list[TrainSequence], old: torch.Tensor, pad_id: int, devic
                                              ref_per_token_logps=old).items()}
 
 
-def main(completion_len: int | None = None) -> None:
+@dataclass
+class FlopCount:
+    """Model FLOPs of one step (see the module docstring)."""
+
+    n: int  # matmul parameters (LM head included once)
+    head: int  # of which the LM head, V·d
+    layers: int
+    hidden: int
+
+    def per_step(self, lengths: list[int], completion_tokens: int, per_param: int = 6, attention: bool = False):
+        tokens = sum(lengths)
+        f = per_param * ((self.n - self.head) * tokens + self.head * completion_tokens)
+        if attention:
+            f += sum(12 * self.layers * self.hidden * t * t for t in lengths)
+        return f
+
+
+def _versions() -> dict:
+    out = {}
+    for d in ("torch", "transformers", "peft", "trl", "accelerate"):
+        try:
+            out[d] = metadata.version(d)
+        except metadata.PackageNotFoundError:
+            out[d] = None
+    return out
+
+
+def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None = None, reps: int = REPS,
+        prompt_len: int = PROMPT_LEN, gradient_checkpointing: bool = False, weights_dtype: str = "float32",
+        json_path: str | Path | None = None, echo=print) -> dict:
+    """Measure, print, and return (and write to `json_path`) the result dict."""
     from peft import LoraConfig, get_peft_model
 
     from pipeline.config import TrainingConfig
-    from pipeline.models import load_causal_lm, load_tokenizer
 
+    _import_trl()  # fail before minutes of model building when TRL is absent
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bf16 = device == "cuda"
     completion_len = completion_len or (512 if bf16 else 128)  # CPU: keep the bench to about a minute
+    if weights_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--weights-dtype must be float32 or bfloat16, not {weights_dtype!r}")
     tc = TrainingConfig()
-    tok = load_tokenizer(MODEL)
-    base = load_causal_lm(MODEL, dtype="float32", device=device)
+    if arch is None:
+        from pipeline.models import load_causal_lm, load_tokenizer
+
+        tok = load_tokenizer(MODEL)
+        base = load_causal_lm(MODEL, dtype=weights_dtype, device=device)
+        seqs = _batch(tok, batch, completion_len)
+        model_name, batch_kind = MODEL, "chat-template prompts + random completions (embedded tokenizer)"
+    else:
+        base = build_arch(arch, getattr(torch, weights_dtype), device)
+        tok = tiny_tokenizer()
+        seqs = _id_batch(base.config.vocab_size, batch, prompt_len, completion_len)
+        model_name, batch_kind = arch, f"random prompt ids x{prompt_len} + random completions (no tokenizer)"
+    n, head = matmul_params(base)
+    frozen = sum(p.numel() for p in base.parameters())
+    if gradient_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=tc.lora_r, lora_alpha=tc.lora_alpha,
                                             lora_dropout=0.0, target_modules=list(tc.target_modules)))
-    seqs = _batch(tok, device, completion_len)
-    batch = collate(seqs, tok.pad_token_id, device)
-    with torch.no_grad():
-        old = completion_logprobs(model, batch).detach()
+    pad_id = tok.pad_token_id or 0
+    b = collate(seqs, pad_id, device)
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16)
+    with torch.no_grad(), autocast:
+        old = completion_logprobs(model, b).float().detach()
     # perturb π_old so ratios differ from 1 and clipping / KL are exercised
     old = (old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1)).to(device)) * \
-        batch.completion_mask
-    n_tok = int(batch.completion_mask.sum())
-    all_tok = int(batch.attention_mask.sum())
-    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16)
+        b.completion_mask
+    n_tok = int(b.completion_mask.sum())
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
     model.train()
 
     ours_loss = []
@@ -105,16 +241,15 @@ def main(completion_len: int | None = None) -> None:
     def ours():
         model.zero_grad(set_to_none=True)
         with autocast:
-            logp = completion_logprobs(model, batch)
-        terms = grpo_mkl_terms(logp.float(), old, old, batch.advantages, batch.completion_mask, BETA, EPS,
-                               kl_mask=False)
+            logp = completion_logprobs(model, b)
+        terms = grpo_mkl_terms(logp.float(), old, old, b.advantages, b.completion_mask, BETA, EPS, kl_mask=False)
         terms.loss.backward()
         ours_loss.append(float(terms.loss.detach()))
 
     with tempfile.TemporaryDirectory() as out_dir:
-        trainer = _trl_trainer(model, tok, out_dir, bf16)
+        trainer = _trl_trainer(model, tok, out_dir, bf16, batch, gradient_checkpointing)
         trl_model = trainer.model
-        inputs = _trl_inputs(seqs, old, tok.pad_token_id, device)
+        inputs = _trl_inputs(seqs, old, pad_id, device)
         trl_loss = []
 
         def trl():
@@ -125,26 +260,76 @@ def main(completion_len: int | None = None) -> None:
 
         trl_model.train()
         times = {"ours": [], "trl": []}
-        for r in range(REPS + 1):  # first round is warm-up; alternate so drift hits both equally
+        peak = {"ours": 0, "trl": 0}
+        for r in range(reps + 1):  # first round is warm-up; alternate so drift hits both equally
             for name, fn in (("ours", ours), ("trl", trl)):
+                if device == "cuda":
+                    model.zero_grad(set_to_none=True)  # the other side's grads are not this side's memory
+                    torch.cuda.reset_peak_memory_stats()
                 dt = _timed(fn, device)
+                if device == "cuda":
+                    peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
                 if r:
                     times[name].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"device {device}{' (bf16 autocast)' if bf16 else ' (fp32)'}; batch {BATCH} sequences, "
-          f"{n_tok} completion tokens ({all_tok} with prompts); median of {REPS} steps")
+    fc = FlopCount(n, head, base.config.num_hidden_layers, base.config.hidden_size)
+    flops = {"6N": fc.per_step(lengths, n_tok), "4N": fc.per_step(lengths, n_tok, per_param=4),
+             "6N+attn": fc.per_step(lengths, n_tok, attention=True)}
+    dev_name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+    peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in dev_name), None) if device == "cuda" else None
+    precision = ("bf16 autocast over " + ("fp32 master weights (as the trainer)" if weights_dtype == "float32"
+                                          else "bf16 weights")) if bf16 else f"{weights_dtype}, no autocast"
+    result = {
+        "device": dev_name, "precision": precision, "model": model_name,
+        "params": frozen,
+        "lora_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "batch": batch, "batch_kind": batch_kind, "completion_len": completion_len,
+        "completion_tokens": n_tok, "tokens": sum(lengths), "reps": reps,
+        "gradient_checkpointing": gradient_checkpointing,
+        "flops_per_step": flops, "peak_bf16_flops": peak_flops,
+        "loss": {"ours": ours_loss[-1], "trl": trl_loss[-1]},
+        "ratio_tokens_per_s": med["trl"] / med["ours"],
+        "versions": _versions(),
+    }
     for k in ("ours", "trl"):
-        print(f"  {k:5s} {med[k] * 1e3:8.1f} ms/step  {n_tok / med[k]:9.0f} completion tokens/s")
-    print(f"  ratio ours/TRL tokens/s: {med['trl'] / med['ours']:.2f}x  (goal >= 1.0x)")
-    print(f"  loss: ours {ours_loss[-1]:.6f} vs TRL {trl_loss[-1]:.6f} (same formula with kl_mask off)")
-    if device == "cuda":
-        params = sum(p.numel() for p in base.parameters())
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-        flops = 6 * params * all_tok  # forward + backward, dense approximation
-        for k in ("ours", "trl"):
-            mfu = f"{flops / med[k] / peak:.1%}" if peak else "n/a (unknown peak)"
-            print(f"  {k:5s} MFU {mfu} of {name} bf16 peak (6·N·tokens, N={params / 1e6:.0f}M)")
+        result[k] = {"ms_per_step": med[k] * 1e3, "completion_tokens_per_s": n_tok / med[k],
+                     "tokens_per_s": sum(lengths) / med[k],
+                     "peak_memory_gib": peak[k] / 2 ** 30 if device == "cuda" else None,
+                     "mfu": {f: flops[f] / med[k] / peak_flops for f in flops} if peak_flops else None}
+    _print(result, echo)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
+        echo(f"  wrote {json_path}")
+    return result
+
+
+def _si(x: float) -> str:
+    return next(f"{x / d:.3g}{u}" for d, u in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""))
+                if abs(x) >= d or d == 1)
+
+
+def _print(r: dict, echo) -> None:
+    echo(f"{r['model']}: {_si(r['params'])} frozen + {_si(r['lora_params'])} LoRA params on "
+         f"{r['device']} ({r['precision']}{', gradient checkpointing' if r['gradient_checkpointing'] else ''})")
+    echo(f"batch {r['batch']} sequences ({r['batch_kind']}): {r['completion_tokens']} completion tokens, "
+         f"{r['tokens']} with prompts; median of {r['reps']} steps after 1 warm-up")
+    for k in ("ours", "trl"):
+        x = r[k]
+        mem = f"  peak {x['peak_memory_gib']:6.2f} GiB" if x["peak_memory_gib"] is not None else ""
+        mfu = ("  MFU " + " | ".join(f"{v:.1%} ({f})" for f, v in x["mfu"].items())) if x["mfu"] else ""
+        echo(f"  {k:5s} {x['ms_per_step']:8.1f} ms/step  {x['completion_tokens_per_s']:9.0f} completion tokens/s"
+             f"{mem}{mfu}")
+    echo(f"  ratio ours/TRL tokens/s: {r['ratio_tokens_per_s']:.2f}x  (goal >= 1.2x)")
+    echo(f"  loss: ours {r['loss']['ours']:.6f} vs TRL {r['loss']['trl']:.6f} (same formula with kl_mask off)")
+    f = r["flops_per_step"]
+    echo(f"  model FLOPs/step {_si(f['6N'])} (6N: 6/param/token, LM head only where scored), "
+         f"{_si(f['4N'])} (4N: LoRA, no frozen-weight grads), {_si(f['6N+attn'])} (6N + PaLM "
+         f"attention 12·L·d·T)" + ("" if r["peak_bf16_flops"] else "; MFU on CUDA with a known peak only"))
+
+
+def main(completion_len: int | None = None, **kw) -> dict:
+    return run(completion_len=completion_len, **kw)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,66 @@
+"""`pipeline bench train`: the architectures it builds from configs, its FLOP count and its JSON result.
+Speed is never asserted here."""
+
+import json
+import sys
+from importlib import metadata
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.perf import train as bench
+
+
+def test_qwen2_1_5b_has_the_published_shape():
+    model = bench.build_arch("qwen2-1.5b", device="meta")  # no memory, no init work
+    c = model.config
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            c.vocab_size, c.max_position_embeddings) == (1536, 8960, 28, 12, 2, 151936, 32768)
+    assert c.rope_parameters["rope_theta"] == 1e6
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # tied
+    # by hand: embedding 151936·1536 = 233,373,696; per layer q 1536·1536+1536, k and v 1536·256+256 each,
+    # o 1536·1536, MLP 3·1536·8960, two norms 2·1536 = 46,797,824; ×28 = 1,310,339,072; final norm 1536.
+    # Qwen2.5-1.5B's card: 1.54B parameters, 1.31B non-embedding.
+    total = sum(p.numel() for p in model.parameters())
+    assert total == 1_543_714_304
+    assert bench.matmul_params(model) == (1_543_714_304, 233_373_696)  # tied: the LM head counted once
+
+
+def test_flop_count_by_hand():
+    fc = bench.FlopCount(n=10, head=4, layers=2, hidden=3)
+    # 6·((10 - 4)·5 tokens + 4·2 scored) = 228; attention 12·2·3·5² = 1800
+    assert fc.per_step([5], 2) == 228
+    assert fc.per_step([5], 2, per_param=4) == 152
+    assert fc.per_step([5], 2, attention=True) == 228 + 1800
+
+
+def test_tiny_arch_bench_writes_json(tmp_path):
+    out = tmp_path / "r" / "bench.json"
+    lines = []
+    r = bench.run("tiny", batch=2, completion_len=8, reps=1, prompt_len=8, json_path=out, echo=lines.append)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+    assert r["model"] == "tiny" and r["batch"] == 2
+    assert r["completion_tokens"] == 8 + 1 and r["tokens"] == 2 * 8 + 8 + 1  # ragged: 8, then max(1, 8 - 16)
+    assert r["params"] == sum(p.numel() for p in bench.build_arch("tiny").parameters())
+    assert r["lora_params"] > 0
+    for k in ("ours", "trl"):
+        assert r[k]["ms_per_step"] > 0 and r[k]["completion_tokens_per_s"] > 0
+        assert set(r[k]) >= {"peak_memory_gib", "mfu", "tokens_per_s"}
+    assert abs(r["loss"]["ours"] - r["loss"]["trl"]) < 1e-4  # the same formula in both implementations
+    assert set(r["flops_per_step"]) == {"6N", "4N", "6N+attn"}
+    assert r["versions"]["torch"] == metadata.version("torch") and "trl" in r["versions"]
+    assert {"device", "precision", "ratio_tokens_per_s"} <= set(r)
+    assert any("ratio ours/TRL" in s for s in lines)
+
+
+def test_cli_rejects_unknown_arch():
+    r = CliRunner().invoke(app, ["bench", "train", "--arch", "nope"])
+    assert r.exit_code == 2 and "qwen2-1.5b" in r.output
+
+
+def test_missing_trl_names_the_wheel(monkeypatch):
+    monkeypatch.setitem(sys.modules, "trl", None)  # `import trl` raises ImportError
+    with pytest.raises(bench.TrlMissing, match=f"trl=={bench.TRL_VERSION}"):
+        bench._import_trl()
+    assert metadata.version("trl") == bench.TRL_VERSION  # the pin follows the venv
