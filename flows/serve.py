@@ -7,7 +7,7 @@ config=PATH), score/rescore (re-score failed rows of a round), evaluate/default 
 test split), ablate/objectives (docs/objectives.md: one round's data trained with every objective). Then:
 `prefect deployment run experiment/demo [--param run_id=R] [--watch]`.
 With `--task-runner dask:tcp://HOST:8786`, `--param shards=N` on iterate or score spreads each round's scoring
-over the Dask workers (docs/scale-out.md, "Sharded scoring").
+over the Dask workers (docs/scale-out.md, Sharded scoring).
 """
 
 from __future__ import annotations

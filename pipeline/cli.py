@@ -26,7 +26,7 @@ RoundOpt = Annotated[int, typer.Option("--round", help="Round index k (0 = base 
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: --set rollout.m=4 (repeatable).")]
 StoreOpt = Annotated[str | None, typer.Option("--store", help="Store root (default: the config's store.root).")]
 ShardsOpt = Annotated[int, typer.Option("--shards", min=1, help="Score each round as N shards split by query "
-                                        "(docs/scale-out.md, "Sharded scoring"); the result is the same for any N.")]
+                                        "(docs/scale-out.md, Sharded scoring); the result is the same for any N.")]
 
 
 def _fail(msg: str) -> None:

@@ -41,7 +41,7 @@ def _check_url(url: str) -> str:
 
 class StoreConfig(_Strict):
     root: str = Field("data/runs", description="Where runs live: a directory (with catalog.duckdb) or "
-                      "s3://bucket/prefix (docs/scale-out.md, "Store on object storage").")
+                      "s3://bucket/prefix (docs/scale-out.md, Store on object storage).")
     endpoint_url: str | None = Field(None, description="s3:// roots: an S3-compatible server's URL (default: "
                                      "$AWS_ENDPOINT_URL, else AWS); credentials only from the environment.")
 

@@ -15,10 +15,11 @@ Derived views (one definition each, used by every stage, the report and evaluati
 Writers never touch catalog.duckdb while working; it is rebuilt into a temp file and renamed, so a
 user holding it open in the `duckdb` CLI keeps a consistent (older) copy.
 
-The root may be a POSIX path (the default) or an `s3://bucket/prefix` URL (docs/scale-out.md, "Store on object storage"): then paths
-are `upath.UPath` objects over s3fs (`store.fs`), every file is written as one object PUT (a PUT, single or a
-completed multipart upload, becomes visible whole, which is what temp file + rename gives locally), DuckDB reads
-the parts through its httpfs extension, and checkpoints are materialised into a local cache for peft / vLLM.
+The root may be a POSIX path (the default) or an `s3://bucket/prefix` URL (docs/scale-out.md, Store on object
+storage): then paths are `upath.UPath` objects over s3fs (`store.fs`), every file is written as one object PUT (a
+PUT, single or a completed multipart upload, becomes visible whole, which is what temp file + rename gives
+locally), DuckDB reads the parts through its httpfs extension, and checkpoints are materialised into a local cache
+for peft / vLLM.
 Connection settings come from the standard AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_REGION, AWS_ENDPOINT_URL) or `store.endpoint_url`; no secret is ever written to the store.
 """

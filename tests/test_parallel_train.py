@@ -20,7 +20,6 @@ import torch
 from safetensors.torch import load_file
 
 
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
