@@ -127,7 +127,7 @@ def _import_trl():
         raise TrlMissing(
             f"the TRL baseline needs `trl` (and `datasets`), which do not import here: {e}. Carry the wheels: on a "
             f"machine with PyPI, `pip download --no-deps -d .whl trl=={TRL_VERSION} datasets dill multiprocess` "
-            "(docs/scale-out-bench.md has the full list and flags, about 5 MB), then here `pip install --no-deps "
+            "(docs/scale-out.md, GPU numbers: the full list and flags, ~5 MB), then here `pip install --no-deps "
             "--target /tmp/site .whl/*.whl` and `export PYTHONPATH=/tmp/site:$PYTHONPATH`") from e
     return Dataset, GRPOConfig, GRPOTrainer
 
