@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import logging
 import os
 import uuid
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 
 pytest.importorskip("s3fs")
 pytest.importorskip("upath")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto")
 
 from pipeline import stages  # noqa: E402
 from pipeline.store import CHECKPOINT_MARKER, Store, StoreError  # noqa: E402
@@ -26,13 +25,35 @@ KEY, SECRET = "testing-key", "testing-secret-do-not-freeze"
 
 @pytest.fixture(scope="module")
 def s3_server():
-    """A moto S3 server on 127.0.0.1 (a free port) for the module; yields its URL."""
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    """A moto S3 server on 127.0.0.1 (a free port) for the module, in its own process; yields its URL. Not in this
+    process: moto's server imports flask, whose context proxies break vLLM's engine start in later tests (vLLM scans
+    every loaded module's globals, and touching `flask.current_app` outside an app raises)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # wait for it to answer (bounded)
+            try:
+                urllib.request.urlopen(f"{url}/moto-api/", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto server did not start on {url}") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @pytest.fixture
