@@ -11,6 +11,9 @@ filesystem); see docs/orchestration.md.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 
@@ -35,3 +38,26 @@ def task_runner_from_spec(spec: str) -> TaskRunner:
             raise RunnerSpecError("task runner 'ray' needs prefect-ray: pip install prefect-ray") from None
         return RayTaskRunner(address=arg) if arg else RayTaskRunner()
     raise RunnerSpecError(f"unknown task runner {spec!r}: use thread[:N], dask[:ADDRESS] or ray[:ADDRESS]")
+
+
+def placement(stage: str) -> contextlib.AbstractContextManager:
+    """Where a stage's tasks may run on a Dask cluster: `PIPELINE_DASK_RESOURCES_<STAGE>="GPU=1"` (comma-separated
+    NAME=AMOUNT) submits them under `dask.annotate(resources=...)`, so only workers started with those resources
+    (`dask worker ADDRESS --resources GPU=1`) take them, e.g. rollout and train on the GPU machines while scoring
+    shards go anywhere. Unset: no annotation (and other task runners ignore annotations)."""
+    spec = os.environ.get(f"PIPELINE_DASK_RESOURCES_{stage.upper()}", "").strip()
+    if not spec:
+        return contextlib.nullcontext()
+    resources = {}
+    for part in spec.split(","):
+        name, _, amount = part.partition("=")
+        try:
+            resources[name.strip()] = float(amount)
+        except ValueError:
+            raise RunnerSpecError(f"PIPELINE_DASK_RESOURCES_{stage.upper()}={spec!r}: use NAME=AMOUNT[,NAME=AMOUNT], "
+                                  "e.g. GPU=1") from None
+        if not name.strip():
+            raise RunnerSpecError(f"PIPELINE_DASK_RESOURCES_{stage.upper()}={spec!r}: a resource has no name")
+    import dask
+
+    return dask.annotate(resources=resources)

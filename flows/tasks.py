@@ -8,6 +8,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 from prefect.runtime import task_run
 
+from flows.runners import placement
 from pipeline.stages.rounds import Caller
 from pipeline.stages.runner import RetryPolicy, record_timing, run_stage
 
@@ -40,8 +41,12 @@ def submitting_call(policy: RetryPolicy, in_process: bool = False) -> Caller:
     staged = stage_task.with_options(**policy.prefect_options())
     isolate = False if in_process else None
 
+    def submit(kw: dict):
+        with placement(kw["stage"]):  # Dask worker resources, when asked for (flows/runners.py)
+            return staged.submit(**kw, isolate=isolate)
+
     def many(kws: list[dict]) -> list[dict]:
-        futures = [staged.submit(**kw, isolate=isolate) for kw in kws]
+        futures = [submit(kw) for kw in kws]
         wait(futures)  # every shard ends before a failure is raised: none is left writing
         return [f.result() for f in futures]
 

@@ -187,6 +187,22 @@ def test_task_runner_specs():
         task_runner_from_spec("slurm")
 
 
+def test_dask_placement_from_the_environment(monkeypatch):
+    import dask
+
+    from flows.runners import RunnerSpecError, placement
+
+    monkeypatch.setenv("PIPELINE_DASK_RESOURCES_TRAIN", "GPU=1, MEM=2.5")
+    with placement("train"):
+        assert dask.get_annotations() == {"resources": {"GPU": 1.0, "MEM": 2.5}}
+    with placement("score"):  # not set for this stage: no annotation
+        assert dask.get_annotations() == {}
+    for bad in ("GPU", "GPU=one", "=1"):
+        monkeypatch.setenv("PIPELINE_DASK_RESOURCES_TRAIN", bad)
+        with pytest.raises(RunnerSpecError, match="NAME=AMOUNT|has no name"):
+            placement("train")
+
+
 def test_stages_run_on_dask_workers(harness, tmp_path, monkeypatch):
     """Scale-out switch: the same flow with a Dask task runner (optional extra: skipped without prefect-dask)."""
     prefect_dask = pytest.importorskip("prefect_dask")

@@ -240,3 +240,40 @@ def test_pipeline_run_path_scores_shards_in_threads_then_merges(tmp_path, monkey
     assert sorted(c[0] for c in calls[:2]) == ["0/2", "1/2"] and calls[2] == ("merge", "MainThread")
     assert len({c[1] for c in calls[:2]}) == 2 and out["rounds"][0]["mean_score"] == 0.25
     assert Store(tmp_path / "runs").manifest("d", 0, "score")["counts"] == {"rows": 1}
+
+
+def test_dask_resources_keep_a_stage_on_the_workers_that_have_them(harness, cluster, tmp_path, monkeypatch):
+    """PIPELINE_DASK_RESOURCES_SCORE=GPU=1 (flows/runners.py `placement`): all 4 shards of a round, submitted at once,
+    run on the one worker started with `--resources GPU=1`, none on the two plain ones (which idle 1-thread workers
+    otherwise share them with)."""
+    import subprocess
+    import sys
+
+    from prefect import flow
+
+    from flows.tasks import submitting_call
+    from pipeline.stages.runner import RetryPolicy
+
+    c, client = cluster
+    gpu_worker = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", c.scheduler_address,
+                                   "--nthreads", "1", "--resources", "GPU=1", "--no-dashboard", "--host", "127.0.0.1",
+                                   "--name", "gpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client.wait_for_workers(3, timeout=120)
+        gpu = next(a for a, w in client.scheduler_info()["workers"].items() if w.get("resources", {}).get("GPU"))
+        gpu_pid = client.run(os.getpid, workers=[gpu])[gpu]
+        _, root = make_run(tmp_path, WORKFLOWS, n_queries=N_QUERIES)
+        monkeypatch.setenv("PIPELINE_DASK_RESOURCES_SCORE", "GPU=1")
+
+        @flow(task_runner=DaskTaskRunner(address=c.scheduler_address))
+        def fan_out(store_root: str) -> list[dict]:
+            return submitting_call(RetryPolicy(0, 0.0)).many(
+                [{"stage": "score", "run_id": "t", "round": 0, "store_root": store_root, "shard": (i, 4)}
+                 for i in range(4)])
+
+        results = fan_out(root)
+        assert [r["pid"] for r in results] == [gpu_pid] * 4
+        assert Store(root).manifest("t", 0, "score.shard-3-of-4") is not None
+    finally:
+        gpu_worker.terminate()
+        gpu_worker.wait(timeout=60)
