@@ -13,6 +13,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server a test starts, or one that is down)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # ---- session-wide expensive objects: loaded once, shared by every module that asks for them ---------------
 
 
@@ -79,9 +86,7 @@ def launch_vllm_server(log):
     The `vllm` console script lacks package metadata, hence `-m`."""
     from pipeline.models import resolve_model
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",

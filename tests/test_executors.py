@@ -12,6 +12,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from conftest import free_port
 
 from pipeline.config import ExecutorConfig, PriceConfig
 from pipeline.executors import (
@@ -138,14 +139,6 @@ def server():
     s = FaultServer()
     yield s
     s.close()
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture

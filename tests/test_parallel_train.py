@@ -6,7 +6,6 @@ on a 2-layer random llama so the test costs seconds of compute, not minutes."""
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -17,18 +16,13 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from conftest import free_port
 from safetensors.torch import load_file
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launcher(n: int) -> str:
     return (f"{sys.executable} -m accelerate.commands.launch --multi_gpu --num_processes {n} --num_machines 1 "
-            f"--mixed_precision no --dynamo_backend no --main_process_ip 127.0.0.1 --main_process_port {_free_port()}")
+            f"--mixed_precision no --dynamo_backend no --main_process_ip 127.0.0.1 --main_process_port {free_port()}")
 
 
 def _curated_round(tmp_path, tiny_model, epochs: int = 2):

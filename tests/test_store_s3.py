@@ -17,6 +17,8 @@ pytest.importorskip("s3fs")
 pytest.importorskip("upath")
 pytest.importorskip("moto")
 
+from conftest import free_port  # noqa: E402
+
 from pipeline import stages  # noqa: E402
 from pipeline.store import CHECKPOINT_MARKER, Store, StoreError  # noqa: E402
 
@@ -28,15 +30,12 @@ def s3_server():
     """A moto S3 server on 127.0.0.1 (a free port) for the module, in its own process; yields its URL. Not in this
     process: moto's server imports flask, whose context proxies break vLLM's engine start in later tests (vLLM scans
     every loaded module's globals, and touching `flask.current_app` outside an app raises)."""
-    import socket
     import subprocess
     import sys
     import time
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
