@@ -1,13 +1,13 @@
 """The `ablate` flow: one round's curated data trained with several objectives, each evaluated on the held-out
-split (pipeline.ablation holds the loop and the maths)."""
+split (pipeline.studies.ablation holds the loop and the maths)."""
 
 from __future__ import annotations
 
 from prefect import flow
 
 from flows.tasks import submitting_call
-from pipeline.ablation import run_ablation, table
 from pipeline.stages.runner import RetryPolicy
+from pipeline.studies.ablation import run_ablation, table
 
 
 @flow(name="ablate", flow_run_name="ablate {config}", log_prints=True)

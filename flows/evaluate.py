@@ -1,12 +1,12 @@
-"""The `evaluate` flow: score a round's checkpoint on the test split in a derived run (pipeline.evaluate)."""
+"""The `evaluate` flow: score a round's checkpoint on the test split in a derived run (pipeline.studies.evaluate)."""
 
 from __future__ import annotations
 
 from prefect import flow
 
 from flows.tasks import submitting_call
-from pipeline.evaluate import evaluate_round
 from pipeline.stages.runner import RetryPolicy
+from pipeline.studies.evaluate import evaluate_round
 
 
 @flow(name="evaluate", flow_run_name="evaluate {run_id} round {round} on {split}", log_prints=True)

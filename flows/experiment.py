@@ -1,13 +1,13 @@
 """The `experiment` flow: S seeds x R rounds, the base model and each checkpoint on the held-out split, and the
-paired summary (pipeline.experiment holds the loop, the plan and the maths)."""
+paired summary (pipeline.studies.experiment holds the loop, the plan and the maths)."""
 
 from __future__ import annotations
 
 from prefect import flow
 
 from flows.tasks import submitting_call
-from pipeline.experiment import headline, run_experiment
 from pipeline.stages.runner import RetryPolicy
+from pipeline.studies.experiment import headline, run_experiment
 
 
 @flow(name="experiment", flow_run_name="experiment {config}", log_prints=True)

@@ -52,7 +52,7 @@ def _main(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug l
 @app.command()
 def validate(config: Path, sets: SetOpt = None) -> None:
     """Check a config file, and that its benchmark data loads, without running anything."""
-    from pipeline.benchmarks import BenchmarkError, load_benchmark
+    from pipeline.engines.benchmarks import BenchmarkError, load_benchmark
 
     try:
         cfg = load_config(config, sets or [])
@@ -69,7 +69,7 @@ def prepare_model(
     force: Annotated[bool, typer.Option(help="Rebuild even if cached.")] = False,
 ) -> None:
     """Convert the embedded GGUF model into a cached HF folder (once; $PIPELINE_CACHE_DIR overrides)."""
-    from pipeline.models import ModelError, prepare_embedded
+    from pipeline.engines.models import ModelError, prepare_embedded
 
     if not ref.startswith("embedded:"):
         _fail(f"{ref}: only embedded:<name> refs need preparing")
@@ -87,7 +87,7 @@ def chat(
     max_new_tokens: Annotated[int, typer.Option(help="Completion cap.")] = 64,
 ) -> None:
     """One greedy chat turn with a model (a smoke test of the embedded model)."""
-    from pipeline.models import load_causal_lm, load_tokenizer
+    from pipeline.engines.models import load_causal_lm, load_tokenizer
 
     tok, lm = load_tokenizer(model), load_causal_lm(model)
     enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -192,7 +192,7 @@ def _sql_shell(st, limit: int) -> None:
     if tty:
         import readline  # noqa: F401  (line editing and history for input())
 
-        from pipeline.schema import TABLES
+        from pipeline.store.schema import TABLES
 
         typer.echo(f"store {st.root}: views {', '.join([*TABLES, 'latest_scores'])}. End statements with ';', "
                    ".quit to leave.")
@@ -304,10 +304,10 @@ def run_cmd(
 ) -> None:
     """All rounds without a Prefect server (same skip/resume/retry rules as the iterate flow); --shards N scores
     each round as N child processes at once."""
-    from pipeline.report import build_report
     from pipeline.stages.rounds import direct_call, run_rounds
     from pipeline.stages.runner import RetryPolicy, StageError
     from pipeline.store import Store
+    from pipeline.studies.report import build_report
 
     try:
         summary = run_rounds(config, rounds, run_id, direct_call(RetryPolicy(retries)), sets=sets or [], shards=shards)
@@ -331,9 +331,9 @@ def experiment(
     the paired difference with its bootstrap interval (results under <store>/experiments/<run_id>/)."""
     import shlex
 
-    from pipeline.experiment import run_experiment
     from pipeline.stages.rounds import direct_call
     from pipeline.stages.runner import RetryPolicy, StageError
+    from pipeline.studies.experiment import run_experiment
 
     command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     try:
@@ -360,9 +360,9 @@ def ablate(
     evaluations with paired bootstrap intervals (results under <store>/experiments/<run_id>-ablation/)."""
     import shlex
 
-    from pipeline.ablation import run_ablation, table
     from pipeline.stages.rounds import direct_call
     from pipeline.stages.runner import RetryPolicy, StageError
+    from pipeline.studies.ablation import run_ablation, table
 
     command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     names = [o.strip() for o in objectives.split(",") if o.strip()] if objectives else None
@@ -380,7 +380,7 @@ def _num(x: float | None, digits: int = 3) -> str:
 
 
 def _echo_experiment(summary: dict) -> None:
-    from pipeline.experiment import headline
+    from pipeline.studies.experiment import headline
 
     for a in summary["arms"]:
         typer.echo(f"seed {a['seed']} {'base model' if a['round'] < 0 else 'round ' + str(a['round'])}: "
@@ -400,9 +400,9 @@ def report(
 ) -> None:
     """HTML report of a run (per-round plots, summary table) or of an experiment (paired held-out comparison);
     prints its numbers."""
-    from pipeline.experiment import experiment_dir
-    from pipeline.report import build_report, round_stats, stage_timings
     from pipeline.store import Store
+    from pipeline.studies.experiment import experiment_dir
+    from pipeline.studies.report import build_report, round_stats, stage_timings
 
     st = Store(store)
     exp = experiment_dir(st, run_id) / "experiment.json"
@@ -441,8 +441,8 @@ def baseline(
     """Run baselines (fixed programs) on the held-out queries through the same sandbox, executor and score stage
     as generated workflows, each in the derived run <run_id>-baseline-<method>; prints Mean@L / Best@L /
     Majority@L and tokens per query."""
-    from pipeline.baselines import baseline_run_id, run_baseline
     from pipeline.stages.runner import StageError
+    from pipeline.studies.baselines import baseline_run_id, run_baseline
 
     for m in [*(methods or []), *(f"program:{p}" for p in programs or [])]:
         try:
@@ -470,9 +470,9 @@ def smc(
 ) -> None:
     """BayesFlow's SMC workflow sampler (N particles, K look-ahead rollouts, T steps; smc.* in the config) on the
     held-out queries; prints Mean@L / Best@L / Majority@L (L = N), tokens and workflow runs per query."""
-    from pipeline.smc import executed_per_query, run_plain, run_smc
     from pipeline.stages.runner import StageError
     from pipeline.store import store_for
+    from pipeline.studies.smc import executed_per_query, run_plain, run_smc
 
     try:
         summs = [run_smc(str(config), None, run_id, split, sets or [])]
@@ -499,8 +499,8 @@ def sample(
 ) -> None:
     """Plain sampling: the configured generator writes L workflows per held-out query (rollout and score stages;
     with rollout.repair_attempts, self-repair too); prints Mean@L / Best@L / Majority@L and tokens per query."""
-    from pipeline.smc import run_plain
     from pipeline.stages.runner import StageError
+    from pipeline.studies.smc import run_plain
 
     try:
         summ = run_plain(str(config), L, None, run_id, split, sets or [])
@@ -519,9 +519,9 @@ def compare(
     store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
 ) -> None:
     """One Markdown table of Mean@L / Best@L / Majority@L and tokens per query, one row per run."""
-    from pipeline.baselines import compare as compare_runs
-    from pipeline.baselines import markdown_table
     from pipeline.store import Store
+    from pipeline.studies.baselines import compare as compare_runs
+    from pipeline.studies.baselines import markdown_table
 
     try:
         res = compare_runs(Store(store), run_ids)
@@ -541,8 +541,8 @@ def evaluate(
     sets: SetOpt = None,
 ) -> None:
     """Roll out and score a round's checkpoint on a split, in the derived run <run_id>-eval-r<k>."""
-    from pipeline.evaluate import evaluate_round
     from pipeline.stages.runner import StageError
+    from pipeline.studies.evaluate import evaluate_round
 
     try:
         summ = evaluate_round(store, run_id, round, split, sets or [])

@@ -162,7 +162,7 @@ class BenchmarkConfig(_Strict):
 
 
 class RefineConfig(_Strict):
-    """`rollout.mode: refine`: W4S's multi-turn refinement (pipeline.refine). A task's state is its current workflow
+    """`rollout.mode: refine`: W4S's multi-turn refinement (pipeline.stages.refine). A task's state is its current workflow
     and the feedback of its validation runs; each turn samples K candidates, self-checks (and repairs, up to
     `rollout.repair_attempts`) them, runs them on the task's items, and the best advances the state."""
 
@@ -218,7 +218,7 @@ class RolloutConfig(_Strict):
     exemplar_round: int | None = Field(None, ge=0, description="With exemplar_run: use its rounds below this one.")
     repair_attempts: int = Field(
         0, ge=0, description="Self-repair (W4S: 3): a workflow that is invalid or fails its self-check goes back to "
-        "the generator with its error up to this many times (pipeline.repair); 0 = off. Refine mode always "
+        "the generator with its error up to this many times (pipeline.stages.repair); 0 = off. Refine mode always "
         "self-checks its candidates and skips one still failing after this many repairs.",
     )
     repair_check: Literal["run", "static"] = Field(
@@ -242,7 +242,7 @@ class RewardConfig(_Strict):
     complexity_weight: float = Field(0.0, ge=0, description="Weight of the complexity penalty (AST/calls).")
     cost_weight: float = Field(0.0, ge=0, description="Weight of the executor-token cost penalty.")
     diversity_weight: float = Field(
-        0.0, ge=0, description="Weight of FlowReasoner's diversity term, a penalty on 1 - diversity (pipeline.reward).",
+        0.0, ge=0, description="Weight of FlowReasoner's diversity term, a penalty on 1 - diversity (pipeline.core.reward).",
     )
     judge: JudgeConfig | None = Field(None, description="Optional LLM-as-judge for free-form answers.")
 
@@ -314,7 +314,7 @@ class TwoLevelLossConfig(_Strict):
 
 class TrainingConfig(_Strict):
     objective: Literal["iogrpo_mkl", "grpo", "rwr", "score_dpo", "sft_best"] = Field(
-        "iogrpo_mkl", description="Loss (pipeline.objectives): iogrpo_mkl (SPOGW), grpo (KL on every token), rwr "
+        "iogrpo_mkl", description="Loss (pipeline.core.objectives): iogrpo_mkl (SPOGW), grpo (KL on every token), rwr "
         "(reward-weighted regression; W4S's RLAO on refine rollouts), score_dpo (ScoreFlow), sft_best (SFT on each "
         "query's best workflow).",
     )
@@ -374,7 +374,7 @@ class ExperimentConfig(_Strict):
 
 
 class SMCConfig(_Strict):
-    """`pipeline smc`: BayesFlow's SMC workflow sampler (pipeline.smc), with the paper's parameter names."""
+    """`pipeline smc`: BayesFlow's SMC workflow sampler (pipeline.studies.smc), with the paper's parameter names."""
 
     N: int = Field(4, gt=0, description="Particles (partial workflows) per query; also L of the final workflows.")
     K: int = Field(2, gt=0, description="Look-ahead rollouts per particle and step.")

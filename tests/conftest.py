@@ -28,7 +28,7 @@ def shared_sandbox():
     """The process-wide sandbox (`default_sandbox()`, the one `run_workflow`, `run_test_suite` and the code
     benchmarks use when given none), its zygote started once for the session and stopped at its end.
     Tests that break, kill or restart a sandbox (hostile workflows) must start their own `Sandbox()` instead."""
-    from pipeline.sandbox import default_sandbox
+    from pipeline.engines.sandbox import default_sandbox
 
     sb = default_sandbox()
     sb.ensure_started()
@@ -39,7 +39,7 @@ def shared_sandbox():
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """The embedded model's tokenizer. Shared: copy it (`copy.deepcopy`) before changing it."""
-    from pipeline.models import load_tokenizer
+    from pipeline.engines.models import load_tokenizer
 
     return load_tokenizer(EMBEDDED_MODEL)
 
@@ -49,7 +49,7 @@ def smol_lm():
     """The embedded base model (fp32, CPU, eval) for forward passes. Shared: never wrap it in peft
     (`get_peft_model` / `PeftModel.from_pretrained` inject LoRA layers into it in place); load a fresh copy
     with `load_causal_lm` for that. The teardown fails loudly if a test did."""
-    from pipeline.models import load_causal_lm
+    from pipeline.engines.models import load_causal_lm
 
     lm = load_causal_lm(EMBEDDED_MODEL, dtype="float32", device="cpu")
     yield lm
@@ -64,7 +64,7 @@ def hf_generator():
     import torch
 
     from pipeline.config import GeneratorConfig
-    from pipeline.generation import make_generator
+    from pipeline.engines.generation import make_generator
 
     torch.set_num_threads(2)
     return make_generator(GeneratorConfig(model=EMBEDDED_MODEL, backend="transformers"))
@@ -84,7 +84,7 @@ def launch_vllm_server(log):
     """Start (without waiting) `python -m vllm.entrypoints.openai.api_server` on a free port, serving the embedded
     model as `smol` with LoRA adapters loadable at run time and a 1 GiB KV cache; returns (process, root URL).
     The `vllm` console script lacks package metadata, hence `-m`."""
-    from pipeline.models import resolve_model
+    from pipeline.engines.models import resolve_model
 
     port = free_port()
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -149,7 +149,7 @@ def tiny_model(tmp_path_factory) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipeline.models import load_tokenizer
+    from pipeline.engines.models import load_tokenizer
 
     tok = load_tokenizer("embedded:smollm2-135m-instruct")
     cfg = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,

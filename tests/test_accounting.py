@@ -6,12 +6,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.benchmarks.metrics import vote_key
 from pipeline.config import RunConfig
-from pipeline.evaluate import eval_summary, generation_votes
-from pipeline.learning import majority_at_l, query_metrics, split_summary
-from pipeline.schema import schema
+from pipeline.core.learning import majority_at_l, query_metrics, split_summary
+from pipeline.engines.benchmarks.metrics import vote_key
 from pipeline.store import Store
+from pipeline.store.schema import schema
+from pipeline.studies.evaluate import eval_summary, generation_votes
 
 # ---- Majority@L -------------------------------------------------------------------------------------------------
 

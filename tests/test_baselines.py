@@ -10,7 +10,13 @@ import yaml
 from test_executors import FaultServer
 from test_scoring import SOLVER
 
-from pipeline.baselines import (
+from pipeline.config import ConfigError, load_config
+from pipeline.core.reward import program_key
+from pipeline.engines.benchmarks import load_benchmark
+from pipeline.engines.workflow import check_workflow
+from pipeline.stages.runner import run_stage
+from pipeline.store import Store
+from pipeline.studies.baselines import (
     FIXED,
     PROGRAMS,
     baseline_run_id,
@@ -20,12 +26,6 @@ from pipeline.baselines import (
     run_baseline,
     select_per_task,
 )
-from pipeline.benchmarks import load_benchmark
-from pipeline.config import ConfigError, load_config
-from pipeline.reward import program_key
-from pipeline.stages.runner import run_stage
-from pipeline.store import Store
-from pipeline.workflow import check_workflow
 
 
 def in_process(stage, run_id, round, store_root, sets=None, only_failed=False):

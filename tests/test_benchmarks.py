@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.benchmarks import BenchmarkError, Item, load_benchmark, split_items
-from pipeline.benchmarks.procedural import answer_candidates, parse_task, task_sizes
 from pipeline.config import BenchmarkConfig
+from pipeline.engines.benchmarks import BenchmarkError, Item, load_benchmark, split_items
+from pipeline.engines.benchmarks.procedural import answer_candidates, parse_task, task_sizes
 
 
 def _jsonl(path, rows):

@@ -8,10 +8,16 @@ import json
 
 import pytest
 
-from pipeline.benchmarks.base import BenchmarkError, Item, load_benchmark
-from pipeline.benchmarks.code import MBPP, HumanEval, canonical_humaneval_answers, doctest_asserts, example_asserts
 from pipeline.config import BenchmarkConfig
-from pipeline.sandbox import Limits, run_test_suite, run_workflow
+from pipeline.engines.benchmarks.base import BenchmarkError, Item, load_benchmark
+from pipeline.engines.benchmarks.code import (
+    MBPP,
+    HumanEval,
+    canonical_humaneval_answers,
+    doctest_asserts,
+    example_asserts,
+)
+from pipeline.engines.sandbox import Limits, run_test_suite, run_workflow
 
 
 @pytest.fixture(scope="module")

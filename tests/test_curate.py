@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from pipeline.curate import (
+from pipeline.core.curation import (
     _TopN,
     assign_buckets,
     candidate_groups,
@@ -412,7 +412,7 @@ def _score(gen_id, status="ok", score=1.0, rep=0, attempt=0):
 
 
 def test_run_curate_flat_left_out_invalid_and_reps(tmp_path):
-    from pipeline.curate import run_curate
+    from pipeline.stages.curate import run_curate
 
     ctx = _ctx(tmp_path, ["scoring.reps=2", "scoring.retry_timeouts=true", "curation.top_n=100"])
     gens, scores = [], []
@@ -458,7 +458,7 @@ def test_run_curate_flat_left_out_invalid_and_reps(tmp_path):
 
 
 def test_run_curate_flat_records_screened_out_summary(tmp_path):
-    from pipeline.curate import run_curate
+    from pipeline.stages.curate import run_curate
 
     ctx = _ctx(tmp_path, ["curation.top_n=1"])
     ctx.store.write("generations", [_gen(f"q{i}", "q", i) for i in range(4)], ctx.run_id, 0)
@@ -472,7 +472,7 @@ def test_run_curate_flat_records_screened_out_summary(tmp_path):
 
 
 def test_run_curate_two_level(tmp_path):
-    from pipeline.curate import run_curate
+    from pipeline.stages.curate import run_curate
 
     ctx = _ctx(tmp_path, ["rollout.mode=two_level"])
     gens = [_gen("A0", "q", 0, "agent"), _gen("A1", "q", 1, "agent"), _gen("A2", "q", 2, "agent", valid=False),
@@ -508,7 +508,7 @@ def _two_queries(ctx):
 
 
 def test_run_curate_counts_distinct_workflows_and_queries(tmp_path):
-    from pipeline.curate import run_curate
+    from pipeline.stages.curate import run_curate
 
     ctx = _ctx(tmp_path, ["curation.top_n=4"])
     _two_queries(ctx)
@@ -519,7 +519,7 @@ def test_run_curate_counts_distinct_workflows_and_queries(tmp_path):
 
 
 def test_run_curate_dedupe_and_cap_from_the_config(tmp_path):
-    from pipeline.curate import run_curate
+    from pipeline.stages.curate import run_curate
 
     ctx = _ctx(tmp_path, ["curation.top_n=4", "curation.dedupe=true", "curation.max_kept_per_query=3"])
     _two_queries(ctx)

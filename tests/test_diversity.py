@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from test_scoring import SOLVER, make_run
 
-from pipeline.reward import combine, diversity_terms, program_key, reward
+from pipeline.core.reward import combine, diversity_terms, program_key, reward
 from pipeline.run import open_run
-from pipeline.scoring import run_scoring
+from pipeline.stages.score import run_score
 from pipeline.store import Store
 
 A = "async def solve(p):\n    return str(1 + 2)\n"
@@ -39,7 +39,7 @@ def test_score_stage_stores_diversity_and_another_weighting_recomputes(tmp_path)
     path, root = make_run(tmp_path, [SOLVER, solver_commented, B], n_queries=1,
                           reward={"diversity_weight": 0.5})
     ctx = open_run(path, "t", 0)
-    assert run_scoring(ctx)["done"] is True
+    assert run_score(ctx)["done"] is True
     rows = {r["gen_id"].split("#")[1]: r for r in Store(root).read("scores", "t", 0).to_dicts()}
     # SOLVER twice (a comment apart): diversity 1/2 each, right -> 1 - 0.5 * (1 - 1/2); B alone: 1, wrong -> 0
     assert [rows[k]["diversity"] for k in "012"] == [0.5, 0.5, 1.0]

@@ -15,7 +15,7 @@ import pytest
 from conftest import free_port
 
 from pipeline.config import ExecutorConfig, PriceConfig
-from pipeline.executors import (
+from pipeline.engines.executors import (
     ExecutorError,
     ExecutorReply,
     LocalExecutor,
@@ -317,7 +317,7 @@ def test_local_executor_batches_and_is_greedy(smol_tokenizer):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_openai_executor_against_vllm(vllm_server, shared_sandbox):
-    from pipeline.sandbox import Limits, run_workflow
+    from pipeline.engines.sandbox import Limits, run_workflow
 
     cfg = ExecutorConfig(kind="openai", model="smol", base_url=vllm_server, max_tokens=16, timeout_s=120,
                          concurrency=2, prices=PriceConfig(input_per_mtok=1.0, output_per_mtok=2.0))

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from pipeline.exemplars import bucket_weights, load_pools, pick_exemplars, tau_at
-from pipeline.prompting import Shown
+from pipeline.engines.prompting import Shown
+from pipeline.stages.exemplars import bucket_weights, load_pools, pick_exemplars, tau_at
 from pipeline.store import Store
 
 

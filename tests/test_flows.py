@@ -19,12 +19,12 @@ from flows.evaluate import evaluate
 from flows.iterate import iterate
 from flows.score import score
 from pipeline import stages
-from pipeline.evaluate import eval_run_id
 from pipeline.run import open_run
 from pipeline.stages import runner
 from pipeline.stages.rounds import direct_call, run_rounds
 from pipeline.stages.runner import RetryPolicy, StageError, run_stage
 from pipeline.store import Store
+from pipeline.studies.evaluate import eval_run_id
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -162,7 +162,7 @@ def test_evaluate_refuses_a_round_without_checkpoint(tmp_path, monkeypatch):
     FakeStages().install(monkeypatch)
     open_run(_config(tmp_path, rounds=1), "r")
     from pipeline.config import ConfigError
-    from pipeline.evaluate import open_eval_run
+    from pipeline.studies.evaluate import open_eval_run
 
     with pytest.raises(ConfigError, match="no checkpoint for round 3"):
         open_eval_run(str(tmp_path / "runs"), "r", 3)
@@ -293,8 +293,8 @@ SCRIPTED = [
 def scripted_rollout(ctx) -> None:
     """Stand-in for the sampling step only: queries and generations rows as rollout writes them (real
     benchmark items, real token ids), then the rollout manifest. Everything after it is real."""
-    from pipeline.benchmarks.base import load_benchmark
-    from pipeline.models import load_tokenizer
+    from pipeline.engines.benchmarks.base import load_benchmark
+    from pipeline.engines.models import load_tokenizer
 
     tok = load_tokenizer(ctx.cfg.generator.model)
     items = load_benchmark(ctx.cfg.benchmark).items()
@@ -450,7 +450,7 @@ def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness
     """Two seeds x two rounds; a fake scorer gives the base model 0 on q0 and 0.5 on q1 and any checkpoint 1.0:
     per seed the paired differences are [1.0, 0.5], so the pooled mean is 0.75 over 4 pairs."""
     from flows.experiment import experiment
-    from pipeline.experiment import experiment_dir, run_experiment
+    from pipeline.studies.experiment import experiment_dir, run_experiment
 
     calls = []
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pipeline.config import GeneratorConfig
-from pipeline.generation import GenerationError, Sampling, adapter_id, make_generator
-from pipeline.models import load_causal_lm
+from pipeline.engines.generation import GenerationError, Sampling, adapter_id, make_generator
+from pipeline.engines.models import load_causal_lm
 
 MODEL = "embedded:smollm2-135m-instruct"
 QUESTIONS = ["Say hi.", "Write a Python function that adds two numbers and explain it briefly."]
@@ -146,7 +146,7 @@ def test_openai_backend_retokenizes_for_other_servers(smol_tokenizer):
     """Against a non-vLLM server the completion is re-tokenized and flagged (a fake server, logic only)."""
     from types import SimpleNamespace
 
-    from pipeline.generation.openai_server import OpenAIGenerator
+    from pipeline.engines.generation.openai_server import OpenAIGenerator
 
     gen = OpenAIGenerator.__new__(OpenAIGenerator)
     gen.tokenizer, gen.is_vllm = smol_tokenizer, False

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.grpo import group_advantages, grpo_mkl_terms, level_weights, normalise
+from pipeline.core.grpo import group_advantages, grpo_mkl_terms, level_weights, normalise
 
 LN2 = math.log(2)
 K3_UP, K3_DOWN = 1 - LN2, LN2 - 0.5  # k3 at ref - logp = +ln2 and -ln2
@@ -98,7 +98,7 @@ def test_shape_errors_are_clear():
 
 
 def test_public_loss_is_importable_from_train_with_the_issue_signature():
-    from pipeline.train import grpo_mkl_loss
+    from pipeline.stages.train import grpo_mkl_loss
 
     params = list(inspect.signature(grpo_mkl_loss).parameters)
     assert params[:8] == ["logp", "old_logp", "ref_logp", "advantages", "completion_mask", "beta", "clip_eps",

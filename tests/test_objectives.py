@@ -1,4 +1,4 @@
-"""The objective registry (pipeline.objectives), the curated data of each objective, and the train stage with each.
+"""The objective registry (pipeline.core.objectives), the curated data of each objective, and the train stage with each.
 
 Losses are checked against values computed by hand from each method's definition (SPOGW eq. 3.6, DeepSeekMath's
 GRPO, W4S's reward-weighted regression, ScoreFlow's Score-DPO, plain NLL)."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.config import TrainingConfig
-from pipeline.objectives import KINDS, OBJECTIVES, LossInput, get_objective, register_objective
+from pipeline.core.objectives import KINDS, OBJECTIVES, LossInput, get_objective, register_objective
 
 LN2 = math.log(2)
 
@@ -113,7 +113,7 @@ def test_score_dpo_by_hand():
 
 
 def test_score_pairs_draw_by_the_cubed_gap():
-    from pipeline.curate import score_pairs
+    from pipeline.core.curation import score_pairs
 
     # q: gaps (0,1) .5 -> .125, (0,2) 1 -> 1, (1,2) .5 -> .125: P = .1, .8, .1; r: all equal, no pair
     draws = score_pairs({"q": [1.0, 0.5, 0.0], "r": [0.3, 0.3]}, per_query=20000, power=3.0,
@@ -126,7 +126,7 @@ def test_score_pairs_draw_by_the_cubed_gap():
 
 
 def test_rwr_weights_and_best_member_by_hand():
-    from pipeline.curate import best_member, rwr_weights
+    from pipeline.core.curation import best_member, rwr_weights
 
     assert rwr_weights([1.0, 0.0, 0.5], 0.4).tolist() == pytest.approx([math.exp(2.5), 1.0, math.exp(1.25)])
     assert best_member([0.5, 1.0, 1.0], 0.0) == 1  # the first of ties
@@ -136,7 +136,7 @@ def test_rwr_weights_and_best_member_by_hand():
 def test_run_curate_writes_every_kind(tmp_path):
     from test_curate import _ctx, _gen, _score
 
-    from pipeline.curate import run_curate
+    from pipeline.stages.curate import run_curate
 
     ctx = _ctx(tmp_path, ["curation.pairs_per_query=3"])
     gens = [_gen(f"w{i}", "q", i) for i in range(3)] + [_gen(f"z{i}", "z", i) for i in range(2)]
@@ -167,7 +167,7 @@ def _round(ctx, scores: list[float]) -> None:
     """One query, one workflow per score, each with its own completion tokens (so a loss can tell them apart)."""
     from test_curate import _gen, _score
 
-    from pipeline.curate import run_curate
+    from pipeline.stages.curate import run_curate
 
     gens = [_gen(f"w{i}", "q", i) | {"token_ids": [100 + i, 200 + i, 300 + i]} for i in range(len(scores))]
     ctx.store.write("generations", gens, ctx.run_id, ctx.round)
@@ -179,8 +179,8 @@ def _logps(ctx, adapter) -> dict[str, float]:
     """Sequence log-prob of each workflow under base + `adapter` (None: the base model)."""
     from peft import PeftModel
 
-    from pipeline.models import load_causal_lm
-    from pipeline.train import TrainSequence, collate, completion_logprobs
+    from pipeline.engines.models import load_causal_lm
+    from pipeline.stages.train import TrainSequence, collate, completion_logprobs
 
     gens = ctx.store.read("generations", ctx.run_id, ctx.round).sort("gen_id")
     model = load_causal_lm(ctx.cfg.generator.model, dtype="float32", device="cpu")
@@ -202,8 +202,8 @@ def test_each_objective_trains_a_checkpoint_the_next_round_loads(tmp_path, tiny_
     from test_curate import _ctx
 
     from pipeline.stages.runner import run_stage
+    from pipeline.stages.train import load_policy, start_adapter
     from pipeline.store import adapter_complete
-    from pipeline.train import load_policy, start_adapter
 
     sets = [f"generator.model={tiny_model}", f"training.objective={objective}", "training.lr=1e-2", "training.epochs=3",
             "training.micro_batch_size=2", "curation.pairs_per_query=2", "training.beta=0.0",
@@ -229,7 +229,7 @@ def test_each_objective_trains_a_checkpoint_the_next_round_loads(tmp_path, tiny_
 def test_score_dpo_refuses_no_reference(tmp_path, tiny_model):
     from test_curate import _ctx
 
-    from pipeline.train import run_train
+    from pipeline.stages.train import run_train
 
     ctx = _ctx(tmp_path, [f"generator.model={tiny_model}", "training.objective=score_dpo", "training.reference=none"])
     _round(ctx, [1.0, 0.0])
@@ -243,7 +243,7 @@ def test_data_run_trains_another_runs_round(tmp_path, tiny_model):
     from test_curate import _ctx
 
     from pipeline.run import open_run
-    from pipeline.train import run_train
+    from pipeline.stages.train import run_train
 
     src = _ctx(tmp_path, [f"generator.model={tiny_model}"])
     _round(src, [1.0, 0.0, 0.5])
@@ -264,7 +264,7 @@ def test_ablation_plans_arms_and_pairs_them_by_hand(tmp_path, monkeypatch):
     source run does every stage of round 0 (its checkpoint is CONFIG's objective's arm), each other objective
     trains in its own arm run on the source's data, and the table pairs arms with the base model and the
     reference arm per (seed, query)."""
-    import pipeline.ablation as ab
+    import pipeline.studies.ablation as ab
     from pipeline.run import open_run
 
     calls, evals = [], []

@@ -1,4 +1,4 @@
-"""Data-parallel training on Accelerate (pipeline/parallel.py): 2 processes over gloo train the same adapter as 1
+"""Data-parallel training on Accelerate (pipeline/stages/parallel.py): 2 processes over gloo train the same adapter as 1
 process on the same data and seed, and a kill -9 of one rank fails the stage cleanly and the retry starts over.
 
 Both runs go through the stage runner as a user's run does (`PIPELINE_LAUNCHER_TRAIN="accelerate launch ..."`),
@@ -29,8 +29,8 @@ def _curated_round(tmp_path, tiny_model, epochs: int = 2):
     """A curated round of 4 queries x 4 workflows (random token ids, graded scores): 16 sequences in micro-batches
     of 2, 3 a step: 3 steps an epoch, the last with 2 micro-batches, so on 2 ranks one step an epoch has a rank
     that runs a zero-weight filler (rank_share)."""
-    from pipeline.curate import run_curate
     from pipeline.run import open_run
+    from pipeline.stages.curate import run_curate
 
     sets = [f"store.root={tmp_path}", "curation.n=3", "curation.t=1", "curation.top_n=8",
             f"generator.model={tiny_model}", "training.micro_batch_size=2", "training.grad_accum=3",
@@ -87,7 +87,7 @@ def _assert_same_training(one, two) -> None:
 def test_fsdp_and_deepspeed_launches_are_refused(monkeypatch):
     """Untested here (Accelerate runs CPU processes as DDP), and silently wrong with FSDP's rank-0-only loading:
     refused with a message that says what to launch instead."""
-    from pipeline.parallel import make_accelerator
+    from pipeline.stages.parallel import make_accelerator
 
     for var in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
         monkeypatch.setenv(var, "true")

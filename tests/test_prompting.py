@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from pipeline.prompting import (
+from pipeline.engines.prompting import (
     FAMILIES,
     PromptError,
     Shown,
@@ -17,7 +17,7 @@ from pipeline.prompting import (
     require_chat_template,
     workflow_prompt,
 )
-from pipeline.workflow import check_workflow, extract_code
+from pipeline.engines.workflow import check_workflow, extract_code
 
 
 @pytest.fixture

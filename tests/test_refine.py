@@ -12,11 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import pipeline.rollout as rollout
-from pipeline.benchmarks.base import Benchmark, Item, MetricResult
+import pipeline.stages.rollout as rollout
 from pipeline.config import ConfigError, config_from_dict
-from pipeline.generation import Completion, Generator
-from pipeline.refine import (
+from pipeline.engines.benchmarks.base import Benchmark, Item, MetricResult
+from pipeline.engines.generation import Completion, Generator
+from pipeline.run import RunContext
+from pipeline.stages.refine import (
     State,
     Task,
     best_index,
@@ -26,7 +27,6 @@ from pipeline.refine import (
     rwr_weights,
     state_prompt,
 )
-from pipeline.run import RunContext
 from pipeline.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,9 +110,9 @@ def test_evaluation_and_derived_runs_of_a_refine_run_sample_flat(tmp_path):
     """Refine feedback reads gold answers: held-out runs never refine (and never need refine turns to score)."""
     import yaml
 
-    from pipeline.evaluate import derived_run_sets, open_eval_run
-    from pipeline.experiment import eval_sets
     from pipeline.run import open_run
+    from pipeline.studies.evaluate import derived_run_sets, open_eval_run
+    from pipeline.studies.experiment import eval_sets
 
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"run_id": "rf", "store": {"root": str(tmp_path)}, "rollout": {"mode": "refine"}}))
@@ -239,9 +239,9 @@ def _assert_turns(st: Store) -> None:
 
 @pytest.mark.usefixtures("shared_sandbox")
 def test_refine_turns_skip_repair_rewards_scores_and_curation(tmp_path, monkeypatch):
-    from pipeline.curate import run_curate
-    from pipeline.grpo import group_advantages
-    from pipeline.scoring import run_scoring
+    from pipeline.core.grpo import group_advantages
+    from pipeline.stages.curate import run_curate
+    from pipeline.stages.score import run_score
 
     ctx = _ctx(tmp_path)
     gen = Scripted()
@@ -277,13 +277,13 @@ def test_refine_turns_skip_repair_rewards_scores_and_curation(tmp_path, monkeypa
     assert selfc.height == 12 and set(selfc["query_id"]) == {"q0"}
 
     # the score stage: nothing runs, the accuracy is the score
-    res = run_scoring(ctx)
+    res = run_score(ctx)
     assert res["ran"] == 0 and res["written"] == 12 and ctx.done("score")
     scores = {r["gen_id"]: r for r in st.generation_scores("rf", 0, 1, set()).iter_rows(named=True)}
     assert scores[cid(2, 1)]["score"] == pytest.approx(0.75) and scores[cid(1, 2, 1)]["score"] == 0.5
     assert scores[cid(1, 2)]["score"] == 0.0 and not scores[cid(1, 2)]["final"]  # the broken original of a repair
     assert scores[cid(0, 2, 2)]["score"] == 0.0 and scores[cid(0, 2, 2)]["final"]  # the skipped candidate
-    assert run_scoring(ctx)["written"] == 0  # re-running writes nothing
+    assert run_score(ctx)["written"] == 0  # re-running writes nothing
     usage = st.sql("SELECT sum(llm_calls) n FROM latest_scores WHERE run_id = 'rf'")["n"][0]
     assert usage == 0  # executor usage stays with the checks rows
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import rollout
-from pipeline.generation.base import Completion, Generator
+from pipeline.stages import rollout
+from pipeline.engines.generation.base import Completion, Generator
 from pipeline.run import open_run
 from pipeline.store import Store
 
@@ -87,9 +87,9 @@ def test_repair_gives_up_after_n_attempts(tmp_path, monkeypatch):
     assert [len(p) for p in gen.prompts] == [1, 1, 1]  # the sample, then exactly 2 repairs: no third
     assert sorted(st.read("checks", "rp", 0)["status"].to_list()) == ["exec_error"] * 3
     # resuming finds nothing left to do
-    from pipeline.repair import self_repair
+    from pipeline.stages.repair import self_repair
 
-    ro = rollout._Rollout(ctx, [], "procedural", None, rollout.Pools(), None, None)
+    ro = rollout.Sampler(ctx, [], "procedural", None, rollout.Pools(), None, None)
     ro.items = rollout.load_benchmark(ctx.cfg.benchmark).items()
     again = self_repair(ctx, ro, engine=lambda: pytest.fail("no repair is left to sample"))
     assert again == {"checked": 0, "repairs": 0, "fixed": 0, "gave_up": 1}

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.report import build_report, round_stats, stage_timings, status_counts
 from pipeline.store import Store
+from pipeline.studies.report import build_report, round_stats, stage_timings, status_counts
 
 
 @pytest.fixture

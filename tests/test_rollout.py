@@ -12,14 +12,15 @@ import polars as pl
 import pytest
 import torch
 
-import pipeline.rollout as rollout
-from pipeline.benchmarks.base import Benchmark, Item, MetricResult
+import pipeline.stages.rollout as rollout
 from pipeline.config import config_from_dict
-from pipeline.generation import Completion, GenerationError, Generator, Sampling
-from pipeline.prompting import PromptError
-from pipeline.rollout import RolloutError, gen_id, run_rollout
+from pipeline.engines.benchmarks.base import Benchmark, Item, MetricResult
+from pipeline.engines.generation import Completion, GenerationError, Generator, Sampling
+from pipeline.engines.prompting import PromptError
 from pipeline.run import RunContext
 from pipeline.stages import STAGES
+from pipeline.stages.rollout import RolloutError, run_rollout
+from pipeline.stages.sampling import gen_id
 from pipeline.store import Store
 
 WORKFLOW = ("```python\nasync def solve(problem):\n    return (await llm([{'role': 'user', 'content': problem}]))[0]\n"
@@ -276,7 +277,7 @@ def test_bad_input_writes_nothing(tmp_path, fake, monkeypatch, case, request):
         ctx = make_ctx(tmp_path)
         err, match = PromptError, "no chat template"
     else:
-        from pipeline.generation import make_generator
+        from pipeline.engines.generation import make_generator
 
         monkeypatch.setattr(rollout, "make_generator", make_generator)
         with socket.socket() as s:
@@ -357,8 +358,8 @@ def test_evaluation_prompts_are_built_as_training_prompts(tmp_path, fake, exempl
     prompts (no exemplars)."""
     import yaml
 
-    from pipeline.evaluate import open_eval_run
     from pipeline.run import open_run
+    from pipeline.studies.evaluate import open_eval_run
 
     fake()
     cfg = tmp_path / "c.yaml"
@@ -403,7 +404,7 @@ def test_vllm_on_cpu_samples_the_adapter_merged(tmp_path, fake, monkeypatch, smo
     merged model computes what base + adapter computes."""
     from test_generation import make_adapter
 
-    from pipeline.models import load_causal_lm, merge_adapter
+    from pipeline.engines.models import load_causal_lm, merge_adapter
 
     adapter = make_adapter(tmp_path / "lora", seed=2, scale=0.05)
     merged = merge_adapter("embedded:smollm2-135m-instruct", adapter, tmp_path / "merged")
@@ -423,9 +424,9 @@ def test_vllm_on_cpu_samples_the_adapter_merged(tmp_path, fake, monkeypatch, smo
         seen.update(model=cfg.model, lora=enable_lora, exists=Path(cfg.model, "config.json").is_file())
         or gens.append(FakeGen()) or gens[-1]))
     monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "cache"))
-    import pipeline.models
+    import pipeline.engines.models
 
-    monkeypatch.setattr(pipeline.models, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(pipeline.engines.models, "cache_dir", lambda: tmp_path / "cache")
     ctx = make_ctx(tmp_path / "store", generator={"backend": "vllm", "adapter": adapter, "batch_size": 2})
     run_rollout(ctx)
     assert seen["lora"] is False and seen["exists"] and seen["model"].startswith(str(tmp_path / "cache" / "merged"))

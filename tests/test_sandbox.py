@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from pipeline.executors import ExecutorReply
-from pipeline.sandbox import Limits, Sandbox, build_messages, run_test_suite, run_workflow, run_workflow_sync
+from pipeline.engines.executors import ExecutorReply
+from pipeline.engines.sandbox import Limits, Sandbox, build_messages, run_test_suite, run_workflow, run_workflow_sync
 
 LIMITS = Limits(timeout_s=5, cpu_s=3, max_llm_calls=3)
 

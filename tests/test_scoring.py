@@ -17,15 +17,15 @@ import yaml
 from test_executors import FaultServer, free_port
 from test_hostile import sandbox_procs
 
-from pipeline.benchmarks.base import load_benchmark
 from pipeline.config import JudgeConfig
-from pipeline.judge import Judge, parse_verdict
-from pipeline.reward import code_stats, combine, complexity_term, cost_term, reward
+from pipeline.core.reward import code_stats, combine, complexity_term, cost_term, reward
+from pipeline.engines.benchmarks.base import load_benchmark
+from pipeline.engines.judge import Judge, parse_verdict
+from pipeline.engines.sandbox.client import UID_COUNT
 from pipeline.run import open_run
-from pipeline.sandbox.client import UID_COUNT
-from pipeline.schema import transient_statuses
-from pipeline.scoring import Job, latest_attempts, plan, run_scoring
+from pipeline.stages.score import Job, latest_attempts, plan, run_score
 from pipeline.store import Store
+from pipeline.store.schema import transient_statuses
 
 # ---- pure parts -------------------------------------------------------------------------------------
 
@@ -136,13 +136,13 @@ def scores(store_root: str):
     return Store(store_root).read("scores", "t", 0)
 
 
-@pytest.mark.usefixtures("shared_sandbox")  # run_scoring runs workflows in the default sandbox
+@pytest.mark.usefixtures("shared_sandbox")  # run_score runs workflows in the default sandbox
 def test_stage_scores_recovers_executor_faults_with_only_failed(tmp_path):
     path, root = make_run(tmp_path, [SOLVER, "def solve(p): return 1", "async def solve(p):\n    return 1 / 0\n",
                                      LLM_WF], reps=2, batch_size=3)
     # the executor endpoint is down: the llm workflow's runs are executor_error, everything else final; the
     # call gives those 4 one more attempt (16 + 4 runs), still down
-    out = run_scoring(open_run(path, "t", 0))
+    out = run_score(open_run(path, "t", 0))
     assert out["runs"] == 16 and out["ran"] == 20 and out["left"] == 4 and out["done"] is False
     assert out["by_status"] == {"ok": 4, "invalid": 4, "exec_error": 4, "executor_error": 4}
     ctx = open_run(path, "t", 0)
@@ -155,12 +155,12 @@ def test_stage_scores_recovers_executor_faults_with_only_failed(tmp_path):
     assert json.loads(solver["details"][0])["reward"]["ast_nodes"] == SOLVER_NODES
 
     # a plain re-run runs only the transient rows again; --only-failed against a healthy endpoint completes it
-    assert run_scoring(open_run(path, "t", 0))["ran_by_status"] == {"executor_error": 4}
+    assert run_score(open_run(path, "t", 0))["ran_by_status"] == {"executor_error": 4}
     srv = FaultServer()
     srv.reply = "7"
     try:
         ctx = open_run(path, "t", 0, sets=[f"executor.base_url={srv.url}"])
-        out = run_scoring(ctx, only_failed=True)
+        out = run_score(ctx, only_failed=True)
     finally:
         srv.close()
     assert out["ran"] == 4 and out["left"] == 0 and out["done"] is True and ctx.done("score")
@@ -171,12 +171,12 @@ def test_stage_scores_recovers_executor_faults_with_only_failed(tmp_path):
     assert retried["status"].to_list() == ["ok"] * 4 and retried["llm_calls"].to_list() == [1] * 4
     assert retried["tokens_in"].to_list() == [7] * 4 and retried["answer"].to_list() == ["7"] * 4
     assert df.select(["gen_id", "rep", "attempt"]).is_duplicated().sum() == 0
-    assert run_scoring(ctx, only_failed=True)["ran"] == 0  # nothing transient is left
+    assert run_score(ctx, only_failed=True)["ran"] == 0  # nothing transient is left
 
 
-@pytest.mark.usefixtures("shared_sandbox")  # run_scoring runs workflows in the default sandbox
+@pytest.mark.usefixtures("shared_sandbox")  # run_score runs workflows in the default sandbox
 def test_stage_on_humaneval_with_public_tests(tmp_path):
-    from pipeline.benchmarks.code import canonical_humaneval_answers
+    from pipeline.engines.benchmarks.code import canonical_humaneval_answers
 
     answers = canonical_humaneval_answers()
     good = ("async def solve(problem):\n    import json\n    code = json.loads(ANSWERS)[problem_id(problem)]\n"
@@ -188,7 +188,7 @@ def test_stage_on_humaneval_with_public_tests(tmp_path):
                "def problem_id(p):\n    return 'HumanEval/0' if 'has_close_elements' in p else 'HumanEval/2'\n")
     broken = "async def solve(problem):\n    return problem + '    return None\\n'\n"
     path, root = make_run(tmp_path, [prelude + good, broken], benchmark={"name": "humaneval"}, n_queries=3)
-    out = run_scoring(open_run(path, "t", 0))
+    out = run_score(open_run(path, "t", 0))
     assert out["done"] is True
     df = scores(root).sort("gen_id")
     by_gen = dict(zip(df["gen_id"], df["score"], strict=True))
@@ -198,14 +198,14 @@ def test_stage_on_humaneval_with_public_tests(tmp_path):
     assert dict(zip(df["gen_id"], df["status"], strict=True))["HumanEval/1#0"] == "exec_error"
 
 
-@pytest.mark.usefixtures("shared_sandbox")  # run_scoring runs workflows in the default sandbox
+@pytest.mark.usefixtures("shared_sandbox")  # run_score runs workflows in the default sandbox
 def test_stage_with_judge_and_reward_weights(tmp_path):
     srv = FaultServer()
     srv.reply = "INCORRECT"
     try:
         path, root = make_run(tmp_path, [SOLVER], n_queries=1)
         sets = [f"scoring.reward.judge.base_url={srv.url}", "scoring.reward.judge.model=judge"]
-        out = run_scoring(open_run(path, "t", 0, sets=sets))
+        out = run_score(open_run(path, "t", 0, sets=sets))
     finally:
         srv.close()
     assert out["done"] is True
@@ -215,7 +215,7 @@ def test_stage_with_judge_and_reward_weights(tmp_path):
     assert details["judge"]["judge_reply"] == "INCORRECT"
     # the penalties: stored as components, weighted into the score
     path2, root2 = make_run(tmp_path / "w", [SOLVER], n_queries=1)
-    out = run_scoring(open_run(path2, "t", 0, sets=["scoring.reward.complexity_weight=1.0"]))
+    out = run_score(open_run(path2, "t", 0, sets=["scoring.reward.complexity_weight=1.0"]))
     row = scores(root2).row(0, named=True)
     # complexity 0.5 * 30/2000 + 0.5 * 0/10 = 0.0075, weighted 1.0: score 1 - 0.0075
     assert row["metric"] == 1.0 and row["complexity"] == pytest.approx(0.0075) and row["cost"] == 0.0
@@ -248,7 +248,7 @@ def test_interrupted_stage_loses_and_duplicates_nothing(tmp_path, sig):
         time.sleep(0.1)
     assert sandbox_procs(uids) == []
 
-    out = run_scoring(open_run(path, "t", 0))
+    out = run_score(open_run(path, "t", 0))
     after = scores(root)
     assert out["done"] is True and out["ran"] == 12 - before.height
     assert after.height == 12 and after.select(["gen_id", "rep"]).is_duplicated().sum() == 0
@@ -263,7 +263,7 @@ def test_stage_with_the_local_executor(tmp_path, benchmark, smol_tokenizer):
     wf = "async def solve(problem):\n    return (await llm(problem, instructions='Write the code.'))[0]\n"
     path, root = make_run(tmp_path, [wf], benchmark=benchmark, n_queries=1, timeout_s=120,
                           executor={"kind": "local", "model": "embedded:smollm2-135m-instruct", "max_tokens": 8})
-    out = run_scoring(open_run(path, "t", 0))
+    out = run_score(open_run(path, "t", 0))
     assert out["done"] is True and out["by_status"] == {"ok": 1}
     row = scores(root).row(0, named=True)
     # the executor saw the system instruction and the query's prompt, through the model's chat template

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.selection import Selection, select_all, select_at_l, select_query
+from pipeline.core.selection import Selection, select_all, select_at_l, select_query
 
 
 def test_best_agent_then_its_best_workflow():
@@ -42,8 +42,8 @@ def test_eval_summary_of_a_two_level_run_reports_sel_at_l(tmp_path):
     """An evaluation (or any two-level run's round 0) scored by hand: Mean@L, Best@L and Sel@L side by side."""
     import yaml
 
-    from pipeline.evaluate import eval_summary
     from pipeline.run import open_run
+    from pipeline.studies.evaluate import eval_summary
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"run_id": "ev", "store": {"root": str(tmp_path)},
@@ -67,7 +67,7 @@ def test_eval_summary_of_a_two_level_run_reports_sel_at_l(tmp_path):
 
 def test_experiments_compare_sel_at_l_for_two_level_runs():
     from pipeline.config import RunConfig
-    from pipeline.experiment import compared_metrics
+    from pipeline.studies.experiment import compared_metrics
 
     assert compared_metrics(RunConfig()) == ("mean_at_l", "best_at_l", "majority_at_l")
     two = RunConfig.model_validate({"rollout": {"mode": "two_level"}})

@@ -193,7 +193,7 @@ def test_cli_scores_shards_one_after_another_and_an_empty_shard_completes(tmp_pa
     from typer.testing import CliRunner
 
     from pipeline.cli import app
-    from pipeline.report import stage_timings
+    from pipeline.studies.report import stage_timings
 
     _, root = make_run(tmp_path, [SOLVER, "def solve(p): return 1"], n_queries=2)
     owners = sorted(i for q in _queries_of(root)[0] | _queries_of(root)[1] for i in range(3) if Shard(i, 3).owns(q))

@@ -12,8 +12,17 @@ import pytest
 import yaml
 
 from pipeline.config import RunConfig, SMCConfig
-from pipeline.generation.base import Completion, Generator
-from pipeline.smc import SMC, Particle, Query, _reward_fn, consistency_rewards, cut_step, lookahead_weight, resample
+from pipeline.engines.generation.base import Completion, Generator
+from pipeline.studies.smc import (
+    SMC,
+    Particle,
+    Query,
+    _reward_fn,
+    consistency_rewards,
+    cut_step,
+    lookahead_weight,
+    resample,
+)
 
 HEAD = "```python\nasync def solve(problem):\n"
 S1 = "    # Step 1: a\n    x = 1\n"
@@ -124,10 +133,10 @@ class Scripted(Generator):
 
 @pytest.mark.usefixtures("shared_sandbox")
 def test_smc_run_end_to_end(tmp_path, monkeypatch):
-    import pipeline.generation
-    from pipeline.smc import run_smc
+    import pipeline.engines.generation
     from pipeline.stages.runner import run_stage
     from pipeline.store import Store
+    from pipeline.studies.smc import run_smc
 
     cfg = yaml.safe_load(Path("configs/smoke.yaml").read_text())
     cfg.update(run_id="s", rounds=1)
@@ -139,7 +148,7 @@ def test_smc_run_end_to_end(tmp_path, monkeypatch):
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(cfg))
     gen = Scripted()
-    monkeypatch.setattr(pipeline.generation, "make_generator", lambda g, **kw: gen)
+    monkeypatch.setattr(pipeline.engines.generation, "make_generator", lambda g, **kw: gen)
     s = run_smc(str(path), lambda **kw: run_stage(kw["stage"], kw["run_id"], kw["round"], kw["store_root"],
                                                  kw.get("sets"), isolate=False))
     # one step per workflow: every particle completes at step 1; its workflow evaluates the expression: right

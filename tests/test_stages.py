@@ -1,9 +1,8 @@
-"""The stage runner's contract (pipeline.stages): failure classes, retries, discards, options, and the layering
-rule that the library never imports the Prefect wiring."""
+"""The stage runner's contract (pipeline.stages): failure classes, retries, discards, options (the layering
+rules are tests/test_layout.py's)."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 from pathlib import Path
 
@@ -115,56 +114,3 @@ def test_run_stage_refuses_unknown_stages_options_and_runs(tmp_path):
     with pytest.raises(StageError, match="not found") as e:
         run_stage("curate", "nope", 0, root)
     assert not e.value.transient  # a missing run does not appear on a retry
-
-
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
-
-
-def test_the_library_never_imports_the_wiring():
-    offenders = {str(p.relative_to(REPO)): sorted(m for m in _imports(p) if m.split(".")[0] == "flows")
-                 for p in (REPO / "pipeline").rglob("*.py")}
-    assert {k: v for k, v in offenders.items() if v} == {}
-
-
-def _module_graph() -> dict[str, set[str]]:
-    """Module-level imports among pipeline/ and flows/ modules (imports inside functions are lazy by design)."""
-    files = [*(REPO / "pipeline").rglob("*.py"), *(REPO / "flows").glob("*.py")]
-    names = {p: ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__") for p in files}
-    graph = {}
-    for p, name in names.items():
-        deps = set()
-        for node in ast.parse(p.read_text()).body:
-            if isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        graph[name] = deps
-    return {m: {d for d in ds if d in graph and d != m} for m, ds in graph.items()}
-
-
-def test_no_import_cycle_in_the_library_or_the_wiring():
-    graph = _module_graph()
-    assert "flows.iterate" in graph["flows.serve"] and "pipeline.store" in graph["pipeline.run"]  # the graph is real
-    cycles, state = [], {}
-
-    def visit(m: str, path: list[str]) -> None:
-        state[m] = "open"
-        for d in sorted(graph[m]):
-            if state.get(d) == "open":
-                cycles.append(path[path.index(d):] + [d])
-            elif d not in state:
-                visit(d, path + [d])
-        state[m] = "done"
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [m])
-    assert cycles == []

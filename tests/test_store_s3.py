@@ -247,7 +247,7 @@ def test_failure_while_serialising_uploads_nothing(bucket, monkeypatch):
         real(table.slice(0, 1), where, **kw)  # some bytes written, then the process "dies"
         raise MemoryError("killed")
 
-    monkeypatch.setattr("pipeline.store.pq.write_table", dies_half_way)
+    monkeypatch.setattr("pipeline.store.store.pq.write_table", dies_half_way)
     with pytest.raises(MemoryError):
         st.write("generations", [{"gen_id": "a", "kind": "workflow"}, {"gen_id": "b", "kind": "workflow"}], "r", 0)
     assert _keys(bucket) == [] and st.parts("generations") == []
@@ -272,7 +272,7 @@ class Fakes:
         self.adapters: dict[int, dict] = {}
 
     def rollout(self, ctx):
-        from pipeline.rollout import resolve_adapter
+        from pipeline.stages.rollout import resolve_adapter
 
         self.calls.append(("rollout", ctx.round))
         path, rnd = resolve_adapter(ctx)
@@ -339,9 +339,9 @@ def test_rounds_run_on_an_s3_store_with_the_endpoint_from_the_config(bucket, s3_
     assert len(fakes.calls) == n
     assert open_run(None, "s3run", 1, store_root=f"s3://{bucket}/runs").done("curate")
     # evaluating a checkpoint: the eval run's generator.adapter is the s3:// checkpoint, materialised for rollout
-    from pipeline.evaluate import open_eval_run
-    from pipeline.report import build_report
-    from pipeline.rollout import resolve_adapter
+    from pipeline.stages.rollout import resolve_adapter
+    from pipeline.studies.evaluate import open_eval_run
+    from pipeline.studies.report import build_report
 
     ev = open_eval_run(f"s3://{bucket}/runs", "s3run", 1)
     assert ev.cfg.generator.adapter == f"s3://{bucket}/runs/s3run/round=1/checkpoint" and st.read_config(ev.run_id)

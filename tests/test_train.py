@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.train import TrainSequence, collate, completion_logprobs
+from pipeline.stages.train import TrainSequence, collate, completion_logprobs
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 torch.set_num_threads(2)
@@ -55,7 +55,7 @@ def test_completion_logprobs_match_full_logits():
 @pytest.fixture(scope="module")
 def samples():
     """4 sampled completions per question, with generation-time logprobs (raw distribution)."""
-    from pipeline.models import load_causal_lm, load_tokenizer
+    from pipeline.engines.models import load_causal_lm, load_tokenizer
 
     tok, lm = load_tokenizer(MODEL), load_causal_lm(MODEL, dtype="float32", device="cpu")
     torch.manual_seed(0)
@@ -98,7 +98,7 @@ def _mean_logp(adapter, samples) -> dict[str, float]:
     """Mean per-token logprob of each sample under the base model (+ adapter)."""
     from peft import PeftModel
 
-    from pipeline.models import load_causal_lm
+    from pipeline.engines.models import load_causal_lm
 
     lm = load_causal_lm(MODEL, dtype="float32", device="cpu")
     if adapter is not None:
@@ -112,8 +112,8 @@ def _mean_logp(adapter, samples) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_mechanism_curate_then_train_moves_logprobs(tmp_path, samples):
-    from pipeline.curate import run_curate
-    from pipeline.train import run_train
+    from pipeline.stages.curate import run_curate
+    from pipeline.stages.train import run_train
 
     ctx = _open(tmp_path, ["training.lr=3e-3", "training.epochs=3", "training.lora_dropout=0.0",
                            "training.micro_batch_size=4"])
@@ -145,8 +145,8 @@ def test_bf16_first_step_has_ratio_one(tmp_path, samples):
     """Under bf16 autocast, π_old is computed under the same autocast as π_θ (and without dropout): before any
     update the two agree exactly, so the first step has KL (k3) 0 and no clipped token. With π_old in fp32
     against a bf16 π_θ, the first step's log-ratio is bf16 rounding noise, and k3 > 0."""
-    from pipeline.curate import run_curate
-    from pipeline.train import run_train
+    from pipeline.stages.curate import run_curate
+    from pipeline.stages.train import run_train
 
     ctx = _open(tmp_path, ["training.bf16=true", "training.lora_dropout=0.0", "training.micro_batch_size=8",
                            "training.grad_accum=2"])
@@ -161,11 +161,11 @@ def test_bf16_first_step_has_ratio_one(tmp_path, samples):
 def test_crash_restart_then_skip_then_next_round(tmp_path, samples, monkeypatch):
     from peft import PeftModel
 
-    from pipeline.curate import run_curate
-    from pipeline.models import load_causal_lm
+    from pipeline.engines.models import load_causal_lm
+    from pipeline.stages.curate import run_curate
     from pipeline.stages.runner import StageError, run_stage
+    from pipeline.stages.train import run_train
     from pipeline.store import Store
-    from pipeline.train import run_train
 
     ctx = _open(tmp_path, ["training.epochs=1", "training.micro_batch_size=8", "training.reference=base"])
     _seed_round(ctx, samples)
@@ -222,8 +222,8 @@ def test_crash_restart_then_skip_then_next_round(tmp_path, samples, monkeypatch)
 
 @pytest.mark.slow
 def test_empty_round_writes_unchanged_adapter(tmp_path, samples):
-    from pipeline.curate import run_curate
-    from pipeline.train import run_train
+    from pipeline.stages.curate import run_curate
+    from pipeline.stages.train import run_train
 
     ctx = _open(tmp_path, [])
     ctx.store.write("generations", samples, ctx.run_id, 0)
@@ -238,8 +238,8 @@ def test_empty_round_writes_unchanged_adapter(tmp_path, samples):
 def test_two_level_sequences_carry_their_level_advantage(tmp_path):
     from test_curate import _ctx, _gen, _score
 
-    from pipeline.curate import run_curate
-    from pipeline.train import load_sequences
+    from pipeline.stages.curate import run_curate
+    from pipeline.stages.train import load_sequences
 
     ctx = _ctx(tmp_path, ["rollout.mode=two_level", "training.max_seq_len=3"])
     gens = [_gen("A0", "q", 0, "agent"), _gen("A1", "q", 1, "agent"),
@@ -267,7 +267,7 @@ def _two_level_round(tmp_path, tiny_model, sets=()):
     """Plans A0 (workflows scoring 1, 0) and A1 (one workflow scoring 1), curated."""
     from test_curate import _ctx, _gen, _score
 
-    from pipeline.curate import run_curate
+    from pipeline.stages.curate import run_curate
 
     ctx = _ctx(tmp_path, ["rollout.mode=two_level", f"generator.model={tiny_model}", *sets])
     gens = [_gen("A0", "q", 0, "agent"), _gen("A1", "q", 1, "agent"),
@@ -285,7 +285,7 @@ def test_two_level_first_step_loss_is_the_proposals(tmp_path, tiny_model, mbs, a
     however they are cut into micro-batches. Workflow scores [1, 0, 1]: r̄ = 2/3, σ = sqrt(2/9); A^A of the
     rewards [.5, 1] = [-1/6, 1/3]/σ (mean 1/12/σ), A^W = [1/3, -2/3, 1/3]/σ (mean 0): L = -(1/12)/σ = -0.1768.
     Pooling the five sequences as equals gave -(1/6)/σ/5 = -0.0707."""
-    from pipeline.train import run_train
+    from pipeline.stages.train import run_train
 
     ctx = _two_level_round(tmp_path, tiny_model, [f"training.micro_batch_size={mbs}", f"training.grad_accum={accum}"])
     run_train(ctx)
@@ -302,7 +302,7 @@ def test_two_level_first_step_loss_is_the_proposals(tmp_path, tiny_model, mbs, a
 
 def test_step_weights_and_kl_masks_follow_the_levels():
     from pipeline.config import RunConfig
-    from pipeline.train import kl_masks, step_weights
+    from pipeline.stages.train import kl_masks, step_weights
 
     tc = RunConfig.model_validate({"training": {"two_level": {"workflow_kl_mask": True}}}).training
     seqs = [TrainSequence("a", [1], [2, 3], 0.5, None, "agent"), TrainSequence("w0", [1], [2], 1.0, None, "workflow"),
@@ -318,7 +318,7 @@ def _random_adapter(model_ref: str, path, dropout: float = 0.05, scale: float = 
     """A rank-4 LoRA adapter with random B (it changes outputs), saved with `dropout`; returns its B weights."""
     from peft import LoraConfig, get_peft_model
 
-    from pipeline.models import load_causal_lm
+    from pipeline.engines.models import load_causal_lm
 
     torch.manual_seed(1)
     model = get_peft_model(load_causal_lm(model_ref, device="cpu"),
@@ -334,7 +334,7 @@ def _random_adapter(model_ref: str, path, dropout: float = 0.05, scale: float = 
 def _flat_round(ctx) -> None:
     from test_curate import _gen, _score
 
-    from pipeline.curate import run_curate
+    from pipeline.stages.curate import run_curate
 
     ctx.store.write("generations", [_gen(f"w{i}", "q", i) for i in range(3)], ctx.run_id, ctx.round)
     ctx.store.write("scores", [_score(f"w{i}", score=float(i % 2)) for i in range(3)], ctx.run_id, ctx.round)
@@ -347,7 +347,7 @@ def test_first_step_ratio_is_one_from_a_trained_adapter(tmp_path, tiny_model):
     ρ = 1 within 1e-5 at step 1. With dropout 0.1 the same step is off by far more."""
     from test_curate import _ctx
 
-    from pipeline.train import run_train
+    from pipeline.stages.train import run_train
 
     for dropout, off in ((None, False), (0.1, True)):
         sets = [f"generator.model={tiny_model}", "training.micro_batch_size=2", "training.grad_accum=2"]
@@ -369,7 +369,7 @@ def test_round_0_trains_from_generator_adapter(tmp_path, tiny_model):
 
     from test_curate import _ctx
 
-    from pipeline.train import load_policy, run_train
+    from pipeline.stages.train import load_policy, run_train
 
     start = tmp_path / "sft-adapter"
     want = _random_adapter(tiny_model, start)
@@ -389,7 +389,7 @@ def test_round_0_trains_from_generator_adapter(tmp_path, tiny_model):
 
 
 def test_logprob_batches_lay_out_the_first_step_as_training_does():
-    from pipeline.train import logprob_batches
+    from pipeline.stages.train import logprob_batches
 
     seqs = [TrainSequence(g, [1], [2], 0.0, None) for g in ["a", "b", "a", "c", "d", "b"]]
     # step 1's micro-batches as they are (index 2 and 0 are both "a": each keeps its own row), then one

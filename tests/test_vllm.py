@@ -18,10 +18,10 @@ import vllm  # noqa: E402
 from test_generation import MODEL, QUESTIONS, chat_prompts, make_adapter, teacher_forced
 from test_rollout import TinyBench, make_ctx
 
-import pipeline.rollout as rollout
+import pipeline.stages.rollout as rollout
 from pipeline.config import GeneratorConfig
-from pipeline.generation import GenerationError, Sampling, make_generator
-from pipeline.generation.vllm_offline import VLLMGenerator, cpu_defaults, engine_kwargs
+from pipeline.engines.generation import GenerationError, Sampling, make_generator
+from pipeline.engines.generation.vllm_offline import VLLMGenerator, cpu_defaults, engine_kwargs
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 TOL = 1e-3  # fp32 on both sides
@@ -79,7 +79,7 @@ def test_offline_sampled_logprobs_match_transformers(vgen, hf, adapter, smol_lm)
     """A completion vLLM sampled (T=0.8) scored by transformers: the same tempered logprobs."""
     from peft import PeftModel
 
-    from pipeline.models import load_causal_lm
+    from pipeline.engines.models import load_causal_lm
 
     prompts = chat_prompts(hf.tokenizer)
     tuned = PeftModel.from_pretrained(load_causal_lm(MODEL, device="cpu"), adapter).eval()  # peft: a fresh copy
@@ -183,7 +183,7 @@ def served_requests(url: str) -> float:
     """Requests the server finished, by its own Prometheus counter (every finish reason)."""
     import httpx
 
-    from pipeline.generation.openai_server import server_root
+    from pipeline.engines.generation.openai_server import server_root
 
     text = httpx.get(server_root(url) + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -248,7 +248,7 @@ def test_a_server_dying_mid_rollout_hands_its_prompts_over(server, second_server
     s = Sampling(n=1, temperature=1.0, max_new_tokens=8, seed=3)
     with make_generator(GeneratorConfig(model=MODEL, backend="openai", endpoints=[url2, server])) as gen:
         stop_vllm_server(proc)
-        with caplog.at_level(logging.WARNING, "pipeline.generation.openai_server"):
+        with caplog.at_level(logging.WARNING, "pipeline.engines.generation.openai_server"):
             rows = gen.generate(prompts, s)
         assert [ep.url for ep in gen.endpoints if ep.failed] == [url2]
     assert [len(row) for row in rows] == [1] * 4 and all(row[0].token_ids for row in rows)

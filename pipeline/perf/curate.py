@@ -46,7 +46,7 @@ def _rss_mib() -> float:
 
 
 def bench_function(scores: dict[str, list[float]]) -> float:
-    from pipeline.curate import curate_flat
+    from pipeline.core.curation import curate_flat
 
     t0 = time.perf_counter()
     res = curate_flat(scores, N, T, TOP_N, CAP, seed=0)
@@ -70,8 +70,8 @@ def bench_function(scores: dict[str, list[float]]) -> float:
 
 
 def bench_stage(scores: dict[str, list[float]]) -> float:
-    from pipeline.curate import run_curate
     from pipeline.run import RunContext
+    from pipeline.stages.curate import run_curate
     from pipeline.store import Store
 
     with tempfile.TemporaryDirectory() as root:

@@ -15,9 +15,9 @@ import os
 import time
 from collections.abc import Callable
 
-from pipeline.generation import GenerationError, Sampling
-from pipeline.models import load_causal_lm, load_tokenizer
-from pipeline.prompting import render, workflow_prompt
+from pipeline.engines.generation import GenerationError, Sampling
+from pipeline.engines.models import load_causal_lm, load_tokenizer
+from pipeline.engines.prompting import render, workflow_prompt
 
 MODEL = "embedded:smollm2-135m-instruct"
 
@@ -55,7 +55,7 @@ def report(backend: str, results: dict[str, tuple[float, float, int]], baseline:
 def bench_transformers(prompts: list[str], sampling: Sampling, reps: int) -> None:
     import torch
 
-    from pipeline.generation.hf import TransformersGenerator
+    from pipeline.engines.generation.hf import TransformersGenerator
 
     gen = TransformersGenerator(MODEL)
     enc = gen.encode(prompts)
@@ -96,7 +96,7 @@ def bench_transformers(prompts: list[str], sampling: Sampling, reps: int) -> Non
 
 
 def bench_vllm(prompts: list[str], sampling: Sampling, reps: int) -> None:
-    from pipeline.generation.vllm_offline import VLLMGenerator, cpu_defaults, engine_kwargs, import_vllm
+    from pipeline.engines.generation.vllm_offline import VLLMGenerator, cpu_defaults, engine_kwargs, import_vllm
 
     vllm = import_vllm()
     cpu_defaults()
@@ -123,7 +123,7 @@ def bench_openai(url: str, prompts: list[str], sampling: Sampling, reps: int) ->
     import openai
 
     from pipeline.config import GeneratorConfig
-    from pipeline.generation import make_generator
+    from pipeline.engines.generation import make_generator
 
     gen = make_generator(GeneratorConfig(model=MODEL, backend="openai", base_url=url, batch_size=len(prompts)))
     client = openai.OpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from pipeline.sandbox import Limits, Sandbox, run_workflow
+from pipeline.engines.sandbox import Limits, Sandbox, run_workflow
 
 TRIVIAL = "async def solve(problem):\n    return problem\n"
 

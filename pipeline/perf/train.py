@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.train import TrainSequence, collate, completion_logprobs, grpo_mkl_terms
+from pipeline.stages.train import TrainSequence, collate, completion_logprobs, grpo_mkl_terms
 
 MODEL = "embedded:smollm2-135m-instruct"
 BATCH, REPS, BETA, EPS, PROMPT_LEN = 8, 3, 0.1, 0.2, 256
@@ -207,7 +207,7 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
         raise ValueError(f"--weights-dtype must be float32 or bfloat16, not {weights_dtype!r}")
     tc = TrainingConfig()
     if arch is None:
-        from pipeline.models import load_causal_lm, load_tokenizer
+        from pipeline.engines.models import load_causal_lm, load_tokenizer
 
         tok = load_tokenizer(MODEL)
         base = load_causal_lm(MODEL, dtype=weights_dtype, device=device)

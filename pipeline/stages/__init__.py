@@ -1,6 +1,6 @@
 """The stages of a round as data, and the one runner that runs any of them (`pipeline.stages.runner`).
 
-A stage's work is a function `fn(ctx, **options) -> counts` in its own module (`pipeline/rollout.py`,
+A stage's work is a function `fn(ctx, **options) -> counts` in its own module (`pipeline/stages/rollout.py`,
 `scoring.py`, `curate.py`, `train.py`) that reads the store, calls the pure cores and writes the store, ending
 with `ctx.finish(name, **counts)` once the round's work for it is complete. Everything around that (skipping a
 finished stage, discarding what an unfinished attempt left, the child process, transient vs permanent failures,
@@ -99,15 +99,15 @@ def _resolve(fn: str | StageFn) -> StageFn:
     return getattr(importlib.import_module(module), name)
 
 
-# In round order. `pipeline.evaluate.EVAL_STAGES` is the evaluation run's subset.
+# In round order. `pipeline.studies.evaluate.EVAL_STAGES` is the evaluation run's subset.
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("rollout", "pipeline.rollout:run_rollout", isolated=True),
+    Stage("rollout", "pipeline.stages.rollout:run_rollout", isolated=True),
     # scoring with the local executor loads a model too
-    Stage("score", "pipeline.scoring:run_scoring", isolated=True, options=("only_failed",),
-          merge="pipeline.scoring:finish_scoring",
+    Stage("score", "pipeline.stages.score:run_score", isolated=True, options=("only_failed",),
+          merge="pipeline.stages.score:finish_score",
           left_hint="executor errors: once it is back, score/rescore (or `pipeline score --only-failed`) re-runs them"),
-    Stage("curate", "pipeline.curate:run_curate", discard=("groups",)),
-    Stage("train", "pipeline.train:run_train", isolated=True, discard=("train_metrics", "checkpoints"),
+    Stage("curate", "pipeline.stages.curate:run_curate", discard=("groups",)),
+    Stage("train", "pipeline.stages.train:run_train", isolated=True, discard=("train_metrics", "checkpoints"),
           checkpoint=True),
 )}
 ROUND_STAGES = tuple(STAGES)

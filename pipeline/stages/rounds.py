@@ -18,11 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.report import round_stats
 from pipeline.run import open_run
 from pipeline.stages import ROUND_STAGES, get_stage
 from pipeline.stages.runner import REPO, RetryPolicy, finish_shards, record_timing, round_s, run_stage, stage_done
-from pipeline.store import Store
+from pipeline.store import Store, round_stats
 
 log = logging.getLogger("pipeline.run")
 

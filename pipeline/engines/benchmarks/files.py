@@ -1,0 +1,151 @@
+"""Reading benchmark rows from local files (JSONL, JSON, Parquet, or a folder of JSON files) or a hub id,
+with errors that name the file, the line/row and the field, and say how to supply the data."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.engines.benchmarks.base import BenchmarkError
+
+if TYPE_CHECKING:
+    from pipeline.config import BenchmarkConfig
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Row:
+    data: dict[str, Any]
+    where: str  # "file.jsonl:12" (line), "file.parquet row 12", "folder/a/1.json": for error messages
+    index: int  # position in the source, the fallback item id
+    key: str | None = None  # a folder's file path without suffix ("algebra/1"), a stable id for MATH
+
+    def get(self, field: str, kind: type | tuple[type, ...] = str, default: Any = _MISSING) -> Any:
+        """The field's value, checked against `kind`; a clear error names the row and the field."""
+        value = self.data.get(field, _MISSING)
+        if value is _MISSING or value is None:
+            if default is not _MISSING:
+                return default
+            raise BenchmarkError(f"{self.where}: missing field {field!r} (has: {', '.join(sorted(self.data))})")
+        if not isinstance(value, kind):
+            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise BenchmarkError(f"{self.where}: field {field!r} should be {names}, got {type(value).__name__}")
+        return value
+
+    def fail(self, msg: str) -> BenchmarkError:
+        return BenchmarkError(f"{self.where}: {msg}")
+
+
+def read_rows(path: str | Path) -> list[Row]:
+    """All rows of a .jsonl/.json/.parquet file, or of every *.json file under a folder (sorted)."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.rglob("*.json"))
+        if not files:
+            raise BenchmarkError(f"{p}: folder holds no *.json files")
+        rows = []
+        for i, f in enumerate(files):
+            obj = _load_json(f)
+            if not isinstance(obj, dict):
+                raise BenchmarkError(f"{f}: expected one JSON object per file")
+            rows.append(Row(obj, str(f), i, f.relative_to(p).with_suffix("").as_posix()))
+        return rows
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        rows = []
+        with p.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise BenchmarkError(f"{p}:{lineno}: invalid JSON ({e.msg})") from None
+                if not isinstance(obj, dict):
+                    raise BenchmarkError(f"{p}:{lineno}: expected a JSON object per line")
+                rows.append(Row(obj, f"{p}:{lineno}", len(rows)))
+        return rows
+    if suffix == ".json":
+        obj = _load_json(p)
+        if isinstance(obj, dict):  # one record, e.g. a single MATH problem file
+            obj = [obj]
+        if not isinstance(obj, list) or not all(isinstance(o, dict) for o in obj):
+            raise BenchmarkError(f"{p}: expected a JSON array of objects")
+        return [Row(o, f"{p} item {i}", i) for i, o in enumerate(obj)]
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(p)
+        except Exception as e:
+            raise BenchmarkError(f"{p}: unreadable Parquet file ({e})") from None
+        return [Row(o, f"{p} row {i}", i) for i, o in enumerate(table.to_pylist())]
+    raise BenchmarkError(f"{p}: unsupported file type {suffix!r}; use .jsonl, .json, .parquet or a folder of .json")
+
+
+def _load_json(p: Path) -> Any:
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise BenchmarkError(f"{p}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def parse_hub_id(hub_id: str, default_split: str) -> tuple[str, str | None, str]:
+    """ "owner/name[:config][@split]" -> (name, config, split)."""
+    rest, _, split = hub_id.partition("@")
+    name, _, config = rest.partition(":")
+    return name, config or None, split or default_split
+
+
+def read_hub(hub_id: str, default_split: str) -> list[Row]:
+    """Rows of a hub dataset through the `datasets` library (where installed and the hub reachable)."""
+    name, config, split = parse_hub_id(hub_id, default_split)
+    try:
+        import datasets
+    except ImportError:
+        raise BenchmarkError(
+            f"benchmark.hub_id={hub_id!r} needs the `datasets` library (pip install datasets) and a reachable "
+            "hub; offline, download the file once and set benchmark.path instead"
+        ) from None
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:
+        raise BenchmarkError(
+            f"benchmark.hub_id={hub_id!r}: could not load {name} (config {config}, split {split}): "
+            f"{type(e).__name__}: {e}. Offline? Set benchmark.path to a local file instead (see data/README.md)"
+        ) from None
+    return [Row(dict(o), f"{hub_id} row {i}", i) for i, o in enumerate(ds)]
+
+
+def load_rows(cfg: BenchmarkConfig, fmt: str, default_split: str) -> list[Row]:
+    """The benchmark's rows from cfg.path (preferred) or cfg.hub_id; `fmt` describes the expected
+    record format in the error that tells the user how to supply the data."""
+    how = (
+        f"Supply a local .jsonl/.json/.parquet file of records {fmt} with `--set benchmark.path=FILE` "
+        f"(or `benchmark.path:` in the config), or a hub dataset with `benchmark.hub_id` where the hub is "
+        f"reachable. See data/README.md."
+    )
+    if cfg.path:
+        p = Path(cfg.path).expanduser()
+        if not p.exists():
+            raise BenchmarkError(f"benchmark {cfg.name!r}: data file {p} not found. {how}")
+        rows = read_rows(p)
+    elif cfg.hub_id:
+        rows = read_hub(cfg.hub_id, default_split)
+    else:
+        raise BenchmarkError(f"benchmark {cfg.name!r} needs data: benchmark.path and benchmark.hub_id are unset. {how}")
+    if not rows:
+        raise BenchmarkError(f"benchmark {cfg.name!r}: {cfg.path or cfg.hub_id} holds no records. {how}")
+    return rows
+
+
+def unique_ids(ids: list[str], rows: list[Row]) -> None:
+    """Item ids key the split and the store: a duplicate is a data error, reported with both rows."""
+    seen: dict[str, Row] = {}
+    for i, r in zip(ids, rows, strict=True):
+        if i in seen:
+            raise BenchmarkError(f"{r.where}: duplicate id {i!r} (first at {seen[i].where})")
+        seen[i] = r

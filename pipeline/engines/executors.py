@@ -1,0 +1,262 @@
+"""Executor LLMs behind one async interface: `await executor.complete(messages, temperature, n, max_tokens)`.
+
+- `openai`: any OpenAI-compatible server (AsyncOpenAI), spread over one or more base URLs, with a
+  concurrency limit, a per-call timeout and retries by tenacity (exponential backoff with full jitter,
+  Retry-After as a floor) on 429 / 5xx / timeouts / connection errors / malformed responses.
+- `local`: the embedded model in-process (transformers); concurrent requests are batched into one
+  `generate` call; greedy at temperature 0 (the paper's setting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import itertools
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config import ExecutorConfig, PriceConfig, server_urls
+
+MAX_RETRY_AFTER_S = 120.0
+
+
+class ExecutorError(RuntimeError):
+    """An executor call failed for good (retries exhausted or a non-retryable error)."""
+
+
+@dataclass
+class ExecutorReply:
+    texts: list[str]
+    tokens_in: int
+    tokens_out: int
+    cost_usd: float = 0.0
+
+
+def cost_usd(prices: PriceConfig, tokens_in: int, tokens_out: int) -> float:
+    return (tokens_in * prices.input_per_mtok + tokens_out * prices.output_per_mtok) / 1e6
+
+
+class RetryAfterWait:
+    """tenacity wait: full-jitter exponential backoff (0.5 s doubling, capped at 30 s) with the server's
+    Retry-After as a floor (itself capped at MAX_RETRY_AFTER_S)."""
+
+    def __init__(self):
+        import tenacity
+
+        self.jitter = tenacity.wait_random_exponential(multiplier=0.5, max=30)
+
+    def __call__(self, state) -> float:
+        delay = self.jitter(state)
+        exc = state.outcome.exception() if state.outcome else None
+        retry_after = parse_retry_after(getattr(getattr(exc, "response", None), "headers", None))
+        return max(delay, min(retry_after, MAX_RETRY_AFTER_S)) if retry_after is not None else delay
+
+
+def parse_retry_after(headers: Any) -> float | None:
+    """Seconds from `retry-after-ms` / `retry-after` (seconds or an HTTP date)."""
+    if headers is None:
+        return None
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            return float(ms) / 1000
+        except ValueError:
+            pass
+    ra = headers.get("retry-after")
+    if not ra:
+        return None
+    try:
+        return max(0.0, float(ra))
+    except ValueError:
+        try:
+            return max(0.0, email.utils.parsedate_to_datetime(ra).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+
+
+def retryable(e: BaseException) -> bool:
+    """An openai-client error worth another try, here or on another endpoint: 429 / 408 / 409 / 5xx, connection
+    errors, timeouts and malformed bodies; not other client errors (the request itself is wrong)."""
+    import openai
+
+    if isinstance(e, openai.APIStatusError):
+        return e.status_code in (408, 409, 429) or e.status_code >= 500
+    return isinstance(e, openai.APIConnectionError | openai.APIResponseValidationError | TimeoutError | ValueError)
+
+
+class Executor:
+    async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
+                       max_tokens: int | None = None) -> ExecutorReply:
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        """Get ready before the first call (the local model loads here, outside any workflow's timeout)."""
+
+    async def aclose(self) -> None:
+        """Release clients / the model."""
+
+
+class OpenAIExecutor(Executor):
+    def __init__(self, cfg: ExecutorConfig, *, sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep):
+        import openai
+
+        urls = server_urls(cfg.base_url, cfg.endpoints)
+        if not urls:
+            raise ValueError("executor.kind=openai needs executor.base_url or executor.endpoints")
+        key = os.environ.get(cfg.api_key_env) or "EMPTY"  # local servers accept any key
+        self.cfg, self._sleep = cfg, sleep
+        # The client's own retries are off: tenacity's (complete) count every attempt and move to the next endpoint.
+        self.clients = [openai.AsyncOpenAI(base_url=u, api_key=key, max_retries=0, timeout=cfg.timeout_s)
+                        for u in urls]
+        self._next = itertools.cycle(range(len(urls)))
+        self._sem: asyncio.Semaphore | None = None
+
+    async def _once(self, messages: list[dict], temperature: float, n: int, asked: int,
+                    max_tokens: int | None) -> ExecutorReply:
+        cfg = self.cfg
+        client = self.clients[next(self._next)]  # each attempt goes to the next endpoint
+        try:
+            async with self._sem:
+                resp = await asyncio.wait_for(client.chat.completions.create(
+                    model=cfg.model, messages=messages, temperature=temperature, n=asked,
+                    max_tokens=max_tokens or cfg.max_tokens), cfg.timeout_s)
+            if not getattr(resp, "choices", None):
+                raise ValueError(f"malformed response: no choices ({str(resp)[:200]})")
+        except Exception as e:
+            if not retryable(e):
+                raise ExecutorError(f"{client.base_url}: {type(e).__name__}: {e}") from e
+            raise
+        texts = [(c.message.content or "") for c in resp.choices] * (n // asked)
+        usage = getattr(resp, "usage", None)
+        tin = int(getattr(usage, "prompt_tokens", 0) or 0)
+        tout = int(getattr(usage, "completion_tokens", 0) or 0)
+        return ExecutorReply(texts, tin, tout, cost_usd(cfg.prices, tin, tout))
+
+    async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
+                       max_tokens: int | None = None) -> ExecutorReply:
+        import tenacity
+
+        cfg = self.cfg
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(cfg.concurrency)
+        temperature = cfg.temperature if temperature is None else temperature
+        # Greedy answers are identical: ask once (vLLM refuses n > 1 at temperature 0) and repeat.
+        asked = 1 if temperature == 0 else n
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(cfg.max_retries + 1), wait=RetryAfterWait(), sleep=self._sleep,
+            retry=tenacity.retry_if_exception(lambda e: not isinstance(e, ExecutorError)))
+        try:
+            return await retrying(self._once, messages, temperature, n, asked, max_tokens)
+        except tenacity.RetryError as e:
+            last = e.last_attempt.exception()
+            raise ExecutorError(f"gave up after {cfg.max_retries + 1} attempts: {type(last).__name__}: {last}") \
+                from last
+
+    async def aclose(self) -> None:
+        for c in self.clients:
+            await c.close()
+
+
+class LocalExecutor(Executor):
+    """The embedded model in-process. Requests queue; one worker batches everything pending (same
+    sampling settings) into one left-padded `generate` call, run in a thread so the loop keeps serving."""
+
+    def __init__(self, cfg: ExecutorConfig, *, max_batch: int = 8):
+        self.cfg, self.max_batch = cfg, max_batch
+        self._tok = self._model = None
+        self._pending: list[_Request] = []
+        self._worker: asyncio.Task | None = None
+        self.generate_calls = 0  # batches run (observable batching)
+
+    def _load(self) -> None:
+        if self._model is None:
+            from pipeline.engines.models import load_causal_lm, load_tokenizer
+
+            tok = load_tokenizer(self.cfg.model)
+            tok.padding_side = "left"
+            self._tok, self._model = tok, load_causal_lm(self.cfg.model, "float32")
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
+                       max_tokens: int | None = None) -> ExecutorReply:
+        temperature = self.cfg.temperature if temperature is None else temperature
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append(_Request(messages, float(temperature), n, max_tokens or self.cfg.max_tokens, fut))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.ensure_future(self._work())
+        return await fut
+
+    async def _work(self) -> None:
+        while self._pending:
+            key = self._pending[0].key
+            batch = [r for r in self._pending if r.key == key][: self.max_batch]
+            for r in batch:
+                self._pending.remove(r)
+            try:
+                outs = await asyncio.to_thread(self._generate, batch)
+            except Exception as e:
+                for r in batch:
+                    if not r.fut.done():
+                        r.fut.set_exception(ExecutorError(f"local generate failed: {type(e).__name__}: {e}"))
+                continue
+            for r, out in zip(batch, outs, strict=True):
+                if not r.fut.done():
+                    r.fut.set_result(out)
+
+    def _generate(self, batch: list[_Request]) -> list[ExecutorReply]:
+        import torch
+
+        self._load()
+        tok, model = self._tok, self._model
+        temperature, max_tokens = batch[0].key
+        greedy = temperature == 0
+        # Greedy: one row per request (its n answers are identical); sampling: n rows per request.
+        reps = [1 if greedy else r.n for r in batch]
+        prompts = [tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False) for r in batch]
+        rows = [p for p, k in zip(prompts, reps, strict=True) for _ in range(k)]
+        enc = tok(rows, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        kw: dict[str, Any] = {"do_sample": not greedy, "max_new_tokens": max_tokens, "pad_token_id": tok.pad_token_id}
+        if not greedy:
+            kw["temperature"] = temperature
+        with torch.inference_mode():
+            out = model.generate(**enc, **kw)
+        self.generate_calls += 1
+        gen = out[:, enc["input_ids"].shape[1]:].tolist()
+        stop = {tok.eos_token_id, tok.pad_token_id}
+        results, i = [], 0
+        for r, k in zip(batch, reps, strict=True):
+            texts, tout = [], 0
+            for ids in gen[i: i + k]:
+                cut = next((j for j, t in enumerate(ids) if t in stop), len(ids))
+                texts.append(tok.decode(ids[:cut], skip_special_tokens=True).strip())
+                tout += cut  # tokens actually generated (greedy: once for all n answers)
+            tin = int(enc["attention_mask"][i].sum())
+            i += k
+            results.append(ExecutorReply(texts * r.n if greedy else texts, tin, tout))
+        return results
+
+
+@dataclass
+class _Request:
+    messages: list[dict]
+    temperature: float
+    n: int
+    max_tokens: int
+    fut: asyncio.Future
+
+    @property
+    def key(self) -> tuple[float, int]:  # requests sharing it can go into one generate call
+        return self.temperature, self.max_tokens
+
+
+def make_executor(cfg: ExecutorConfig) -> Executor:
+    if cfg.kind == "openai":
+        return OpenAIExecutor(cfg)
+    if cfg.kind == "local":
+        return LocalExecutor(cfg)
+    raise ValueError(f"unknown executor kind {cfg.kind!r}")

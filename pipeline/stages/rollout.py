@@ -1,0 +1,272 @@
+"""The rollout stage: sample agent plans / workflows for round k and write `queries` and `generations`.
+
+Flat (SPOGW): m workflows per query. Two-level: N_A agent plans per query, then N_W workflows per plan.
+One prompt per (query) or (agent), sampled n times; its exemplars are drawn once per prompt.
+Idempotent per (query, parent, slot): gen_ids are deterministic, so a re-run samples only missing slots
+(two-level: missing agents first, then the missing workflows of the agents that exist). Every generation
+call writes one Parquet part, so a crash loses at most the call in flight.
+Row conventions: `latency_s` is the call's wall time divided by the samples it returned; `token_logprobs`
+follow pipeline/engines/generation/base.py; `adapter_round` is the round whose checkpoint sampled (null: base model
+or round 0's generator.adapter, whose path is in `sampling`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
+from pipeline.engines.executors import cost_usd
+from pipeline.engines.generation import BACKENDS, Completion, Generator, Sampling, make_generator
+from pipeline.engines.models import load_tokenizer
+from pipeline.engines.prompting import agent_prompt, render, require_chat_template, workflow_prompt
+from pipeline.engines.workflow import check_workflow, extract_code
+from pipeline.run import RunContext, derived_seed
+from pipeline.stages.exemplars import Pools, load_pools, pick_exemplars, tau_at
+from pipeline.stages.modes import get_mode
+from pipeline.stages.repair import self_repair
+from pipeline.stages.sampling import Request, batches, gen_id, seeded_rng
+
+log = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """The rollout cannot start (missing adapter, bad backend); nothing has been written."""
+
+
+def resolve_adapter(ctx: RunContext) -> tuple[str | None, int | None]:
+    """(adapter folder, its round): round k−1's checkpoint; at round 0 generator.adapter if set, else the base model.
+    Training starts round k from the same adapter (pipeline.stages.train.start_adapter), so the policy that samples a
+    round is the π_old its training uses."""
+    if ctx.round > 0:
+        path, rnd = ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1), ctx.round - 1
+    elif ctx.cfg.generator.adapter:
+        path, rnd = ctx.cfg.generator.adapter, None
+    else:
+        return None, None
+    local = ctx.store.local_adapter(path)  # an s3:// checkpoint: downloaded into the local cache when complete
+    if local is None or not (local / "adapter_config.json").is_file():
+        hint = ("set generator.adapter to an existing peft adapter folder" if rnd is None
+                else f"train round {rnd} first (`pipeline train CONFIG --run-id {ctx.run_id} --round {rnd}`)")
+        raise RolloutError(f"adapter folder {path} is missing (no adapter_config.json): {hint}")
+    return str(local.resolve()), rnd
+
+
+def exemplar_source(ctx: RunContext) -> tuple[str, int]:
+    """(run, round) whose prompt construction this rollout copies: exemplars come from that run's rounds below
+    that round. A run's own (run, round) by default; an evaluation run names the trained run and round k+1,
+    so checkpoint k is evaluated on prompts built exactly as round k+1's training prompts."""
+    ro = ctx.cfg.rollout
+    if ro.exemplar_run is None:
+        return ctx.run_id, ctx.round
+    return ro.exemplar_run, ctx.round if ro.exemplar_round is None else ro.exemplar_round
+
+
+def exemplar_pools(ctx: RunContext) -> Pools:
+    if ctx.cfg.rollout.exemplars == "none":
+        return Pools()
+    run, k = exemplar_source(ctx)
+    return load_pools(ctx.store, run, k, ctx.cfg.rollout.r_min_agent, ctx.cfg.rollout.r_min_workflow)
+
+
+def _validate(kind: str, text: str, max_chars: int) -> str | None:
+    if kind == "agent":
+        return None if text.strip() else "empty plan"
+    return check_workflow(extract_code(text), max_chars)
+
+
+class Sampler:
+    def __init__(self, ctx: RunContext, items: list[Item], family: str, tokenizer, pools: Pools,
+                 adapter: str | None, adapter_round: int | None):
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.items, self.family, self.tokenizer, self.pools = items, family, tokenizer, pools
+        self.adapter, self.adapter_round = adapter, adapter_round
+        self.sample_adapter = adapter  # what the engine applies: None when the adapter is merged into its weights
+        self.prompt_round = k = exemplar_source(ctx)[1]
+        self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, k)
+        self.tau_w = tau_at(self.cfg.rollout.tau_workflow, self.cfg.rollout.tau_decay, k)
+
+    def existing(self) -> dict[str, dict]:
+        df = self.ctx.store.read("generations", self.ctx.run_id, self.ctx.round)
+        cols = ("gen_id", "kind", "query_id", "text", "exemplar_ids")
+        return {r["gen_id"]: r for r in df.select(*cols).iter_rows(named=True)}
+
+    def _request(self, kind: str, item: Item, n: int, have: dict, parent: dict | None = None) -> Request | None:
+        parent_id = parent["gen_id"] if parent else None
+        slots = [s for s in range(n) if gen_id(self.ctx.round, item.id, kind, s, parent_id) not in have]
+        if not slots:
+            return None
+        key = parent_id or f"{kind}:{item.id}"
+        # keyed by the prompt's round (not the run's): an evaluation of checkpoint k picks the exemplars that
+        # round k+1 of training picked for the same query
+        rng = seeded_rng(self.cfg.generator.seed, f"{self.prompt_round}:{key.removeprefix(f'r{self.ctx.round}-')}")
+        if kind == "agent":
+            shown = pick_exemplars(self.pools.agent_pool(item.id), self.tau_a, rng)
+            user, max_tokens = agent_prompt(item.prompt, shown), self.cfg.rollout.max_plan_tokens
+        else:
+            shown, stored_plan = self._workflow_exemplars(item, parent, rng)
+            user = workflow_prompt(item.prompt, self.family, shown, parent["text"] if parent else None, stored_plan)
+            max_tokens = self.cfg.generator.max_new_tokens
+        prefix = self.cfg.rollout.workflow_prefix if kind == "workflow" else ""
+        return Request(kind, item.id, parent_id, [gen_id(self.ctx.round, item.id, kind, s, parent_id) for s in slots],
+                       slots, render(self.tokenizer, user) + prefix, [s.gen_id for s in shown], max_tokens, prefix)
+
+    def _workflow_exemplars(self, item: Item, parent: dict | None, rng: random.Random) -> tuple[list, str | None]:
+        """Flat: the query's pool. Two-level: D_W of the stored agent the plan was conditioned on, and that
+        agent's plan text (None: no exemplars)."""
+        if parent is None:
+            return pick_exemplars(self.pools.workflow_pool(item.id), self.tau_w, rng), None
+        source = self.pools.buffer_agent(parent.get("exemplar_ids") or [])
+        if source is None:
+            return [], None
+        return pick_exemplars(self.pools.workflows_by_agent[source], self.tau_w, rng), self.pools.plans[source]
+
+    def requests(self, have: dict) -> list[Request]:
+        """What is missing now: flat workflows, or two-level agents, then workflows under existing agents."""
+        mode, out = self.cfg.rollout.mode, []
+        for item in self.items:
+            if mode == "flat":
+                out.append(self._request("workflow", item, self.cfg.rollout.m, have))
+                continue
+            out.append(self._request("agent", item, self.cfg.rollout.n_agents, have))
+            agents = sorted((r for r in have.values() if r["kind"] == "agent" and r["query_id"] == item.id),
+                            key=lambda r: r["gen_id"])
+            out += [self._request("workflow", item, self.cfg.rollout.n_workflows, have, a) for a in agents]
+        return [r for r in out if r is not None]
+
+    def sampling(self, batch: list[Request]) -> Sampling:
+        g = self.cfg.generator
+        seed = derived_seed(g.seed, "sampling", self.ctx.round, batch[0].gen_ids[0])
+        return Sampling(n=len(batch[0].slots), temperature=g.temperature, top_p=g.top_p,
+                        max_new_tokens=batch[0].max_new_tokens, seed=seed)
+
+    def rows(self, req: Request, comps: list[Completion], sampling: Sampling, latency: float) -> list[dict]:
+        g = self.cfg.generator
+        rows = []
+        for gid, slot, c in zip(req.gen_ids, req.slots, comps, strict=True):
+            text = req.prefix + c.text
+            reason = _validate(req.kind, text, self.cfg.rollout.max_workflow_chars)
+            rows.append(dict(
+                gen_id=gid, kind=req.kind, parent_id=req.parent_id, query_id=req.query_id, slot=slot,
+                prompt_text=req.prompt_text, text=text, prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids,
+                token_logprobs=c.token_logprobs, model=g.model, backend=g.backend, adapter_round=self.adapter_round,
+                sampling=sampling.to_json(adapter=self.adapter), exemplar_ids=req.exemplar_ids,
+                finish_reason=c.finish_reason, valid=reason is None, invalid_reason=reason,
+                retokenized=c.retokenized, latency_s=latency, attempt=0,
+                cost_usd=cost_usd(g.prices, len(c.prompt_token_ids or []), len(c.token_ids or [])),
+            ))
+        return rows
+
+    def sample(self, gen: Generator, requests: list[Request], bar: tqdm) -> int:
+        written = 0
+        for batch in batches(requests, self.cfg.generator.batch_size):
+            sampling = self.sampling(batch)
+            t0 = time.perf_counter()
+            outs = gen.generate([r.prompt_text for r in batch], sampling, self.sample_adapter)
+            latency = (time.perf_counter() - t0) / max(1, sampling.n * len(batch))
+            rows = [row for r, comps in zip(batch, outs, strict=True) for row in self.rows(r, comps, sampling, latency)]
+            self.ctx.store.write("generations", rows, self.ctx.run_id, self.ctx.round)
+            written += len(rows)
+            bar.update(len(rows))
+        return written
+
+
+def write_queries(ctx: RunContext, items: list[Item]) -> int:
+    have = set(ctx.store.read("queries", ctx.run_id, ctx.round)["query_id"].to_list())
+    rows = [dict(split=ctx.cfg.benchmark.train_split, query_id=it.id, benchmark=ctx.cfg.benchmark.name,
+                 prompt=it.prompt, reference=json.dumps(it.reference), meta=json.dumps(it.meta))
+            for it in items if it.id not in have]
+    ctx.store.write("queries", rows, ctx.run_id, ctx.round)
+    return len(rows)
+
+
+def rollout_counts(ctx: RunContext, sampled: int) -> dict:
+    df = ctx.store.read("generations", ctx.run_id, ctx.round)
+    return dict(generations=df.height, agents=int((df["kind"] == "agent").sum()),
+                workflows=int((df["kind"] == "workflow").sum()), valid=int(df["valid"].sum()), sampled_now=sampled)
+
+
+def start_generator(ctx: RunContext, ro: Sampler, stack: contextlib.ExitStack) -> Generator:
+    """The round's engine. A vLLM engine on CPU samples an adapter merged into a temporary copy of the base
+    weights (generator.merge_adapter), removed when the stage ends; otherwise the engine applies the adapter."""
+    g = ctx.cfg.generator
+    from pipeline.engines.generation.vllm_offline import cuda_available
+
+    merge = g.merge_adapter == "always" or (g.merge_adapter == "auto" and not cuda_available())
+    if ro.adapter is None or g.backend != "vllm" or not merge:
+        return make_generator(g, enable_lora=ro.adapter is not None)
+    from pipeline.engines.models import cache_dir, merge_adapter
+
+    (cache_dir() / "merged").mkdir(parents=True, exist_ok=True)
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="merged-", dir=cache_dir() / "merged"))
+    t0 = time.perf_counter()
+    folder = merge_adapter(g.model, ro.adapter, Path(tmp) / "model", g.dtype)
+    log.info("adapter %s merged into %s in %.1fs (vLLM on CPU: no LoRA kernels)", ro.adapter, folder,
+             time.perf_counter() - t0)
+    ro.sample_adapter = None
+    return make_generator(g.model_copy(update={"model": str(folder)}), enable_lora=False)
+
+
+def _sample_all(ctx: RunContext, ro: Sampler, gen: Generator, todo: list[Request]) -> int:
+    total = sum(len(r.slots) for r in todo)
+    if ctx.cfg.rollout.mode == "two_level":  # workflows of agents sampled in this run are not known yet
+        total += sum(len(r.slots) for r in todo if r.kind == "agent") * ctx.cfg.rollout.n_workflows
+    sampled = 0
+    with tqdm(total=total, desc=f"rollout r{ctx.round}", unit="gen") as bar:
+        while todo:
+            sampled += ro.sample(gen, todo, bar)
+            # two-level: the agents just written unlock their workflows; flat finishes in one pass
+            todo = ro.requests(ro.existing()) if ctx.cfg.rollout.mode == "two_level" else []
+    return sampled
+
+
+def run_rollout(ctx: RunContext) -> dict:
+    """Sample what round `ctx.round` is missing, through the rollout mode's loop (`pipeline.stages.modes`); all input
+    checks happen before anything is written."""
+    cfg = ctx.cfg
+    if cfg.generator.backend not in BACKENDS:
+        raise RolloutError(f"unknown generation backend {cfg.generator.backend!r}; use one of {', '.join(BACKENDS)}")
+    mode = get_mode(cfg.rollout.mode)
+    adapter, adapter_round = resolve_adapter(ctx)
+    tokenizer = load_tokenizer(cfg.generator.model)
+    require_chat_template(tokenizer, cfg.generator.model)
+    bench = load_benchmark(cfg.benchmark)
+    sampler = Sampler(ctx, bench.items(), bench.family, tokenizer, Pools(), adapter, adapter_round)
+    return mode.function("rollout")(ctx, sampler, bench)
+
+
+def sample_round(ctx: RunContext, ro: Sampler, bench: Benchmark) -> dict:
+    """The flat and two-level rollout: the queries' missing slots (two-level: plans, then workflows under them),
+    with exemplars from earlier rounds, then self-repair when configured."""
+    cfg, items = ctx.cfg, ro.items
+    ro.pools = exemplar_pools(ctx)
+    have = ro.existing()
+    todo = ro.requests(have)
+    sampled, repaired = 0, {}
+    with contextlib.ExitStack() as stack:
+        gen = start_generator(ctx, ro, stack) if todo else None
+        write_queries(ctx, items)  # after the engine started: a backend that cannot start writes nothing
+        if gen is not None:
+            stack.callback(gen.close)
+            sampled = _sample_all(ctx, ro, gen, todo)
+        if cfg.rollout.repair_attempts:
+
+            def engine() -> Generator:  # a resumed rollout may have only repairs left: start the engine then
+                nonlocal gen
+                if gen is None:
+                    gen = start_generator(ctx, ro, stack)
+                    stack.callback(gen.close)
+                return gen
+
+            repaired = {"repair": self_repair(ctx, ro, engine)}
+    counts = rollout_counts(ctx, sampled)
+    ctx.finish("rollout", queries=len(items), **counts, **repaired)
+    log.info("rollout round %d: %s", ctx.round, counts | repaired)
+    return {"queries": len(items), **counts, **repaired}

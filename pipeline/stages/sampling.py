@@ -1,0 +1,48 @@
+"""Sampling helpers shared by the rollout stage, self-repair and the refine mode: a generation request, the
+deterministic generation ids, per-prompt seeded randomness and the batching of requests into engine calls."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass
+class Request:
+    """One prompt and the slots it fills (n = len(slots))."""
+
+    kind: str  # agent | workflow
+    query_id: str
+    parent_id: str | None
+    gen_ids: list[str]
+    slots: list[int]
+    prompt_text: str
+    exemplar_ids: list[str]
+    max_new_tokens: int
+    prefix: str = ""  # opens the assistant turn; `text` = prefix + completion
+
+
+def gen_id(round: int, query_id: str, kind: str, slot: int, parent_id: str | None = None) -> str:
+    """Unique within a run: the round, the query and the slot path (agent a<i>, workflow w<j>)."""
+    if parent_id is not None:
+        return f"{parent_id}-w{slot}"
+    return f"r{round}-{query_id}-{'a' if kind == 'agent' else 'w'}{slot}"
+
+
+def seeded_rng(seed: int, key: str) -> random.Random:
+    return random.Random(zlib.crc32(f"{seed}:{key}".encode()))
+
+
+def batches(requests: list[Request], size: int) -> Iterator[list[Request]]:
+    """Consecutive requests with the same n and token cap, at most `size` prompts per generation call."""
+    batch: list[Request] = []
+    for r in requests:
+        if batch and (len(batch) == size or (len(r.slots), r.max_new_tokens) !=
+                      (len(batch[0].slots), batch[0].max_new_tokens)):
+            yield batch
+            batch = []
+        batch.append(r)
+    if batch:
+        yield batch

@@ -1,0 +1,42 @@
+"""The store: immutable Parquet parts per (run, round, table), stage manifests, checkpoints, and the DuckDB
+catalog of views. `store.py` reads and writes, `schema.py` declares the tables, `views.py` holds every SQL view."""
+
+from pipeline.store.store import (
+    ADAPTER_FILES,
+    CATALOG,
+    CATALOG_STORAGE,
+    CHECKPOINT_MARKER,
+    ENDPOINT_ENV,
+    CorruptPartWarning,
+    Store,
+    StoreError,
+    adapter_complete,
+    is_remote,
+    load_httpfs,
+    store_for,
+    to_arrow,
+    use_endpoint,
+    utcnow,
+)
+from pipeline.store.views import GENERATION_SCORES_SQL, QUERY_USAGE_SQL, round_stats
+
+__all__ = [
+    "CATALOG",
+    "CATALOG_STORAGE",
+    "ADAPTER_FILES",
+    "CHECKPOINT_MARKER",
+    "ENDPOINT_ENV",
+    "CorruptPartWarning",
+    "adapter_complete",
+    "utcnow",
+    "to_arrow",
+    "StoreError",
+    "is_remote",
+    "use_endpoint",
+    "store_for",
+    "load_httpfs",
+    "Store",
+    "GENERATION_SCORES_SQL",
+    "QUERY_USAGE_SQL",
+    "round_stats",
+]

@@ -1,0 +1,602 @@
+"""The trajectory store: immutable Parquet parts, stage manifests and a DuckDB catalog of views.
+
+Layout (docs/design.md, The store):
+    <root>/<run_id>/config.yaml                              frozen run config
+    <root>/<run_id>/round=<k>/<table>/part-<uuid>.parquet     one file per write, never rewritten
+    <root>/<run_id>/round=<k>/_done/<stage>.json              stage manifests
+    <root>/<run_id>/round=<k>/checkpoint/                     the round's LoRA adapter
+    <root>/catalog.duckdb                                     views only, rebuilt atomically
+
+Derived views (one definition each, used by every stage, the report and evaluation):
+    latest_scores      the latest attempt of each (generation, rep)
+    generation_scores  one row per generation: its score over reps (see GENERATION_SCORES_SQL)
+    query_usage        one row per (run, round, query): generator and executor tokens and cost (QUERY_USAGE_SQL)
+
+Writers never touch catalog.duckdb while working; it is rebuilt into a temp file and renamed, so a
+user holding it open in the `duckdb` CLI keeps a consistent (older) copy.
+
+The root may be a POSIX path (the default) or an `s3://bucket/prefix` URL (docs/scale-out.md, Store on object
+storage): then paths are `upath.UPath` objects over s3fs (`store.fs`), every file is written as one object PUT (a
+PUT, single or a completed multipart upload, becomes visible whole, which is what temp file + rename gives
+locally), DuckDB reads the parts through its httpfs extension, and checkpoints are materialised into a local cache
+for peft / vLLM.
+Connection settings come from the standard AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_REGION, AWS_ENDPOINT_URL) or `store.endpoint_url`; no secret is ever written to the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.store.schema import TABLES, schema
+from pipeline.store.views import GENERATION_SCORES_SQL, QUERY_USAGE_SQL
+
+log = logging.getLogger(__name__)
+
+CATALOG = "catalog.duckdb"
+# The catalog's on-disk format. DuckDB 2.x writes storage version 69 by default, which no released `duckdb`
+# CLI on PyPI reads (duckdb-cli 1.5.6 reads 64..68): the README's `duckdb -readonly catalog.duckdb` failed.
+# It holds only views, so the oldest format (DuckDB >= 1.0 reads it) costs nothing.
+CATALOG_STORAGE = "v1.0.0"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a round's checkpoint is complete with these
+# On object storage a checkpoint is uploaded file by file with this one last (and deleted first on discard): its
+# presence after the other files' PUTs is what makes the checkpoint complete (ADAPTER_FILES includes it).
+CHECKPOINT_MARKER = "adapter_config.json"
+ENDPOINT_ENV = "AWS_ENDPOINT_URL"
+
+_DUCK_TYPES = {
+    pa.string(): "VARCHAR",
+    pa.int32(): "INTEGER",
+    pa.int64(): "BIGINT",
+    pa.float32(): "FLOAT",
+    pa.float64(): "DOUBLE",
+    pa.bool_(): "BOOLEAN",
+}
+
+
+def _duck_type(t: pa.DataType) -> str:
+    if pa.types.is_list(t):
+        return _duck_type(t.value_type) + "[]"
+    if pa.types.is_timestamp(t):
+        return "TIMESTAMPTZ"
+    return _DUCK_TYPES[t]
+
+
+class CorruptPartWarning(UserWarning):
+    pass
+
+
+def adapter_complete(path: Path) -> bool:
+    """The folder holds every file a LoRA checkpoint needs (checkpoints are written whole or not at all)."""
+    return all((path / f).is_file() for f in ADAPTER_FILES)
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def to_arrow(table: str, rows: pa.Table | pl.DataFrame | Iterable[dict], run_id: str) -> pa.Table:
+    """Coerce rows to the table's schema; fills run_id and created_at; unknown columns are an error."""
+    sch = schema(table)
+    if isinstance(rows, pl.DataFrame):
+        rows = rows.to_arrow()
+    if not isinstance(rows, pa.Table):
+        rows = list(rows)
+        unknown = {k for r in rows for k in r} - set(sch.names)
+        if unknown:
+            raise ValueError(f"{table}: unknown columns {sorted(unknown)}")
+        present = [f for f in sch if any(f.name in r for r in rows)]
+        rows = pa.Table.from_pylist(rows, schema=pa.schema(present))
+    unknown = set(rows.column_names) - set(sch.names)
+    if unknown:
+        raise ValueError(f"{table}: unknown columns {sorted(unknown)}")
+    n = rows.num_rows
+    cols = []
+    for f in sch:
+        if f.name in rows.column_names:
+            cols.append(rows.column(f.name).cast(f.type))
+        elif f.name == "run_id":
+            cols.append(pa.array([run_id] * n, pa.string()))
+        elif f.name == "created_at":
+            cols.append(pa.array([utcnow()] * n, f.type))
+        else:
+            cols.append(pa.nulls(n, f.type))
+    return pa.Table.from_arrays(cols, schema=sch)
+
+
+class StoreError(RuntimeError):
+    """An operation the store cannot do where it is (e.g. a local-only one on an s3:// store), with the fix."""
+
+
+def is_remote(root: str | Path | Any) -> bool:
+    """An object-storage URL (s3://...) rather than a local path; a UPath of one counts too."""
+    return "://" in str(root) and not str(root).startswith("file://")
+
+
+def use_endpoint(endpoint_url: str | None) -> None:
+    """Make a configured `store.endpoint_url` this process's default S3 endpoint: every later `Store(root)` here
+    and every child stage process (which inherits the environment) then reaches the same server. An endpoint
+    already in the environment wins: the operator's shell is the more specific setting."""
+    if endpoint_url:
+        os.environ.setdefault(ENDPOINT_ENV, endpoint_url)
+
+
+def store_for(store_cfg: Any) -> Store:
+    """The store a config's `store` section names, with its endpoint (see use_endpoint)."""
+    use_endpoint(store_cfg.endpoint_url)
+    return Store(store_cfg.root)
+
+
+def _s3_endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(ENDPOINT_ENV) or None
+
+
+def _s3_credentials() -> tuple[str | None, str | None, str | None]:
+    """(key, secret, token) from botocore's chain (env vars, ~/.aws, instance roles), the one s3fs uses too."""
+    import botocore.session
+
+    creds = botocore.session.get_session().get_credentials()
+    if creds is None:
+        return None, None, None
+    frozen = creds.get_frozen_credentials()
+    return frozen.access_key, frozen.secret_key, frozen.token
+
+
+def _sql_str(v: str) -> str:
+    return "'" + str(v).replace("'", "''") + "'"
+
+
+def load_httpfs(con: duckdb.DuckDBPyConnection) -> None:
+    """Load DuckDB's httpfs extension from the `duckdb-extension-httpfs` package (its binary must match this
+    DuckDB's version exactly; `INSTALL httpfs` would need the extension server), else an installed one."""
+    try:
+        import duckdb_extension_httpfs
+    except ImportError:
+        path = None
+    else:
+        path = Path(duckdb_extension_httpfs.__file__).parent / "extensions" / f"v{duckdb.__version__}" / \
+            "httpfs.duckdb_extension"
+    try:
+        con.execute(f"LOAD {_sql_str(path)}" if path is not None and path.is_file() else "LOAD httpfs")
+    except duckdb.Error as e:
+        raise StoreError(f"s3:// stores read parts through DuckDB's httpfs extension, which did not load ({e}): "
+                         f"pip install duckdb-extension-httpfs=={duckdb.__version__} (the pins in pyproject.toml)"
+                         ) from e
+
+
+class Store:
+    def __init__(self, root: str | Path):
+        self.remote = is_remote(root)
+        self._footer_ok: dict[tuple[str, int, Any], bool] = {}
+        self._listed: dict[str, tuple[int, Any]] = {}  # remote part -> (size, ETag) from its listing
+        if self.remote:
+            self.root = self._remote_root(str(root))
+            self.fs = self.root.fs
+        else:
+            import fsspec
+
+            self.root = Path(root).resolve()
+            self.fs = fsspec.filesystem("file")
+
+    @staticmethod
+    def _remote_root(url: str):
+        if urlparse(url).scheme != "s3" or not urlparse(url).netloc:
+            raise StoreError(f"store.root {url!r}: only local paths and s3://bucket[/prefix] URLs are supported")
+        try:
+            from upath import UPath
+        except ImportError as e:
+            raise StoreError("an s3:// store needs s3fs and universal-pathlib: pip install the project again "
+                             "(they are dependencies in pyproject.toml)") from e
+        opts: dict[str, Any] = {"use_listings_cache": False}  # other processes write here: never trust old listings
+        if _s3_endpoint():
+            opts["client_kwargs"] = {"endpoint_url": _s3_endpoint()}
+        return UPath(url.rstrip("/"), **opts)
+
+    # ---- paths and small files ------------------------------------------------------------------
+    def run_dir(self, run_id: str) -> Path:
+        return self.root / run_id
+
+    def round_dir(self, run_id: str, round: int) -> Path:
+        return self.run_dir(run_id) / f"round={round}"
+
+    def checkpoint_dir(self, run_id: str, round: int) -> Path:
+        return self.round_dir(run_id, round) / "checkpoint"
+
+    def url(self, path: Any) -> str:
+        """The filesystem's name for a store path: a local path, or `bucket/key` for `store.fs` on S3."""
+        return path.path if self.remote else str(path)
+
+    def runs(self) -> list[str]:
+        if self.remote:
+            return sorted(k.rsplit("/", 2)[-2] for k in self.fs.glob(f"{self.url(self.root)}/*/config.yaml"))
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if (p / "config.yaml").is_file())
+
+    def put_text(self, path: Any, text: str) -> None:
+        """Write a small file whole or not at all: temp file + rename locally, one PUT on object storage."""
+        if self.remote:
+            self.fs.pipe_file(self.url(path), text.encode())
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    def append_line(self, path: Any, line: str) -> None:
+        """Append a line (timings.jsonl). Object storage has no append: the object is rewritten whole with one PUT
+        (a crash loses no earlier line; two writers of the same file at once could lose one's line)."""
+        if not self.remote:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(line + "\n")
+            return
+        try:
+            old = self.fs.cat_file(self.url(path)).decode()
+        except FileNotFoundError:
+            old = ""
+        self.put_text(path, old + line + "\n")
+
+    @contextlib.contextmanager
+    def output_dir(self, path: Any) -> Iterator[Path]:
+        """A local folder to write a set of result files into (experiments, ablations): `path` itself locally; on
+        object storage a temp folder whose files are uploaded under `path` when the block succeeds."""
+        if not self.remote:
+            path.mkdir(parents=True, exist_ok=True)
+            yield path
+            return
+        with tempfile.TemporaryDirectory(prefix="store-out-") as tmp:
+            yield Path(tmp)
+            for f in sorted(Path(tmp).rglob("*")):
+                if f.is_file() and not f.name.startswith("."):
+                    self.fs.put_file(str(f), f"{self.url(path)}/{f.relative_to(tmp).as_posix()}")
+
+    # ---- writing -------------------------------------------------------------------------------
+    def write(self, table: str, rows: pa.Table | pl.DataFrame | Iterable[dict], run_id: str, round: int) -> Path | None:
+        """Write one immutable part (temp file + rename, so readers never see half a file; on object storage the
+        part is built in memory and sent as one PUT, which is visible whole or not at all)."""
+        data = to_arrow(table, rows, run_id)
+        if data.num_rows == 0:
+            return None
+        d = self.round_dir(run_id, round) / table
+        name = f"part-{uuid.uuid4().hex}.parquet"
+        if self.remote:
+            return self._write_remote(data, d / name, table, run_id, round)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{name}.tmp"  # hidden: globs for *.parquet never match it
+        try:
+            pq.write_table(data, tmp, compression="zstd", row_group_size=128 * 1024)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, d / name)
+        except OSError as e:  # e.g. a full disk: no part, no temp file left; say where and what was lost
+            tmp.unlink(missing_ok=True)
+            raise OSError(e.errno, f"store: {data.num_rows} {table} rows of run {run_id!r} round {round} not "
+                                   f"written to {d}: {e.strerror or e}") from e
+        return d / name
+
+    def _write_remote(self, data: pa.Table, dest: Any, table: str, run_id: str, round: int) -> Any:
+        # not fs.open(..., "wb"): its close() on an exception uploads what was buffered, a visible partial part
+        buf = pa.BufferOutputStream()
+        pq.write_table(data, buf, compression="zstd", row_group_size=128 * 1024)
+        try:
+            self.fs.pipe_file(self.url(dest), buf.getvalue().to_pybytes())
+        except OSError as e:
+            raise OSError(e.errno, f"store: {data.num_rows} {table} rows of run {run_id!r} round {round} not "
+                                   f"written to {dest}: {e.strerror or e}") from e
+        return dest
+
+    # ---- parts and reading ------------------------------------------------------------------------
+    def parts(self, table: str, run_id: str | None = None, round: int | None = None) -> list[Path]:
+        schema(table)
+        run = run_id or "*"
+        rnd = "*" if round is None else str(round)
+        if not self.remote:
+            return sorted(self.root.glob(f"{run}/round={rnd}/{table}/*.parquet"))
+        found = self.fs.glob(f"{self.url(self.root)}/{run}/round={rnd}/{table}/*.parquet", detail=True)
+        self._listed.update({k: (v["size"], v.get("ETag")) for k, v in found.items()})
+        return [self.root / k[len(self.url(self.root)) + 1:] for k in sorted(found)]
+
+    def _is_ok(self, p: Path) -> bool:
+        if self.remote:  # size and ETag from the listing: no request per part
+            size, stamp = self._listed.get(self.url(p)) or (self.fs.info(self.url(p))["size"], None)
+        else:
+            st = p.stat()
+            size, stamp = st.st_size, st.st_mtime
+        key = (str(p), size, stamp)
+        ok = self._footer_ok.get(key)
+        if ok is None:
+            try:
+                if self.remote:
+                    with self.fs.open(self.url(p), "rb") as f:
+                        pq.read_metadata(f)
+                else:
+                    pq.read_metadata(p)
+                ok = True
+            except Exception as e:  # any unreadable footer: name the file, keep going
+                warnings.warn(f"corrupt Parquet part skipped (left in place): {p}: {e}", CorruptPartWarning,
+                              stacklevel=3)
+                ok = False
+            self._footer_ok[key] = ok
+        return ok
+
+    def good_parts(self, table: str, run_id: str | None = None, round: int | None = None) -> list[Path]:
+        return [p for p in self.parts(table, run_id, round) if self._is_ok(p)]
+
+    def corrupt_parts(self) -> list[Path]:
+        return [p for t in TABLES for p in self.parts(t) if not self._is_ok(p)]
+
+    def _polars_options(self) -> dict[str, str] | None:
+        """polars' object-store settings for the same server and credentials s3fs uses."""
+        if not self.remote:
+            return None
+        key, secret, token = _s3_credentials()
+        opts = {"aws_access_key_id": key, "aws_secret_access_key": secret, "aws_session_token": token,
+                "aws_region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
+                "aws_endpoint_url": _s3_endpoint()}
+        if (_s3_endpoint() or "").startswith("http://"):
+            opts["aws_allow_http"] = "true"
+        return {k: v for k, v in opts.items() if v}
+
+    def scan(self, table: str, run_id: str, round: int | None = None) -> pl.LazyFrame:
+        """Lazy frame over a table's readable parts, with `round` from the partition path."""
+        files = self.good_parts(table, run_id, round)
+        if not files:
+            empty = pl.from_arrow(schema(table).empty_table())
+            return empty.with_columns(pl.lit(None, pl.Int32).alias("round")).lazy()
+        # the full schema: columns added later read as null from older parts, whichever part comes first
+        full = dict(pl.from_arrow(schema(table).empty_table()).schema)
+        return pl.scan_parquet(
+            [str(f) for f in files], hive_partitioning=True, hive_schema={"round": pl.Int32}, schema=full,
+            missing_columns="insert", extra_columns="ignore", storage_options=self._polars_options(),
+        )
+
+    def read(self, table: str, run_id: str, round: int | None = None) -> pl.DataFrame:
+        return self.scan(table, run_id, round).collect()
+
+    # ---- DuckDB ----------------------------------------------------------------------------
+    def _view_sql(self, table: str) -> str:
+        files = self.parts(table)
+        good = [p for p in files if self._is_ok(p)]
+        cols = ", ".join(f"CAST(NULL AS {_duck_type(f.type)}) AS {f.name}" for f in schema(table))
+        empty = f"SELECT {cols}, CAST(NULL AS INTEGER) AS round WHERE false"
+        if not good:
+            return empty
+        opts = "hive_partitioning = true, union_by_name = true, hive_types = {'round': INTEGER}"
+        if len(good) == len(files):  # glob: parts written after the refresh are visible too
+            src = f"'{self.root}/*/round=*/{table}/*.parquet'"
+        else:  # a corrupt part would fail the whole glob: list the readable ones
+            src = "[" + ", ".join(f"'{p}'" for p in good) + "]"
+        # the empty typed relation first: every column of the schema exists even when no part has it yet (parts
+        # written before a column was added), and BY NAME never duplicates one a newer part has
+        return f"{empty} UNION ALL BY NAME SELECT * FROM read_parquet({src}, {opts})"
+
+    def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
+        for t in TABLES:
+            con.execute(f"CREATE OR REPLACE VIEW {t} AS {self._view_sql(t)}")
+        con.execute(
+            "CREATE OR REPLACE VIEW latest_scores AS SELECT * FROM scores "
+            "QUALIFY row_number() OVER (PARTITION BY run_id, round, gen_id, rep "
+            "ORDER BY attempt DESC, created_at DESC) = 1"
+        )
+        con.execute(f"CREATE OR REPLACE VIEW generation_scores AS {GENERATION_SCORES_SQL}")
+        con.execute(f"CREATE OR REPLACE VIEW query_usage AS {QUERY_USAGE_SQL}")
+
+    def _attach_s3(self, con: duckdb.DuckDBPyConnection) -> None:
+        """httpfs plus a temporary (in-memory, never persisted) S3 secret for this connection."""
+        load_httpfs(con)
+        key, secret, token = _s3_credentials()
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        fields = {"KEY_ID": key, "SECRET": secret, "SESSION_TOKEN": token, "REGION": region}
+        extra = ""
+        if _s3_endpoint():  # an S3-compatible server (MinIO, moto, Ceph): path-style URLs on its host
+            ep = urlparse(_s3_endpoint())
+            fields["ENDPOINT"] = ep.netloc
+            extra = f", URL_STYLE 'path', USE_SSL {'false' if ep.scheme == 'http' else 'true'}"
+        body = ", ".join(f"{k} {_sql_str(v)}" for k, v in fields.items() if v)
+        con.execute(f"CREATE OR REPLACE TEMPORARY SECRET store_s3 (TYPE s3, {body}{extra})")
+
+    def generation_scores(self, run_id: str, round: int, reps: int, transient: Iterable[str]) -> pl.DataFrame:
+        """The `generation_scores` rows of one round, ordered (query, parent, slot), with `state`:
+        ok (final: scored on all `reps`, or invalid), transient (a latest run has a status in `transient`,
+        which is re-run by `score --only-failed` and waited for by curation), or unscored (reps missing)."""
+        return self.sql(
+            "SELECT *, CASE WHEN NOT valid THEN 'ok' "
+            "WHEN transient_runs > 0 OR (list_contains($transient, 'timeout') AND timeout_runs > 0) THEN 'transient' "
+            "WHEN reps_scored < $reps THEN 'unscored' ELSE 'ok' END AS state "
+            "FROM generation_scores WHERE run_id = $run AND round = $round "
+            "ORDER BY query_id, parent_id NULLS FIRST, slot, gen_id",
+            {"run": run_id, "round": round, "reps": reps, "transient": sorted(transient)})
+
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        """In-memory connection with the catalog's views (no lock on catalog.duckdb)."""
+        con = duckdb.connect()
+        if self.remote:
+            self._attach_s3(con)
+        self._create_views(con)
+        return con
+
+    def sql(self, query: str, params: dict[str, Any] | list[Any] | None = None) -> pl.DataFrame:
+        """Run a query over the views; `params` binds `$name` parameters (a dict) or `?` ones (a list)."""
+        con = self.connect()
+        try:
+            rel = con.sql(query, params=params)
+            return rel.pl() if rel is not None else pl.DataFrame()
+        finally:
+            con.close()
+
+    def refresh_catalog(self) -> Path:
+        """Rebuild <root>/catalog.duckdb atomically for the `duckdb` CLI, in a storage version that CLI reads
+        (see CATALOG_STORAGE). Local stores only: on S3 the views need httpfs and a secret in every session."""
+        if self.remote:
+            raise StoreError(f"refresh_catalog: {CATALOG} is a local file for the `duckdb` CLI and is not kept for "
+                             f"an s3:// store ({self.root}); query it with `pipeline sql` or Store.sql, which load "
+                             "httpfs and the S3 settings themselves")
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / CATALOG
+        tmp = self.root / f".{CATALOG}.{uuid.uuid4().hex}.tmp"
+        con = duckdb.connect()
+        try:
+            path = str(tmp).replace("'", "''")
+            con.execute(f"ATTACH '{path}' AS cat (STORAGE_VERSION '{CATALOG_STORAGE}')")
+            con.execute("USE cat")
+            self._create_views(con)
+            con.execute("USE memory")
+            con.execute("DETACH cat")
+        finally:
+            con.close()
+        os.replace(tmp, final)
+        Path(str(tmp) + ".wal").unlink(missing_ok=True)
+        return final
+
+    # ---- manifests and configs ----------------------------------------------------------------
+    def _manifest_path(self, run_id: str, round: int, stage: str) -> Path:
+        return self.round_dir(run_id, round) / "_done" / f"{stage}.json"
+
+    def write_manifest(self, run_id: str, round: int, stage: str, config_hash: str, **counts: Any) -> dict:
+        """Written after the data it covers (callers finish their writes first), whole or not at all."""
+        path = self._manifest_path(run_id, round, stage)
+        body = {"stage": stage, "round": round, "config_hash": config_hash, "finished_at": utcnow().isoformat(),
+                "counts": counts}
+        if self.remote:
+            self.put_text(path, json.dumps(body, indent=2, default=str))
+            return body
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(body, indent=2, default=str))
+        os.replace(tmp, path)
+        return body
+
+    def manifest(self, run_id: str, round: int, stage: str) -> dict | None:
+        path = self._manifest_path(run_id, round, stage)
+        if self.remote:
+            try:
+                return json.loads(self.fs.cat_file(self.url(path)))
+            except FileNotFoundError:
+                return None
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def clear_manifest(self, run_id: str, round: int, stage: str) -> None:
+        path = self._manifest_path(run_id, round, stage)
+        if self.remote:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.url(path))
+            return
+        path.unlink(missing_ok=True)
+
+    def read_config(self, run_id: str) -> str | None:
+        """The run's frozen config.yaml text; None: no such run."""
+        path = self.run_dir(run_id) / "config.yaml"
+        if self.remote:
+            try:
+                return self.fs.cat_file(self.url(path)).decode()
+            except FileNotFoundError:
+                return None
+        return path.read_text() if path.is_file() else None
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_complete(self, run_id: str, round: int) -> bool:
+        return adapter_complete(self.checkpoint_dir(run_id, round))
+
+    def publish_checkpoint(self, save: Callable[[Path], None], run_id: str, round: int) -> Path:
+        """Save a round's adapter with `save(folder)` (e.g. peft's `model.save_pretrained`) and publish it as the
+        round's checkpoint, which is whole or looks incomplete, never half of one that looks complete:
+        locally into a temp folder renamed into place; on object storage into the local checkpoint cache, then
+        any old checkpoint's marker and files are deleted, every other file is uploaded (one PUT each, in turn)
+        and CHECKPOINT_MARKER last, so the marker exists only once the weights do."""
+        from pipeline.engines.models import atomic_dir
+
+        dest = self.checkpoint_dir(run_id, round)
+        local = self._cache_path(dest) if self.remote else dest
+        with atomic_dir(local, suffix=".tmp") as tmp:
+            save(tmp)
+            for f in ADAPTER_FILES:
+                with open(tmp / f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if self.remote:
+            self._drop_remote_checkpoint(dest)
+            files = sorted((f for f in local.rglob("*") if f.is_file()), key=lambda f: f.name == CHECKPOINT_MARKER)
+            for f in files:
+                self.fs.put_file(str(f), f"{self.url(dest)}/{f.relative_to(local).as_posix()}")
+            (local / ".source").write_text(self._remote_stamp(dest))
+        return dest
+
+    def local_adapter(self, path: str | Path | Any) -> Path | None:
+        """A local folder for an adapter reference (peft and vLLM read local folders): a local path as given; an
+        s3:// checkpoint downloaded once into the cache ($PIPELINE_CACHE_DIR/s3/...), again when the published
+        one changed; None when that checkpoint is missing or incomplete (its marker not uploaded yet)."""
+        if not is_remote(path):
+            return Path(path).expanduser()
+        ref = self._remote_root(path) if isinstance(path, str) else path  # same server settings as the root
+        if not adapter_complete(ref):
+            return None
+        local, stamp = self._cache_path(ref), self._remote_stamp(ref)
+        src = local / ".source"
+        if adapter_complete(local) and src.is_file() and src.read_text() == stamp:
+            return local
+        from pipeline.engines.models import atomic_dir
+
+        with atomic_dir(local, suffix=".tmp") as tmp:
+            prefix = ref.path.rstrip("/") + "/"
+            for key in ref.fs.find(prefix):
+                out = tmp / key[len(prefix):]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                ref.fs.get_file(key, str(out))
+            (tmp / ".source").write_text(stamp)
+        return local
+
+    def _cache_path(self, remote: Any) -> Path:
+        from pipeline.engines.models import cache_dir
+
+        return cache_dir() / "s3" / remote.path
+
+    def _remote_stamp(self, ckpt: Any) -> str:
+        """Identifies one published checkpoint: its adapter files' ETags (a re-published one has new ones)."""
+        return ",".join(str(ckpt.fs.info(f"{ckpt.path}/{f}").get("ETag")) for f in ADAPTER_FILES)
+
+    def _drop_remote_checkpoint(self, ckpt: Any) -> None:
+        # the marker first: an interrupted delete leaves a checkpoint that looks incomplete, never a mixed one
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{self.url(ckpt)}/{CHECKPOINT_MARKER}")
+        keys = self.fs.find(self.url(ckpt) + "/")
+        if keys:
+            self.fs.rm(keys)
+
+    def discard_unfinished(self, run_id: str, round: int, tables: Iterable[str], checkpoint: bool = False) -> int:
+        """Remove what an attempt that died before its manifest left behind (parts of `tables`, and the round's
+        checkpoint folder or prefix), so the next attempt starts clean and never duplicates rows; returns parts
+        removed."""
+        stale = [p for t in tables for p in self.parts(t, run_id, round)]
+        ckpt = self.checkpoint_dir(run_id, round)
+        has_ckpt = checkpoint and (bool(self.fs.find(self.url(ckpt) + "/")) if self.remote else ckpt.exists())
+        if stale or has_ckpt:
+            log.warning("run %s round %d: discarding %d part(s)%s of an unfinished attempt", run_id, round, len(stale),
+                        " and the checkpoint" if has_ckpt else "")
+        if self.remote:
+            if stale:
+                self.fs.rm([self.url(p) for p in stale])
+            if has_ckpt:
+                self._drop_remote_checkpoint(ckpt)
+            return len(stale)
+        for p in stale:
+            p.unlink(missing_ok=True)
+        if has_ckpt:
+            shutil.rmtree(ckpt)
+        return len(stale)

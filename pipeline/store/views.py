@@ -1,0 +1,104 @@
+"""Every SQL view and shared query of the store, one definition each: `latest_scores` (in `Store.refresh_views`),
+`generation_scores`, `query_usage` and the per-round summary that the runner, the report and the tracking read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+from pipeline.store.schema import TRANSIENT_STATUSES
+
+# A generation's score, the one definition: the mean over its reps' latest attempts, where an invalid workflow
+# (or a run with status `invalid`) counts 0 and a missing score 0; runs whose latest status is transient
+# (an executor outage) are left out of the mean and counted in `transient_runs`. NULL: no final run yet.
+GENERATION_SCORES_SQL = f"""
+WITH g AS (
+    SELECT run_id, round, gen_id, any_value(kind) AS kind, any_value(parent_id) AS parent_id,
+           any_value(query_id) AS query_id, min(slot) AS slot, bool_and(coalesce(valid, true)) AS valid,
+           any_value(repair_of) AS repair_of, coalesce(max(attempt), 0) AS attempt
+    FROM generations GROUP BY run_id, round, gen_id),
+repaired AS (SELECT DISTINCT run_id, round, repair_of AS gen_id FROM generations WHERE repair_of IS NOT NULL),
+s AS (
+    SELECT run_id, round, gen_id, count(DISTINCT rep) AS reps_scored,
+           count(*) FILTER (WHERE status IN ({", ".join(f"'{t}'" for t in TRANSIENT_STATUSES)})) AS transient_runs,
+           count(*) FILTER (WHERE status = 'timeout') AS timeout_runs,
+           avg(CASE WHEN status = 'invalid' THEN 0 ELSE coalesce(score, 0) END)
+               FILTER (WHERE status NOT IN ({", ".join(f"'{t}'" for t in TRANSIENT_STATUSES)})) AS score,
+           sum(llm_calls) AS llm_calls, sum(tokens_in) AS tokens_in, sum(tokens_out) AS tokens_out,
+           sum(cost_usd) AS cost_usd
+    FROM latest_scores GROUP BY run_id, round, gen_id)
+SELECT g.*, r.gen_id IS NULL AS final, coalesce(s.reps_scored, 0) AS reps_scored,
+       coalesce(s.transient_runs, 0) AS transient_runs, coalesce(s.timeout_runs, 0) AS timeout_runs,
+       CASE WHEN NOT g.valid THEN 0.0 ELSE s.score END AS score,
+       s.llm_calls, s.tokens_in, s.tokens_out, s.cost_usd
+FROM g LEFT JOIN s USING (run_id, round, gen_id) LEFT JOIN repaired r USING (run_id, round, gen_id)
+"""
+
+# What answering one query cost, the one definition (evaluation summaries, baselines, the report): generator tokens
+# of every generation of the query (any kind: plans, workflows, repairs, SMC rollouts; the prompt counted once per
+# sample, as n separate requests would be billed), and executor tokens of its scoring runs (latest attempts, all
+# reps) plus its generation-time runs (`checks`: self-repair's self-checks, SMC's look-ahead scoring).
+QUERY_USAGE_SQL = """
+WITH g AS (
+    SELECT run_id, round, gen_id, any_value(query_id) AS query_id, any_value(kind) AS kind,
+           any_value(coalesce(len(prompt_token_ids), 0)) AS tin, any_value(coalesce(len(token_ids), 0)) AS tout,
+           any_value(coalesce(cost_usd, 0)) AS cost
+    FROM generations GROUP BY run_id, round, gen_id),
+gq AS (
+    SELECT run_id, round, query_id, count(*) FILTER (WHERE kind = 'workflow') AS workflows, count(*) AS generations,
+           sum(tin)::BIGINT AS gen_tokens_in, sum(tout)::BIGINT AS gen_tokens_out, sum(cost) AS gen_cost_usd
+    FROM g GROUP BY run_id, round, query_id),
+sq AS (
+    SELECT run_id, round, query_id, sum(llm_calls)::BIGINT AS calls, sum(tokens_in)::BIGINT AS tin,
+           sum(tokens_out)::BIGINT AS tout, sum(cost_usd) AS cost
+    FROM latest_scores GROUP BY run_id, round, query_id),
+cq AS (
+    SELECT run_id, round, query_id, count(*) AS checks, sum(llm_calls)::BIGINT AS calls,
+           sum(tokens_in)::BIGINT AS tin, sum(tokens_out)::BIGINT AS tout, sum(cost_usd) AS cost
+    FROM checks GROUP BY run_id, round, query_id)
+SELECT gq.run_id, gq.round, gq.query_id, gq.workflows, gq.generations, coalesce(cq.checks, 0) AS checks,
+       gq.gen_tokens_in, gq.gen_tokens_out, gq.gen_cost_usd,
+       coalesce(sq.calls, 0) + coalesce(cq.calls, 0) AS exec_calls,
+       coalesce(sq.tin, 0) + coalesce(cq.tin, 0) AS exec_tokens_in,
+       coalesce(sq.tout, 0) + coalesce(cq.tout, 0) AS exec_tokens_out,
+       coalesce(sq.cost, 0) + coalesce(cq.cost, 0) AS exec_cost_usd
+FROM gq LEFT JOIN sq USING (run_id, round, query_id) LEFT JOIN cq USING (run_id, round, query_id)
+"""
+
+
+ROUND_SQL = """
+WITH g AS (
+  SELECT round, count(*) AS workflows, avg(CASE WHEN valid THEN 1.0 ELSE 0.0 END) AS valid_share
+  FROM generations WHERE run_id = $run AND kind = 'workflow' GROUP BY round),
+s AS (
+  SELECT round, count(*) AS scored, avg(score) AS mean_score, max(score) AS best_score FROM generation_scores
+  WHERE run_id = $run AND kind = 'workflow' AND score IS NOT NULL GROUP BY round),
+u AS (
+  SELECT round, sum(llm_calls)::BIGINT AS llm_calls, sum(tokens_in)::BIGINT AS tokens_in,
+         sum(tokens_out)::BIGINT AS tokens_out,
+         sum(cost_usd) AS cost_usd
+  FROM latest_scores WHERE run_id = $run GROUP BY round),
+q AS (
+  SELECT round, avg(gen_tokens_in + gen_tokens_out) AS gen_tokens_per_query,
+         avg(exec_tokens_in + exec_tokens_out) AS exec_tokens_per_query
+  FROM query_usage WHERE run_id = $run GROUP BY round),
+c AS (SELECT round, count(*) FILTER (WHERE kept AND coalesce(kind, 'group') = 'group') AS groups_kept FROM groups
+      WHERE run_id = $run GROUP BY round),
+t AS (
+  SELECT round, count(*) AS steps, avg(loss) AS loss, avg(kl) AS kl, avg(clip_frac) AS clip_frac,
+         sum(tokens)::BIGINT AS train_tokens
+  FROM train_metrics WHERE run_id = $run GROUP BY round),
+r AS (SELECT round FROM g UNION SELECT round FROM s UNION SELECT round FROM c UNION SELECT round FROM t)
+SELECT r.round, workflows, valid_share, scored, mean_score, best_score, llm_calls, tokens_in, tokens_out,
+       cost_usd, gen_tokens_per_query, exec_tokens_per_query, groups_kept, steps, loss, kl, clip_frac, train_tokens
+FROM r LEFT JOIN g USING (round) LEFT JOIN s USING (round) LEFT JOIN u USING (round) LEFT JOIN q USING (round)
+       LEFT JOIN c USING (round) LEFT JOIN t USING (round)
+ORDER BY r.round
+"""
+
+
+def round_stats(store: Any, run_id: str) -> pl.DataFrame:
+    """One row per round: workflows, valid_share, scored, mean_score, best_score, usage, tokens per query, groups,
+    training."""
+    return store.sql(ROUND_SQL, {"run": run_id})

@@ -1,0 +1,183 @@
+"""The objective ablation (`pipeline ablate CONFIG`): one round's curated data, trained with each objective, each
+checkpoint evaluated on the held-out split against the base model and against the first objective.
+
+For each seed s of `experiment.seeds` (as `pipeline experiment`): the source run `<run_id>-s<s>` is CONFIG's run,
+rounds 0..`round` (curation writes the rows of every objective: groups, pairs, weighted and best rows;
+pipeline.stages.curate); its round `round` checkpoint is the arm of CONFIG's own `training.objective`, the reference
+arm. Each other objective X is an arm run `<run_id>-s<s>-<X>` with `training.objective=X` and
+`training.data_run=<source>`: it trains round `round` on the source's curated rows from the source's previous
+checkpoint (the policy that sampled them) and writes only its own checkpoint. The base model and every arm's
+checkpoint are evaluated by pipeline.studies.evaluate with the same seed, split, queries and L, so per-query numbers pair
+up across arms.
+
+The summary gives per arm and metric the mean over seeds x queries and the paired difference to the base model
+and to the reference arm with percentile-bootstrap intervals (pipeline.studies.experiment),
+written to `<store>/experiments/<run_id>-ablation/ablation.json` with a Markdown table (ablation.md). Re-running
+resumes: finished stages are skipped by their manifests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from pipeline.config import load_config
+from pipeline.core.learning import paired_differences
+from pipeline.core.objectives import OBJECTIVES, get_objective
+from pipeline.run import open_run
+from pipeline.store import Store, store_for
+from pipeline.studies.evaluate import eval_run_id, eval_summary, evaluate_round
+from pipeline.studies.experiment import (
+    BASE,
+    METRIC_NAMES,
+    compared_metrics,
+    eval_sets,
+    mean_or_none,
+    paired_interval,
+    plan,
+)
+
+log = logging.getLogger("pipeline.studies.ablation")
+
+
+def arm_run_id(source: str, objective: str, reference: str) -> str:
+    """The run whose checkpoint is the arm: the source run itself for CONFIG's objective."""
+    return source if objective == reference else f"{source}-{objective}"
+
+
+def arm_sets(source: str, objective: str) -> list[str]:
+    return [f"training.objective={objective}", f"training.data_run={source}"]
+
+
+def ablation_dir(store: Store, run_id: str) -> Path:
+    return store.root / "experiments" / f"{run_id}-ablation"
+
+
+def summarise(store: Store, cfg, objectives: list[str], seeds: list[int], round: int) -> dict:
+    """Per arm: its evaluations' means; per arm and metric: paired differences to the base model and to the
+    reference arm (`objectives[0]`)."""
+    split, ex = cfg.experiment.eval_split, cfg.experiment
+    per_query: dict[tuple[int, str], dict[str, dict]] = {}  # (seed, arm) -> query -> row; arm "base" or objective
+    for s in seeds:
+        src = plan(cfg, [s])[0].run_id
+        runs = {"base": eval_run_id(src, BASE, split)} | {
+            o: eval_run_id(arm_run_id(src, o, objectives[0]), round, split) for o in objectives}
+        for arm, eid in runs.items():
+            if (store.run_dir(eid) / "config.yaml").is_file():
+                per_query[(s, arm)] = {q["query_id"]: q for q in eval_summary(store, eid)["per_query"]}
+    arms, paired = [], []
+    for arm in ["base", *objectives]:
+        rows = [q for (s, a), qs in per_query.items() if a == arm for q in qs.values()]
+        if not rows:
+            continue
+        means = {m: mean_or_none([q[m] for q in rows if q.get(m) is not None]) for m in compared_metrics(cfg)}
+        arms.append({"arm": arm, "n": len(rows), "valid_share": mean_or_none([q["valid_share"] for q in rows
+                                                                         if q.get("valid_share") is not None]),
+                     **means})
+    for arm in objectives:
+        for against in dict.fromkeys(["base", objectives[0]]):
+            if against == arm:
+                continue
+            for metric in compared_metrics(cfg):
+                pairs = []
+                for s in seeds:
+                    mine, theirs = per_query.get((s, arm)), per_query.get((s, against))
+                    if mine and theirs:
+                        a = {q: r[metric] for q, r in mine.items() if r.get(metric) is not None}
+                        b = {q: r[metric] for q, r in theirs.items() if r.get(metric) is not None}
+                        pairs += [(s, q, d) for q, d in paired_differences(a, b).items()]
+                if pairs:
+                    paired.append({"arm": arm, "against": against, "metric": metric,
+                                   **paired_interval(pairs, seeds, ex)})
+    return {"experiment": cfg.run_id, "round": round, "objectives": objectives, "seeds": seeds, "split": split,
+            "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "arms": arms, "paired": paired}
+
+
+def table(summary: dict) -> str:
+    """The Markdown table of docs/objectives.md: per arm, held-out means and paired differences with intervals."""
+    metrics = [m for m in ("mean_at_l", "best_at_l") if any(a.get(m) is not None for a in summary["arms"])]
+    ref = summary["objectives"][0]
+    head = ["arm"] + [METRIC_NAMES[m] for m in metrics] + [f"{METRIC_NAMES[m]} vs {who}" for m in metrics
+                                                          for who in ("base", ref)] + ["valid"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for a in summary["arms"]:
+        cells = [a["arm"] + ("" if a["arm"] == "base" else f" ({get_objective(a['arm']).kind} rows)")]
+        cells += [_fmt(a.get(m)) for m in metrics]
+        for m in metrics:
+            for who in ("base", ref):
+                p = next((p for p in summary["paired"] if p["arm"] == a["arm"] and p["against"] == who
+                          and p["metric"] == m), None)
+                cells.append("" if p is None else f"{p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]")
+        cells.append(_fmt(a.get("valid_share"), 2))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def write_results(store: Store, summary: dict, extra: dict) -> Path:
+    dest = ablation_dir(store, summary["experiment"])
+    with store.output_dir(dest) as out:  # on object storage: written locally, then uploaded file by file
+        tmp = out / ".ablation.json.tmp"
+        tmp.write_text(json.dumps({**summary, **extra}, indent=1, default=str))
+        tmp.replace(out / "ablation.json")
+        (out / "ablation.md").write_text(table(summary) + "\n")
+    return dest
+
+
+def run_ablation(config: str | Path, call, objectives: list[str] | None = None, seeds: int | None = None,
+                 round: int = 0, run_id: str | None = None, sets: list[str] | None = None,
+                 command: str | None = None) -> dict:
+    """Source rounds, then one arm per objective, each evaluated, through `call` (a stage caller)."""
+    from pipeline.stages import ROUND_STAGES
+    from pipeline.stages.rounds import resolve_config
+
+    path = resolve_config(config)
+    sets = list(sets or [])
+    cfg = load_config(path, sets)
+    if run_id:
+        cfg = cfg.model_copy(update={"run_id": run_id})
+    ref = cfg.training.objective
+    objectives = [ref] + [o for o in (objectives or OBJECTIVES) if o != ref]  # the reference arm first
+    for o in objectives:
+        get_objective(o)  # an unknown name fails before any work
+    if len(set(objectives)) != len(objectives):
+        raise ValueError(f"objectives repeat: {objectives}")
+    if round < 0:
+        raise ValueError(f"--round must be >= 0, got {round}")
+    store, split = store_for(cfg.store), cfg.experiment.eval_split
+    t0, done, summary, walls = time.perf_counter(), [], {}, {}
+    for sp in plan(cfg, list(range(seeds)) if seeds is not None else None):
+        t_seed = time.perf_counter()
+        src = sp.run_id
+        open_run(path, src, 0, sets + sp.sets)  # freeze the source run
+        for k in range(round + 1):  # round `round` trained with CONFIG's objective: the reference arm
+            for stage in ROUND_STAGES:
+                call(stage=stage, run_id=src, round=k, store_root=str(store.root), sets=sets + sp.sets)
+        log.info("seed %d: evaluating the base model and %s on %s", sp.seed, ref, split)
+        evaluate_round(str(store.root), src, BASE, split, eval_sets(cfg), call)
+        evaluate_round(str(store.root), src, round, split, eval_sets(cfg), call)
+        for o in objectives[1:]:
+            arm = arm_run_id(src, o, ref)
+            arm_all = sets + sp.sets + arm_sets(src, o)
+            open_run(path, arm, round, arm_all)  # freeze the arm: CONFIG + seed + objective + data_run
+            log.info("seed %d: training %s on %s's round %d", sp.seed, o, src, round)
+            call(stage="train", run_id=arm, round=round, store_root=str(store.root), sets=arm_all)
+            evaluate_round(str(store.root), arm, round, split, eval_sets(cfg), call)
+        walls[sp.seed] = round_s(time.perf_counter() - t_seed)
+        done.append(sp.seed)
+        summary = summarise(store, cfg, objectives, done, round)
+        out = write_results(store, summary, {"command": command, "seed_wall_s": walls, "config": str(path),
+                                             "sets": sets, "wall_s": round_s(time.perf_counter() - t0)})
+        log.info("after seed %d:\n%s", sp.seed, table(summary))
+    summary["results"] = str(out)
+    summary["wall_s"] = round_s(time.perf_counter() - t0)
+    return summary
+
+
+def round_s(x: float) -> float:
+    return float(f"{x:.1f}")

@@ -1,0 +1,179 @@
+"""Evaluation of a round's generator on a held-out split, without touching the run's training data.
+
+The evaluation is its own run, `<run_id>-eval-r<k>` (`-eval-<split>-r<k>` for a split other than
+test, `-eval-base` / `-eval-<split>-base` for the base model, k = -1): the trained run's config with
+`benchmark.train_split=<split>` and `generator.adapter=<checkpoint of round k>`, rolled out and
+scored at its round 0. Queries, generations and scores of the trained run are never written.
+
+Prompts are built as in training: checkpoint k samples round k+1's workflows in the trained run, so its
+evaluation shows exemplars drawn from the trained run's rounds <= k (`rollout.exemplar_run/round`); the
+base model (k = -1) gets round 0's prompts, which have none. Held-out queries have no exemplars of their
+own, so, as for any query without a pool in training, exemplars come from the run's whole pool.
+
+`eval_summary` reports per-query Mean@L, Best@L and Majority@L (pipeline.core.learning), the valid share, the status
+mix and the tokens per query of the generator and the executor (the store's `query_usage` view), with a workflow's
+score from the store's `generation_scores` view, as in curation (mean over reps, invalid = 0, transient or
+unscored = no score yet). Of a self-repair chain only its last attempt counts (`final`): a query's L workflows are
+its L slots. Any derived run whose round 0 holds workflows (baselines, SMC) is summarised the same way.
+A refine run (rollout.mode: refine) is evaluated in flat mode: its feedback shows gold answers, so held-out
+queries get L workflows each from the flat workflow prompt (W4S's optimise-on-validation-then-test is not done).
+For a two-level run it adds the proposal's inference-time selection (pipeline.core.selection: per query the best
+agent, then its best workflow) as Sel@L, `select_at_l`.
+`evaluate_round` runs the evaluation's stages through a stage caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import polars as pl
+
+from pipeline.config import ConfigError, load_config
+from pipeline.run import RunContext, open_run
+from pipeline.stages.modes import get_mode
+from pipeline.store import Store
+
+EVAL_STAGES = ("rollout", "score")  # of pipeline.stages, run at round 0 of the evaluation run
+
+
+def eval_run_id(run_id: str, round: int, split: str = "test") -> str:
+    tag = "base" if round < 0 else f"r{round}"
+    return f"{run_id}-eval-{tag}" if split == "test" else f"{run_id}-eval-{split}-{tag}"
+
+
+def check_split(split: str) -> None:
+    if split not in ("validate", "test"):
+        raise ConfigError(f"split must be 'validate' or 'test', got {split!r}")
+
+
+def derived_run_sets(split: str, cfg=None) -> list[str]:
+    """The frozen overrides of a method's derived run on `split` (baselines, SMC, plain sampling): CONFIG's
+    queries of that split, one round, no exemplars; flat rollouts for a refine CONFIG `cfg` (its feedback reads
+    gold answers, and its score stage reads refine turns)."""
+    check_split(split)
+    sets = [f"benchmark.train_split={split}", "rounds=1", "rollout.exemplars=false"]
+    return sets + ([] if cfg is None else _evaluated_as(cfg.rollout.mode))
+
+
+def _evaluated_as(mode: str) -> list[str]:
+    """The override that makes held-out evaluation sample in the mode's evaluation mode (refine: flat)."""
+    as_mode = get_mode(mode).evaluated_as
+    return [] if as_mode == mode else [f"rollout.mode={as_mode}"]
+
+
+def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
+                  sets: list[str] | None = None) -> RunContext:
+    """Create (first call) or reopen the evaluation run of round `round`'s checkpoint (-1: base model)."""
+    check_split(split)
+    store = Store(store_root)
+    saved = store.run_dir(run_id) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"run {run_id!r} not found under {store.root}")
+    eid = eval_run_id(run_id, round, split)
+    if (store.run_dir(eid) / "config.yaml").is_file():
+        return open_run(None, eid, 0, sets, str(store.root))
+    adapter = "null"
+    if round >= 0:
+        ckpt = store.checkpoint_dir(run_id, round)
+        if not ckpt.is_dir():
+            raise ConfigError(f"run {run_id!r} has no checkpoint for round {round} ({ckpt}); train that round first")
+        adapter = str(ckpt)
+    # exemplars as in training: from the run whose rounds the checkpoint's data came from (an ablation arm trains
+    # on training.data_run's round)
+    saved_cfg = load_config(saved)
+    pool = saved_cfg.training.data_run or run_id
+    frozen = [f"benchmark.train_split={split}", f"generator.adapter={adapter}", "rounds=1",
+              f"store.root={store.root}", f"rollout.exemplar_run={pool}", f"rollout.exemplar_round={round + 1}"]
+    frozen += _evaluated_as(saved_cfg.rollout.mode)  # refine: its feedback reads gold answers, so L flat workflows
+    return open_run(saved, eid, 0, frozen + list(sets or []), str(store.root))
+
+
+def generation_votes(store: Store, run_id: str, round: int, family: str) -> dict[str, str | None]:
+    """gen_id -> the normalised answer it votes with in Majority@L: of its reps' latest runs that ended `ok`, the
+    most frequent vote (a tie: the earliest rep's); None when no rep gave an answer."""
+    from pipeline.engines.benchmarks.metrics import vote_key
+
+    df = store.sql("SELECT gen_id, rep, status, answer FROM latest_scores WHERE run_id = $run AND round = $round "
+                   "ORDER BY gen_id, rep", {"run": run_id, "round": round})
+    votes: dict[str, list[str]] = {}
+    for gid, _, status, answer in df.iter_rows():
+        key = vote_key(answer, family) if status == "ok" else None
+        votes.setdefault(gid, [])
+        if key is not None:
+            votes[gid].append(key)
+    return {g: (max(v, key=v.count) if v else None) for g, v in votes.items()}
+
+
+USAGE_KEYS = ("gen_tokens_in", "gen_tokens_out", "gen_cost_usd", "exec_calls", "exec_tokens_in", "exec_tokens_out",
+              "exec_cost_usd")
+
+
+def query_usage(store: Store, run_id: str, round: int = 0) -> dict[str, dict]:
+    """query_id -> its row of the store's `query_usage` view (generator and executor tokens and cost)."""
+    df = store.sql("SELECT * FROM query_usage WHERE run_id = $run AND round = $round", {"run": run_id, "round": round})
+    return {r["query_id"]: {k: r[k] for k in USAGE_KEYS} for r in df.iter_rows(named=True)}
+
+
+def usage_summary(usage: list[dict]) -> dict:
+    """Means per query: generator tokens (in + out), executor tokens (in + out), executor calls, cost (both)."""
+    if not usage:
+        return {"gen_tokens_per_query": None, "exec_tokens_per_query": None, "exec_calls_per_query": None,
+                "cost_usd_per_query": None}
+    n = len(usage)
+    return {"gen_tokens_per_query": sum(u["gen_tokens_in"] + u["gen_tokens_out"] for u in usage) / n,
+            "exec_tokens_per_query": sum(u["exec_tokens_in"] + u["exec_tokens_out"] for u in usage) / n,
+            "exec_calls_per_query": sum(u["exec_calls"] for u in usage) / n,
+            "cost_usd_per_query": sum(u["gen_cost_usd"] + u["exec_cost_usd"] for u in usage) / n}
+
+
+def eval_summary(store: Store, eval_id: str) -> dict:
+    """Split-level Mean@L / Best@L / Majority@L / valid share and tokens per query over the eval run's queries,
+    the status mix of its latest runs, and `per_query` (one dict per query: workflows, mean_at_l, best_at_l,
+    majority_at_l, valid_share, pending and its `query_usage` columns)."""
+    from pipeline.core.learning import query_metrics, split_summary
+    from pipeline.engines.benchmarks import load_benchmark
+    from pipeline.stages.curate import load_round
+
+    ctx = open_run(None, eval_id, 0, None, str(store.root))
+    gens = load_round(ctx).filter((pl.col("kind") == "workflow") & pl.col("final"))
+    votes = generation_votes(store, eval_id, 0, load_benchmark(ctx.cfg.benchmark).family)
+    rows = [{"query_id": r["query_id"], "gen_id": r["gen_id"], "parent_id": r["parent_id"], "valid": r["valid"],
+             "score": r["score"] if r["state"] == "ok" else None, "vote": votes.get(r["gen_id"])}
+            for r in gens.iter_rows(named=True)]
+    per_query = query_metrics(rows)
+    usage = query_usage(store, eval_id)
+    status = store.sql("SELECT status, count(*) AS n FROM latest_scores WHERE run_id = $run AND round = 0 "
+                       "GROUP BY status ORDER BY status", {"run": eval_id})
+    out = {"eval_run_id": eval_id, **split_summary(per_query),
+           **usage_summary([usage[q.query_id] for q in per_query if q.query_id in usage]),
+           "status": dict(zip(status["status"].to_list(), status["n"].to_list(), strict=True)),
+           "per_query": [asdict(q) | usage.get(q.query_id, {}) for q in per_query]}
+    if get_mode(ctx.cfg.rollout.mode).selection:
+        add_selection(out, rows)
+    return out
+
+
+def add_selection(summary: dict, rows: list[dict]) -> None:
+    """Two-level runs: the proposal's inference rule (pipeline.core.selection), per query and as the split's Sel@L
+    (`select_at_l`), next to Mean@L and Best@L; each query also names its chosen agent and workflow."""
+    from pipeline.core.selection import select_all, select_at_l
+
+    chosen = {s.query_id: s for s in select_all(rows)}
+    summary["select_at_l"] = select_at_l(list(chosen.values()))
+    for q in summary["per_query"]:
+        s = chosen.get(q["query_id"])
+        q.update(select_at_l=s.score if s else None, selected_agent=s.agent_id if s else None,
+                 selected_workflow=s.workflow_id if s else None)
+
+
+def evaluate_round(store_root: str, run_id: str, round: int, split: str = "test", sets: list[str] | None = None,
+                   call=None) -> dict:
+    """Roll out and score round `round`'s checkpoint (-1: the base model) on `split` in its evaluation run,
+    through `call` (a stage caller, default: `pipeline.stages.rounds.direct_call()`); returns `eval_summary`."""
+    from pipeline.stages.rounds import direct_call
+
+    call = call or direct_call()
+    ctx = open_eval_run(store_root, run_id, round, split, sets)
+    for stage in EVAL_STAGES:
+        call(stage=stage, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=sets)
+    return eval_summary(ctx.store, ctx.run_id)

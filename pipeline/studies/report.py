@@ -1,0 +1,203 @@
+"""`pipeline report RUN_ID`: one HTML page with per-round plots and a summary table of a run.
+
+All numbers come from the store's DuckDB views (`Store.sql`); stage wall times from the run's
+append-only timings.jsonl (written by the flows). The page embeds plotly.js, so it opens offline.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+import polars as pl
+
+from pipeline.store import Store, round_stats
+from pipeline.store.schema import STATUSES
+
+
+# Per round: generations and valid share, workflow scores (`generation_scores`), executor usage, generator and
+# executor tokens per query (`query_usage`), curated groups and training metrics. FULL JOINs: a round that stopped
+# early still shows what it has.
+def score_distribution(store: Store, run_id: str) -> pl.DataFrame:
+    return store.sql(
+        "SELECT round, gen_id, score FROM generation_scores WHERE run_id = $run AND kind = 'workflow' "
+        "AND score IS NOT NULL ORDER BY round, gen_id", {"run": run_id})
+
+
+def status_counts(store: Store, run_id: str) -> pl.DataFrame:
+    return store.sql(
+        "SELECT round, status, count(*) AS n FROM latest_scores WHERE run_id = $run GROUP BY round, status "
+        "ORDER BY round, status", {"run": run_id})
+
+
+def train_curves(store: Store, run_id: str) -> pl.DataFrame:
+    return store.sql(
+        "SELECT round, step, loss, kl, clip_frac, tokens FROM train_metrics WHERE run_id = $run ORDER BY round, step",
+        {"run": run_id})
+
+
+def stage_timings(store: Store, run_id: str) -> pl.DataFrame:
+    """Wall seconds per (round, stage): the last run of each stage that did work (skips are 0 s)."""
+    path = store.run_dir(run_id) / "timings.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = [r for r in rows if not r.get("skipped") and "shard" not in r]  # a sharded stage's own line is its total
+    if not rows:
+        return pl.DataFrame(schema={"round": pl.Int64, "stage": pl.String, "wall_s": pl.Float64})
+    return (pl.DataFrame(rows).group_by("round", "stage", maintain_order=True).agg(pl.col("wall_s").last())
+            .sort("round"))
+
+
+def _figures(store: Store, run_id: str, stats: pl.DataFrame) -> list[tuple[str, object]]:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rounds = stats["round"].to_list()
+    figs: list[tuple[str, object]] = []
+
+    dist = score_distribution(store, run_id)
+    fig = go.Figure([go.Box(y=dist.filter(pl.col("round") == r)["score"].to_list(), name=f"round {r}",
+                            boxpoints="all", jitter=0.4) for r in dist["round"].unique().sort().to_list()])
+    fig.update_layout(yaxis_title="score per workflow (mean over reps)")
+    figs.append(("Score distribution", fig))
+
+    fig = go.Figure([go.Scatter(x=rounds, y=stats["mean_score"].to_list(), name="mean", mode="lines+markers"),
+                     go.Scatter(x=rounds, y=stats["best_score"].to_list(), name="best", mode="lines+markers")])
+    fig.update_layout(xaxis_title="round", yaxis_title="score", xaxis_dtick=1)
+    figs.append(("Mean and best score", fig))
+
+    fig = go.Figure(go.Bar(x=rounds, y=stats["valid_share"].to_list()))
+    fig.update_layout(xaxis_title="round", yaxis_title="share of valid workflows", yaxis_range=[0, 1], xaxis_dtick=1)
+    figs.append(("Valid workflows", fig))
+
+    st = status_counts(store, run_id)
+    present = [s for s in STATUSES if s in set(st["status"].to_list())]
+    fig = go.Figure([go.Bar(x=st.filter(pl.col("status") == s)["round"].to_list(),
+                            y=st.filter(pl.col("status") == s)["n"].to_list(), name=s) for s in present])
+    fig.update_layout(barmode="stack", xaxis_title="round", yaxis_title="runs", xaxis_dtick=1)
+    figs.append(("Status counts", fig))
+
+    tc = train_curves(store, run_id).with_row_index("global_step")
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("loss", "KL", "clip fraction"))
+    for r in tc["round"].unique().sort().to_list():
+        part = tc.filter(pl.col("round") == r)
+        for col, name in enumerate(("loss", "kl", "clip_frac"), start=1):
+            fig.add_trace(go.Scatter(x=part["global_step"].to_list(), y=part[name].to_list(), mode="lines+markers",
+                                     name=f"round {r}", legendgroup=str(r), showlegend=col == 1), row=1, col=col)
+    fig.update_xaxes(title_text="optimiser step (all rounds)")
+    figs.append(("Training: loss, KL, clip fraction", fig))
+
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    for name in ("tokens_in", "tokens_out", "train_tokens"):
+        fig.add_trace(go.Bar(x=rounds, y=stats[name].to_list(), name=name), secondary_y=False)
+    fig.add_trace(go.Scatter(x=rounds, y=stats["cost_usd"].to_list(), name="executor cost (USD)",
+                             mode="lines+markers"), secondary_y=True)
+    fig.update_yaxes(title_text="tokens", secondary_y=False)
+    fig.update_yaxes(title_text="USD", secondary_y=True)
+    fig.update_layout(xaxis_title="round", xaxis_dtick=1)
+    figs.append(("Tokens and cost", fig))
+
+    tim = stage_timings(store, run_id)
+    fig = go.Figure([go.Bar(x=tim.filter(pl.col("stage") == s)["round"].to_list(),
+                            y=tim.filter(pl.col("stage") == s)["wall_s"].to_list(), name=s)
+                     for s in tim["stage"].unique(maintain_order=True).to_list()])
+    fig.update_layout(barmode="stack", xaxis_title="round", yaxis_title="wall seconds", xaxis_dtick=1)
+    figs.append(("Wall time per stage", fig))
+    return figs
+
+
+def _table(df: pl.DataFrame) -> str:
+    def cell(v: object) -> str:
+        if v is None:
+            return ""
+        return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in df.columns)
+    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in df.iter_rows())
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def build_report(store: Store, run_id: str, out: Path | None = None) -> Path:
+    """Write the run's HTML report (default <store>/<run_id>/report.html) and return its path."""
+    if not (store.run_dir(run_id) / "config.yaml").is_file():
+        known = ", ".join(store.runs()) or "none"
+        raise FileNotFoundError(f"run {run_id!r} not found under {store.root} (runs: {known})")
+    stats = round_stats(store, run_id)
+    tim = stage_timings(store, run_id)
+    summary = stats
+    if tim.height:
+        walls = tim.pivot(on="stage", index="round", values="wall_s")
+        walls = walls.rename({c: f"{c}_s" for c in walls.columns if c != "round"})
+        walls = walls.with_columns(pl.sum_horizontal(pl.exclude("round")).alias("round_s"))
+        summary = stats.join(walls.with_columns(pl.col("round").cast(stats["round"].dtype)), on="round", how="left")
+    parts = []
+    for i, (title, fig) in enumerate(_figures(store, run_id, stats)):
+        fig.update_layout(height=380, margin={"t": 30})
+        parts.append(f"<h2>{html.escape(title)}</h2>" + fig.to_html(full_html=False, include_plotlyjs=i == 0))
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>run {html.escape(run_id)}</title><style>body{{font-family:sans-serif;margin:2em}}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style>"
+        f"</head><body><h1>Run {html.escape(run_id)}</h1><p>store: {html.escape(str(store.root))}</p>"
+        f"<h2>Summary per round</h2>{_table(summary)}{''.join(parts)}</body></html>"
+    )
+    if out is None:
+        out = store.run_dir(run_id) / "report.html"
+        store.put_text(out, page)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    return out
+
+
+def build_experiment_report(summary: dict, out: Path) -> Path:
+    """HTML page of a learning experiment (pipeline.studies.experiment): the paired differences with their intervals
+    (table and plot), the held-out numbers of every (seed, round) evaluation and the config's key numbers."""
+    import plotly.graph_objects as go
+
+    paired = pl.DataFrame([{k: v for k, v in p.items() if k != "per_seed"} for p in summary["paired"]]) \
+        if summary["paired"] else pl.DataFrame()
+    per_seed = pl.DataFrame([{"round": p["round"], "metric": p["metric"], **x} for p in summary["paired"]
+                             for x in p.get("per_seed", [])])
+    arms = pl.DataFrame([{k: v for k, v in a.items() if k != "status"} | {"status": json.dumps(a.get("status"))}
+                         for a in summary["arms"]]) if summary["arms"] else pl.DataFrame()
+    parts = []
+    if paired.height:
+        fig = go.Figure()
+        for metric, name in (("mean_at_l", "Mean@L"), ("best_at_l", "Best@L")):
+            p = paired.filter(pl.col("metric") == metric)
+            fig.add_trace(go.Scatter(
+                x=[f"round {r}" for r in p["round"]], y=p["mean"].to_list(), mode="markers", name=name,
+                error_y={"type": "data", "symmetric": False, "array": (p["hi"] - p["mean"]).to_list(),
+                         "arrayminus": (p["mean"] - p["lo"]).to_list()}))
+        fig.add_hline(y=0, line_dash="dot")
+        fig.update_layout(yaxis_title="trained − base, per (seed, query)", height=380, margin={"t": 30})
+        parts.append("<h2>Paired difference to the base model (bootstrap interval)</h2>"
+                     + fig.to_html(full_html=False, include_plotlyjs=True))
+    if arms.height:
+        fig = go.Figure()
+        for metric, name in (("mean_at_l", "Mean@L"), ("best_at_l", "Best@L")):
+            for s in arms["seed"].unique().sort().to_list():
+                a = arms.filter(pl.col("seed") == s).sort("round")
+                fig.add_trace(go.Scatter(x=a["round"].to_list(), y=a[metric].to_list(), mode="lines+markers",
+                                         name=f"{name} seed {s}"))
+        fig.update_layout(xaxis_title="round (-1 = base model)", yaxis_title="held-out score", xaxis_dtick=1,
+                          height=380, margin={"t": 30})
+        parts.append("<h2>Held-out score per seed</h2>" + fig.to_html(full_html=False, include_plotlyjs=not parts))
+    title = f"experiment {summary['experiment']}"
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>body{{font-family:sans-serif;margin:2em}}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style>"
+        f"</head><body><h1>{html.escape(title)}</h1>"
+        f"<p>seeds {summary['seeds']}, {summary['rounds']} round(s), held-out split {summary['split']}: "
+        f"{summary['eval_queries']} queries x L={summary['eval_l']} workflows</p>"
+        f"<h2>Paired differences</h2><p>trained − base per (seed, query), pooled; lo/hi: bootstrap over pairs, "
+        f"lo_by_query/hi_by_query: over queries (all seeds of a drawn query together)</p>"
+        f"{_table(paired) if paired.height else '<p>no evaluation yet</p>'}"
+        f"<h2>Per seed</h2>{_table(per_seed) if per_seed.height else ''}"
+        f"<h2>Evaluations</h2>{_table(arms) if arms.height else ''}{''.join(parts)}</body></html>"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    return out
