@@ -10,7 +10,7 @@ from prefect.runtime import task_run
 
 from flows.runners import placement
 from pipeline.stages.rounds import Caller
-from pipeline.stages.runner import RetryPolicy, record_timing, run_stage
+from pipeline.stages.runner import RetryPolicy, StageResult, record_timing, run_stage
 
 
 def _task_run_name() -> str:
@@ -22,15 +22,15 @@ def _task_run_name() -> str:
 # NO_CACHE: a stage must always be asked (it skips itself by manifest); Prefect's input cache must not.
 @task(name="stage", task_run_name=_task_run_name, cache_policy=NO_CACHE, **RetryPolicy().prefect_options())
 def stage_task(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None,
-               only_failed: bool = False, isolate: bool | None = None, shard: tuple[int, int] | None = None) -> dict:
-    """One stage (or shard `(i, n)` of it) of one round; returns a small dict (counts, wall time, host and pid of
+               only_failed: bool = False, isolate: bool | None = None,
+               shard: tuple[int, int] | None = None) -> StageResult:
+    """One stage (or shard `(i, n)` of it) of one round; returns its `StageResult` (counts, wall time, host and pid of
     the process that ran it), never frames."""
     res = run_stage(stage, run_id, round, store_root, sets, only_failed, isolate, shard)
     record_timing(store_root, run_id, res)
-    verb = "skipped (manifest complete)" if res["skipped"] else f"done in {res['wall_s']:.1f}s"
-    which = f"{stage} shard {res['shard']}" if "shard" in res else stage
-    get_run_logger().info("round %d %s %s on %s pid %d: %s", round, which, verb, res["host"], res["pid"],
-                          res["counts"])
+    verb = "skipped (manifest complete)" if res.skipped else f"done in {res.wall_s:.1f}s"
+    which = f"{stage} shard {res.shard}" if res.shard else stage
+    get_run_logger().info("round %d %s %s on %s pid %d: %s", round, which, verb, res.host, res.pid, res.counts)
     return res
 
 

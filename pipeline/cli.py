@@ -108,7 +108,7 @@ def _stage(stage: str, config, run_id, round, sets, store=None, only_failed: boo
                          str(ctx.store.root), sets, only_failed, shards)
     except StageError as e:
         _fail(str(e))
-    typer.echo({**res["counts"], "skipped": True} if res["skipped"] else res["counts"])
+    typer.echo({**res.counts, "skipped": True} if res.skipped else res.counts)
 
 
 @app.command()

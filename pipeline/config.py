@@ -313,10 +313,10 @@ class TwoLevelLossConfig(_Strict):
 
 
 class TrainingConfig(_Strict):
-    objective: Literal["iogrpo_mkl", "grpo", "rwr", "score_dpo", "sft_best"] = Field(
-        "iogrpo_mkl", description="Loss (pipeline.core.objectives): iogrpo_mkl (SPOGW), grpo (KL on every token), rwr "
-        "(reward-weighted regression; W4S's RLAO on refine rollouts), score_dpo (ScoreFlow), sft_best (SFT on each "
-        "query's best workflow).",
+    objective: str = Field(
+        "iogrpo_mkl", description="Loss, a name in the registry of pipeline.core.objectives: iogrpo_mkl (SPOGW), grpo "
+        "(KL on every token), rwr (reward-weighted regression; W4S's RLAO on refine rollouts), score_dpo (ScoreFlow), "
+        "sft_best (SFT on each query's best workflow), or any objective registered there.",
     )
     dpo_beta: float = Field(0.1, gt=0, description="score_dpo: β of the preference sigmoid (ScoreFlow / TRL: 0.1).")
     data_run: str | None = Field(
@@ -356,6 +356,16 @@ class TrainingConfig(_Strict):
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
     max_seq_len: int = Field(2048, gt=0, description="Prompt+completion tokens kept per sequence.")
     seed: int = Field(0, description="Training seed.")
+
+    @field_validator("objective")
+    @classmethod
+    def _registered_objective(cls, v: str) -> str:
+        # imported here, not at the top: the registry imports torch, which `pipeline validate` need not load
+        from pipeline.core.objectives import OBJECTIVES
+
+        if v not in OBJECTIVES:
+            raise ValueError(f"unknown objective {v!r}; registered: {', '.join(OBJECTIVES)}")
+        return v
 
 
 class ExperimentConfig(_Strict):

@@ -161,3 +161,24 @@ def test_config_hash_ignores_defaults_and_the_experiment_section():
     assert config_from_dict({"run_id": "r", "experiment": {"eval_l": 9}}).config_hash() == base.config_hash()
     assert config_from_dict({"run_id": "r", "rollout": {"m": 8}}).config_hash() != base.config_hash()
     assert config_from_dict({"run_id": "r", "training": {"lr": 2e-5}}).config_hash() != base.config_hash()
+
+
+def test_objective_names_come_from_the_registry(tmp_path, monkeypatch):
+    from pipeline.core import objectives
+
+    p = tmp_path / "c.yaml"
+    p.write_text("run_id: x\ntraining:\n  objective: my_loss\n")
+    with pytest.raises(ConfigError, match=r"training\.objective.*unknown objective 'my_loss'.*iogrpo_mkl"):
+        load_config(p)
+    # a newly registered objective validates with no change to the config module
+    monkeypatch.setitem(objectives.OBJECTIVES, "my_loss", objectives.OBJECTIVES["rwr"])
+    assert load_config(p).training.objective == "my_loss"
+
+
+def test_the_rollout_modes_a_config_accepts_are_the_registered_ones():
+    from typing import get_args
+
+    from pipeline.config import RolloutConfig
+    from pipeline.stages.modes import MODES
+
+    assert set(get_args(RolloutConfig.model_fields["mode"].annotation)) == set(MODES) == {"flat", "two_level", "refine"}

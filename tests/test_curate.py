@@ -453,7 +453,7 @@ def test_run_curate_flat_left_out_invalid_and_reps(tmp_path):
     assert "a" not in reasons  # all 4 candidate groups kept
     from pipeline.stages.runner import run_stage
 
-    assert run_stage("curate", ctx.run_id, 0, str(ctx.store.root))["skipped"] is True
+    assert run_stage("curate", ctx.run_id, 0, str(ctx.store.root)).skipped is True
     assert ctx.store.read("groups", ctx.run_id, 0).height == full.height
 
 

@@ -130,7 +130,7 @@ def test_outage_then_rescore_then_iterate_continues_from_curation(harness, tmp_p
     assert state.is_failed() and "round 0 score" in state.message and "work left" in state.message
     fake.calls.clear()
     res = score("r", 0, only_failed=True, store=str(tmp_path / "runs"), retry_delay_s=0)
-    assert res["counts"] == {"rows": 1} and fake.calls == [("rescore", 0)], "re-score trains nothing"
+    assert res.counts == {"rows": 1} and fake.calls == [("rescore", 0)], "re-score trains nothing"
     fake.calls.clear()
     iterate(str(_config(tmp_path, rounds=1)), run_id="r", in_process=True, retry_delay_s=0)
     assert fake.calls == [("curate", 0), ("train", 0)]
@@ -271,7 +271,7 @@ def test_run_stage_skips_completed_stage_without_calling_it(tmp_path, monkeypatc
     ctx = open_run(_config(tmp_path, rounds=1), "r")
     ctx.finish("curate", groups=7)
     res = run_stage("curate", "r", 0, str(ctx.store.root))
-    assert res["skipped"] and res["counts"] == {"groups": 7} and fake.calls == []
+    assert res.skipped and res.counts == {"groups": 7} and fake.calls == []
 
 
 # ---- real stages (embedded model, sandbox, local executor) ----------------------------------------------
@@ -399,7 +399,7 @@ def test_executor_outage_then_rescore_then_iterate_continues_from_curation(harne
     assert dict(statuses.iter_rows()) == {"ok": 4, "executor_error": 2}
     assert st.manifest("o", 0, "curate") is None
     res = score("o", 0, only_failed=True, store=str(st.root), retry_delay_s=0)
-    assert res["counts"]["ran"] == 2 and res["counts"]["left"] == 0
+    assert res.counts["ran"] == 2 and res.counts["left"] == 0
     assert st.manifest("o", 0, "train") is None and not st.checkpoint_dir("o", 0).exists(), "re-score trains nothing"
     keys = _score_keys(st, "o")
     final = [(g, r, a) for g, r, a in keys if not g.endswith("w1")]

@@ -212,11 +212,11 @@ def test_each_objective_trains_a_checkpoint_the_next_round_loads(tmp_path, tiny_
     _round(ctx, [1.0, 0.0, 0.0])
     before = _logps(ctx, None)
     res = run_stage("train", ctx.run_id, 0, str(ctx.store.root))
-    assert res["counts"]["objective"] == objective and res["counts"]["sequences"] > 0
+    assert res.counts["objective"] == objective and res.counts["sequences"] > 0
     ckpt = ctx.store.checkpoint_dir(ctx.run_id, 0)
     assert adapter_complete(ckpt)
     metrics = ctx.store.read("train_metrics", ctx.run_id, 0)
-    assert metrics.height == res["counts"]["steps"] > 0
+    assert metrics.height == res.counts["steps"] > 0
     assert (metrics["ratio_dev"].is_null().all()) == (not get_objective(objective).needs_old)
     after = _logps(ctx, ckpt)
     gain = {k: after[k] - before[k] for k in before}

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.stages import rollout
 from pipeline.engines.generation.base import Completion, Generator
 from pipeline.run import open_run
+from pipeline.stages import rollout
 from pipeline.store import Store
 
 BROKEN = "```python\nasync def solve(problem):\n    return str(1/0)\n```"

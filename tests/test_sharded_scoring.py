@@ -139,11 +139,11 @@ def test_shards_on_two_dask_workers_resume_alone_and_match_a_one_shard_run(harne
 
     # 2. the same flow again: the finished shard is skipped, the victim runs only its missing rows
     out = _flow(cluster)("t", 0, only_failed=False, store=root, retries=0, shards=2)
-    victim_res, other_res = out["shards"]
-    assert [victim_res["shard"], other_res["shard"]] == ["0/2", "1/2"]
-    assert other_res["skipped"] is True, "the finished shard ran again"
-    assert victim_res["skipped"] is False and victim_res["counts"]["ran"] == victim_runs - len(victim_done)
-    assert {victim_res["pid"], other_res["pid"]} <= worker_pids
+    victim_res, other_res = out.shards
+    assert [victim_res.shard, other_res.shard] == ["0/2", "1/2"]
+    assert other_res.skipped is True, "the finished shard ran again"
+    assert victim_res.skipped is False and victim_res.counts["ran"] == victim_runs - len(victim_done)
+    assert {victim_res.pid, other_res.pid} <= worker_pids
     df = st.read("scores", "t", 0)
     kept = {k: c for k, c in zip(zip(df["gen_id"], df["rep"], strict=True), df["created_at"], strict=True)
             if k in created}
@@ -176,7 +176,7 @@ def test_finish_refuses_until_every_shard_is_complete_and_shards_are_checked(tmp
         finish_shards("score", "t", 0, root, 3)
     assert e.value.transient and merged == [] and ctx.store.manifest("t", 0, "score") is None
     ctx.finish(Shard(1, 3).manifest("score"), runs=0)
-    assert finish_shards("score", "t", 0, root, 3)["skipped"] is False and merged == [1]
+    assert finish_shards("score", "t", 0, root, 3).skipped is False and merged == [1]
     assert ctx.store.manifest("t", 0, "score") is not None
     with pytest.raises(ValueError, match="shard index 3 out of range for 3 shards"):
         run_stage("score", "t", 0, root, shard=(3, 3))
@@ -273,7 +273,7 @@ def test_dask_resources_keep_a_stage_on_the_workers_that_have_them(harness, clus
                  for i in range(4)])
 
         results = fan_out(root)
-        assert [r["pid"] for r in results] == [gpu_pid] * 4
+        assert [r.pid for r in results] == [gpu_pid] * 4
         assert Store(root).manifest("t", 0, "score.shard-3-of-4") is not None
     finally:
         gpu_worker.terminate()

@@ -11,6 +11,7 @@ on the direct path), then writes the stage manifest once every shard is complete
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -61,9 +62,9 @@ def call_stage(call: StageCall, stage: str, run_id: str, round: int, store_root:
     t0 = time.perf_counter()
     parts = fan_out(call, [{**kw, "shard": (i, shards)} for i in range(shards)])
     res = finish_shards(stage, run_id, round, store_root, shards, sets, only_failed)
-    res = {**res, "wall_s": round_s(time.perf_counter() - t0), "shards": parts}
+    res = dataclasses.replace(res, wall_s=round_s(time.perf_counter() - t0), shards=tuple(parts))
     record_timing(store_root, run_id, res)
-    log.info("%s round %d %s: %d shards in %.1fs %s", run_id, round, stage, shards, res["wall_s"], res["counts"])
+    log.info("%s round %d %s: %d shards in %.1fs %s", run_id, round, stage, shards, res.wall_s, res.counts)
     return res
 
 
@@ -85,8 +86,8 @@ def direct_call(policy: RetryPolicy | None = None, isolate: bool | None = None) 
              only_failed: bool = False, shard: tuple[int, int] | None = None) -> dict:
         res = policy.call(run_stage, stage, run_id, round, store_root, sets, only_failed, isolate, shard)
         record_timing(store_root, run_id, res)
-        log.info("%s round %d %s%s %s %s", run_id, round, stage, f" shard {res['shard']}" if "shard" in res else "",
-                 "skipped" if res["skipped"] else f"{res['wall_s']:.1f}s", res["counts"])
+        log.info("%s round %d %s%s %s %s", run_id, round, stage, f" shard {res.shard}" if res.shard else "",
+                 "skipped" if res.skipped else f"{res.wall_s:.1f}s", res.counts)
         return res
 
     def many(kws: list[dict]) -> list[dict]:
@@ -116,7 +117,7 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     for k in range(rounds):
         for stage in ROUND_STAGES:
             res = call_stage(call, stage, run_id, k, store_root, sets, shards=shards)
-            walls.setdefault(k, {})[stage] = res["wall_s"]
+            walls.setdefault(k, {})[stage] = res.wall_s
         if after_round is not None:
             after_round(run_id, store_root, k)
     stats = round_stats(Store(store_root), run_id)

@@ -200,8 +200,8 @@ def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[
 
 def run_stage(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None,
               only_failed: bool = False, isolate: bool | None = None,
-              shard: Shard | tuple[int, int] | None = None) -> dict:
-    """Run (or skip) one stage of a round; returns {stage, round, skipped, wall_s, counts} (+ shard, host, pid).
+              shard: Shard | tuple[int, int] | None = None) -> StageResult:
+    """Run (or skip) one stage of a round.
 
     The run must exist (its frozen config in the store); `sets` are this invocation's overrides. `only_failed`
     (score) re-runs transiently failed rows even when the manifest exists; `isolate` defaults to the stage's own
@@ -225,10 +225,9 @@ def run_stage(stage: str, run_id: str, round: int, store_root: str, sets: list[s
 
 
 def finish_shards(stage: str, run_id: str, round: int, store_root: str, shards: int, sets: list[str] | None = None,
-                  only_failed: bool = False) -> dict:
+                  only_failed: bool = False) -> StageResult:
     """Write a sharded stage's manifest once all `shards` shards have theirs (the stage's merge function, here: it
-    only reads the store); a missing shard is work left (transient: re-running resumes it). Returns run_stage's
-    result shape."""
+    only reads the store); a missing shard is work left (transient: re-running resumes it)."""
     st = get_stage(stage)
     t0 = time.perf_counter()
     ctx = _open(stage, run_id, round, list(sets or []), store_root)
@@ -254,24 +253,38 @@ def _open(stage: str, run_id: str, round: int, sets: list[str], store_root: str)
         raise StageError(stage, round, f"{type(e).__name__}: {e}", transient=False) from e
 
 
-def _result(stage: str, round: int, shard: Shard | None, skipped: bool, wall_s: float, counts: dict) -> dict:
-    """A stage call's result; `host` and `pid` say which machine and process ran it (a Dask worker, for shards)."""
-    res = {"stage": stage, "round": round, "skipped": skipped, "wall_s": round_s(wall_s), "counts": counts}
-    if shard is not None:
-        res["shard"] = str(shard)
-    return {**res, "host": socket.gethostname(), "pid": os.getpid()}
+@dataclass(frozen=True)
+class StageResult:
+    """What one stage call did: skipped by its manifest, or ran for `wall_s` seconds; `counts` are the manifest's.
+    `host` and `pid` say which machine and process ran it (a Dask worker, for shards); a sharded stage's result
+    carries its shards' results in `shards`."""
+
+    stage: str
+    round: int
+    skipped: bool
+    wall_s: float
+    counts: dict[str, Any]
+    shard: str | None = None  # "i/n" for one shard's call
+    host: str = ""
+    pid: int = 0
+    shards: tuple[StageResult, ...] = ()
+
+
+def _result(stage: str, round: int, shard: Shard | None, skipped: bool, wall_s: float, counts: dict) -> StageResult:
+    return StageResult(stage, round, skipped, round_s(wall_s), counts, None if shard is None else str(shard),
+                       socket.gethostname(), os.getpid())
 
 
 def round_s(x: float) -> float:
     return float(f"{x:.2f}")
 
 
-def record_timing(store_root: str | Path, run_id: str, result: dict[str, Any]) -> None:
+def record_timing(store_root: str | Path, run_id: str, result: StageResult) -> None:
     """Append a stage's wall time to <store>/<run_id>/timings.jsonl (append-only: a crash loses nothing)."""
     store = Store(store_root)
-    line = {k: result[k] for k in ("round", "stage", "skipped", "wall_s")}
-    if "shard" in result:  # the stage's own line (finish_shards, with the whole fan-out's wall time) is the total
-        line["shard"] = result["shard"]
+    line = {"round": result.round, "stage": result.stage, "skipped": result.skipped, "wall_s": result.wall_s}
+    if result.shard is not None:  # the stage's own line (finish_shards: the whole fan-out's wall time) is the total
+        line["shard"] = result.shard
     line["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     store.append_line(store.run_dir(run_id) / "timings.jsonl", json.dumps(line))
 
