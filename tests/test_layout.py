@@ -98,3 +98,22 @@ def test_a_handful_of_modules_at_the_top_and_every_folder_says_what_it_holds():
     assert {p.name for p in folders} >= {"core", "engines", "stages", "store", "studies", "perf"}
     silent = [p.name for p in folders if not ast.get_docstring(ast.parse((p / "__init__.py").read_text()))]
     assert silent == []
+
+
+def test_the_design_travels_with_the_code():
+    assert (REPO / "docs" / "design.md").is_file()
+    files = [p for p in REPO.rglob("*") if p.suffix in (".py", ".md", ".yaml", ".sh") and ".venv" not in p.parts
+             and ".git" not in p.parts and p != Path(__file__).resolve()]
+    outside = sorted(str(p.relative_to(REPO)) for p in files
+                     if "../shared" in p.read_text(errors="replace") or "DESIGN.md" in p.read_text(errors="replace"))
+    assert outside == []
+
+
+def test_architecture_names_every_file_of_the_layout():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    files = [p.relative_to(REPO).as_posix() for p in [*(REPO / "pipeline").rglob("*.py"), *(REPO / "flows").glob("*.py")]
+             if p.name != "__init__.py" or p.parent.name in ("stages", "store", "generation", "sandbox", "benchmarks")]
+    # a file is named by its path, or by its name in a row that names its folder's first file by path
+    missing = [f for f in files if f not in text and not (f.rsplit("/", 1)[0] + "/" in text
+                                                          and f"`{f.rsplit('/', 1)[-1]}`" in text)]
+    assert missing == []

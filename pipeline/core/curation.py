@@ -1,6 +1,6 @@
 """Curation maths (pure): F/M/S buckets, SPOGW group-wise data, two-level advantages, objective rows.
 
-Flat (SPOGW, DESIGN.md §6): per query, candidate groups are n-subsets of its m workflows, enumerated
+Flat (SPOGW, docs/design.md §6): per query, candidate groups are n-subsets of its m workflows, enumerated
 by combination rank (colex) and unranked in vectorised chunks, so neither C(m, n) subsets nor the
 round's pool are ever held in memory: a running top-N buffer keeps the best candidates. Off by
 default, the buffer can also drop a query's groups with an already kept (sharpened) member set and cap

@@ -1,4 +1,4 @@
-"""GRPO maths, pure functions (DESIGN.md §6): group advantages and the advantage-masked-KL loss.
+"""GRPO maths, pure functions (docs/design.md §6): group advantages and the advantage-masked-KL loss.
 
 No I/O and no model here: arrays/tensors in, arrays/tensors out, so every formula is unit-tested
 against hand-computed values.

@@ -1,4 +1,4 @@
-"""The workflow contract (DESIGN.md §3): Python source defining `async def solve(problem: str) -> str`.
+"""The workflow contract (docs/design.md §3): Python source defining `async def solve(problem: str) -> str`.
 
 Static checks run before a workflow is ever executed (rollout flags, scoring records `invalid`).
 """

@@ -1,4 +1,4 @@
-"""Exemplars for generator prompts (DESIGN.md §6): pools are SQL over earlier rounds of the store, the pick is
+"""Exemplars for generator prompts (docs/design.md §6): pools are SQL over earlier rounds of the store, the pick is
 bucket sampling.
 
 Pick: bucket the pool F/M/S (`pipeline.stages.curate.assign_buckets`), weight the buckets present by
@@ -27,6 +27,7 @@ from pipeline.core.curation import assign_buckets
 from pipeline.engines.prompting import Shown
 from pipeline.engines.workflow import extract_code
 from pipeline.store import Store
+from pipeline.store.views import POOL_SQL
 
 
 def tau_at(tau: float, decay: float, round: int) -> float:
@@ -97,26 +98,10 @@ class Pools:
 
 
 # Scored workflows (their `generation_scores` score) and agents (the mean of their workflows') of rounds < $round.
-_POOL_SQL = """
-WITH w AS (
-    SELECT s.gen_id, s.parent_id, s.query_id, g.text, s.score
-    FROM generation_scores s JOIN generations g USING (run_id, round, gen_id)
-    WHERE s.run_id = $run AND s.round < $round AND s.kind = 'workflow' AND s.score IS NOT NULL
-)
-SELECT 'workflow' AS kind, gen_id, query_id, text, score, parent_id AS agent_id FROM w
-UNION ALL
-SELECT 'agent', a.gen_id, a.query_id, any_value(a.text), avg(w.score), NULL
-FROM generations a JOIN w ON w.parent_id = a.gen_id
-WHERE a.run_id = $run AND a.round < $round AND a.kind = 'agent'
-GROUP BY a.gen_id, a.query_id
-ORDER BY 1, 2
-"""
-
-
 def pool_rows(store: Store, run_id: str, round: int) -> list[tuple]:
     """(kind, gen_id, query_id, text, score, agent_id) of the scored generations of rounds < round: workflows with
     their score and agent (null when flat), agents with r_i = the mean of their workflows' scores."""
-    return list(store.sql(_POOL_SQL, {"run": run_id, "round": round}).iter_rows())
+    return list(store.sql(POOL_SQL, {"run": run_id, "round": round}).iter_rows())
 
 
 def load_pools(store: Store, run_id: str, round: int, r_min_agent: float = 0.0, r_min_workflow: float = 0.0) -> Pools:

@@ -1,4 +1,4 @@
-"""The trajectory store's tables: one pyarrow schema each (DESIGN.md §2).
+"""The trajectory store's tables: one pyarrow schema each (docs/design.md §2).
 
 `round` is not a column inside the files: it is the hive partition (`round=<k>/`) and DuckDB/polars
 add it on read. Every table carries `run_id` so views over all runs stay unambiguous.

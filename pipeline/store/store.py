@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.store.schema import TABLES, schema
-from pipeline.store.views import GENERATION_SCORES_SQL, QUERY_USAGE_SQL
+from pipeline.store.views import VIEWS
 
 log = logging.getLogger(__name__)
 
@@ -391,13 +391,8 @@ class Store:
     def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
         for t in TABLES:
             con.execute(f"CREATE OR REPLACE VIEW {t} AS {self._view_sql(t)}")
-        con.execute(
-            "CREATE OR REPLACE VIEW latest_scores AS SELECT * FROM scores "
-            "QUALIFY row_number() OVER (PARTITION BY run_id, round, gen_id, rep "
-            "ORDER BY attempt DESC, created_at DESC) = 1"
-        )
-        con.execute(f"CREATE OR REPLACE VIEW generation_scores AS {GENERATION_SCORES_SQL}")
-        con.execute(f"CREATE OR REPLACE VIEW query_usage AS {QUERY_USAGE_SQL}")
+        for name, sql in VIEWS.items():  # in dependency order
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
 
     def _attach_s3(self, con: duckdb.DuckDBPyConnection) -> None:
         """httpfs plus a temporary (in-memory, never persisted) S3 secret for this connection."""

@@ -1,5 +1,6 @@
-"""Every SQL view and shared query of the store, one definition each: `latest_scores` (in `Store.refresh_views`),
-`generation_scores`, `query_usage` and the per-round summary that the runner, the report and the tracking read."""
+"""Every SQL view and shared query of the store, one definition each: the views `latest_scores`,
+`generation_scores` and `query_usage` (`VIEWS`, created in every catalog and connection), the exemplar pools of
+earlier rounds, and the per-round summary that the runner and the report read."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from typing import Any
 import polars as pl
 
 from pipeline.store.schema import TRANSIENT_STATUSES
+
+# The latest attempt of each (generation, rep): a re-score appends attempts, nothing is rewritten.
+LATEST_SCORES_SQL = """SELECT * FROM scores
+QUALIFY row_number() OVER (PARTITION BY run_id, round, gen_id, rep ORDER BY attempt DESC, created_at DESC) = 1"""
 
 # A generation's score, the one definition: the mean over its reps' latest attempts, where an invalid workflow
 # (or a run with status `invalid`) counts 0 and a missing score 0; runs whose latest status is transient
@@ -67,6 +72,24 @@ FROM gq LEFT JOIN sq USING (run_id, round, query_id) LEFT JOIN cq USING (run_id,
 """
 
 
+# Exemplar pools (pipeline.stages.exemplars): scored workflows of rounds before $round, and each agent plan with its
+# workflows' mean score.
+POOL_SQL = """
+WITH w AS (
+    SELECT s.gen_id, s.parent_id, s.query_id, g.text, s.score
+    FROM generation_scores s JOIN generations g USING (run_id, round, gen_id)
+    WHERE s.run_id = $run AND s.round < $round AND s.kind = 'workflow' AND s.score IS NOT NULL
+)
+SELECT 'workflow' AS kind, gen_id, query_id, text, score, parent_id AS agent_id FROM w
+UNION ALL
+SELECT 'agent', a.gen_id, a.query_id, any_value(a.text), avg(w.score), NULL
+FROM generations a JOIN w ON w.parent_id = a.gen_id
+WHERE a.run_id = $run AND a.round < $round AND a.kind = 'agent'
+GROUP BY a.gen_id, a.query_id
+ORDER BY 1, 2
+"""
+
+# One row per round of a run: rollout, scoring, usage, curation and training figures.
 ROUND_SQL = """
 WITH g AS (
   SELECT round, count(*) AS workflows, avg(CASE WHEN valid THEN 1.0 ELSE 0.0 END) AS valid_share
@@ -102,3 +125,6 @@ def round_stats(store: Any, run_id: str) -> pl.DataFrame:
     """One row per round: workflows, valid_share, scored, mean_score, best_score, usage, tokens per query, groups,
     training."""
     return store.sql(ROUND_SQL, {"run": run_id})
+
+
+VIEWS = {"latest_scores": LATEST_SCORES_SQL, "generation_scores": GENERATION_SCORES_SQL, "query_usage": QUERY_USAGE_SQL}

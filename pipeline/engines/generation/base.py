@@ -1,4 +1,4 @@
-"""The generation interface every backend implements (DESIGN.md §4).
+"""The generation interface every backend implements (docs/design.md §4).
 
 Logprob convention (all backends): `token_logprobs[t]` is the log-probability of the sampled token under
 the distribution it was actually drawn from: log_softmax(logits / temperature), renormalised over the
