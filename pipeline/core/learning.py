@@ -12,9 +12,14 @@ A split's Mean@L / Best@L is the mean over its queries. Workflows whose runs are
 (executor errors) or unscored have no score yet and are left out of L (and counted).
 
 A paired difference is taken per (seed, query): arm minus base, both evaluated on the same query with
-the same seed's sampling stream; pooled over seeds, its mean gets a percentile bootstrap interval
-(resampling the pairs with replacement), and a second one resampling queries (all seeds of a drawn query
-together), since one query's pairs across seeds are correlated.
+the same seed's sampling stream. Pooled over seeds, its mean gets three percentile-bootstrap intervals:
+- seeds then queries (`hierarchical_ci`, the headline): draw S seeds with replacement, then, within each drawn
+  seed, its n_s queries with replacement; the statistic is the mean over all drawn pairs. A trained model is one
+  draw of training's randomness, so the seed-to-seed spread of the gain belongs in the interval;
+- pairs (`bootstrap_ci`): every (seed, query) pair independent: ignores both the seed and the query structure;
+- queries (`bootstrap_ci(clusters=queries)`): all seeds of a drawn query together: one query's pairs across seeds
+  share its difficulty, but the seeds are held fixed.
+Each seed also gets its own mean and interval over its queries (`seed_intervals`).
 """
 
 from __future__ import annotations
@@ -126,5 +131,62 @@ def bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, level: float = 0.
         sums, sizes = np.bincount(ids, weights=d), np.bincount(ids).astype(float)
         draw = rng.integers(0, len(labels), size=(n_boot, len(labels)))
         means = sums[draw].sum(axis=1) / sizes[draw].sum(axis=1)
+    return _interval(d, means, level)
+
+
+def _interval(d: np.ndarray, means: np.ndarray, level: float) -> Interval:
+    """The mean of `d` and the percentile interval of the resampled `means`."""
     lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return Interval(int(d.size), float(d.mean()), float(lo), float(hi), level)
+
+
+def _by_seed(pairs: Sequence[tuple[object, object, float]]) -> dict[object, list[float]]:
+    """(seed, query, difference) triples -> seed -> its differences, refusing a repeated (seed, query)."""
+    seen: set[tuple[object, object]] = set()
+    out: dict[object, list[float]] = {}
+    for s, q, d in pairs:
+        if (s, q) in seen:
+            raise ValueError(f"paired differences: seed {s!r} query {q!r} appears twice")
+        seen.add((s, q))
+        out.setdefault(s, []).append(float(d))
+    if not out:
+        raise ValueError("no paired differences: the arms share no query")
+    return out
+
+
+def hierarchical_means(pairs: Sequence[tuple[object, object, float]], n_boot: int = 10_000,
+                       seed: int = 0) -> np.ndarray:
+    """`n_boot` resampled means of the (seed, query, difference) `pairs`: each draws S seeds with replacement and,
+    within each drawn seed, as many of its queries as it has, with replacement; the mean is over all drawn pairs
+    (so a seed weighs by its query count, as in the pooled mean)."""
+    by_seed = _by_seed(pairs)
+    sizes = np.array([len(v) for v in by_seed.values()])
+    width = int(sizes.max())
+    padded = np.zeros((len(sizes), width))  # row = seed, its differences left-aligned
+    for i, v in enumerate(by_seed.values()):
+        padded[i, : len(v)] = v
+    rng = np.random.default_rng(seed)
+    sums, counts = np.zeros(n_boot), np.zeros(n_boot)
+    for drawn in rng.integers(0, len(sizes), size=(len(sizes), n_boot)):  # one drawn seed per position and resample
+        n = sizes[drawn][:, None]
+        cols = np.floor(rng.random((n_boot, width)) * n).astype(int)  # queries within the drawn seed
+        used = np.arange(width)[None, :] < n  # a seed with fewer queries draws fewer
+        sums += np.where(used, padded[drawn[:, None], cols], 0.0).sum(axis=1)
+        counts += n[:, 0]
+    return sums / counts
+
+
+def hierarchical_ci(pairs: Sequence[tuple[object, object, float]], n_boot: int = 10_000, level: float = 0.95,
+                    seed: int = 0) -> Interval:
+    """Pooled mean of the (seed, query, difference) `pairs` with the seeds-then-queries percentile interval
+    (`hierarchical_means`). With one seed it is the pairs bootstrap over that seed's queries."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    d = np.array([x for _, _, x in pairs], dtype=float)
+    return _interval(d, hierarchical_means(pairs, n_boot, seed), level)
+
+
+def seed_intervals(pairs: Sequence[tuple[object, object, float]], n_boot: int = 10_000, level: float = 0.95,
+                   seed: int = 0) -> dict[object, Interval]:
+    """Per seed (first-seen order): the mean of its differences with a bootstrap interval over its queries."""
+    return {s: bootstrap_ci(v, n_boot, level, seed) for s, v in _by_seed(pairs).items()}
