@@ -492,6 +492,9 @@ def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness
                                                                                         (1, 4, 0.75, 0.25, 1.0)]
     assert [(x["seed"], x["mean"]) for x in mean[0]["per_seed"]] == [(3, 0.75), (4, 0.75)]
     assert (mean[0]["lo_by_query"], mean[0]["hi_by_query"]) == (0.5, 1.0)  # queries drawn: means 1, .75 or .5
+    # seeds, then queries: both seeds hold differences (1, .5), so a resample is 4 draws from {1, .5}: .5 + k/8 with
+    # k ~ Bin(4, 1/2); P(k = 0) = 1/16 > 2.5%, so [0.5, 1.0]
+    assert (mean[0]["lo_seeds_queries"], mean[0]["hi_seeds_queries"]) == (0.5, 1.0)
     body = json.loads((experiment_dir(Store(tmp_path / "runs"), "x") / "experiment.json").read_text())
     assert body["seeds"] == [3, 4] and len(body["arms"]) == 6 and len(body["per_query"]) == 12
     assert (experiment_dir(Store(tmp_path / "runs"), "x") / "report.html").is_file()
@@ -502,7 +505,8 @@ def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness
     res = CliRunner().invoke(app, ["report", "x", "--store", str(tmp_path / "runs")])
     assert res.exit_code == 0 and "seed 3 base model: held-out Mean@L 0.250" in res.output
     assert "round 1 vs base, held-out Mean@L (L=2, 4 seed x query pairs): base 0.250 -> trained 1.000, " \
-           "paired difference +0.750" in res.output
+           "paired difference +0.750 [+0.500, +1.000] 95% bootstrap CI resampling seeds, then queries" in res.output
+    assert "  seed 4: +0.750 [+0.500, +1.000] over 2 queries" in res.output
     calls.clear()
     again = experiment(str(cfg))  # the Prefect flow over the same runs: every stage is skipped by its manifest
     assert calls == [] and [p["mean"] for p in again["paired"] if p["metric"] != "majority_at_l"] == [0.75] * 4

@@ -104,3 +104,46 @@ def test_report_cli_prints_numbers_and_path(store):
 def test_report_unknown_run_is_a_clear_error(store):
     res = CliRunner().invoke(app, ["report", "nope", "--store", str(store.root)])
     assert res.exit_code == 2 and "run 'nope' not found" in res.output and "runs: r" in res.output
+
+
+def _experiment(paired_extra: dict) -> dict:
+    """An experiment.json body: one seed, base and round 0, one paired row (its intervals plus `paired_extra`)."""
+    arm = {"seed": 0, "mean_at_l": 0.25, "best_at_l": 0.5, "valid_share": 1.0, "status": {"ok": 4}}
+    paired = {"round": 0, "metric": "mean_at_l", "n": 2, "base": 0.25, "trained": 0.75, "mean": 0.5, "lo": 0.0,
+              "hi": 1.0, "level": 0.95, "lo_by_query": 0.0, "hi_by_query": 1.0,
+              "per_seed": [{"seed": 0, "n": 2, "mean": 0.5, "lo": 0.0, "hi": 1.0}], **paired_extra}
+    return {"experiment": "e", "seeds": [0], "rounds": 1, "split": "test", "eval_queries": 2, "eval_l": 2,
+            "arms": [arm | {"round": -1}, arm | {"round": 0, "mean_at_l": 0.75}], "paired": [paired],
+            "per_query": []}
+
+
+def _cells(page: str, column: str) -> list[str]:
+    """The cells of `column` in the report's paired-differences table."""
+    table = page.split("<h2>Paired differences</h2>", 1)[1].split("</table>", 1)[0]
+    head = re.findall(r"<th>(.*?)</th>", table)
+    rows = [re.findall(r"<td>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table.split("<tbody>", 1)[1])]
+    return [row[head.index(column)] for row in rows]
+
+
+def test_experiment_report_headline_interval_and_older_summaries(tmp_path):
+    """The seeds-then-queries interval is the headline of the report and of `pipeline report`; an experiment.json
+    written before it existed still reads, with n/a in its place."""
+    from pipeline.studies.experiment import experiment_dir
+    from pipeline.studies.report import build_experiment_report
+
+    new = build_experiment_report(_experiment({"lo_seeds_queries": -0.25, "hi_seeds_queries": 1.0}),
+                                  tmp_path / "new.html").read_text()
+    assert _cells(new, "ci_seeds_queries") == ["[-0.250, +1.000]"] and _cells(new, "ci_pairs") == ["[+0.000, +1.000]"]
+    old = build_experiment_report(_experiment({}), tmp_path / "old.html").read_text()
+    assert _cells(old, "ci_seeds_queries") == ["n/a"] and _cells(old, "ci_queries") == ["[+0.000, +1.000]"]
+    st = Store(tmp_path / "runs")
+    for name, extra in (("old", {}), ("new", {"lo_seeds_queries": -0.25, "hi_seeds_queries": 1.0})):
+        experiment_dir(st, name).mkdir(parents=True)
+        (experiment_dir(st, name) / "experiment.json").write_text(json.dumps(_experiment(extra)))
+    res = CliRunner().invoke(app, ["report", "old", "--store", str(st.root)])
+    assert res.exit_code == 0, res.output
+    assert "paired difference +0.500 n/a 95% bootstrap CI resampling seeds, then queries (pairs: [+0.000, +1.000]; " \
+           "queries: [+0.000, +1.000])" in res.output
+    res = CliRunner().invoke(app, ["report", "new", "--store", str(st.root)])
+    assert "paired difference +0.500 [-0.250, +1.000] 95% bootstrap CI resampling seeds" in res.output
+    assert "  seed 0: +0.500 [+0.000, +1.000] over 2 queries" in res.output

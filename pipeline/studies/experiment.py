@@ -7,9 +7,12 @@ evaluated on the first `eval_queries` queries of `eval_split`, L = `eval_l` work
 runs (pipeline.studies.evaluate: prompts built as in training). A base model and a checkpoint of the same seed sample
 with the same seed, so their per-query numbers pair up.
 
-The summary pools the per-query paired differences (round k minus base, same seed and query) over seeds and
-gives each mean a percentile-bootstrap interval over pairs, a second one over queries (a drawn query brings
-all its seeds' pairs: the conservative one) and each seed's own mean and interval (pipeline.core.learning). It is written to
+The summary pools the per-query paired differences (round k minus base, same seed and query) over seeds. The
+headline interval of each mean resamples seeds, then queries within each drawn seed (`lo_seeds_queries`,
+`hi_seeds_queries`): a trained model is one draw of training's randomness, so the seed-to-seed spread belongs in
+it. Kept beside it: the interval over pairs (`lo`, `hi`), the one over queries (`lo_by_query`, `hi_by_query`: a
+drawn query brings all its seeds' pairs), and each seed's own mean and interval (pipeline.core.learning).
+Summaries written before the headline interval existed lack its keys; readers show n/a. It is written to
 `<store>/experiments/<run_id>/` as experiment.json (everything), per_query.csv and report.html.
 `run_experiment` runs it through a stage caller (pipeline.stages.rounds: without Prefect, or flows/experiment.py's).
 Re-running with the same run id resumes: finished stages are skipped by their manifests, in the seed runs and in
@@ -28,7 +31,7 @@ from pathlib import Path
 import polars as pl
 
 from pipeline.config import RunConfig, load_config
-from pipeline.core.learning import METRICS, bootstrap_ci, paired_differences
+from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
 from pipeline.studies.evaluate import eval_run_id, eval_summary, evaluate_round
@@ -120,18 +123,24 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
 
 
 def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], ex) -> dict:
-    """(seed, query, arm - base) differences -> their mean with a percentile-bootstrap interval over pairs, one over
-    queries (a drawn query brings its pairs of every seed) and each seed's own mean and interval."""
+    """(seed, query, arm - base) differences -> their mean with the seeds-then-queries interval (the headline),
+    the intervals over pairs and over queries, and each seed's own mean and interval (in `seeds` order)."""
     diffs = [d for _, _, d in pairs]
     ci = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0)
     by_query = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0, clusters=[q for _, q, _ in pairs])
-    per_seed = []
-    for s in seeds:
-        mine = [d for ss, _, d in pairs if ss == s]
-        if mine:
-            c = bootstrap_ci(mine, ex.bootstrap, ex.ci_level, seed=0)
-            per_seed.append({"seed": s, "n": c.n, "mean": c.mean, "lo": c.lo, "hi": c.hi})
-    return {**asdict(ci), "lo_by_query": by_query.lo, "hi_by_query": by_query.hi, "per_seed": per_seed}
+    hier = hierarchical_ci(pairs, ex.bootstrap, ex.ci_level, seed=0)
+    mine = seed_intervals(pairs, ex.bootstrap, ex.ci_level, seed=0)
+    per_seed = [{"seed": s, "n": c.n, "mean": c.mean, "lo": c.lo, "hi": c.hi}
+                for s in seeds if (c := mine.get(s)) is not None]
+    return {**asdict(ci), "lo_seeds_queries": hier.lo, "hi_seeds_queries": hier.hi, "lo_by_query": by_query.lo,
+            "hi_by_query": by_query.hi, "per_seed": per_seed}
+
+
+def span(p: dict, lo: str, hi: str) -> str:
+    """"[lo, hi]" of a paired row's interval keys, or n/a when the row has none (a summary written before them)."""
+    if p.get(lo) is None or p.get(hi) is None:
+        return "n/a"
+    return f"[{p[lo]:+.3f}, {p[hi]:+.3f}]"
 
 
 def mean_or_none(xs: list[float]) -> float | None:
@@ -156,17 +165,19 @@ def write_results(store: Store, summary: dict, extra: dict | None = None) -> Pat
 
 
 def headline(summary: dict) -> list[str]:
-    """Lines a person reads first: per evaluated round, held-out Mean@L / Best@L against the base model."""
+    """Lines a person reads first: per evaluated round and metric, held-out base -> trained with the paired
+    difference and its seeds-then-queries interval, the pooled intervals beside it, then one line per seed."""
     lines = []
     for p in summary["paired"]:
         name = METRIC_NAMES.get(p["metric"], p["metric"])
-        seeds = ", ".join(f"s{x['seed']} {x['mean']:+.3f}" for x in p.get("per_seed", []))
         lines.append(
             f"round {p['round']} vs base, held-out {name} (L={summary['eval_l']}, {p['n']} seed x query pairs): "
             f"base {p['base']:.3f} -> trained {p['trained']:.3f}, paired difference {p['mean']:+.3f} "
-            f"[{p['lo']:+.3f}, {p['hi']:+.3f}] {int(round(100 * p['level']))}% bootstrap CI "
-            f"(resampling queries: [{p.get('lo_by_query', float('nan')):+.3f}, "
-            f"{p.get('hi_by_query', float('nan')):+.3f}]; per seed: {seeds})")
+            f"{span(p, 'lo_seeds_queries', 'hi_seeds_queries')} {int(round(100 * p['level']))}% bootstrap CI "
+            f"resampling seeds, then queries (pairs: {span(p, 'lo', 'hi')}; queries: "
+            f"{span(p, 'lo_by_query', 'hi_by_query')})")
+        lines += [f"  seed {x['seed']}: {x['mean']:+.3f} {span(x, 'lo', 'hi')} over {x['n']} queries"
+                  for x in p.get("per_seed", [])]
     return lines
 
 

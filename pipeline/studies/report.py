@@ -14,6 +14,7 @@ import polars as pl
 
 from pipeline.store import Store, round_stats
 from pipeline.store.schema import STATUSES
+from pipeline.studies.experiment import span
 
 
 # Per round: generations and valid share, workflow scores (`generation_scores`), executor usage, generator and
@@ -150,13 +151,25 @@ def build_report(store: Store, run_id: str, out: Path | None = None) -> Path:
     return out
 
 
+PAIRED_COLUMNS = ("round", "metric", "n", "base", "trained", "mean", "level")
+INTERVALS = {"ci_seeds_queries": ("lo_seeds_queries", "hi_seeds_queries"), "ci_pairs": ("lo", "hi"),
+             "ci_queries": ("lo_by_query", "hi_by_query")}  # table column -> the summary's keys; headline first
+
+
+def paired_row(p: dict) -> dict:
+    """A paired row of the summary as the report's table shows it: the numbers, each interval as "[lo, hi]" text
+    (n/a when missing), and the bounds themselves for the plot."""
+    row = {k: p.get(k) for k in PAIRED_COLUMNS}
+    row |= {col: span(p, lo, hi) for col, (lo, hi) in INTERVALS.items()}
+    return row | {k: p.get(k) for keys in INTERVALS.values() for k in keys}
+
+
 def build_experiment_report(summary: dict, out: Path) -> Path:
     """HTML page of a learning experiment (pipeline.studies.experiment): the paired differences with their intervals
     (table and plot), the held-out numbers of every (seed, round) evaluation and the config's key numbers."""
     import plotly.graph_objects as go
 
-    paired = pl.DataFrame([{k: v for k, v in p.items() if k != "per_seed"} for p in summary["paired"]]) \
-        if summary["paired"] else pl.DataFrame()
+    paired = pl.DataFrame([paired_row(p) for p in summary["paired"]]) if summary["paired"] else pl.DataFrame()
     per_seed = pl.DataFrame([{"round": p["round"], "metric": p["metric"], **x} for p in summary["paired"]
                              for x in p.get("per_seed", [])])
     arms = pl.DataFrame([{k: v for k, v in a.items() if k != "status"} | {"status": json.dumps(a.get("status"))}
@@ -166,10 +179,12 @@ def build_experiment_report(summary: dict, out: Path) -> Path:
         fig = go.Figure()
         for metric, name in (("mean_at_l", "Mean@L"), ("best_at_l", "Best@L")):
             p = paired.filter(pl.col("metric") == metric)
+            lo, hi = (p["lo_seeds_queries"], p["hi_seeds_queries"]) if p["hi_seeds_queries"].null_count() == 0 \
+                else (p["lo"], p["hi"])  # a summary written before the seeds-then-queries interval: over pairs
             fig.add_trace(go.Scatter(
                 x=[f"round {r}" for r in p["round"]], y=p["mean"].to_list(), mode="markers", name=name,
-                error_y={"type": "data", "symmetric": False, "array": (p["hi"] - p["mean"]).to_list(),
-                         "arrayminus": (p["mean"] - p["lo"]).to_list()}))
+                error_y={"type": "data", "symmetric": False, "array": (hi - p["mean"]).to_list(),
+                         "arrayminus": (p["mean"] - lo).to_list()}))
         fig.add_hline(y=0, line_dash="dot")
         fig.update_layout(yaxis_title="trained − base, per (seed, query)", height=380, margin={"t": 30})
         parts.append("<h2>Paired difference to the base model (bootstrap interval)</h2>"
@@ -192,8 +207,9 @@ def build_experiment_report(summary: dict, out: Path) -> Path:
         f"</head><body><h1>{html.escape(title)}</h1>"
         f"<p>seeds {summary['seeds']}, {summary['rounds']} round(s), held-out split {summary['split']}: "
         f"{summary['eval_queries']} queries x L={summary['eval_l']} workflows</p>"
-        f"<h2>Paired differences</h2><p>trained − base per (seed, query), pooled; lo/hi: bootstrap over pairs, "
-        f"lo_by_query/hi_by_query: over queries (all seeds of a drawn query together)</p>"
+        f"<h2>Paired differences</h2><p>trained − base per (seed, query), pooled; ci_seeds_queries (the headline): "
+        f"bootstrap resampling seeds, then queries within each drawn seed; ci_pairs: over pairs; ci_queries: over "
+        f"queries (all seeds of a drawn query together); n/a: not in this summary (written before it existed)</p>"
         f"{_table(paired) if paired.height else '<p>no evaluation yet</p>'}"
         f"<h2>Per seed</h2>{_table(per_seed) if per_seed.height else ''}"
         f"<h2>Evaluations</h2>{_table(arms) if arms.height else ''}{''.join(parts)}</body></html>"
