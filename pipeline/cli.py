@@ -430,7 +430,7 @@ def baseline(
                                                       "ensemble_select, pot, task_best (repeatable).")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived runs after this run "
                                                "(default: the config's run_id).")] = None,
-    split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
+    split: Annotated[str, typer.Option("--split", help="test, dev, train or validate (= train + dev).")] = "test",
     candidates: Annotated[list[str] | None, typer.Option(
         "--candidates", help="task_best: runs whose round-0 workflows are candidates too (repeatable).")] = None,
     max_candidates: Annotated[int, typer.Option(help="task_best: at most this many workflows of --candidates.")] = 16,
@@ -442,7 +442,7 @@ def baseline(
     as generated workflows, each in the derived run <run_id>-baseline-<method>; prints Mean@L / Best@L /
     Majority@L and tokens per query."""
     from pipeline.stages.runner import StageError
-    from pipeline.studies.baselines import baseline_run_id, run_baseline
+    from pipeline.studies.baselines import run_baseline
 
     for m in [*(methods or []), *(f"program:{p}" for p in programs or [])]:
         try:
@@ -455,7 +455,15 @@ def baseline(
                    f"executor {_num(summ['exec_tokens_per_query'], 0)}, status {summ['status']}")
         for task, win in summ.get("selected", {}).items():
             typer.echo(f"  task {task}: {win['label']} (mean {win['mean_score']:.3f} on {win['queries']} selection "
-                       f"queries, run {baseline_run_id(run_id or load_config(config).run_id, 'select', 'validate')})")
+                       f"queries, run {_selection_run(config, run_id, sets)})")
+
+
+def _selection_run(config: Path, run_id: str | None, sets: list[str] | None) -> str:
+    """The run in which task_best chose its programs."""
+    from pipeline.studies.baselines import SELECT, baseline_run_id, selection_split
+
+    cfg = load_config(config, sets or [])
+    return baseline_run_id(run_id or cfg.run_id, SELECT, selection_split(cfg))
 
 
 @app.command()
@@ -463,7 +471,7 @@ def smc(
     config: Annotated[Path, typer.Argument(help="Run config YAML: generator, executor, smc, experiment.")],
     run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived run <run_id>-smc "
                                                "(default: the config's run_id).")] = None,
-    split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
+    split: Annotated[str, typer.Option("--split", help="test, dev, train or validate (= train + dev).")] = "test",
     plain_l: Annotated[int | None, typer.Option("--plain-l", help="Also sample this many plain workflows per query "
                                                 "(<run_id>-plain-l<L>) to compare at an executor budget.")] = None,
     sets: SetOpt = None,
@@ -494,7 +502,7 @@ def sample(
     L: Annotated[int, typer.Option("--l", help="Workflows sampled per held-out query.")],
     run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived run <run_id>-plain-l<L> "
                                                "(default: the config's run_id).")] = None,
-    split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
+    split: Annotated[str, typer.Option("--split", help="test, dev, train or validate (= train + dev).")] = "test",
     sets: SetOpt = None,
 ) -> None:
     """Plain sampling: the configured generator writes L workflows per held-out query (rollout and score stages;
@@ -536,7 +544,7 @@ def compare(
 def evaluate(
     run_id: Annotated[str, typer.Argument(help="The trained run.")],
     round: Annotated[int, typer.Option("--round", help="Checkpoint of this round (-1: base model).")],
-    split: Annotated[str, typer.Option("--split", help="validate or test.")] = "test",
+    split: Annotated[str, typer.Option("--split", help="test, dev, train or validate (= train + dev).")] = "test",
     store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
     sets: SetOpt = None,
 ) -> None:

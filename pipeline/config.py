@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import yaml
@@ -143,6 +143,10 @@ class JudgeConfig(_Strict):
 
 
 BenchmarkName = Literal["humaneval", "mbpp", "gsm8k", "math", "drop", "hotpotqa", "procedural"]
+# A benchmark's items: `test` (test_share of them) and `validate` (the rest), which dev_share divides into `dev`
+# (model selection) and `train` (what rounds optimise on); pipeline.engines.benchmarks.base.split_items.
+Split = Literal["validate", "train", "dev", "test"]
+SPLITS: tuple[str, ...] = get_args(Split)
 
 
 class BenchmarkConfig(_Strict):
@@ -155,10 +159,39 @@ class BenchmarkConfig(_Strict):
     )
     size: int = Field(100, gt=0, description="procedural: items generated in total.")
     levels: list[int] = Field(default_factory=list, description="math: keep only these levels (e.g. [5]).")
-    split_seed: int = Field(0, description="Seed of the deterministic validate/test split.")
-    validate_fraction: float = Field(0.2, gt=0, lt=1, description="Share of items in `validate` (1:4).")
-    train_split: Literal["validate", "test"] = Field("validate", description="Split the rounds optimise on.")
+    split_seed: int = Field(0, description="Seed of the deterministic splits (a hash of seed and item id).")
+    test_share: float = Field(0.8, gt=0, lt=1, description="Share of items held out as `test` (0.8: 1:4).")
+    dev_share: float = Field(
+        0.0, ge=0, lt=1, description="Share of the non-test items (`validate`) held out as `dev`; the rest is `train`.",
+    )
+    train_split: Split = Field("validate", description="Split the rounds optimise on (validate = train + dev).")
     max_queries: int | None = Field(None, gt=0, description="Use only the first N queries of the split.")
+    exact_number: bool | None = Field(
+        None, description="procedural: score 1 only when the answer's last number equals the gold number (GSM8K's "
+        "rule); null: for gsm_symbolic only (its own check gives near misses partial credit).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_validate_fraction(cls, data: Any) -> Any:
+        """Saved configs of older runs hold `validate_fraction` (= 1 − test_share): read it as test_share."""
+        if not isinstance(data, dict) or "validate_fraction" not in data:
+            return data
+        data = dict(data)
+        former = data.pop("validate_fraction")
+        if not isinstance(former, int | float) or not 0 < former < 1:
+            raise ValueError(f"validate_fraction (now 1 - test_share) must be in (0, 1), got {former!r}")
+        if "test_share" in data and abs(data["test_share"] + former - 1) > 1e-9:
+            raise ValueError(f"validate_fraction {former} and test_share {data['test_share']} disagree; "
+                             "give test_share only")
+        data.setdefault("test_share", 1 - former)
+        return data
+
+    @model_validator(mode="after")
+    def _dev_split_exists(self) -> BenchmarkConfig:
+        if self.train_split == "dev" and self.dev_share == 0:
+            raise ValueError("train_split dev needs dev_share > 0 (dev is empty)")
+        return self
 
 
 class RefineConfig(_Strict):
@@ -375,7 +408,9 @@ class ExperimentConfig(_Strict):
         default_factory=lambda: [0, 1, 2], min_length=1,
         description="One run `<run_id>-s<seed>` per seed; the seed sets generator, training and curation seeds.",
     )
-    eval_split: Literal["validate", "test"] = Field("test", description="Held-out split of the evaluations.")
+    eval_split: Literal["validate", "dev", "test"] = Field(
+        "test", description="Held-out split of the evaluations: test (reported) or dev (choices).",
+    )
     eval_queries: int | None = Field(32, gt=0, description="Evaluate on the first N queries of that split.")
     eval_l: int = Field(4, gt=0, description="L: workflows sampled per held-out query (Mean@L, Best@L).")
     eval_rounds: Literal["all", "last"] = Field("all", description="Checkpoints evaluated besides the base model.")

@@ -23,8 +23,10 @@ from pipeline.studies.baselines import (
     candidate_programs,
     compare,
     markdown_table,
+    open_baseline_run,
     run_baseline,
     select_per_task,
+    selection_split,
 )
 
 
@@ -99,6 +101,24 @@ def _config(tmp_path: Path, url: str) -> Path:
     path = tmp_path / "b.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def test_derived_runs_on_the_dev_split(tmp_path):
+    """A baseline on `dev` holds the dev queries (disjoint from `train`, where rounds optimise), under its own run
+    id; task_best chooses on dev once the config holds one out; unknown split names are refused."""
+    from pipeline.studies.evaluate import check_split, derived_run_sets
+
+    path, dev = _config(tmp_path, "http://127.0.0.1:9/v1"), ["benchmark.dev_share=0.5"]
+    ctx = open_baseline_run(str(path), "io", split="dev", sets=dev)
+    assert ctx.run_id == "b-baseline-dev-io" and ctx.cfg.benchmark.train_split == "dev"
+    bench = load_benchmark(ctx.cfg.benchmark.model_copy(update={"max_queries": None}))
+    dev_ids, train_ids = {it.id for it in bench.items("dev")}, {it.id for it in bench.items("train")}
+    # 20 items: 4 validate, 2 of them dev; the run's 2 held-out queries are those
+    assert len(dev_ids) == 2 and not dev_ids & train_ids and {it.id for it in bench.items()} == dev_ids
+    assert selection_split(load_config(path, dev)) == "dev" and selection_split(load_config(path)) == "validate"
+    assert derived_run_sets("train")[0] == "benchmark.train_split=train"
+    with pytest.raises(ConfigError, match="split must be one of validate, train, dev, test, got 'holdout'"):
+        check_split("holdout")
 
 
 @pytest.mark.usefixtures("shared_sandbox")

@@ -374,6 +374,71 @@ def test_split_is_deterministic_one_to_four_and_a_partition():
     assert [it.id for it in s["test"]] == [it.id for it in items if it.id in ids_t]  # original order kept
 
 
+def test_default_split_keeps_the_former_validate_items():
+    # the validate items of 10 ids at seed 0 under the former validate_fraction=0.2 code (commit c8b2f1f): stores
+    # made before test_share/dev_share existed keep their queries
+    assert [it.id for it in split_items(_items(10), seed=0)["validate"]] == ["q4", "q6"]
+    assert [it.id for it in split_items(_items(10), 0, 0.8, 0.5)["dev"]] == ["q6"]  # the later of the two by hash
+
+
+def _ids(split):
+    return {it.id for it in split}
+
+
+def test_train_dev_test_are_disjoint_train_and_dev_make_validate_and_test_does_not_move():
+    items = _items(100)
+    s = split_items(items, seed=0, test_share=0.8, dev_share=0.25)
+    # 100 x 0.2 = 20 non-test items; 20 x 0.25 = 5 of them dev, 15 train
+    assert [len(s[k]) for k in ("validate", "train", "dev", "test")] == [20, 15, 5, 80]
+    train, dev, test = _ids(s["train"]), _ids(s["dev"]), _ids(s["test"])
+    assert not train & dev and not (train | dev) & test and train | dev == _ids(s["validate"])
+    assert train | dev | test == _ids(items)
+    for dev_share in (0.0, 0.5, 0.9):
+        other = split_items(items, seed=0, test_share=0.8, dev_share=dev_share)
+        assert other["test"] == s["test"] and other["validate"] == s["validate"]
+    # a larger dev_share only moves items from train to dev
+    wider = split_items(items, seed=0, test_share=0.8, dev_share=0.5)
+    assert dev < _ids(wider["dev"]) and _ids(wider["train"]) < train
+    assert [it.id for it in s["dev"]] == [it.id for it in items if it.id in dev]  # original order kept
+
+
+def test_humaneval_test_share_holds_out_at_least_64_problems():
+    bench = _bench("humaneval", test_share=0.4, dev_share=0.5)
+    # 164 x 0.6 = 98.4 -> 98 non-test (66 test); 98 x 0.5 = 49 dev, 49 train
+    sizes = {k: len(bench.items(k)) for k in ("validate", "train", "dev", "test")}
+    assert sizes == {"validate": 98, "train": 49, "dev": 49, "test": 66} and sizes["test"] >= 64
+    assert _bench("humaneval", train_split="train", test_share=0.4, dev_share=0.5).items() == bench.items("train")
+    # the default keeps today's 1:4 split: 164 x 0.2 = 32.8 -> 33 validate, 131 test
+    assert [len(_bench("humaneval").items(k)) for k in ("validate", "test")] == [33, 131]
+
+
+def test_split_settings_errors_name_the_field(tmp_path):
+    from pipeline.config import ConfigError, load_config
+
+    assert BenchmarkConfig(validate_fraction=0.3).test_share == 0.7  # the former field of saved configs
+    with pytest.raises(ValueError, match="validate_fraction 0.3 and test_share 0.5 disagree"):
+        BenchmarkConfig(validate_fraction=0.3, test_share=0.5)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("benchmark:\n  train_split: dev\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: invalid config\n  benchmark: .*train_split dev needs dev_share"):
+        load_config(cfg)
+    with pytest.raises(ConfigError, match=r"benchmark.train_split: Input should be"):
+        load_config(cfg, ["benchmark.train_split=holdout"])
+    p = _jsonl(tmp_path / "gsm.jsonl", [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(5)])
+    with pytest.raises(BenchmarkError, match=r"split 'dev' is empty \(benchmark.test_share 0.8, benchmark.dev_share "
+                                             r"0.1\)"):
+        _bench("gsm8k", p, dev_share=0.1).items("dev")  # 1 validate item x 0.1 rounds to 0
+
+
+def test_saved_configs_with_validate_fraction_keep_their_hash():
+    from pipeline.config import RunConfig, config_from_dict
+
+    saved = RunConfig().model_dump(mode="json")
+    del saved["benchmark"]["test_share"], saved["benchmark"]["dev_share"], saved["benchmark"]["exact_number"]
+    saved["benchmark"]["validate_fraction"] = 0.2  # as every run saved before test_share existed
+    assert config_from_dict(saved).config_hash() == RunConfig().config_hash()
+
+
 def test_split_membership_depends_on_ids_not_on_order_or_payload():
     items = _items(50)
     shuffled = items[:]

@@ -147,3 +147,4 @@ def test_experiment_report_headline_interval_and_older_summaries(tmp_path):
     res = CliRunner().invoke(app, ["report", "new", "--store", str(st.root)])
     assert "paired difference +0.500 [-0.250, +1.000] 95% bootstrap CI resampling seeds" in res.output
     assert "  seed 0: +0.500 [+0.000, +1.000] over 2 queries" in res.output
+

@@ -18,7 +18,8 @@ Methods (`PROGRAMS`; the executor's settings apply to every `llm()` call, as for
 - task_best: the best task-level workflow, one program for every query of a task (AFlow searches for one;
   SCALE asks whether query-level workflows beat it). Candidates are the fixed programs above and the distinct valid
   workflows with a positive score of `--candidates` runs; each runs once on each query of the selection split
-  (CONFIG's training queries: `benchmark.max_queries` of `validate`) in the run `<run_id>-baseline-validate-select`;
+  (`benchmark.max_queries` of `dev` when CONFIG holds one out, `benchmark.dev_share` > 0, else of `validate`,
+  CONFIG's training queries) in the run `<run_id>-baseline-<that split>-select`;
   per task the candidate with the best mean score wins (ties: fewer executor tokens, then the earlier candidate),
   and the held-out run holds L copies of its task's winner per query.
 - program:<file>: a hand-written program (a task-level workflow someone wrote) run like the fixed ones, in
@@ -254,13 +255,19 @@ def _selection_rows(store: Store, run_id: str, tasks: dict[str, str]) -> list[di
             for q, slot, s, tok, m, prov in df.iter_rows() if json.loads(prov or "{}").get("query_id") != q]
 
 
+def selection_split(cfg) -> str:
+    """Where task_best chooses its programs: the development split when the config holds one out (choices are
+    made there, not on the queries a generator trains on), else `validate` (the training queries)."""
+    return "dev" if cfg.benchmark.dev_share > 0 else "validate"
+
+
 def run_task_best(config: str, call, run_id: str | None = None, split: str = "test", sets: list[str] | None = None,
                   candidates: list[str] | None = None, max_candidates: int = 16) -> dict:
     """Select each task's best program on CONFIG's training queries, then run it on the held-out split (module
     doc); returns the held-out run's `eval_summary` with `selected` (task -> the winner and its selection score)."""
     from pipeline.studies.evaluate import eval_summary
 
-    sel = open_baseline_run(config, SELECT, run_id, "validate", sets, held_out=False)
+    sel = open_baseline_run(config, SELECT, run_id, selection_split(load_config(config, sets)), sets, held_out=False)
     progs = candidate_programs(sel.store, list(candidates or []), max_candidates)
     sel_queries = write_queries(sel)
     write_programs(sel, {q["query_id"]: progs for q in sel_queries})

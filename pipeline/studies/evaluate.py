@@ -28,7 +28,7 @@ from dataclasses import asdict
 
 import polars as pl
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import SPLITS, ConfigError, load_config
 from pipeline.run import RunContext, open_run
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store
@@ -42,8 +42,8 @@ def eval_run_id(run_id: str, round: int, split: str = "test") -> str:
 
 
 def check_split(split: str) -> None:
-    if split not in ("validate", "test"):
-        raise ConfigError(f"split must be 'validate' or 'test', got {split!r}")
+    if split not in SPLITS:
+        raise ConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
 
 
 def derived_run_sets(split: str, cfg=None) -> list[str]:

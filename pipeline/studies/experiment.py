@@ -30,11 +30,12 @@ from pathlib import Path
 
 import polars as pl
 
-from pipeline.config import RunConfig, load_config
+from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
 from pipeline.studies.evaluate import eval_run_id, eval_summary, evaluate_round
+from pipeline.studies.report import build_experiment_report, span
 
 BASE = -1  # the round index of the base model in evaluations
 METRIC_NAMES = {"mean_at_l": "Mean@L", "best_at_l": "Best@L", "majority_at_l": "Majority@L", "select_at_l": "Sel@L"}
@@ -77,7 +78,16 @@ def compared_metrics(cfg: RunConfig) -> tuple[str, ...]:
     return METRICS + (("select_at_l",) if get_mode(cfg.rollout.mode).selection else ())
 
 
+def splits_overlap(a: str, b: str) -> bool:
+    """Whether two split names share items (`validate` is `train` + `dev`)."""
+    return a == b or {a, b} in ({"validate", "train"}, {"validate", "dev"})
+
+
 def plan(cfg: RunConfig, seeds: list[int] | None = None) -> list[SeedPlan]:
+    train, held_out = cfg.benchmark.train_split, cfg.experiment.eval_split
+    if splits_overlap(train, held_out):  # evaluating on the training queries would not measure generalisation
+        raise ConfigError(f"experiment.eval_split {held_out} shares queries with benchmark.train_split {train}; "
+                          "train on `train` (benchmark.dev_share > 0) to evaluate on `dev`")
     seeds = list(cfg.experiment.seeds if seeds is None else seeds)
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"experiment seeds repeat: {seeds}")
@@ -136,13 +146,6 @@ def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], ex) -
             "hi_by_query": by_query.hi, "per_seed": per_seed}
 
 
-def span(p: dict, lo: str, hi: str) -> str:
-    """"[lo, hi]" of a paired row's interval keys, or n/a when the row has none (a summary written before them)."""
-    if p.get(lo) is None or p.get(hi) is None:
-        return "n/a"
-    return f"[{p[lo]:+.3f}, {p[hi]:+.3f}]"
-
-
 def mean_or_none(xs: list[float]) -> float | None:
     """The mean, or None for no values (an arm without evaluations)."""
     return sum(xs) / len(xs) if xs else None
@@ -150,8 +153,6 @@ def mean_or_none(xs: list[float]) -> float | None:
 
 def write_results(store: Store, summary: dict, extra: dict | None = None) -> Path:
     """experiment.json, per_query.csv and report.html under <store>/experiments/<run_id>/; returns the folder."""
-    from pipeline.studies.report import build_experiment_report
-
     dest = experiment_dir(store, summary["experiment"])
     body = {**summary, **(extra or {})}
     with store.output_dir(dest) as out:  # on object storage: written locally, then uploaded file by file

@@ -14,7 +14,6 @@ import polars as pl
 
 from pipeline.store import Store, round_stats
 from pipeline.store.schema import STATUSES
-from pipeline.studies.experiment import span
 
 
 # Per round: generations and valid share, workflow scores (`generation_scores`), executor usage, generator and
@@ -149,6 +148,13 @@ def build_report(store: Store, run_id: str, out: Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)
     return out
+
+
+def span(p: dict, lo: str, hi: str) -> str:
+    """"[lo, hi]" of a paired row's interval keys, or n/a when the row has none (a summary written before them)."""
+    if p.get(lo) is None or p.get(hi) is None:
+        return "n/a"
+    return f"[{p[lo]:+.3f}, {p[hi]:+.3f}]"
 
 
 PAIRED_COLUMNS = ("round", "metric", "n", "base", "trained", "mean", "level")

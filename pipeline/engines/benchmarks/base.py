@@ -58,20 +58,33 @@ class Benchmark(ABC):
     def items(self, split: str | None = None) -> list[Item]:
         """The items of `split` (default: the config's train split), capped by max_queries."""
         split = split or self.cfg.train_split
-        items = split_items(self.load(), self.cfg.split_seed, self.cfg.validate_fraction)[split]
+        items = split_items(self.load(), self.cfg.split_seed, self.cfg.test_share, self.cfg.dev_share)[split]
+        if not items and split in ("train", "dev"):  # a share too small for the benchmark's size
+            raise BenchmarkError(f"benchmark {self.name!r}: split {split!r} is empty (benchmark.test_share "
+                                 f"{self.cfg.test_share}, benchmark.dev_share {self.cfg.dev_share}); raise dev_share "
+                                 f"or the benchmark's size")
         return items[: self.cfg.max_queries] if self.cfg.max_queries else items
 
 
-def split_items(items: list[Item], seed: int, validate_fraction: float = 0.2) -> dict[str, list[Item]]:
-    """Deterministic validate/test split (exactly 1:4 by default): rank items by a seeded hash of
-    their id, so the split depends on the ids and the seed, never on the file's row order."""
+def split_items(items: list[Item], seed: int, test_share: float = 0.8, dev_share: float = 0.0) -> dict[str, list[Item]]:
+    """Deterministic splits: rank items by a seeded hash of their id (so membership depends on the ids and the seed,
+    never on the file's row order or on other items); the first round(n (1 − test_share)) are `validate`, the rest
+    `test`. Within `validate`, the last round(|validate| dev_share) of the ranking are `dev` and the others `train`:
+    `test` does not move when dev_share changes, and a larger dev_share moves items from train to dev only.
+    Each split keeps the items' original order."""
     def key(it: Item) -> str:
         return hashlib.sha256(f"{seed}:{it.id}".encode()).hexdigest()
 
     ranked = sorted(items, key=key)
-    k = round(len(items) * validate_fraction)
-    chosen = {it.id for it in ranked[:k]}
-    return {"validate": [it for it in items if it.id in chosen], "test": [it for it in items if it.id not in chosen]}
+    k = round(len(items) * (1 - test_share))  # rounding the validate count, as the former validate_fraction did
+    n_train = k - round(k * dev_share)
+    member = {it.id: "train" if i < n_train else "dev" if i < k else "test" for i, it in enumerate(ranked)}
+    out: dict[str, list[Item]] = {"validate": [], "train": [], "dev": [], "test": []}
+    for it in items:
+        out[member[it.id]].append(it)
+        if member[it.id] != "test":
+            out["validate"].append(it)
+    return out
 
 
 # name -> "module:Class"; modules import lazily so one missing optional library fails only its benchmark.

@@ -1,0 +1,19 @@
+"""The learning experiment's protocol checks (pipeline.studies.experiment)."""
+
+import pytest
+
+from pipeline.config import ConfigError, config_from_dict
+from pipeline.studies.experiment import plan
+
+
+def test_experiment_refuses_an_eval_split_that_holds_training_queries():
+    def cfg(train, held_out):
+        return config_from_dict({"benchmark": {"train_split": train, "dev_share": 0.25},
+                                 "experiment": {"eval_split": held_out, "seeds": [0, 1]}})
+
+    assert [p.run_id for p in plan(cfg("train", "dev"))] == ["demo-s0", "demo-s1"]
+    assert len(plan(cfg("validate", "test"))) == 2
+    for train, held_out in (("validate", "dev"), ("dev", "dev"), ("train", "validate"), ("test", "test")):
+        with pytest.raises(ConfigError, match=f"eval_split {held_out} shares queries with benchmark.train_split "
+                                              f"{train}"):
+            plan(cfg(train, held_out))
