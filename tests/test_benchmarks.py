@@ -333,12 +333,53 @@ def test_procedural_scores_free_form_answers_with_the_generators_check(procedura
         rebuilt = _roundtrip(it)
         assert b.score(rebuilt, gold).score == 1.0
         r = b.score(rebuilt, f"Let me compute step by step: 1 + 2 = 3.\nThe answer is {gold}.")
-        assert r.score == 1.0 and r.details["candidates"]["last_number"] == 1.0
-        assert r.details["matched"] in ("last_line", "last_number")
-        assert r.details["candidates"]["raw"] < 1.0  # the generator's own check alone would not give credit
         wrong = b.score(rebuilt, str(int(gold) + 1))
-        # reasoning-gym's gsm_symbolic check gives 0.01 to a wrong number; the arithmetic tasks' exact match 0
-        assert wrong.score == (0.01 if it.meta["task"] == "gsm_symbolic" else 0.0) and wrong.details["gold"] == gold
+        assert r.score == 1.0 and wrong.score == 0.0 and wrong.details["gold"] == gold
+        if it.meta["task"] == "gsm_symbolic":  # scored by the exact final number (the next test)
+            assert r.details["metric"] == wrong.details["metric"] == "exact_number"
+            continue
+        assert r.details["candidates"]["last_number"] == 1.0 and r.details["matched"] in ("last_line", "last_number")
+        assert r.details["candidates"]["raw"] < 1.0  # the generator's own check alone would not give credit
+
+
+@pytest.fixture(scope="module")
+def word_problems():
+    """Six real gsm_symbolic items (split seed 0): gold answers 28080, 44, 104, 78000, 14, 41."""
+    b = _bench("procedural", tasks=["gsm_symbolic"], size=6)
+    return b, {it.reference["answer"]: _roundtrip(it) for it in b.load()}
+
+
+def test_word_problems_score_by_the_exact_final_number(word_problems):
+    b, items = word_problems
+    assert sorted(items) == ["104", "14", "28080", "41", "44", "78000"]
+    big, small = items["28080"], items["44"]
+    cases = [(big, "28080", 1.0), (big, "The carpenter earns £28,080 in a year.", 1.0), (big, "28,080.00", 1.0),
+             (small, "$44.00", 1.0), (small, "He has 72 - 36 + 17 - 9 = 44 pebbles", 1.0),
+             (big, "28081", 0.0), (big, "28,079", 0.0), (small, "45", 0.0),  # near misses: no credit
+             (small, "44 pebbles at first, then 45", 0.0),  # the final number counts, not the first
+             (small, "forty-four", 0.0), (small, "", 0.0)]
+    for item, answer, want in cases:
+        got = b.score(item, answer)
+        assert (got.score, got.details["metric"]) == (want, "exact_number"), answer
+    assert b.score(big, "28,080").details["extracted"] == "28080"
+    # the generator's own check (exact_number: false) gives a near miss 0.01 and reads the first number
+    own = _bench("procedural", tasks=["gsm_symbolic"], size=6, exact_number=False)
+    assert own.score(big, "28081").score == 0.01 and own.score(small, "44 pebbles at first, then 45").score == 1.0
+
+
+def test_exact_number_switch_for_other_generators():
+    b = _bench("procedural", tasks=["chain_sum"], size=2)
+    item = b.load()[0]
+    gold = item.reference["answer"]
+    assert not b.exact_number("chain_sum") and b.exact_number("gsm_symbolic")  # null: gsm_symbolic only
+    assert "metric" not in b.score(item, gold).details  # the generator's own check
+    exact = _bench("procedural", tasks=["chain_sum"], size=2, exact_number=True)
+    assert exact.score(item, f"so it is {gold}").details["metric"] == "exact_number"
+    assert exact.score(item, f"{int(gold) + 1}").score == 0.0
+    words = _bench("procedural", tasks=["word_sorting"], size=1, exact_number=True)
+    with pytest.raises(BenchmarkError, match=r"benchmark.exact_number: item word_sorting-0-0 \(word_sorting\) has "
+                                             r"the gold answer"):
+        words.score(words.load()[0], "a, b")
 
 
 def test_procedural_task_options_and_errors():

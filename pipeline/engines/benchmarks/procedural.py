@@ -1,6 +1,11 @@
-"""The offline procedural benchmark (demo and tests): reasoning-gym generators with their own answer
+"""The offline procedural benchmark (demo, tests, word problems): reasoning-gym generators with their own answer
 checks. Items are deterministic in (tasks, size, split_seed); each Item.reference holds what the
-generator's `score_answer` needs as plain JSON, so an Item rebuilt from the store scores the same."""
+generator's `score_answer` needs as plain JSON, so an Item rebuilt from the store scores the same.
+
+Word problems (`gsm_symbolic`, GSM8K-style) are scored as GSM8K is, by the exact final number: 1 when the last
+number of the answer equals the gold number ("1,234" and "$12.00" read as 1234 and 12), else 0. Their generator's
+own check gives any other number 0.01, so a near miss would still earn a reward. `benchmark.exact_number` turns
+this rule on (true) or off (false) for every generator; null keeps it for EXACT_NUMBER_TASKS only."""
 
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ import yaml
 from tqdm import tqdm
 
 from pipeline.engines.benchmarks.base import Benchmark, BenchmarkError, Item, MetricResult
-from pipeline.engines.benchmarks.metrics import last_number
+from pipeline.engines.benchmarks.metrics import last_number, numeric_score
+
+EXACT_NUMBER_TASKS = frozenset({"gsm_symbolic"})  # scored by the exact final number unless exact_number says otherwise
 
 
 def parse_task(spec: str) -> tuple[str, dict[str, Any]]:
@@ -109,8 +116,14 @@ class Procedural(Benchmark):
         longest = max(len(v) for v in generated.values())
         return [g[i] for i in range(longest) for g in generated.values() if i < len(g)]
 
+    def exact_number(self, task: str) -> bool:
+        """Whether `task`'s answers are scored by the exact final number (module doc)."""
+        return task in EXACT_NUMBER_TASKS if self.cfg.exact_number is None else self.cfg.exact_number
+
     def score(self, item: Item, answer: str) -> MetricResult:
         ref = item.reference
+        if self.exact_number(ref["task"]):
+            return exact_number_score(item, "" if answer is None else str(answer))
         ds = _dataset(ref["task"], ref["seed"], ref["size"], ref.get("options") or {})
         entry = {"question": ref["question"], "answer": ref["answer"], "metadata": ref["metadata"]}
         scores: dict[str, float] = {}
@@ -121,3 +134,14 @@ class Procedural(Benchmark):
                 scores[name] = 0.0
         best = max(scores, key=scores.__getitem__)
         return MetricResult(scores[best], {"matched": best, "candidates": scores, "gold": ref["answer"]})
+
+
+def exact_number_score(item: Item, answer: str) -> MetricResult:
+    """GSM8K's rule (metrics.numeric_score): the answer's last number against the gold number, 1 or 0."""
+    gold = str(item.reference["answer"])
+    if last_number(gold) is None:
+        raise BenchmarkError(f"benchmark.exact_number: item {item.id} ({item.reference['task']}) has the gold answer "
+                             f"{gold!r}, which is no number; score that generator with its own check "
+                             "(benchmark.exact_number: null or false)")
+    res = numeric_score(answer, gold)
+    return MetricResult(res.score, {**res.details, "metric": "exact_number"})
