@@ -1,8 +1,7 @@
 """Held-out metrics of the learning experiment, on hand-computed cases."""
 
-import pytest
-
 import numpy as np
+import pytest
 
 from pipeline.core.learning import (
     bootstrap_ci,
