@@ -12,7 +12,7 @@ headline interval of each mean resamples seeds, then queries within each drawn s
 `hi_seeds_queries`): a trained model is one draw of training's randomness, so the seed-to-seed spread belongs in
 it. Kept beside it: the interval over pairs (`lo`, `hi`), the one over queries (`lo_by_query`, `hi_by_query`: a
 drawn query brings all its seeds' pairs), and each seed's own mean and interval (pipeline.core.learning).
-Summaries written before the headline interval existed lack its keys; readers show n/a. It is written to
+Summaries written before the headline interval existed lack its keys; readers show n/a. The summary is written to
 `<store>/experiments/<run_id>/` as experiment.json (everything), per_query.csv and report.html.
 `run_experiment` runs it through a stage caller (pipeline.stages.rounds: without Prefect, or flows/experiment.py's).
 Re-running with the same run id resumes: finished stages are skipped by their manifests, in the seed runs and in
