@@ -169,6 +169,9 @@ def evaluate_round(store_root: str, run_id: str, round: int, split: str = "test"
 
     call = call or direct_call()
     ctx = open_eval_run(store_root, run_id, round, split, sets)
+    from pipeline.tracking import sync_quietly
+
     for stage in EVAL_STAGES:
         call(stage=stage, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=sets)
+    sync_quietly(ctx.store, run_id)  # the evaluated run's trackers gain this held-out evaluation
     return eval_summary(ctx.store, ctx.run_id)

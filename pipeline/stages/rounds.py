@@ -23,6 +23,7 @@ from pipeline.run import open_run
 from pipeline.stages import ROUND_STAGES, get_stage
 from pipeline.stages.runner import REPO, RetryPolicy, finish_shards, record_timing, round_s, run_stage, stage_done
 from pipeline.store import Store
+from pipeline.tracking import check_trackers, sync_quietly
 
 log = logging.getLogger("pipeline.run")
 
@@ -113,6 +114,7 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     ctx = open_run(resolve_config(config), run_id, 0, sets)
     store_root, run_id = str(ctx.store.root), ctx.run_id
     rounds = rounds or ctx.cfg.rounds
+    check_trackers(ctx.cfg.tracking)  # a missing tracker package fails before any work
     walls: dict[int, dict[str, float]] = {}
     for k in range(rounds):
         for stage in ROUND_STAGES:
@@ -120,6 +122,7 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
             walls.setdefault(k, {})[stage] = res["wall_s"]
         if after_round is not None:
             after_round(run_id, store_root, k)
+        sync_quietly(ctx.store, run_id, ctx.cfg)  # TensorBoard etc.: rewritten from the store (pipeline.tracking)
     stats = round_stats(Store(store_root), run_id)
     per_round = [
         {"round": r["round"], "mean_score": r["mean_score"], "best_score": r["best_score"],
