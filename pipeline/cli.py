@@ -424,6 +424,26 @@ def report(
 
 
 @app.command()
+def track(
+    run_id: Annotated[str, typer.Argument(help="Run id.")],
+    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
+) -> None:
+    """Rewrite a run's tracker output (its config's `tracking`: TensorBoard events, MLflow) from the store, e.g.
+    for a run made before tracking existed; `pipeline run` and the flows do it after every round."""
+    from pipeline.store import Store
+    from pipeline.tracking import TrackingError, sync_run
+
+    try:
+        out = sync_run(Store(store), run_id)
+    except TrackingError as e:
+        _fail(str(e))
+    for tracker, where in out.items():
+        typer.echo(f"{tracker}: {where}")
+    if not out:
+        typer.echo(f"run {run_id} has tracking: [] (nothing to write)")
+
+
+@app.command()
 def baseline(
     config: Annotated[Path, typer.Argument(help="Run config YAML: its benchmark, executor and experiment section.")],
     methods: Annotated[list[str] | None, typer.Option("--method", help="io, cot, cot_sc, self_review, "

@@ -15,7 +15,8 @@ pip install -q -e ".[dev,dask,mlflow]"
 # root; without root or apt the test skips and says so.
 if ! command -v chromium >/dev/null; then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    apt-get install -y -q chromium >/dev/null || echo "setup: apt-get install chromium failed: the browser test will skip"
+    { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+      || echo "setup: apt-get install chromium failed: tests/test_browse.py will skip"
   else
     echo "setup: no chromium and not root (or no apt-get): tests/test_browse.py will skip; install chromium to run it"
   fi

@@ -106,3 +106,18 @@ def test_mlflow_run_matches_the_events(run):
     for tag in ("train/loss", "round/valid_share", "heldout/test/mean_at_l"):
         got = [(m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, tag)]
         assert sorted(got) == [(s, pytest.approx(v, rel=1e-6)) for s, v in ev[tag]], tag
+
+
+def test_track_command_rewrites_and_names_an_unknown_run(run):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    shutil.rmtree(run.run_dir("t") / "tensorboard")
+    res = CliRunner().invoke(app, ["track", "t", "--store", str(run.root)])
+    assert res.exit_code == 0 and f"tensorboard: {run.run_dir('t') / 'tensorboard'}" in res.output
+    assert len(read_events(run.run_dir("t") / "tensorboard")["train/loss"]) == 6
+    res = CliRunner().invoke(app, ["track", "nope", "--store", str(run.root)])
+    assert res.exit_code != 0 and "run 'nope' not found" in res.output
