@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.artifacts import publish_evaluation
 from flows.tasks import submitting_call
 from pipeline.evaluate import evaluate_round
 from pipeline.stages.runner import RetryPolicy
@@ -19,4 +20,5 @@ def evaluate(run_id: str, round: int, split: str = "test", store: str = "data/ru
     summary = evaluate_round(store, run_id, round, split, sets,
                              submitting_call(RetryPolicy(retries, retry_delay_s), in_process))
     print(f"evaluate {run_id} round {round} on {split}: { {k: v for k, v in summary.items() if k != 'per_query'} }")
+    publish_evaluation(summary, run_id, round, split)
     return summary
