@@ -397,9 +397,13 @@ def report(
     run_id: Annotated[str, typer.Argument(help="Run id.")],
     store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
     out: Annotated[Path | None, typer.Option("--out", help="HTML path (default <store>/<run_id>/report.html).")] = None,
+    round: Annotated[int | None, typer.Option("--round", help="Per-query pages of this round only.")] = None,
+    query: Annotated[str | None, typer.Option("--query", help="The per-query page of this query id.")] = None,
 ) -> None:
     """HTML report of a run (per-round plots, summary table) or of an experiment (paired held-out comparison);
-    prints its numbers."""
+    prints its numbers. Also writes per-query pages (browse/: each workflow's code, status, score, usage, group
+    and advantage; for an experiment the base model's and the trained round's workflows side by side)."""
+    from pipeline.browse import build_experiment_pages, build_run_pages
     from pipeline.experiment import experiment_dir
     from pipeline.report import build_report, round_stats, stage_timings
     from pipeline.store import Store
@@ -409,11 +413,21 @@ def report(
     if not (st.run_dir(run_id) / "config.yaml").is_file() and exp.is_file():
         _echo_experiment(json.loads(exp.read_text()))
         typer.echo(f"report: {exp.parent / 'report.html'}")
+        try:
+            typer.echo(f"queries: {build_experiment_pages(st, exp.parent, query)}")
+        except FileNotFoundError as e:
+            _fail(str(e))
         return
     try:
         path = build_report(st, run_id, out)
     except FileNotFoundError as e:
         _fail(str(e))
+    try:
+        pages = build_run_pages(st, run_id, round, query)
+    except FileNotFoundError as e:
+        if round is not None or query is not None:  # asked for: an error; else the run has no scores yet
+            _fail(str(e))
+        pages = f"none yet ({e})"
     tim = stage_timings(st, run_id)
     for r in round_stats(st, run_id).iter_rows(named=True):
         walls = {t["stage"]: t["wall_s"] for t in tim.filter(tim["round"] == r["round"]).iter_rows(named=True)}
@@ -421,6 +435,7 @@ def report(
         typer.echo(f"round {r['round']}: mean score {mean}, workflows {r['workflows']}, "
                    f"valid {r['valid_share']}, stage wall s {walls}, round wall s {sum(walls.values()):.1f}")
     typer.echo(f"report: {path}")
+    typer.echo(f"queries: {pages}")
 
 
 @app.command()

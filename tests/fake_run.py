@@ -5,6 +5,7 @@ tests, which check what they show against these rows."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from pipeline import stages
@@ -17,6 +18,8 @@ def fake_stage(stage: str):
         trained = ctx.cfg.generator.adapter is not None or ctx.round > 0
         k = ctx.round
         if stage == "rollout":
+            ctx.store.write("queries", [{"query_id": f"q{j}", "prompt": f"What is {j} + 40 + 2?", "reference":
+                                         json.dumps(str(42 + j))} for j in range(2)], ctx.run_id, k)
             ctx.store.write("generations", [
                 {"gen_id": f"g{i}", "kind": "workflow", "query_id": f"q{i // 2}", "slot": i % 2, "valid": i != 3,
                  "text": f"```python\n{CODE}```" if i != 3 else "def solve(: oops", "invalid_reason": None

@@ -55,20 +55,20 @@ def test_key_is_what_prefect_accepts():
 
 def test_iterate_publishes_round_tables_evaluations_and_the_report(harness, tmp_path, monkeypatch):
     install_fake_stages(monkeypatch)
-    state = iterate(str(write_config(tmp_path)), run_id="It_1", in_process=True, retry_delay_s=0,
+    state = iterate(str(write_config(tmp_path, rounds=1)), run_id="It_1", in_process=True, retry_delay_s=0,
                     evaluate_split="test", return_state=True)
     assert state.is_completed(), state.message
     arts = artifacts_of(state)
-    assert {"it-1-round-0", "it-1-round-1", "it-1-eval-r0", "it-1-eval-r1", "it-1-report"} <= set(arts)
-    r1 = {(x["stage"], x["figure"]): x["value"] for x in table(arts["it-1-round-1"])}
+    assert {"it-1-round-0", "it-1-eval-r0", "it-1-report"} <= set(arts)
+    r1 = {(x["stage"], x["figure"]): x["value"] for x in table(arts["it-1-round-0"])}
     st = Store(tmp_path / "runs")
-    mean = st.sql("SELECT avg(score) FROM generation_scores WHERE run_id = 'It_1' AND round = 1").item()
-    assert r1[("score", "mean score")] == pytest.approx(mean, abs=1e-4) and mean == 0.25
+    mean = st.sql("SELECT avg(score) FROM generation_scores WHERE run_id = 'It_1' AND round = 0").item()
+    assert r1[("score", "mean score")] == pytest.approx(mean, abs=1e-4) and mean == 0.125
     assert r1[("rollout", "workflows")] == 4 and r1[("rollout", "valid share")] == 0.75
     assert r1[("score", "status of the latest runs")] == "invalid 1, ok 2, timeout 1"
     assert r1[("curate", "groups kept")] == 1 and r1[("train", "optimiser steps")] == 3
     assert r1[("train", "wall seconds")] is not None
-    ev = {x["metric"]: x["value"] for x in table(arts["it-1-eval-r1"])}
+    ev = {x["metric"]: x["value"] for x in table(arts["it-1-eval-r0"])}
     assert (ev["Mean@L"], ev["Best@L"], ev["valid share"]) == (0.25, 0.5, 0.75)
     assert linked_file(arts["it-1-report"]) == st.run_dir("It_1") / "report.html"
     assert linked_file(arts["it-1-report"]).is_file()
