@@ -24,15 +24,18 @@ def read_events(folder) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in ea.Scalars(t)] for t in ea.Tags()["scalars"]}
 
 
-@pytest.fixture
-def run(tmp_path, monkeypatch):
-    """Two fake rounds, then the base model and round 1's checkpoint evaluated on the test split."""
-    install_fake_stages(monkeypatch)
-    call = direct_call(RetryPolicy(delay_s=0), isolate=False)
-    run_rounds(write_config(tmp_path), None, "t", call)
-    st = Store(tmp_path / "runs")
-    for k in (-1, 1):
-        evaluate_round(str(st.root), "t", k, "test", ["benchmark.max_queries=2"], call)
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Two fake rounds, then the base model and round 1's checkpoint evaluated on the test split. Shared: a test
+    that rewrites the events leaves them as they were."""
+    tmp_path = tmp_path_factory.mktemp("tracking")
+    with pytest.MonkeyPatch.context() as mp:
+        install_fake_stages(mp)
+        call = direct_call(RetryPolicy(delay_s=0), isolate=False)
+        run_rounds(write_config(tmp_path), None, "t", call)
+        st = Store(tmp_path / "runs")
+        for k in (-1, 1):
+            evaluate_round(str(st.root), "t", k, "test", ["benchmark.max_queries=2"], call)
     return st
 
 
