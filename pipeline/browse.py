@@ -24,6 +24,7 @@ from pipeline.workflow import extract_code
 
 STYLE = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
          "padding:3px 8px;text-align:right}.cols{display:grid;grid-template-columns:1fr 1fr;gap:2em}"
+         ".cols>div{min-width:0;overflow-x:auto}"
          ".card{border:1px solid #ddd;margin:1em 0;padding:.5em}pre{white-space:pre-wrap;margin:0}")
 
 
@@ -90,23 +91,29 @@ def _groups(gs: list[tuple[str, bool, float | None]]) -> str:
 
 
 def workflow_cards(rows: list[dict], plot_id: str) -> str:
-    """The query's table, a plot of score (and advantage in kept groups) per workflow, then each workflow's code."""
+    """The query's table, a plot of score (and mean advantage over its kept groups) per workflow, then each
+    workflow's code. `plot_id` also prefixes the anchors, as a comparison page holds two sets of the same ids."""
     import plotly.graph_objects as go
 
     head = ("workflow", "kind", "slot", "valid", "status per rep", "score", "executor calls", "tokens in",
             "tokens out", "groups (advantage)")
     body = "".join(
         "<tr>" + "".join(f"<td>{c}</td>" for c in (
-            f"<a href='#{html.escape(r['gen_id'])}'>{html.escape(r['gen_id'])}</a>", _fmt(r["kind"]), _fmt(r["slot"]),
-            _fmt(r["valid"]), html.escape(", ".join(x["status"] for x in r["runs"])), _fmt(r["score"]),
+            f"<a href='#{plot_id}-{html.escape(r['gen_id'])}'>{html.escape(r['gen_id'])}</a>", _fmt(r["kind"]),
+            _fmt(r["slot"]), _fmt(r["valid"]), html.escape(", ".join(x["status"] for x in r["runs"])), _fmt(r["score"]),
             _fmt(r["llm_calls"]), _fmt(r["tokens_in"]), _fmt(r["tokens_out"]), _groups(r["groups"]))) + "</tr>"
         for r in rows)
     table = f"<table><thead><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr></thead><tbody>{body}</tbody></table>"
     names = [r["gen_id"] for r in rows]
-    adv = [next((a for _, kept, a in r["groups"] if kept and a is not None), None) for r in rows]
-    fig = go.Figure([go.Bar(x=names, y=[r["score"] for r in rows], name="score"),
-                     go.Scatter(x=names, y=adv, mode="markers", name="advantage (first kept group)")])
-    fig.update_layout(height=300, margin={"t": 20}, yaxis_title="score / advantage")
+    kept = [[a for _, k, a in r["groups"] if k and a is not None] for r in rows]
+    adv = [sum(a) / len(a) if a else None for a in kept]
+    traces = [go.Bar(x=names, y=[r["score"] for r in rows], name="score")]
+    if any(a is not None for a in adv):
+        traces.append(go.Scatter(x=names, y=adv, mode="markers", name="mean advantage (kept groups)"))
+    fig = go.Figure(traces)
+    lo, hi = min([0.0] + [a for a in adv if a is not None]), max([1.0] + [a for a in adv if a is not None])
+    # a fixed score range at least [0, 1]: the two sides of a comparison page read on the same scale
+    fig.update_layout(height=300, margin={"t": 20}, yaxis_title="score / advantage", yaxis_range=[lo - .05, hi + .05])
     plot = fig.to_html(full_html=False, include_plotlyjs=False, div_id=plot_id)
     cards = []
     for r in rows:
@@ -116,8 +123,9 @@ def workflow_cards(rows: list[dict], plot_id: str) -> str:
                        + (f"; error <code>{html.escape(x['error'])}</code>" if x["error"] else "") + "</li>"
                        for x in r["runs"])
         why = f" ({html.escape(r['invalid_reason'])})" if r["invalid_reason"] else ""
-        cards.append(f"<div class='card' id='{html.escape(r['gen_id'])}'><h3>{html.escape(r['gen_id'])}: score "
-                     f"{_fmt(r['score'])}, valid {_fmt(r['valid'])}{why}</h3>{code}<ul>{runs}</ul></div>")
+        gid = html.escape(r["gen_id"])
+        cards.append(f"<div class='card' id='{plot_id}-{gid}'><h3>{gid}: score {_fmt(r['score'])}, valid "
+                     f"{_fmt(r['valid'])}{why}</h3>{code}<ul>{runs}</ul></div>")
     return table + plot + "".join(cards)
 
 

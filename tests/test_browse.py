@@ -68,6 +68,7 @@ def test_experiment_pages_put_base_and_trained_side_by_side(exp):
     base, trained = page.split("<div class='cols'>", 1)[1].split("<h2>round 0: ", 1)
     assert "base model: t-s0-eval-base" in base and trained.startswith("t-s0-eval-r0")
     assert rows_of(base)["g0"][5] == "0.5" and rows_of(trained)["g0"][5] == "1"  # fake_run: a checkpoint scores 1
+    assert "id='scores-0-g0'" in base and "id='scores-1-g0'" in trained  # each side's links land on its own card
 
 
 def test_report_command_names_the_pages_and_refuses_an_unknown_query(exp):
