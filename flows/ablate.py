@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.artifacts import publish_ablation
 from flows.tasks import submitting_call
 from pipeline.stages.runner import RetryPolicy
 from pipeline.studies.ablation import run_ablation, table
@@ -20,4 +21,5 @@ def ablate(config: str = "configs/learn.yaml", objectives: list[str] | None = No
                            run_id, sets, command=f"prefect flow ablate {config}")
     print(table(summary))
     print(f"results: {summary['results']}")
+    publish_ablation(summary, table(summary))
     return summary

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.artifacts import publish_evaluation
 from flows.tasks import submitting_call
 from pipeline.stages.runner import RetryPolicy
-from pipeline.studies.evaluate import evaluate_round
+from pipeline.studies.tracking import evaluate_tracked
 
 
 @flow(name="evaluate", flow_run_name="evaluate {run_id} round {round} on {split}", log_prints=True)
@@ -16,7 +17,8 @@ def evaluate(run_id: str, round: int, split: str = "test", store: str = "data/ru
 
     The run's own data is untouched: everything goes to the run `<run_id>-eval-r<round>`.
     """
-    summary = evaluate_round(store, run_id, round, split, sets,
+    summary = evaluate_tracked(store, run_id, round, split, sets,
                              submitting_call(RetryPolicy(retries, retry_delay_s), in_process))
     print(f"evaluate {run_id} round {round} on {split}: { {k: v for k, v in summary.items() if k != 'per_query'} }")
+    publish_evaluation(summary, run_id, round, split)
     return summary

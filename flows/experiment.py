@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.artifacts import publish_experiment, publish_round
 from flows.tasks import submitting_call
 from pipeline.stages.runner import RetryPolicy
 from pipeline.studies.experiment import headline, run_experiment
@@ -15,8 +16,11 @@ def experiment(config: str = "configs/learn.yaml", seeds: int | None = None, run
                sets: list[str] | None = None, retries: int = 2, retry_delay_s: float = 20.0) -> dict:
     """S seeds x R rounds of CONFIG, the base model and every checkpoint on the held-out split, and the paired
     comparison with bootstrap intervals (written under <store>/experiments/<run_id>/)."""
+    # artifacts as it goes (an experiment takes hours): each round's figures, then after each seed the paired
+    # differences so far and the report (flows/artifacts.py)
     summary = run_experiment(config, submitting_call(RetryPolicy(retries, retry_delay_s)), seeds, run_id, sets,
-                             command=f"prefect flow experiment {config}")
+                             command=f"prefect flow experiment {config}", after_round=publish_round,
+                             after_seed=lambda s, out: publish_experiment(s, f"{out}/report.html"))
     for line in headline(summary):
         print(line)
     print(f"results: {summary['results']}")

@@ -9,10 +9,14 @@ from pathlib import Path
 
 from prefect import flow
 
+from flows.artifacts import publish_report_link, publish_round
 from flows.evaluate import evaluate
 from flows.tasks import submitting_call
 from pipeline.stages.rounds import run_rounds
 from pipeline.stages.runner import RetryPolicy
+from pipeline.store import Store
+from pipeline.studies.report import build_report
+from pipeline.studies.tracking import TRACKERS
 
 SMOKE_CONFIG = "configs/smoke.yaml"  # the whole loop in minutes (SmolLM2-135M); the learning demo is experiment/demo
 
@@ -39,11 +43,13 @@ def iterate(config: str = SMOKE_CONFIG, rounds: int | None = None, run_id: str |
     call = submitting_call(RetryPolicy(retries, retry_delay_s), in_process)
 
     def after_round(run_id: str, store_root: str, k: int) -> None:
+        publish_round(run_id, store_root, k)
         if evaluate_split:
             evaluate(run_id, k, evaluate_split, store_root, retries=retries, retry_delay_s=retry_delay_s,
                      in_process=in_process)
 
-    summary = run_rounds(config, rounds, run_id, call, after_round, sets, shards)
+    summary = run_rounds(config, rounds, run_id, call, after_round, sets, shards, observer=TRACKERS)
+    publish_report_link(summary["run_id"], build_report(Store(summary["store"]), summary["run_id"]))
     for r in summary["rounds"]:
         print(f"run {summary['run_id']} round {r['round']}: mean score {_fmt(r['mean_score'])}, "
               f"best {_fmt(r['best_score'])}, stage wall s {r['wall_s']}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.artifacts import publish_round
 from flows.tasks import submitting_call
 from pipeline.stages.rounds import call_stage
 from pipeline.stages.runner import RetryPolicy, StageResult
@@ -23,4 +24,5 @@ def score(run_id: str, round: int = 0, only_failed: bool = True, store: str = "d
     call = submitting_call(RetryPolicy(retries, retry_delay_s))
     res = call_stage(call, "score", run_id, round, str(Store(store).root), sets, only_failed, shards)
     print(f"score {run_id} round {round}: {res.counts}")
+    publish_round(run_id, str(Store(store).root), round)
     return res

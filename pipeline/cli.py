@@ -308,9 +308,11 @@ def run_cmd(
     from pipeline.stages.runner import RetryPolicy, StageError
     from pipeline.store import Store
     from pipeline.studies.report import build_report
+    from pipeline.studies.tracking import TRACKERS
 
     try:
-        summary = run_rounds(config, rounds, run_id, direct_call(RetryPolicy(retries)), sets=sets or [], shards=shards)
+        summary = run_rounds(config, rounds, run_id, direct_call(RetryPolicy(retries)), sets=sets or [], shards=shards,
+                             observer=TRACKERS)
     except (ConfigError, StageError) as e:
         _fail(str(e))
     for r in summary["rounds"]:
@@ -397,10 +399,14 @@ def report(
     run_id: Annotated[str, typer.Argument(help="Run id.")],
     store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
     out: Annotated[Path | None, typer.Option("--out", help="HTML path (default <store>/<run_id>/report.html).")] = None,
+    round: Annotated[int | None, typer.Option("--round", help="Per-query pages of this round only.")] = None,
+    query: Annotated[str | None, typer.Option("--query", help="The per-query page of this query id.")] = None,
 ) -> None:
     """HTML report of a run (per-round plots, summary table) or of an experiment (paired held-out comparison);
-    prints its numbers."""
+    prints its numbers. Also writes per-query pages (browse/: each workflow's code, status, score, usage, group
+    and advantage; for an experiment the base model's and the trained round's workflows side by side)."""
     from pipeline.store import Store
+    from pipeline.studies.browse import build_experiment_pages, build_run_pages
     from pipeline.studies.experiment import experiment_dir
     from pipeline.studies.report import build_report, round_stats, stage_timings
 
@@ -409,11 +415,21 @@ def report(
     if not (st.run_dir(run_id) / "config.yaml").is_file() and exp.is_file():
         _echo_experiment(json.loads(exp.read_text()))
         typer.echo(f"report: {exp.parent / 'report.html'}")
+        try:
+            typer.echo(f"queries: {build_experiment_pages(st, exp.parent, query)}")
+        except FileNotFoundError as e:
+            _fail(str(e))
         return
     try:
         path = build_report(st, run_id, out)
     except FileNotFoundError as e:
         _fail(str(e))
+    try:
+        pages = build_run_pages(st, run_id, round, query)
+    except FileNotFoundError as e:
+        if round is not None or query is not None:  # asked for: an error; else the run has no scores yet
+            _fail(str(e))
+        pages = f"none yet ({e})"
     tim = stage_timings(st, run_id)
     for r in round_stats(st, run_id).iter_rows(named=True):
         walls = {t["stage"]: t["wall_s"] for t in tim.filter(tim["round"] == r["round"]).iter_rows(named=True)}
@@ -421,6 +437,27 @@ def report(
         typer.echo(f"round {r['round']}: mean score {mean}, workflows {r['workflows']}, "
                    f"valid {r['valid_share']}, stage wall s {walls}, round wall s {sum(walls.values()):.1f}")
     typer.echo(f"report: {path}")
+    typer.echo(f"queries: {pages}")
+
+
+@app.command()
+def track(
+    run_id: Annotated[str, typer.Argument(help="Run id.")],
+    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
+) -> None:
+    """Rewrite a run's tracker output (its config's `tracking`: TensorBoard events, MLflow) from the store, e.g.
+    for a run made before tracking existed; `pipeline run` and the flows do it after every round."""
+    from pipeline.store import Store
+    from pipeline.studies.tracking import TrackingError, sync_run
+
+    try:
+        out = sync_run(Store(store), run_id)
+    except TrackingError as e:
+        _fail(str(e))
+    for tracker, where in out.items():
+        typer.echo(f"{tracker}: {where}")
+    if not out:
+        typer.echo(f"run {run_id} has tracking: [] (nothing to write)")
 
 
 @app.command()
@@ -550,10 +587,10 @@ def evaluate(
 ) -> None:
     """Roll out and score a round's checkpoint on a split, in the derived run <run_id>-eval-r<k>."""
     from pipeline.stages.runner import StageError
-    from pipeline.studies.evaluate import evaluate_round
+    from pipeline.studies.tracking import evaluate_tracked
 
     try:
-        summ = evaluate_round(store, run_id, round, split, sets or [])
+        summ = evaluate_tracked(store, run_id, round, split, sets or [])
     except (ConfigError, StageError) as e:
         _fail(str(e))
     sel = f", Sel@L {summ['select_at_l']}" if "select_at_l" in summ else ""  # two-level: best agent's best workflow

@@ -449,12 +449,31 @@ class RunConfig(_Strict):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
     smc: SMCConfig = Field(default_factory=SMCConfig)
+    tracking: list[Literal["tensorboard", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers the run's figures also go to (TRL's `report_to` names; [] or none: only "
+        "the store): training curves per optimiser step, rollout and scoring figures per round, held-out "
+        "evaluations. tensorboard: event files in <store>/<run_id>/tensorboard/; mlflow: a local file store "
+        "<store>/mlruns (needs `pip install -e .[mlflow]`). Rewritten from the store after each round and "
+        "evaluation (pipeline.studies.tracking), so it never holds a number the store does not.",
+    )
+
+    @field_validator("tracking", mode="before")
+    @classmethod
+    def _tracking_names(cls, v: Any) -> Any:
+        # TRL's report_to also takes one name or "none"; duplicates would write the same figures twice
+        if v is None or v == "none":
+            return []
+        v = [v] if isinstance(v, str) else v
+        return list(dict.fromkeys(v)) if isinstance(v, list) else v
 
     def config_hash(self) -> str:
         """Fingerprint of what the stages compute, kept in every stage manifest. Fields at their default value
         are left out, so a field added to the schema later (at its default) keeps existing runs' manifests valid
-        instead of re-running every finished stage; `experiment` only plans evaluations and is left out too."""
-        body = _legacy_hash_form(self, self.model_dump(mode="json", exclude_defaults=True, exclude={"experiment"}))
+        instead of re-running every finished stage; `experiment` only plans evaluations and `tracking` only copies
+        figures out of the store, so they are left out too."""
+        body = _legacy_hash_form(self, self.model_dump(mode="json", exclude_defaults=True,
+                                                       exclude={"experiment", "tracking"}))
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:

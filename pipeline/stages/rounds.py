@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from pipeline.run import open_run
 from pipeline.stages import ROUND_STAGES, get_stage
@@ -100,19 +101,30 @@ def direct_call(policy: RetryPolicy | None = None, isolate: bool | None = None) 
     return Caller(call, many)
 
 
+class RoundObserver(Protocol):
+    """What a caller of `run_rounds` may plug in to hear of its rounds (the stages know no tracker)."""
+
+    def check(self, cfg) -> None: ...
+
+    def round_done(self, store: Store, run_id: str, cfg) -> None: ...
+
+
 def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call: StageCall,
                after_round: Callable[[str, str, int], None] | None = None, sets: list[str] | None = None,
-               shards: int = 1) -> dict:
+               shards: int = 1, observer: RoundObserver | None = None) -> dict:
     """Open (freeze) the run once, then call each stage of each round in order; returns a summary.
 
     `sets` are per-invocation overrides (`key=value`, as `--set`) given to every stage; the first call
     of a new run freezes them into its config. `after_round(run_id, store_root, k)` runs after round k.
     `shards`: the score stage as that many shards (`call_stage`); not part of the config, as the store's result
-    is the same for any count.
+    is the same for any count. `observer` (e.g. the experiment trackers, pipeline.studies.tracking.TRACKERS) checks the
+    run's config before any work and hears of each finished round.
     """
     ctx = open_run(resolve_config(config), run_id, 0, sets)
     store_root, run_id = str(ctx.store.root), ctx.run_id
     rounds = rounds or ctx.cfg.rounds
+    if observer is not None:
+        observer.check(ctx.cfg)  # e.g. a missing tracker package fails before any work
     walls: dict[int, dict[str, float]] = {}
     for k in range(rounds):
         for stage in ROUND_STAGES:
@@ -120,6 +132,8 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
             walls.setdefault(k, {})[stage] = res.wall_s
         if after_round is not None:
             after_round(run_id, store_root, k)
+        if observer is not None:
+            observer.round_done(ctx.store, run_id, ctx.cfg)
     stats = round_stats(Store(store_root), run_id)
     per_round = [
         {"round": r["round"], "mean_score": r["mean_score"], "best_score": r["best_score"],

@@ -28,7 +28,7 @@ from pipeline.core.learning import paired_differences
 from pipeline.core.objectives import OBJECTIVES, get_objective
 from pipeline.run import open_run
 from pipeline.store import Store, store_for
-from pipeline.studies.evaluate import eval_run_id, eval_summary, evaluate_round
+from pipeline.studies.evaluate import eval_run_id, eval_summary
 from pipeline.studies.experiment import (
     BASE,
     METRIC_NAMES,
@@ -38,6 +38,7 @@ from pipeline.studies.experiment import (
     paired_interval,
     plan,
 )
+from pipeline.studies.tracking import evaluate_tracked
 
 log = logging.getLogger("pipeline.studies.ablation")
 
@@ -159,15 +160,15 @@ def run_ablation(config: str | Path, call, objectives: list[str] | None = None, 
             for stage in ROUND_STAGES:
                 call(stage=stage, run_id=src, round=k, store_root=str(store.root), sets=sets + sp.sets)
         log.info("seed %d: evaluating the base model and %s on %s", sp.seed, ref, split)
-        evaluate_round(str(store.root), src, BASE, split, eval_sets(cfg), call)
-        evaluate_round(str(store.root), src, round, split, eval_sets(cfg), call)
+        evaluate_tracked(str(store.root), src, BASE, split, eval_sets(cfg), call)
+        evaluate_tracked(str(store.root), src, round, split, eval_sets(cfg), call)
         for o in objectives[1:]:
             arm = arm_run_id(src, o, ref)
             arm_all = sets + sp.sets + arm_sets(src, o)
             open_run(path, arm, round, arm_all)  # freeze the arm: CONFIG + seed + objective + data_run
             log.info("seed %d: training %s on %s's round %d", sp.seed, o, src, round)
             call(stage="train", run_id=arm, round=round, store_root=str(store.root), sets=arm_all)
-            evaluate_round(str(store.root), arm, round, split, eval_sets(cfg), call)
+            evaluate_tracked(str(store.root), arm, round, split, eval_sets(cfg), call)
         walls[sp.seed] = round_s(time.perf_counter() - t_seed)
         done.append(sp.seed)
         summary = summarise(store, cfg, objectives, done, round)

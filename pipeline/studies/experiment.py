@@ -34,8 +34,9 @@ from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
-from pipeline.studies.evaluate import eval_run_id, eval_summary, evaluate_round
+from pipeline.studies.evaluate import eval_run_id, eval_summary
 from pipeline.studies.report import build_experiment_report, span
+from pipeline.studies.tracking import TRACKERS, evaluate_tracked
 
 BASE = -1  # the round index of the base model in evaluations
 METRIC_NAMES = {"mean_at_l": "Mean@L", "best_at_l": "Best@L", "majority_at_l": "Majority@L", "select_at_l": "Sel@L"}
@@ -183,8 +184,11 @@ def headline(summary: dict) -> list[str]:
 
 
 def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: str | None = None,
-                   sets: list[str] | None = None, command: str | None = None) -> dict:
-    """Train and evaluate every seed through `call` (a stage caller), then write the summary; returns it."""
+                   sets: list[str] | None = None, command: str | None = None, after_round=None,
+                   after_seed=None) -> dict:
+    """Train and evaluate every seed through `call` (a stage caller), then write the summary; returns it.
+    `after_round(run_id, store_root, k)` runs after each round of a seed run, `after_seed(summary, results folder)`
+    after each seed's summary is written (the experiment flow publishes both as Prefect artifacts)."""
     from pipeline.stages.rounds import resolve_config, run_rounds
 
     path = resolve_config(config)
@@ -200,11 +204,11 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     for sp in plan(cfg, list(range(seeds)) if seeds is not None else None):
         t_seed = time.perf_counter()
         log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
-        run_rounds(path, cfg.rounds, sp.run_id, call, sets=sets + sp.sets)
+        run_rounds(path, cfg.rounds, sp.run_id, call, after_round, sets=sets + sp.sets, observer=TRACKERS)
         for k in eval_rounds(cfg):
             log.info("seed %d: evaluating %s on %s", sp.seed, "the base model" if k < 0 else f"round {k}",
                      cfg.experiment.eval_split)
-            evaluate_round(str(store.root), sp.run_id, k, cfg.experiment.eval_split, eval_sets(cfg), call)
+            evaluate_tracked(str(store.root), sp.run_id, k, cfg.experiment.eval_split, eval_sets(cfg), call)
         walls[sp.seed] = round(time.perf_counter() - t_seed, 1)
         done.append(sp.seed)
         summary = summarise(store, cfg, done)
@@ -213,6 +217,8 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                                              "sets": sets})
         for line in headline(summary):
             log.info("after seed %d: %s", sp.seed, line)
+        if after_seed is not None:
+            after_seed(summary, out)
     summary["results"] = str(out)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
     return summary

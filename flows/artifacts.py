@@ -1,0 +1,128 @@
+"""Results in the Prefect UI: the artifacts a flow run publishes (prefect.artifacts), so that a user who ran
+`prefect deployment run experiment/demo` reads the answer on the flow run's Artifacts tab.
+
+  <run>-round-<k>            table: per stage of round k its figures from the store and its wall seconds
+  <eval run id>              table: a held-out evaluation's Mean@L, Best@L, Majority@L, valid share, tokens
+  <experiment>-paired        table: trained - base per round and metric with both bootstrap intervals
+  <experiment>-evaluations   table: every (seed, round) evaluation of the experiment
+  <experiment>-summary       markdown: the headline lines (as printed) and where the results are
+  <run or experiment>-report link: the HTML report (a file:// link for a local store)
+  <experiment>-ablation      markdown and a `-paired` table for `ablate`
+
+Keys make each artifact one line of history across flow runs (Prefect keeps every version). All numbers are read
+from the store or the library's summaries; nothing here computes a result.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import polars as pl
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
+from pipeline.store import Store
+from pipeline.studies.experiment import METRIC_NAMES, headline
+from pipeline.studies.report import round_stats, stage_timings, status_counts
+
+# the figures of each stage, as (label, round_stats column)
+STAGE_FIGURES = {
+    "rollout": [("workflows", "workflows"), ("valid share", "valid_share"),
+                ("generator tokens per query", "gen_tokens_per_query")],
+    "score": [("scored workflows", "scored"), ("mean score", "mean_score"), ("best score", "best_score"),
+              ("executor calls", "llm_calls"), ("executor tokens per query", "exec_tokens_per_query")],
+    "curate": [("groups kept", "groups_kept")],
+    "train": [("optimiser steps", "steps"), ("mean loss", "loss"), ("mean KL", "kl"),
+              ("mean clip fraction", "clip_frac"), ("tokens", "train_tokens")],
+}
+EVAL_FIGURES = [("Mean@L", "mean_at_l"), ("Best@L", "best_at_l"), ("Majority@L", "majority_at_l"),
+                ("Sel@L", "select_at_l"), ("valid share", "valid_share"),
+                ("generator tokens per query", "gen_tokens_per_query"),
+                ("executor tokens per query", "exec_tokens_per_query")]
+
+
+def artifact_key(*parts: object) -> str:
+    """Prefect keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(str(p) for p in parts).lower()).strip("-")
+
+
+def num(x):
+    return round(x, 4) if isinstance(x, float) else x
+
+
+def link_to(path) -> str:
+    p = str(path)
+    return p if "://" in p else Path(p).resolve().as_uri()
+
+
+def round_rows(store: Store, run_id: str, k: int) -> list[dict]:
+    stats = round_stats(store, run_id).filter(pl.col("round") == k).to_dicts()
+    r = stats[0] if stats else {}
+    walls = {t["stage"]: t["wall_s"] for t in stage_timings(store, run_id).filter(pl.col("round") == k).to_dicts()}
+    st = status_counts(store, run_id).filter(pl.col("round") == k)
+    rows = []
+    for stage, figures in STAGE_FIGURES.items():
+        rows.append({"stage": stage, "figure": "wall seconds", "value": walls.get(stage)})
+        rows += [{"stage": stage, "figure": label, "value": num(r.get(col))} for label, col in figures]
+        if stage == "score":
+            rows.append({"stage": stage, "figure": "status of the latest runs",
+                         "value": ", ".join(f"{s} {n}" for s, n in zip(st["status"], st["n"], strict=True))})
+    return rows
+
+
+def publish_round(run_id: str, store_root: str, k: int) -> None:
+    """Round k's table; the signature of `run_rounds`' after_round."""
+    store = Store(store_root)
+    rows = round_rows(store, run_id, k)
+    mean = next(x["value"] for x in rows if x["figure"] == "mean score")
+    create_table_artifact(rows, key=artifact_key(run_id, "round", k),
+                          description=f"run {run_id} round {k}: mean score {mean}")
+
+
+def publish_evaluation(summary: dict, run_id: str, k: int, split: str) -> None:
+    rows = [{"metric": label, "value": num(summary.get(col))} for label, col in EVAL_FIGURES
+            if summary.get(col) is not None]
+    rows.append({"metric": "status of the latest runs", "value": ", ".join(
+        f"{s} {n}" for s, n in (summary.get("status") or {}).items())})
+    what = "the base model" if k < 0 else f"round {k}'s checkpoint"
+    create_table_artifact(rows, key=artifact_key(summary["eval_run_id"]),
+                          description=f"held-out {split}: {what} of run {run_id} ({summary['eval_run_id']})")
+
+
+def paired_rows(paired: list[dict], by: tuple[str, ...] = ("round",)) -> list[dict]:
+    return [{**{b: p[b] for b in by}, "metric": METRIC_NAMES.get(p["metric"], p["metric"]),
+             **({"base": num(p["base"]), "trained": num(p["trained"])} if "base" in p else {}),
+             "difference": num(p["mean"]), "lo": num(p["lo"]), "hi": num(p["hi"]),
+             "lo (resampling queries)": num(p.get("lo_by_query")), "hi (resampling queries)": num(p.get("hi_by_query")),
+             "pairs": p["n"], "level": p["level"]} for p in paired]
+
+
+def publish_experiment(summary: dict, report: Path | str) -> None:
+    exp = summary["experiment"]
+    create_table_artifact(paired_rows(summary["paired"]), key=artifact_key(exp, "paired"),
+                          description=f"experiment {exp}: trained - base, held-out {summary['split']}, "
+                                      f"L={summary['eval_l']}, seeds {summary['seeds']}")
+    arms = [{"seed": a["seed"], "round": "base" if a["round"] < 0 else a["round"],
+             **{label: num(a.get(col)) for label, col in EVAL_FIGURES[:5] if a.get(col) is not None}}
+            for a in summary["arms"]]
+    create_table_artifact(arms, key=artifact_key(exp, "evaluations"),
+                          description=f"experiment {exp}: every held-out evaluation")
+    lines = headline(summary) or ["no evaluation yet"]
+    create_markdown_artifact("\n".join(f"- {x}" for x in lines) + f"\n\nReport: {link_to(report)}",
+                             key=artifact_key(exp, "summary"), description=f"experiment {exp}: the result")
+    create_link_artifact(link_to(report), link_text=f"experiment {exp} report", key=artifact_key(exp, "report"))
+
+
+def publish_ablation(summary: dict, markdown_table: str) -> None:
+    exp = summary["experiment"]
+    create_table_artifact(paired_rows(summary["paired"], ("arm", "against")), key=artifact_key(exp, "ablation-paired"),
+                          description=f"ablation {exp}: paired differences per arm")
+    create_markdown_artifact(markdown_table, key=artifact_key(exp, "ablation"), description=f"ablation {exp}")
+    if summary.get("results"):
+        md = Path(str(summary["results"])) / "ablation.md" if "://" not in str(summary["results"]) \
+            else f"{summary['results']}/ablation.md"
+        create_link_artifact(link_to(md), link_text=f"ablation {exp} results", key=artifact_key(exp, "ablation-report"))
+
+
+def publish_report_link(run_id: str, report: Path | str) -> None:
+    create_link_artifact(link_to(report), link_text=f"run {run_id} report", key=artifact_key(run_id, "report"))
