@@ -6,7 +6,6 @@ GRPO, W4S's reward-weighted regression, ScoreFlow's Score-DPO, plain NLL)."""
 from __future__ import annotations
 
 import math
-import typing
 
 import numpy as np
 import pytest
@@ -22,9 +21,7 @@ def _tc(**kw) -> TrainingConfig:
     return TrainingConfig(**kw)
 
 
-def test_registry_matches_the_config_choices():
-    choices = typing.get_args(TrainingConfig.model_fields["objective"].annotation)
-    assert set(OBJECTIVES) == set(choices)
+def test_the_registry_holds_the_five_objectives():
     assert {o.name: o.kind for o in OBJECTIVES.values()} == {
         "iogrpo_mkl": "group", "grpo": "group", "rwr": "weighted", "score_dpo": "pair", "sft_best": "best"}
     assert [o.name for o in OBJECTIVES.values() if o.needs_old] == ["iogrpo_mkl", "grpo"]

@@ -381,7 +381,7 @@ def test_refine_round_through_prefect_on_the_embedded_model(tmp_path):
 
     with prefect_test_harness(server_startup_timeout=120):
         res = refine_round()
-    assert [r["skipped"] for r in res] == [False, False, False, False]
+    assert [r.skipped for r in res] == [False, False, False, False]
     st = Store(tmp_path / "runs")
     turns = st.sql("SELECT turn, count(*) n, count(*) FILTER (WHERE skipped) skipped, "
                    "count(*) FILTER (WHERE advanced) advanced, sum(attempts) repairs FROM turns "
