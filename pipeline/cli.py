@@ -419,7 +419,8 @@ def report(
         walls = {t["stage"]: t["wall_s"] for t in tim.filter(tim["round"] == r["round"]).iter_rows(named=True)}
         mean = "n/a" if r["mean_score"] is None else f"{r['mean_score']:.3f}"
         typer.echo(f"round {r['round']}: mean score {mean}, workflows {r['workflows']}, "
-                   f"valid {r['valid_share']}, stage wall s {walls}, round wall s {sum(walls.values()):.1f}")
+                   f"valid {r['valid_share']}, flagged rewarded runs {r['flagged_rewarded'] or 0}, "
+                   f"stage wall s {walls}, round wall s {sum(walls.values()):.1f}")
     typer.echo(f"report: {path}")
 
 

@@ -31,6 +31,7 @@ from pipeline.config import RunConfig, load_config
 from pipeline.evaluate import eval_run_id, eval_summary, evaluate_round
 from pipeline.learning import METRICS, bootstrap_ci, paired_differences
 from pipeline.store import Store, store_for
+from pipeline.tamper import flagged_rewarded
 
 BASE = -1  # the round index of the base model in evaluations
 METRIC_NAMES = {"mean_at_l": "Mean@L", "best_at_l": "Best@L", "majority_at_l": "Majority@L", "select_at_l": "Sel@L"}
@@ -113,9 +114,11 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
             arm_mean = mean_or_none([q[metric] for q in per_query if q["round"] == k and q.get(metric) is not None])
             paired.append({"round": k, "metric": metric, "base": base_mean, "trained": arm_mean,
                            **paired_interval(pairs, seeds, ex)})
+    # training runs' rewarded samples whose code touched the harness's surface (docs/sandbox.md, scores.flags)
+    flagged = {seed_run_id(cfg.run_id, s): flagged_rewarded(store, seed_run_id(cfg.run_id, s)) for s in seeds}
     return {"experiment": cfg.run_id, "seeds": seeds, "rounds": cfg.rounds, "split": split,
             "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "arms": arms, "paired": paired,
-            "per_query": per_query}
+            "per_query": per_query, "flagged_rewarded": flagged}
 
 
 def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], ex) -> dict:
@@ -166,6 +169,8 @@ def headline(summary: dict) -> list[str]:
             f"[{p['lo']:+.3f}, {p['hi']:+.3f}] {int(round(100 * p['level']))}% bootstrap CI "
             f"(resampling queries: [{p.get('lo_by_query', float('nan')):+.3f}, "
             f"{p.get('hi_by_query', float('nan')):+.3f}]; per seed: {seeds})")
+    if "flagged_rewarded" in summary:  # summaries written before issue 22 lack it
+        lines.append(f"flagged rewarded training runs (scores.flags): {summary['flagged_rewarded']}")
     return lines
 
 

@@ -104,3 +104,24 @@ def test_report_cli_prints_numbers_and_path(store):
 def test_report_unknown_run_is_a_clear_error(store):
     res = CliRunner().invoke(app, ["report", "nope", "--store", str(store.root)])
     assert res.exit_code == 2 and "run 'nope' not found" in res.output and "runs: r" in res.output
+
+
+def test_flagged_rewarded_runs_are_counted_in_sql_the_report_and_the_cli(store):
+    """Round 1 gets runs with and without `scores.flags`; a part written before the column existed (the fixture's)
+    reads as not flagged. Counted: flagged (non-empty) and rewarded by the metric (> 0), latest attempt only."""
+    store.write("scores", [
+        {"gen_id": "f1", "rep": 0, "attempt": 0, "status": "ok", "metric": 1.0, "score": 0.0,
+         "flags": "answer:exit"},  # zeroed by the rule, still counted: its metric rewarded it
+        {"gen_id": "f2", "rep": 0, "attempt": 0, "status": "ok", "metric": 0.0, "score": 0.0, "flags": "answer:gc"},
+        {"gen_id": "f3", "rep": 0, "attempt": 0, "status": "ok", "metric": 1.0, "score": 1.0, "flags": ""},
+        {"gen_id": "f4", "rep": 0, "attempt": 0, "status": "ok", "metric": 1.0, "score": 0.0,
+         "flags": "workflow:frames"},
+        {"gen_id": "f4", "rep": 0, "attempt": 1, "status": "ok", "metric": 1.0, "score": 1.0, "flags": ""},
+    ], "r", 1)
+    n = store.sql("SELECT count(*) AS n FROM latest_scores WHERE run_id = 'r' AND flags <> '' AND metric > 0")
+    assert n["n"].to_list() == [1]
+    assert [r["flagged_rewarded"] for r in round_stats(store, "r").to_dicts()] == [0, 1]
+    res = CliRunner().invoke(app, ["report", "r", "--store", str(store.root)])
+    assert "round 0: mean score 0.250, workflows 3, valid 0.6666666666666666, flagged rewarded runs 0" in res.output
+    assert "flagged rewarded runs 1" in res.output
+    assert summary_table(build_report(store, "r").read_text())[1]["flagged_rewarded"] == "1"
