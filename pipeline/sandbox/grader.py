@@ -98,7 +98,10 @@ class Candidate:
             return False
         if self.pidfd is not None:
             return not select.select([self.pidfd], [], [], 0)[0]
-        return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:  # reaped by an earlier look
+            return False
 
     def call(self, msg: dict) -> dict:
         """Send one request and wait (under the caller's timer) for its reply. Anything but the reply (a
@@ -269,7 +272,9 @@ def _grade(cand: Candidate, program: str, tests: list[str], timeout_s: float, se
     try:
         _timer(timeout_s)
         exec(compile(setup, "<setup>", "exec"), ns)
+        _timer(0)
     except BaseException as e:  # trusted code: a broken benchmark, said as such
+        _timer(0)
         why = f"the tests' setup failed: {type(e).__name__}: {e}"
         return {"status": "exec_error", "exec_fail_case": why[:MAX_TEXT]}
     codes: list = []
@@ -283,15 +288,15 @@ def _grade(cand: Candidate, program: str, tests: list[str], timeout_s: float, se
     try:
         _timer(timeout_s)
         done = cand.call({"op": "program", "source": program})
+        if "error" in done or "exit" in done:
+            status = "exec_error" if "error" in done else "early_exit"
+            return {"status": status, "exec_fail_case": str(done.get("error") or done.get("exit"))[:MAX_TEXT]}
         _timer(timeout_s)
         asked = wanted | set(entry_points)
         kinds = cand.call({"op": "names", "names": sorted(asked)}).get("kinds")
         _timer(0)
     except BaseException as e:
         return {"status": status_of(e), "exec_fail_case": f"{type(e).__name__}: {e}"[:MAX_TEXT]}
-    if "error" in done or "exit" in done:
-        status = "exec_error" if "error" in done else "early_exit"
-        return {"status": status, "exec_fail_case": str(done.get("error") or done.get("exit"))[:MAX_TEXT]}
     _bind(ns, cand, kinds if type(kinds) is dict else {}, asked, entry_points)
     # 3. the tests, each under its own timer, here
     failures, kinds_seen = [], []
