@@ -184,8 +184,11 @@ class _Remote:
             raise RewardHack(f"{self.name}() returned {str(reply['hack'])[:200]}, not a plain value")
         if "raise" in reply:
             raise _rebuild(reply["raise"])
-        self.cand.end(CandidateExited, f"{self.name}() ended the candidate: {str(reply.get('exit'))[:200]}")
-        raise CandidateExited(self.cand.gone[1])
+        if "exit" in reply:
+            self.cand.end(CandidateExited, f"{self.name}() ended the candidate: {str(reply['exit'])[:200]}")
+        else:  # none of the replies the candidate's side sends
+            self.cand.end(ForgedReply, f"{self.name}() got a reply of no known kind: {str(reply)[:200]}")
+        raise self.cand.gone[0](self.cand.gone[1])
 
     def __repr__(self) -> str:
         return f"<candidate function {self.name}>"
