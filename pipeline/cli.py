@@ -418,7 +418,9 @@ def report(
         try:
             typer.echo(f"queries: {build_experiment_pages(st, exp.parent, query)}")
         except FileNotFoundError as e:
-            _fail(str(e))
+            if query is not None:  # the page asked for does not exist
+                _fail(str(e))
+            typer.echo(f"queries: none ({e})")  # the report itself is there
         return
     try:
         path = build_report(st, run_id, out)
@@ -435,7 +437,8 @@ def report(
         walls = {t["stage"]: t["wall_s"] for t in tim.filter(tim["round"] == r["round"]).iter_rows(named=True)}
         mean = "n/a" if r["mean_score"] is None else f"{r['mean_score']:.3f}"
         typer.echo(f"round {r['round']}: mean score {mean}, workflows {r['workflows']}, "
-                   f"valid {r['valid_share']}, stage wall s {walls}, round wall s {sum(walls.values()):.1f}")
+                   f"valid {r['valid_share']}, flagged rewarded runs {r['flagged_rewarded'] or 0}, "
+                   f"stage wall s {walls}, round wall s {sum(walls.values()):.1f}")
     typer.echo(f"report: {path}")
     typer.echo(f"queries: {pages}")
 

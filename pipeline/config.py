@@ -278,6 +278,10 @@ class RewardConfig(_Strict):
         0.0, ge=0, description="Weight of FlowReasoner's diversity term, a penalty on 1 - diversity (pipeline.core.reward).",
     )
     judge: JudgeConfig | None = Field(None, description="Optional LLM-as-judge for free-form answers.")
+    zero_flagged: bool = Field(
+        True, description="A scored sample whose code touches the harness's surface (`scores.flags`, pipeline.core.tamper) "
+        "gets reward 0; its metric is kept.",
+    )
 
 
 class ScoringConfig(_Strict):

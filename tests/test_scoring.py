@@ -256,6 +256,33 @@ def test_interrupted_stage_loses_and_duplicates_nothing(tmp_path, sig):
     assert sorted(kept["created_at"].to_list()) == sorted(before["created_at"].to_list())  # untouched
 
 
+LOOK_ALIKE = ("class Yes:\n    __eq__ = lambda self, other: True\n"
+              "def has_close_elements(numbers, threshold):\n    return Yes()\n")
+
+
+@pytest.mark.usefixtures("shared_sandbox")  # run_score runs workflows in the default sandbox
+@pytest.mark.parametrize("zero_flagged", [True, False])
+def test_flags_and_reward_hack_in_the_scores(tmp_path, zero_flagged):
+    """A correct answer whose code (or whose workflow) touches the harness's surface keeps its metric, gets
+    its reasons in `flags` and, by default, reward 0; an answer returning a look-alike is `reward_hack`."""
+    from pipeline.engines.benchmarks.code import canonical_humaneval_answers
+
+    good = canonical_humaneval_answers()["HumanEval/0"]
+    answer = "async def solve(problem):\n    return {!r}\n".format
+    workflows = [answer(good), answer(good + "\nimport gc\n"), answer(LOOK_ALIKE),
+                 "import signal\n" + answer(good)]
+    path, root = make_run(tmp_path, workflows, benchmark={"name": "humaneval"}, n_queries=1,
+                          reward={"zero_flagged": zero_flagged})
+    assert run_score(open_run(path, "t", 0))["done"] is True
+    rows = {r["gen_id"][-1]: r for r in scores(root).iter_rows(named=True)}
+    got = {k: (r["status"], r["metric"], r["score"], r["flags"]) for k, r in rows.items()}
+    paid = 0.0 if zero_flagged else 1.0
+    assert got == {"0": ("ok", 1.0, 1.0, ""), "1": ("ok", 1.0, paid, "answer:gc"),
+                   "2": ("reward_hack", 0.0, 0.0, ""), "3": ("ok", 1.0, paid, "workflow:signals")}
+    assert json.loads(rows["1"]["details"])["reward"]["zeroed_by_flags"] is zero_flagged
+    assert json.loads(rows["2"]["details"])["metric"]["first_failure"]["error_type"] == "RewardHack"
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("shared_sandbox")
 @pytest.mark.parametrize("benchmark", [None, {"name": "humaneval"}], ids=["procedural", "humaneval"])

@@ -1,3 +1,4 @@
+import os
 import warnings
 
 import duckdb
@@ -84,6 +85,33 @@ def test_manifest_roundtrip(tmp_path):
     st.write_manifest("r", 0, "rollout", "abc", rows=3)
     m = st.manifest("r", 0, "rollout")
     assert m["config_hash"] == "abc" and m["counts"] == {"rows": 3}
+
+
+def test_manifests_parts_and_their_folders_are_fsynced(tmp_path, monkeypatch):
+    """Power loss: the manifest's bytes, its `_done` folder (the rename) and the round folder (a new `_done`) are
+    fsynced, and so is a part's folder before any manifest can cover it; a cleared manifest's folder too."""
+    synced: list[tuple[int, int]] = []  # (device, inode) of each fsynced file or folder
+    real = os.fsync
+
+    def spy(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_dev, st.st_ino))
+        real(fd)
+    monkeypatch.setattr(os, "fsync", spy)
+
+    def ident(p):
+        st = os.stat(p)
+        return (st.st_dev, st.st_ino)
+    st = Store(tmp_path)
+    part = st.write("scores", [{"gen_id": "g", "status": "ok"}], "r", 0)
+    assert {ident(part), ident(part.parent)} <= set(synced)
+    synced.clear()
+    st.write_manifest("r", 0, "score", "abc", rows=1)
+    done = st.round_dir("r", 0) / "_done"
+    assert {ident(done / "score.json"), ident(done), ident(done.parent)} <= set(synced)
+    synced.clear()
+    st.clear_manifest("r", 0, "score")
+    assert synced == [ident(done)] and st.manifest("r", 0, "score") is None
 
 
 def test_schema_types_survive(tmp_path):

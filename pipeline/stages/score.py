@@ -26,6 +26,7 @@ import polars as pl
 from tqdm import tqdm
 
 from pipeline.core.reward import diversity_terms, reward
+from pipeline.core.tamper import flags
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.engines.sandbox import Limits, default_sandbox, run_workflow
 from pipeline.engines.workflow import check_workflow, extract_code
@@ -139,6 +140,8 @@ class _Scorer:
                 try:
                     row["metric"], more = await self._metric(item, res.answer)
                     details.update(more)
+                    if more["metric"].get("status") == "reward_hack":  # a look-alike value: said in the status
+                        row["status"] = "reward_hack"
                 except Exception as e:  # an executor-backed judge failing is transient; anything else is not
                     from pipeline.engines.executors import ExecutorError
 
@@ -148,10 +151,14 @@ class _Scorer:
         w = self.cfg.scoring.reward
         parts = reward(row["metric"], code, row["tokens_in"], row["tokens_out"], w.complexity_weight, w.cost_weight,
                        self.diversity.get(job.gen_id, 1.0), w.diversity_weight)
-        row.update(score=parts.score, complexity=parts.complexity, cost=parts.cost, diversity=parts.diversity)
+        answer_code = extract_code(row["answer"]) if self.bench.family == "code" and row.get("answer") else None
+        row["flags"] = flags(code, answer_code)
+        zeroed = bool(row["flags"]) and w.zero_flagged and parts.score > 0  # reaching for the harness pays nothing
+        row.update(score=0.0 if zeroed else parts.score, complexity=parts.complexity, cost=parts.cost,
+                   diversity=parts.diversity)
         details["reward"] = {"ast_nodes": parts.ast_nodes, "helper_calls": parts.helper_calls,
                              "complexity_weight": w.complexity_weight, "cost_weight": w.cost_weight,
-                             "diversity_weight": w.diversity_weight}
+                             "diversity_weight": w.diversity_weight, "zeroed_by_flags": zeroed}
         row["details"] = json.dumps(details, default=str)
         return row
 

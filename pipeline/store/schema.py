@@ -11,8 +11,9 @@ import pyarrow as pa
 
 SCHEMA_VERSION = 1
 
-STATUSES = ("ok", "invalid", "exec_error", "timeout", "killed", "executor_error")
-FINAL_STATUSES = ("ok", "invalid", "exec_error", "killed")  # `timeout` is final unless configured
+# `reward_hack`: the workflow ran, but its answer's code returned a look-alike of a value (pipeline/engines/sandbox/grader.py)
+STATUSES = ("ok", "invalid", "exec_error", "timeout", "killed", "executor_error", "reward_hack")
+FINAL_STATUSES = ("ok", "invalid", "exec_error", "killed", "reward_hack")  # `timeout` is final unless configured
 TRANSIENT_STATUSES = ("executor_error",)
 
 
@@ -92,6 +93,9 @@ TABLES: dict[str, pa.Schema] = {
             ("error", pa.string()),
             *_RUN_USAGE,
             ("diversity", pa.float64()),  # FlowReasoner's distinctness component (before weighting); null = older
+            # added with issue 22: `where:reason` pairs where the workflow or its answer's code touches the
+            # harness's surface (pipeline.core.tamper), '' = none, null = scored before the scan existed
+            ("flags", pa.string()),
         ]
     ),
     # Runs of a workflow at generation time, before the score stage: self-repair's quick self-check and SMC's

@@ -88,6 +88,16 @@ def adapter_complete(path: Path) -> bool:
     return all((path / f).is_file() for f in ADAPTER_FILES)
 
 
+def fsync_dir(path: Path) -> None:
+    """Make the entries of `path` (a rename into it, a folder created in it) survive a power loss: a file's own
+    fsync covers its data, not the directory entry that names it."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -286,6 +296,7 @@ class Store:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, d / name)
+            fsync_dir(d)  # the part's name must outlive a power loss as surely as the manifest written after it
         except OSError as e:  # e.g. a full disk: no part, no temp file left; say where and what was lost
             tmp.unlink(missing_ok=True)
             raise OSError(e.errno, f"store: {data.num_rows} {table} rows of run {run_id!r} round {round} not "
@@ -475,8 +486,13 @@ class Store:
             return body
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(body, indent=2, default=str))
+        with open(tmp, "w") as f:  # after a power loss a manifest is whole and present, or absent: never empty
+            f.write(json.dumps(body, indent=2, default=str))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename
+        fsync_dir(path.parent.parent)  # `_done` itself, when this write created it
         return body
 
     def manifest(self, run_id: str, round: int, stage: str) -> dict | None:
@@ -494,7 +510,11 @@ class Store:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self.url(path))
             return
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        fsync_dir(path.parent)  # a cleared manifest must not come back after a power loss
 
     def read_config(self, run_id: str) -> str | None:
         """The run's frozen config.yaml text; None: no such run."""

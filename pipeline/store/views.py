@@ -89,8 +89,19 @@ GROUP BY a.gen_id, a.query_id
 ORDER BY 1, 2
 """
 
+# Runs flagged by the static scan of their code (pipeline.core.tamper, `scores.flags`) that the metric rewarded.
+FLAGGED_REWARDED_SQL = "coalesce(flags, '') <> '' AND metric > 0"
+
+
+def flagged_rewarded(store, run_id: str) -> int:
+    """Latest-attempt runs of `run_id`, all rounds, that were flagged and rewarded (FLAGGED_REWARDED_SQL)."""
+    df = store.sql(f"SELECT count(*) AS n FROM latest_scores WHERE run_id = $run AND {FLAGGED_REWARDED_SQL}",
+                   {"run": run_id})
+    return int(df["n"][0])
+
+
 # One row per round of a run: rollout, scoring, usage, curation and training figures.
-ROUND_SQL = """
+ROUND_SQL = f"""
 WITH g AS (
   SELECT round, count(*) AS workflows, avg(CASE WHEN valid THEN 1.0 ELSE 0.0 END) AS valid_share
   FROM generations WHERE run_id = $run AND kind = 'workflow' GROUP BY round),
@@ -100,7 +111,9 @@ s AS (
 u AS (
   SELECT round, sum(llm_calls)::BIGINT AS llm_calls, sum(tokens_in)::BIGINT AS tokens_in,
          sum(tokens_out)::BIGINT AS tokens_out,
-         sum(cost_usd) AS cost_usd
+         sum(cost_usd) AS cost_usd,
+         -- runs whose code touches the harness's surface (scores.flags) and whose metric rewarded them anyway
+         count(*) FILTER (WHERE {FLAGGED_REWARDED_SQL}) AS flagged_rewarded
   FROM latest_scores WHERE run_id = $run GROUP BY round),
 q AS (
   SELECT round, avg(gen_tokens_in + gen_tokens_out) AS gen_tokens_per_query,
@@ -113,8 +126,9 @@ t AS (
          sum(tokens)::BIGINT AS train_tokens
   FROM train_metrics WHERE run_id = $run GROUP BY round),
 r AS (SELECT round FROM g UNION SELECT round FROM s UNION SELECT round FROM c UNION SELECT round FROM t)
-SELECT r.round, workflows, valid_share, scored, mean_score, best_score, llm_calls, tokens_in, tokens_out,
-       cost_usd, gen_tokens_per_query, exec_tokens_per_query, groups_kept, steps, loss, kl, clip_frac, train_tokens
+SELECT r.round, workflows, valid_share, scored, mean_score, best_score, flagged_rewarded, llm_calls, tokens_in,
+       tokens_out, cost_usd, gen_tokens_per_query, exec_tokens_per_query, groups_kept, steps, loss, kl, clip_frac,
+       train_tokens
 FROM r LEFT JOIN g USING (round) LEFT JOIN s USING (round) LEFT JOIN u USING (round) LEFT JOIN q USING (round)
        LEFT JOIN c USING (round) LEFT JOIN t USING (round)
 ORDER BY r.round
@@ -122,8 +136,8 @@ ORDER BY r.round
 
 
 def round_stats(store: Any, run_id: str) -> pl.DataFrame:
-    """One row per round: workflows, valid_share, scored, mean_score, best_score, usage, tokens per query, groups,
-    training."""
+    """One row per round: workflows, valid_share, scored, mean_score, best_score, flagged_rewarded (runs whose code
+    touches the harness's surface yet passed: see docs/sandbox.md), usage, tokens per query, groups, training."""
     return store.sql(ROUND_SQL, {"run": run_id})
 
 

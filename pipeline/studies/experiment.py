@@ -34,6 +34,7 @@ from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
+from pipeline.store.views import flagged_rewarded
 from pipeline.studies.evaluate import eval_run_id, eval_summary
 from pipeline.studies.report import build_experiment_report, span
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
@@ -128,9 +129,11 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
             arm_mean = mean_or_none([q[metric] for q in per_query if q["round"] == k and q.get(metric) is not None])
             paired.append({"round": k, "metric": metric, "base": base_mean, "trained": arm_mean,
                            **paired_interval(pairs, seeds, ex)})
+    # training runs' rewarded samples whose code touched the harness's surface (docs/sandbox.md, scores.flags)
+    flagged = {seed_run_id(cfg.run_id, s): flagged_rewarded(store, seed_run_id(cfg.run_id, s)) for s in seeds}
     return {"experiment": cfg.run_id, "seeds": seeds, "rounds": cfg.rounds, "split": split,
             "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "arms": arms, "paired": paired,
-            "per_query": per_query}
+            "per_query": per_query, "flagged_rewarded": flagged}
 
 
 def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], ex) -> dict:
@@ -180,6 +183,8 @@ def headline(summary: dict) -> list[str]:
             f"{span(p, 'lo_by_query', 'hi_by_query')})")
         lines += [f"  seed {x['seed']}: {x['mean']:+.3f} {span(x, 'lo', 'hi')} over {x['n']} queries"
                   for x in p.get("per_seed", [])]
+    if "flagged_rewarded" in summary:  # summaries written before issue 22 lack it
+        lines.append(f"flagged rewarded training runs (scores.flags): {summary['flagged_rewarded']}")
     return lines
 
 

@@ -14,6 +14,7 @@ import doctest
 import gzip
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,25 +91,37 @@ def _run_sync(coro) -> Any:
         return pool.submit(asyncio.run, coro).result()
 
 
+@dataclass(frozen=True)
+class Suite:
+    """What grades one answer: the candidate `program`, the hidden `tests`, their trusted `setup` (run in the
+    grader, never in the candidate's process) and the `entry_points` the tests must take from the program."""
+    program: str
+    tests: list[str]
+    setup: str = ""
+    entry_points: tuple[str, ...] = ()
+
+
 class CodeBenchmark(Benchmark):
     family = "code"
     test_timeout_s: float = 5.0  # scoring sets it from cfg.scoring.test_timeout_s
 
-    def program(self, item: Item, code: str) -> tuple[str, list[str]]:
-        """The program to exec and the hidden test snippets to run after it."""
+    def suite(self, item: Item, code: str) -> Suite:
         raise NotImplementedError
 
     async def ascore(self, item: Item, answer: str) -> MetricResult:
+        """1.0 only for the grader's `pass`; any other status (fail, timeout, early_exit, reward_hack, forged,
+        exec_error, no_verdict) scores 0 and is in `details["status"]`."""
         code = extract_code("" if answer is None else str(answer))
-        program, tests = self.program(item, code)
-        report = await run_test_suite(program, tests, self.test_timeout_s)
+        s = self.suite(item, code)
+        report = await run_test_suite(s.program, s.tests, self.test_timeout_s, setup=s.setup,
+                                      entry_points=s.entry_points)
+        status = report.get("status")
         if "passed" in report:
-            ok = report["passed"] == report["total"]
             first = report["failures"][0] if report["failures"] else None
-            return MetricResult(1.0 if ok else 0.0, {"passed": report["passed"], "total": report["total"],
-                                                      "first_failure": first and {k: first[k] for k in
-                                                                                  ("test", "error_type", "message")}})
-        return MetricResult(0.0, {"error": report.get("exec_fail_case") or report.get("error")})
+            return MetricResult(1.0 if status == "pass" else 0.0, {
+                "status": status, "passed": report["passed"], "total": report["total"],
+                "first_failure": first and {k: first[k] for k in ("test", "error_type", "message")}})
+        return MetricResult(0.0, {"status": status, "error": report.get("exec_fail_case") or report.get("error")})
 
     def score(self, item: Item, answer: str) -> MetricResult:
         return _run_sync(self.ascore(item, answer))
@@ -139,12 +152,13 @@ class HumanEval(CodeBenchmark):
             ))
         return items
 
-    def program(self, item: Item, code: str) -> tuple[str, list[str]]:
+    def suite(self, item: Item, code: str) -> Suite:
         ref = item.reference
         ep, prompt = ref["entry_point"], ref["prompt"]
         # A full function (what workflows return) keeps the prompt's imports; a bare body completes the prompt.
         src = f"{_import_header(prompt)}\n{code}" if _defines(code, ep) else prompt + code
-        return f"{src}\n\n{ref['test']}\n", [f"check({ep})"]
+        # the grader runs the prompt too: `check` may call its helpers (HumanEval/32's `poly`), the trusted ones
+        return Suite(f"{src}\n", [f"check({ep})"], f"{prompt}\n\n{ref['test']}\n", (ep,))
 
 
 class MBPP(CodeBenchmark):
@@ -173,9 +187,11 @@ class MBPP(CodeBenchmark):
         unique_ids([it.id for it in items], rows)
         return items
 
-    def program(self, item: Item, code: str) -> tuple[str, list[str]]:
+    def suite(self, item: Item, code: str) -> Suite:
         ref = item.reference
-        return f"{ref.get('setup') or ''}\n{code}\n", list(ref["tests"])
+        setup = ref.get("setup") or ""
+        ep = item.meta.get("entry_point")
+        return Suite(f"{setup}\n{code}\n", list(ref["tests"]), setup, (ep,) if ep else ())
 
 
 def canonical_humaneval_answers() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Inside the sandbox: runs one workflow (or one test suite) and reports over the run channel.
+"""Inside the sandbox: runs one workflow (or grades one test suite, grader.py) and reports over the run channel.
 
 Stdlib only: the zygote imports this before forking, so a child starts with everything loaded.
 Everything here runs with the sandbox's identity and limits; nothing here is trusted by the parent,
@@ -26,6 +26,8 @@ import socket
 import sys
 import traceback
 import typing  # noqa: F401
+
+from pipeline.engines.sandbox import grader
 
 RUN_FD = 3
 MAX_TEXT = 4000  # chars of a traceback / failure message sent back
@@ -75,45 +77,17 @@ def _arrange_fds(run_fd: int, nofile: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
 
-# ---- test suites (hidden tests in the parent's suite mode; public tests via run_tests) ---------------
-def _alarm(_sig, _frame):
-    raise TimeoutError("test timed out")
-
-
-def run_suite(program: str, tests: list[str], timeout_s: float) -> dict:
-    """Exec `program`, then each test with a per-test timer. Returns {"exec_fail_case": msg} when the
-    program itself fails, else {"passed", "total", "failures": [{test, error_type, message, traceback}]}."""
-    signal.signal(signal.SIGALRM, _alarm)
-    ns: dict = {"__name__": "__main__"}
-    try:
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
-        exec(compile(program, "<solution>", "exec"), ns)
-    except BaseException as e:  # any failure of untrusted code is a result
-        return {"exec_fail_case": f"{type(e).__name__}: {e}"[:MAX_TEXT]}
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    failures = []
-    for t in tests:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            exec(compile(t, "<test>", "exec"), ns)
-        except BaseException as e:
-            failures.append({"test": t[:MAX_TEXT], "error_type": type(e).__name__, "message": str(e)[:MAX_TEXT],
-                             "traceback": _short_tb(e)})
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    return {"passed": len(tests) - len(failures), "total": len(tests), "failures": failures}
-
-
+# ---- test suites (hidden tests in suite mode; public tests via run_tests): grader.py -------------------
 async def _run_tests_forked(code: str, tests: list[str], timeout_s: float) -> str | list | dict:
-    """`run_tests` helper: the public tests run in a forked grandchild so the candidate code cannot
-    disturb the workflow's own state; a hard deadline covers code that blocks in C."""
+    """`run_tests` helper: the public tests run in a forked grandchild (the grader, which forks the candidate
+    in turn) so the candidate code cannot disturb the workflow's own state; a hard deadline covers code that
+    blocks in C."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(r)
-            out = run_suite(code, tests, timeout_s)
+            out = grader.grade(grader.Candidate(), code, tests, timeout_s)
             os.write(w, json.dumps(out).encode()[: 1 << 20])
         finally:
             os._exit(0)
@@ -122,7 +96,7 @@ async def _run_tests_forked(code: str, tests: list[str], timeout_s: float) -> st
     reader = asyncio.StreamReader(limit=1 << 21)
     transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(r, "rb"))
     try:
-        raw = await asyncio.wait_for(reader.read(), timeout_s * (len(tests) + 1) + 1)
+        raw = await asyncio.wait_for(reader.read(), timeout_s * (len(tests) + 2) + 1)
     except TimeoutError:
         raw = b""
     finally:
@@ -136,7 +110,25 @@ async def _run_tests_forked(code: str, tests: list[str], timeout_s: float) -> st
         return {"exec_fail_case": "tests crashed or timed out"}
     if "exec_fail_case" in out:
         return out
-    return out["failures"] or "no error"
+    if out["failures"]:
+        return out["failures"]
+    return "no error" if out["status"] == "pass" else {"status": out["status"]}
+
+
+def _suite_main() -> None:
+    """Suite mode: fork the candidate first, while this process holds no hidden test yet, then read the
+    payload, grade, and send the verdict on the run channel, which the candidate never held."""
+    cand = grader.Candidate()
+    ch = socket.socket(fileno=RUN_FD)
+    buf = b""
+    while b"\n" not in buf:
+        chunk = ch.recv(1 << 20)
+        if not chunk:
+            return
+        buf += chunk
+    p = json.loads(buf.split(b"\n", 1)[0])
+    report = grader.grade(cand, p["program"], p["tests"], p["timeout_s"], p.get("setup", ""), p.get("entry_points", ()))
+    ch.sendall((json.dumps({"op": "result", "suite": report}) + "\n").encode())
 
 
 # ---- the workflow run ------------------------------------------------------------------------------
@@ -201,18 +193,15 @@ async def _workflow(ch: _Channel, payload: dict) -> dict:
     return {"op": "result", "answer": answer if isinstance(answer, str) else str(answer)}
 
 
-async def _amain(mode: str) -> None:
+async def _amain() -> None:
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=RUN_FD), limit=1 << 26)
     ch = _Channel(reader, writer)
     payload = json.loads(await reader.readline())
     cap = int(payload.get("output_chars", 1 << 20))
     sys.stdout = sys.stderr = out = _CappedWriter(cap)
-    if mode == "suite":
-        result = {"op": "result", "suite": run_suite(payload["program"], payload["tests"], payload["timeout_s"])}
-    else:
-        pump = asyncio.ensure_future(ch.pump())
-        result = await _workflow(ch, payload)
-        pump.cancel()
+    pump = asyncio.ensure_future(ch.pump())
+    result = await _workflow(ch, payload)
+    pump.cancel()
     result["stdout"] = out.text()
     await ch.send(result)
 
@@ -221,7 +210,10 @@ def main(run_fd: int, mode: str) -> None:
     """Entry point in the forked child (after the zygote's setup); exits the process."""
     _arrange_fds(run_fd, 64)
     try:
-        asyncio.run(_amain(mode))
+        if mode == "suite":
+            _suite_main()
+        else:
+            asyncio.run(_amain())
         code = 0
     except BaseException:  # the parent sees "no result" and the exit code
         code = 3

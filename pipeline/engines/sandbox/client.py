@@ -24,10 +24,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.engines.sandbox.grader import ORDER
 from pipeline.engines.workflow import check_workflow
 
 if TYPE_CHECKING:  # the executor module imports openai: only the parent that calls one loads it
@@ -41,6 +43,7 @@ UID_BASE = int(os.environ.get("PIPELINE_SANDBOX_UID_BASE", "200000"))  # dedicat
 UID_COUNT = 4096
 MAX_ERROR_CHARS = 4000
 MAX_ANSWER_CHARS = 100_000
+SUITE_STATUSES = ("pass", "exec_error", *ORDER)  # what the grader reports; `no_verdict` when it reports nothing
 _SIGNAL_REASONS = {signal.SIGXCPU: "CPU time limit", signal.SIGXFSZ: "file size limit",
                    signal.SIGKILL: "killed (memory or process limit, or by itself)",
                    signal.SIGSEGV: "crashed (stack overflow in C code?)"}
@@ -395,8 +398,10 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
     elif (out["exit"] or {}).get("leftover"):
         res.status = "killed"
         res.error = f"left {out['exit']['leftover']} process(es) running after solve() returned; all were killed"
+    elif type(result.get("answer")) is str:  # the child sends a JSON string; anything else is a forged line
+        res.answer = _truncate(result["answer"], MAX_ANSWER_CHARS)
     elif "answer" in result:
-        res.answer = _truncate(str(result["answer"]), MAX_ANSWER_CHARS)
+        res.status, res.error = "exec_error", "malformed result: the answer is not a string"
     elif "error" in result:
         res.status, res.error = "exec_error", _truncate(str(result["error"]))
     elif out["exit"] and "signal" in out["exit"]:
@@ -422,17 +427,21 @@ def run_workflow_sync(code: str, problem: str, **kw: Any) -> SandboxResult:
     return asyncio.run(run_workflow(code, problem, **kw))
 
 
-async def run_test_suite(program: str, tests: list[str], timeout_s: float = 5.0,
-                         sandbox: Sandbox | None = None) -> dict:
-    """Exec `program` then each test snippet in the sandbox, each under `timeout_s`. Returns the child's
-    report ({passed, total, failures} or {exec_fail_case}), or {"error": ...} when the run itself failed."""
-    budget = timeout_s * (len(tests) + 1) + 2
+async def run_test_suite(program: str, tests: list[str], timeout_s: float = 5.0, sandbox: Sandbox | None = None,
+                         setup: str = "", entry_points: Sequence[str] = ()) -> dict:
+    """Grade `program` with each test snippet in the sandbox, each under `timeout_s` (grader.py): the program runs
+    in a candidate process, the tests (after the trusted `setup`, e.g. HumanEval's prompt and `check`) in a grader
+    process it cannot reach, and names of `entry_points` always come from the program. Returns the grader's report
+    ({status, passed, total, failures} or {status, exec_fail_case}), or {status, error} when no verdict came:
+    `status` is `pass` only when every test passed (grader.ORDER lists the others)."""
+    budget = timeout_s * (len(tests) + 3) + 2  # setup, program, names and each test have their own timer
     limits = Limits(timeout_s=budget, cpu_s=math.ceil(budget) + 1, max_llm_calls=0)
-    payload = {"program": program, "tests": tests, "timeout_s": timeout_s, "output_chars": 1 << 20}
+    payload = {"program": program, "tests": list(tests), "timeout_s": timeout_s, "setup": setup,
+               "entry_points": list(entry_points), "output_chars": 1 << 20}
     out = await (sandbox or default_sandbox()).run("suite", payload, limits)
     suite = (out["result"] or {}).get("suite")
-    if isinstance(suite, dict):
+    if isinstance(suite, dict) and suite.get("status") in SUITE_STATUSES:
         return suite
     if out["timed_out"]:
-        return {"error": f"timeout after {budget:g}s"}
-    return {"error": _exit_reason(out["exit"])}
+        return {"status": "timeout", "error": f"timeout after {budget:g}s"}
+    return {"status": "no_verdict", "error": f"the grader sent no verdict: {_exit_reason(out['exit'])}"}

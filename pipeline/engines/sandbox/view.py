@@ -39,6 +39,10 @@ DEV_NODES = ("null", "zero", "full", "random", "urandom")
 DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
              "stderr": "/proc/self/fd/2"}
 MOUNT_POINTS = ("/tmp", "/var/tmp", "/dev/shm", "/proc")
+# The private, shared scratch dirs (zygote.py mounts /dev/shm after the view): mounted here, before anything is
+# exposed, so that a Python install or venv that lies under one (a clone and its venv in /tmp) is bound on top of
+# the tmpfs instead of being hidden by it.
+PRIVATE_TMP, PRIVATE_TMP_OPTS = ("/tmp", "/var/tmp"), "size=64m,mode=1777"
 STAGING = ("/mnt", "/media", "/srv", "/opt", "/tmp")  # an existing dir to build the new root on
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -117,6 +121,12 @@ class View:
         raise ViewError(0, f"no staging dir among {STAGING} that holds no Python or system file")
 
     def _populate(self) -> None:
+        self.report["private_tmp"] = []
+        for d in PRIVATE_TMP:
+            if os.path.isdir(d) and not os.path.islink(d):
+                os.makedirs(self.root + d, mode=0o755, exist_ok=True)
+                _mount("tmpfs", self.root + d, "tmpfs", MS_NOSUID | MS_NODEV, PRIVATE_TMP_OPTS)
+                self.report["private_tmp"].append(d)
         for p in SYSTEM_TREES + ETC:
             self._expose(p)
         for p in self.dirs + self.files:

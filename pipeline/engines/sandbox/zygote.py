@@ -33,7 +33,7 @@ import time
 
 # Pre-imported for the children (a fork inherits them).
 from pipeline.engines.sandbox import child  # noqa: F401  (stdlib-only module)
-from pipeline.engines.sandbox.view import View
+from pipeline.engines.sandbox.view import PRIVATE_TMP_OPTS, View
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
@@ -87,8 +87,9 @@ class Zygote:
         ro = tmp = False
         if mnt:
             ro = self._file_system(deny)
-            tmp = all(_mount_tmpfs(d, "size=64m,mode=1777") for d in ("/tmp", "/var/tmp", "/dev/shm")
-                      if os.path.isdir(d))
+            done = self.iso.get("view", {}).get("private_tmp", [])  # the view mounts them under what it exposes
+            tmp = all(_mount_tmpfs(d, PRIVATE_TMP_OPTS) for d in ("/tmp", "/var/tmp", "/dev/shm")
+                      if os.path.isdir(d) and d not in done)
             if not tmp:
                 notes.append(_err("shared tmp dirs stay on disk"))
         else:
