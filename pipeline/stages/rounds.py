@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pipeline.report import round_stats
 from pipeline.run import open_run
+from pipeline.servers import check_served
 from pipeline.stages import ROUND_STAGES, get_stage
 from pipeline.stages.runner import REPO, RetryPolicy, finish_shards, record_timing, round_s, run_stage, stage_done
 from pipeline.store import Store
@@ -111,6 +112,7 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     is the same for any count.
     """
     ctx = open_run(resolve_config(config), run_id, 0, sets)
+    check_served(ctx.cfg)  # vLLM missing, model missing, port taken: an error now, not after round 0's rollout
     store_root, run_id = str(ctx.store.root), ctx.run_id
     rounds = rounds or ctx.cfg.rounds
     walls: dict[int, dict[str, float]] = {}
