@@ -201,6 +201,10 @@ class BenchmarkConfig(_Strict):
         description="procedural: reasoning-gym generators to draw from.",
     )
     size: int = Field(100, gt=0, description="procedural: items generated in total.")
+    metric: Literal["task", "exact_number"] = Field(
+        "task", description="procedural: task = each generator's own check (gsm_symbolic gives 0.01 for a wrong "
+        "number); exact_number = 1 if the answer's last number equals the gold, else 0 (as GSM8K is scored).",
+    )
     levels: list[int] = Field(default_factory=list, description="math: keep only these levels (e.g. [5]).")
     split_seed: int = Field(0, description="Seed of the deterministic validate/test split.")
     validate_fraction: float = Field(0.2, gt=0, lt=1, description="Share of items in `validate` (1:4).")

@@ -12,7 +12,7 @@ import yaml
 from tqdm import tqdm
 
 from pipeline.benchmarks.base import Benchmark, BenchmarkError, Item, MetricResult
-from pipeline.benchmarks.metrics import last_number
+from pipeline.benchmarks.metrics import last_number, numeric_score
 
 
 def parse_task(spec: str) -> tuple[str, dict[str, Any]]:
@@ -111,6 +111,8 @@ class Procedural(Benchmark):
 
     def score(self, item: Item, answer: str) -> MetricResult:
         ref = item.reference
+        if self.cfg.metric == "exact_number":  # no partial credit for a near miss
+            return numeric_score("" if answer is None else str(answer), str(ref["answer"]))
         ds = _dataset(ref["task"], ref["seed"], ref["size"], ref.get("options") or {})
         entry = {"question": ref["question"], "answer": ref["answer"], "metadata": ref["metadata"]}
         scores: dict[str, float] = {}
