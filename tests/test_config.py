@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize(("name", "run_id"), [("demo.yaml", "demo"), ("smoke.yaml", "smoke"), ("learn.yaml", "learn"),
                                               ("spogw-humaneval.yaml", "spogw-humaneval"),
-                                              ("two-level.yaml", "two-level"), ("refine.yaml", "refine")])
+                                              ("two-level.yaml", "two-level"), ("refine.yaml", "refine"),
+                                              ("humaneval-served.yaml", "humaneval-served"),
+                                              ("gsm-served.yaml", "gsm-served")])
 def test_shipped_configs_validate(name, run_id):
     assert load_config(ROOT / "configs" / name).run_id == run_id
 
