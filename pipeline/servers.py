@@ -301,6 +301,14 @@ def serving(cfg: RunConfig, sections: Iterable[str], log_dir: Path) -> Iterator[
         yield cfg.model_copy(update=updates)
 
 
+def server_log_dir(store, run_id: str, name: str) -> Path:
+    """`<run>/server-logs/<name>/` of a Store's run (a local temp folder for a store on object storage)."""
+    import tempfile
+
+    base = Path(tempfile.gettempdir()) / "workflow-grpo" / run_id if store.remote else store.run_dir(run_id)
+    return base / "server-logs" / name
+
+
 def group_alive(pgid: int) -> list[int]:
     """Pids of live (not zombie) processes in process group `pgid` (Linux /proc): empty once a server is gone."""
     pids = []

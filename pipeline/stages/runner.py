@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.run import RunContext, open_run
-from pipeline.servers import serving
+from pipeline.servers import server_log_dir, serving
 from pipeline.stages import Shard, Stage, get_stage, served_sections
 from pipeline.store import Store
 
@@ -148,9 +148,7 @@ def server_logs(ctx: RunContext, stage: Stage, shard: Shard | None) -> Path:
     """Where the servers of a stage call log: `<run>/server-logs/round-<k>-<stage>[-shard-i-of-n]/` (a local
     temp folder for a store on object storage)."""
     name = f"round-{ctx.round}-{stage.name}" + (f"-shard-{shard.index}-of-{shard.count}" if shard else "")
-    base = Path(tempfile.gettempdir()) / "workflow-grpo" / ctx.run_id if ctx.store.remote else ctx.store.run_dir(
-        ctx.run_id)
-    return base / "server-logs" / name
+    return server_log_dir(ctx.store, ctx.run_id, name)
 
 
 def _name(stage: str, shard: Shard | None) -> str:
