@@ -210,8 +210,8 @@ class Server:
         deadline = time.monotonic() + self.spec.start_timeout_s
         while True:
             if self.proc is not None and self.proc.poll() is not None:
-                raise ServeError(f"the vLLM server for {self.spec.name!r} exited (status {self.proc.returncode}) "
-                                 f"before it was up; its log {self.log}:\n{self.log_tail()}")
+                raise ServeError(f"the vLLM server for {self.spec.name!r} stopped before it was up; its log "
+                                 f"{self.log}:\n{self.log_tail()}")
             try:
                 ids = served_models(self.url, timeout=2)
             except (httpx.HTTPError, ValueError, KeyError):
@@ -238,6 +238,9 @@ class Server:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to be gone: return once they are
+        while group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         log.info("stopped the server of %s at %s", self.spec.name, self.url)
 
 
@@ -325,7 +328,8 @@ def group_alive(pgid: int) -> list[int]:
 
 def watch(parent: int, cmd: list[str]) -> int:
     """Run `cmd` in this process group (led by this watchdog) until it exits, the parent process is gone, or a
-    SIGTERM/SIGINT/SIGHUP arrives; then end the whole group (SIGTERM, SIGKILL after STOP_GRACE_S)."""
+    SIGTERM/SIGINT/SIGHUP arrives; then end the whole group (SIGTERM, SIGKILL after STOP_GRACE_S), this watchdog
+    last (so it never returns: its exit status is the SIGKILL's)."""
     why: list[str] = []
 
     def on_signal(signum, frame) -> None:
@@ -335,13 +339,13 @@ def watch(parent: int, cmd: list[str]) -> int:
         signal.signal(sig, on_signal)
     child = subprocess.Popen(cmd)
     while not why:
-        if child.poll() is not None:
-            return child.returncode
-        if os.getppid() != parent:  # reparented: the stage process died without stopping us
+        if child.poll() is not None:  # its engine process may live on: the group still ends below
+            why.append(f"the server exited with status {child.returncode}")
+        elif os.getppid() != parent:  # reparented: the stage process died without stopping us
             why.append(f"parent {parent} gone")
-            break
-        time.sleep(POLL_S)
-    print(f"watchdog: {why[0]}: stopping the server (process group {os.getpgrp()})", flush=True)
+        else:
+            time.sleep(POLL_S)
+    print(f"watchdog: {why[0]}: ending the server's process group {os.getpgrp()}", flush=True)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if why[0] != "SIGTERM":  # stop() signals the whole group: the server has its SIGTERM already
         os.killpg(0, signal.SIGTERM)

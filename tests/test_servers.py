@@ -31,6 +31,8 @@ import http.server, json, signal, subprocess, sys
 name, port = sys.argv[1], int(sys.argv[2])
 subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                   "time.sleep(3600)"])
+if name == "crash":
+    sys.exit("fake server: cannot load the model")
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         body = json.dumps({"object": "list", "data": [{"id": name, "object": "model"}]}).encode()
@@ -187,6 +189,14 @@ def test_a_failing_stage_had_its_server_and_leaves_no_process_of_it(tmp_path, fa
     assert group_alive(seen["pgid"]) == [] and refused(seen["url"])
     log = tmp_path / "runs" / "t" / "server-logs" / "round-0-score" / "executor.log"
     assert "fake server up" in log.read_text()
+
+
+def test_a_server_that_dies_while_starting_is_an_error_with_its_log_and_leaves_nothing(tmp_path, fake_vllm):
+    server = servers.launch(ServerSpec(EMBEDDED_MODEL, "crash"), tmp_path / "crash.log")
+    with pytest.raises(ServeError, match="(?s)stopped before it was up.*fake server: cannot load the model"):
+        server.wait()
+    wait_until(lambda: not group_alive(server.pgid), 60, "its engine outlived the crashed server")
+    server.stop()  # a no-op by now, and no error
 
 
 def test_a_server_already_serving_the_model_at_the_port_is_reused_and_left_running(tmp_path, fake_vllm):
