@@ -13,10 +13,15 @@ over the Dask workers (docs/scale-out.md, Sharded scoring).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
+import signal
+import threading
+from pathlib import Path
 
-from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
+from prefect.runner import Runner
 
 from flows.ablate import ablate as ablate_flow
 from flows.evaluate import evaluate as evaluate_flow
@@ -54,6 +59,39 @@ def deployments(task_runner: str = "thread") -> list[RunnerDeployment]:
     ]
 
 
+SHUTDOWN_GRACE_S = 20.0
+
+
+class BoundedRunner(Runner):
+    """Prefect's runner with a SIGTERM shutdown that cannot hang. Its graceful shutdown may call the API (pausing
+    deployments, reporting runs); with the API server gone (`demo.sh stop` stopped both at once) the client retries
+    each call for about a minute and the process stays. After SHUTDOWN_GRACE_S it ends its flow-run processes (their
+    stage children and model servers follow them) and exits."""
+
+    def handle_sigterm(self, *args, **kwargs) -> None:
+        timer = threading.Timer(SHUTDOWN_GRACE_S, _force_exit)
+        timer.daemon = True  # a shutdown that finishes in time exits without waiting for it
+        timer.start()
+        super().handle_sigterm(*args, **kwargs)
+
+
+def _force_exit() -> None:
+    for pid in _children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(128 + signal.SIGTERM)
+
+
+def _children() -> list[int]:
+    """Pids of this process's children (Linux /proc; none elsewhere)."""
+    me, out = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:  # field 4: the parent's pid
+                out.append(int(stat.parent.name))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m flows.serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,7 +100,15 @@ def main() -> None:
                     help="Where stage tasks run: thread[:N] (default), dask[:ADDRESS], ray[:ADDRESS].")
     a = ap.parse_args()
     os.chdir(REPO)  # relative config paths and the default store root resolve against the repository
-    serve(*deployments(a.task_runner), limit=a.limit)
+    # what prefect.serve() does, with this runner; no pausing on shutdown: the deployments have no schedules to
+    # pause, and it is the API call that hangs when the server is gone
+    runner = BoundedRunner(limit=a.limit, pause_on_shutdown=False)
+    served = deployments(a.task_runner)
+    for d in served:
+        runner.add_deployment(d)
+    print(f"deployments being served: {' '.join(f'{d.flow_name}/{d.name}' for d in served)}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(runner.start())
 
 
 if __name__ == "__main__":

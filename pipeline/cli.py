@@ -53,11 +53,13 @@ def _main(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug l
 def validate(config: Path, sets: SetOpt = None) -> None:
     """Check a config file, and that its benchmark data loads, without running anything."""
     from pipeline.engines.benchmarks import BenchmarkError, load_benchmark
+    from pipeline.engines.servers import ServeError, check_served
 
     try:
         cfg = load_config(config, sets or [])
         n = len(load_benchmark(cfg.benchmark).items())
-    except (ConfigError, BenchmarkError) as e:
+        check_served(cfg)  # served sections: vLLM, the model and the port
+    except (ConfigError, BenchmarkError, ServeError) as e:
         _fail(str(e))
     typer.echo(f"{config}: ok (run_id={cfg.run_id}, {n} {cfg.benchmark.name} queries, mode={cfg.rollout.mode}, "
                f"generator={cfg.generator.model} via {cfg.generator.backend}, executor={cfg.executor.kind})")
@@ -304,6 +306,7 @@ def run_cmd(
 ) -> None:
     """All rounds without a Prefect server (same skip/resume/retry rules as the iterate flow); --shards N scores
     each round as N child processes at once."""
+    from pipeline.engines.servers import ServeError
     from pipeline.stages.rounds import direct_call, run_rounds
     from pipeline.stages.runner import RetryPolicy, StageError
     from pipeline.store import Store
@@ -313,7 +316,7 @@ def run_cmd(
     try:
         summary = run_rounds(config, rounds, run_id, direct_call(RetryPolicy(retries)), sets=sets or [], shards=shards,
                              observer=TRACKERS)
-    except (ConfigError, StageError) as e:
+    except (ConfigError, StageError, ServeError) as e:
         _fail(str(e))
     for r in summary["rounds"]:
         mean = "n/a" if r["mean_score"] is None else f"{r['mean_score']:.3f}"

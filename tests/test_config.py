@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize(("name", "run_id"), [("demo.yaml", "demo"), ("smoke.yaml", "smoke"), ("learn.yaml", "learn"),
                                               ("spogw-humaneval.yaml", "spogw-humaneval"),
-                                              ("two-level.yaml", "two-level"), ("refine.yaml", "refine")])
+                                              ("two-level.yaml", "two-level"), ("refine.yaml", "refine"),
+                                              ("humaneval-served.yaml", "humaneval-served"),
+                                              ("gsm-served.yaml", "gsm-served")])
 def test_shipped_configs_validate(name, run_id):
     assert load_config(ROOT / "configs" / name).run_id == run_id
 
@@ -142,6 +144,32 @@ def test_set_overrides_typed_and_nested(tmp_path):
         load_config(p, ["rollout.nope=1"])
     with pytest.raises(ConfigError, match="expected key.path=value"):
         apply_overrides({}, ["rollout.m"])
+
+
+def test_set_with_an_empty_value_is_the_empty_string_never_null(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  workflow_prefix: '```python'\n")
+    assert apply_overrides({"a": {"b": 1}}, ["a.b="]) == {"a": {"b": ""}}
+    assert load_config(p, ["rollout.workflow_prefix="]).rollout.workflow_prefix == ""  # not null, not left as it was
+    assert load_config(p, ["generator.adapter=null"]).generator.adapter is None  # null only when asked for by name
+    with pytest.raises(ConfigError, match="rollout.m: .*got ''"):  # a number field says what it got
+        load_config(p, ["rollout.m="])
+
+
+def test_served_sections_are_checked(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("executor:\n  kind: openai\n  model: embedded:smollm2-135m-instruct\n  serve: {dtype: float32}\n")
+    cfg = load_config(p)
+    assert cfg.executor.serve.dtype == "float32" and cfg.executor.serve.max_model_len == 2048
+    with pytest.raises(ConfigError, match="executor.serve needs executor.kind: openai"):
+        load_config(p, ["executor.kind=local"])
+    with pytest.raises(ConfigError, match="leave executor.base_url and executor.endpoints unset"):
+        load_config(p, ["executor.base_url=http://127.0.0.1:8000/v1"])
+    with pytest.raises(ConfigError, match="executor.serve.gpus: unknown field"):
+        load_config(p, ["executor.serve.gpus=2"])
+    with pytest.raises(ConfigError, match="generator.serve needs generator.backend: openai"):
+        load_config(p, ["generator.serve={}"])
+    assert load_config(p, ["generator.backend=openai", "generator.serve={}"]).generator.serve.port is None
 
 
 def test_diff_and_hash():

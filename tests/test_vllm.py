@@ -167,16 +167,14 @@ def test_seeded_batch_larger_than_one_prefill_step(vgen):
 @pytest.fixture(scope="module")
 def second_server(tmp_path_factory):
     """A second vLLM server beside the session's one (one more start, 1-2 min on CPU); yields (its /v1 URL,
-    its process)."""
-    from conftest import launch_vllm_server, stop_vllm_server, wait_vllm_server
+    its pipeline.engines.servers.Server)."""
+    from conftest import launch_vllm_server
 
-    log = tmp_path_factory.mktemp("vllm2") / "server.log"
-    proc, url = launch_vllm_server(log)
+    server = launch_vllm_server(tmp_path_factory.mktemp("vllm2") / "server.log")
     try:
-        wait_vllm_server(proc, url, log)
-        yield url + "/v1", proc
+        yield server.wait().base_url, server
     finally:
-        stop_vllm_server(proc)
+        server.stop()
 
 
 def served_requests(url: str) -> float:
@@ -241,13 +239,11 @@ def test_a_server_dying_mid_rollout_hands_its_prompts_over(server, second_server
     (Last in the module: the second server is gone afterwards.)"""
     import logging
 
-    from conftest import stop_vllm_server
-
-    url2, proc = second_server
+    url2, server2 = second_server
     prompts = chat_prompts(smol_tokenizer, [f"Name {i} colours." for i in range(4)])
     s = Sampling(n=1, temperature=1.0, max_new_tokens=8, seed=3)
     with make_generator(GeneratorConfig(model=MODEL, backend="openai", endpoints=[url2, server])) as gen:
-        stop_vllm_server(proc)
+        server2.stop()
         with caplog.at_level(logging.WARNING, "pipeline.engines.generation.openai_server"):
             rows = gen.generate(prompts, s)
         assert [ep.url for ep in gen.endpoints if ep.failed] == [url2]

@@ -71,6 +71,8 @@ class Stage:
     left_hint: str = ""  # how to finish a stage that returned with work left
     merge: str | StageFn | None = None  # shardable: fn(ctx, **options) writes the stage manifest once all shards
     # are complete (the fn takes `shard=`); None: the stage runs whole
+    serves: tuple[str, ...] = ()  # config sections whose model it calls: with `serve:` set, the stage runs the
+    # server itself (pipeline.engines.servers; `served_sections` says which are needed for a config)
 
     @property
     def shardable(self) -> bool:
@@ -101,9 +103,9 @@ def _resolve(fn: str | StageFn) -> StageFn:
 
 # In round order. `pipeline.studies.evaluate.EVAL_STAGES` is the evaluation run's subset.
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("rollout", "pipeline.stages.rollout:run_rollout", isolated=True),
+    Stage("rollout", "pipeline.stages.rollout:run_rollout", isolated=True, serves=("generator", "executor")),
     # scoring with the local executor loads a model too
-    Stage("score", "pipeline.stages.score:run_score", isolated=True, options=("only_failed",),
+    Stage("score", "pipeline.stages.score:run_score", isolated=True, options=("only_failed",), serves=("executor",),
           merge="pipeline.stages.score:finish_score",
           left_hint="executor errors: once it is back, score/rescore (or `pipeline score --only-failed`) re-runs them"),
     Stage("curate", "pipeline.stages.curate:run_curate", discard=("groups",)),
@@ -111,6 +113,15 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           checkpoint=True),
 )}
 ROUND_STAGES = tuple(STAGES)
+
+
+def served_sections(stage: Stage, cfg) -> list[str]:
+    """The sections of `stage.serves` whose server this config has the stage run: those with `serve:` set, and the
+    executor in rollout only when workflows run there (self-repair checks, refine); a server costs minutes to
+    start."""
+    checks = cfg.rollout.mode == "refine" or (cfg.rollout.repair_attempts > 0 and cfg.rollout.repair_check == "run")
+    return [s for s in stage.serves if getattr(cfg, s).serve is not None
+            and not (stage.name == "rollout" and s == "executor" and not checks)]
 
 
 def get_stage(name: str) -> Stage:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.engines.servers import check_served
 from pipeline.run import open_run
 from pipeline.stages import ROUND_STAGES, get_stage
 from pipeline.stages.runner import REPO, RetryPolicy, finish_shards, record_timing, round_s, run_stage, stage_done
@@ -121,6 +122,7 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     run's config before any work and hears of each finished round.
     """
     ctx = open_run(resolve_config(config), run_id, 0, sets)
+    check_served(ctx.cfg)  # vLLM missing, model missing, port taken: an error now, not after round 0's rollout
     store_root, run_id = str(ctx.store.root), ctx.run_id
     rounds = rounds or ctx.cfg.rounds
     if observer is not None:

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.engines.servers import server_log_dir, serving
 from pipeline.run import RunContext, open_run
-from pipeline.stages import Shard, Stage, get_stage
+from pipeline.stages import Shard, Stage, get_stage, served_sections
 from pipeline.store import Store
 
 log = logging.getLogger("pipeline.stages")
@@ -128,7 +129,10 @@ def execute(ctx: RunContext, stage: Stage, merge: bool = False, **options: Any) 
     try:
         if stage.discard or stage.checkpoint:
             ctx.store.discard_unfinished(ctx.run_id, ctx.round, stage.discard, stage.checkpoint)
-        counts = (stage.merge_function() if merge else stage.function())(ctx, **options)
+        # served sections: their servers run for this call only (a merge reads the store and calls no model)
+        with serving(ctx.cfg, [] if merge else served_sections(stage, ctx.cfg), server_logs(ctx, stage, shard)) as cfg:
+            counts = (stage.merge_function() if merge else stage.function())(dataclasses.replace(ctx, cfg=cfg),
+                                                                             **options)
     except StageError:
         raise
     except Exception as e:
@@ -138,6 +142,13 @@ def execute(ctx: RunContext, stage: Stage, merge: bool = False, **options: Any) 
         raise StageError(_name(stage.name, shard), ctx.round,
                          f"work left, no manifest written: {counts}; re-running resumes it{hint}", transient=True)
     return dict(counts or {})
+
+
+def server_logs(ctx: RunContext, stage: Stage, shard: Shard | None) -> Path:
+    """Where the servers of a stage call log: `<run>/server-logs/round-<k>-<stage>[-shard-i-of-n]/` (a local
+    temp folder for a store on object storage)."""
+    name = f"round-{ctx.round}-{stage.name}" + (f"-shard-{shard.index}-of-{shard.count}" if shard else "")
+    return server_log_dir(ctx.store, ctx.run_id, name)
 
 
 def _name(stage: str, shard: Shard | None) -> str:

@@ -43,6 +43,7 @@ import numpy as np
 
 from pipeline.config import ConfigError, load_config
 from pipeline.engines.checks import CheckJob, run_checks
+from pipeline.engines.servers import SECTIONS, server_log_dir, serving
 from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext, derived_seed, open_run
 
@@ -292,12 +293,14 @@ def sample_smc(ctx: RunContext) -> dict:
     queries = [Query(it, render(tok, workflow_prompt(it.prompt, bench.family) + STEP_HINT),
                      [Particle(prefix) for _ in range(s.N)],
                      np.random.default_rng(derived_seed(s.seed, "resample", it.id))) for it in bench.items()]
-    gen = make_generator(ctx.cfg.generator)
-    try:
-        smc = SMC(ctx, _sampler(ctx, gen), lambda jobs: run_checks(ctx.cfg, jobs, "smc"), _reward_fn(ctx, bench))
-        smc.sweep(queries) if s.resample else smc.draw(queries)
-    finally:
-        gen.close()
+    # served sections: SMC samples and runs workflows here, outside a stage, so it runs their servers itself
+    with serving(ctx.cfg, SECTIONS, server_log_dir(ctx.store, ctx.run_id, "smc")) as cfg:
+        gen = make_generator(cfg.generator)
+        try:
+            smc = SMC(ctx, _sampler(ctx, gen), lambda jobs: run_checks(cfg, jobs, "smc"), _reward_fn(ctx, bench))
+            smc.sweep(queries) if s.resample else smc.draw(queries)
+        finally:
+            gen.close()
     ctx.store.write("generations", smc.rows, ctx.run_id, 0)
     ctx.store.write("checks", smc.checks, ctx.run_id, 0)
     finals = final_rows(ctx, queries)
