@@ -280,6 +280,10 @@ class RolloutConfig(_Strict):
     r_min_agent: float = Field(0.0, ge=0, le=1, description="Agents enter the exemplar pool from this reward.")
     r_min_workflow: float = Field(0.0, ge=0, le=1, description="Workflows enter the pool from this score.")
     max_plan_tokens: int = Field(256, gt=0, description="two_level: completion cap of an agent plan.")
+    prompt_dir: str | None = Field(
+        None, description="A folder of hand-written prompt templates (system.txt, workflow.txt, contract.txt, "
+        "contract_code.txt, example_<family>.txt): each file there replaces the shipped template of that name.",
+    )
     workflow_prefix: str = Field(
         "", description="The assistant turn of a workflow prompt starts with this text (e.g. an open ```python "
         "fence and the `solve` signature) so small generators stay on format; it is part of the prompt tokens "

@@ -99,3 +99,18 @@ def test_extract_code_cuts_a_stray_closing_fence():
     fenced = "Here:\n```python\nasync def solve(p):\n    return 1\n```\nand ```x``` later"
     assert extract_code(fenced) == "async def solve(p):\n    return 1"  # a fenced block still wins
     assert extract_code("no code at all") == "no code at all"
+
+
+def test_a_prompt_dir_replaces_the_templates_it_holds_and_only_those(tmp_path, smol_tokenizer):
+    from pipeline.engines.prompting import render, workflow_prompt
+
+    (tmp_path / "example_code.txt").write_text("async def solve(problem):\n    return 'mine'\n")
+    (tmp_path / "system.txt").write_text("You write tiny workflows.\n")
+    own = workflow_prompt("def f(x):", "code", prompt_dir=str(tmp_path))
+    shipped = workflow_prompt("def f(x):", "code")
+    assert "return 'mine'" in own and "return 'mine'" not in shipped
+    # the templates the folder lacks are the shipped ones: contract and the workflow frame are unchanged
+    assert own.split("Example workflow:")[0] == shipped.split("Example workflow:")[0]
+    assert own.rsplit("```", 1)[1] == shipped.rsplit("```", 1)[1]
+    assert "You write tiny workflows." in render(smol_tokenizer, own, prompt_dir=str(tmp_path))
+    assert "You write tiny workflows." not in render(smol_tokenizer, own)

@@ -18,8 +18,9 @@ import httpx
 import pytest
 from conftest import EMBEDDED_MODEL, free_port, vllm_or_skip
 
-from pipeline import servers, stages
+from pipeline import stages
 from pipeline.config import load_config
+from pipeline.engines import servers
 from pipeline.engines.servers import ServeError, ServerSpec, check, group_alive, serving
 from pipeline.run import open_run
 from pipeline.stages.runner import StageError, execute
@@ -50,7 +51,8 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 BLOCKING_STAGE = '''
 import dataclasses, os, sys, time
 from pathlib import Path
-from pipeline import servers, stages
+from pipeline import stages
+from pipeline.engines import servers
 from pipeline.stages.runner import child_main
 
 def block(ctx, **options):

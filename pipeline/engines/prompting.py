@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from pathlib import Path
 from string import Template
 
 FAMILIES = ("code", "math", "qa", "procedural")
@@ -28,26 +29,32 @@ class Shown:
 
 
 @cache
-def template(name: str) -> str:
+def template(name: str, prompt_dir: str | None = None) -> str:
+    """The template `name`: from `prompt_dir` (`rollout.prompt_dir`, hand-written prompts) when it holds
+    `<name>.txt`, else the shipped one."""
+    if prompt_dir is not None:
+        own = Path(prompt_dir) / f"{name}.txt"
+        if own.is_file():
+            return own.read_text()
     path = resources.files("pipeline.engines") / "prompts" / f"{name}.txt"
     if not path.is_file():
         raise PromptError(f"prompt template {name!r} missing ({path})")
     return path.read_text()
 
 
-def _fill(name: str, **values: str) -> str:
-    return Template(template(name)).substitute(**values)
+def _fill(name: str, prompt_dir: str | None = None, **values: str) -> str:
+    return Template(template(name, prompt_dir)).substitute(**values)
 
 
-def contract(family: str) -> str:
-    text = template("contract").rstrip("\n")
-    return text + "\n" + template("contract_code").rstrip("\n") if family == "code" else text
+def contract(family: str, prompt_dir: str | None = None) -> str:
+    text = template("contract", prompt_dir).rstrip("\n")
+    return text + "\n" + template("contract_code", prompt_dir).rstrip("\n") if family == "code" else text
 
 
-def example(family: str) -> str:
+def example(family: str, prompt_dir: str | None = None) -> str:
     if family not in FAMILIES:
         raise PromptError(f"unknown benchmark family {family!r}; known: {', '.join(FAMILIES)}")
-    return template(f"example_{family}").rstrip("\n")
+    return template(f"example_{family}", prompt_dir).rstrip("\n")
 
 
 def exemplar_block(shown: Sequence[Shown], code: bool, plan: str | None = None) -> str:
@@ -64,14 +71,14 @@ def exemplar_block(shown: Sequence[Shown], code: bool, plan: str | None = None) 
 
 
 def workflow_prompt(problem: str, family: str, shown: Sequence[Shown] = (), plan: str | None = None,
-                    exemplar_plan: str | None = None) -> str:
+                    exemplar_plan: str | None = None, prompt_dir: str | None = None) -> str:
     """User message asking for a workflow (flat), or for a workflow under an agent plan (two-level), whose
     exemplars were written under the stored plan `exemplar_plan`."""
-    values = dict(contract=contract(family), example=example(family),
+    values = dict(contract=contract(family, prompt_dir), example=example(family, prompt_dir),
                   exemplars=exemplar_block(shown, code=True, plan=exemplar_plan), problem=problem.strip())
     if plan is None:
-        return _fill("workflow", **values)
-    return _fill("workflow_under_plan", plan=plan.strip(), **values)
+        return _fill("workflow", prompt_dir, **values)
+    return _fill("workflow_under_plan", prompt_dir, plan=plan.strip(), **values)
 
 
 def agent_prompt(problem: str, shown: Sequence[Shown] = ()) -> str:
@@ -85,10 +92,11 @@ def require_chat_template(tokenizer, model_ref: str) -> None:
                           "(or add a chat_template to its tokenizer_config.json)")
 
 
-def render(tokenizer, user: str, system: str | None = None) -> str:
+def render(tokenizer, user: str, system: str | None = None, prompt_dir: str | None = None) -> str:
     """The prompt text the generator sees: system + user turn through the chat template, assistant turn open."""
     require_chat_template(tokenizer, getattr(tokenizer, "name_or_path", "generator"))
-    messages = [{"role": "system", "content": (system if system is not None else template("system")).strip()},
+    system = system if system is not None else template("system", prompt_dir)
+    messages = [{"role": "system", "content": system.strip()},
                 {"role": "user", "content": user}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 

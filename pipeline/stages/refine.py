@@ -288,7 +288,8 @@ class Refine:
             user = state_prompt(task, st, turn, rc.turns, rc.unit, ctx.cfg.benchmark.name, ro.family,
                                 rc.failure_cases, rc.show_gold, rng)
             reqs.append(Request("workflow", task.id, st.gen_id, [ids[k] for k in slots], slots,
-                                render(ro.tokenizer, user) + prefix, [], g.max_new_tokens, prefix))
+                                render(ro.tokenizer, user, prompt_dir=ro.cfg.rollout.prompt_dir) + prefix, [],
+                                g.max_new_tokens, prefix))
         written = 0
         for batch in batches(reqs, g.batch_size):
             sampling = ro.sampling(batch)

@@ -77,7 +77,8 @@ def _requests(ro, failing: list[tuple[dict, str]], parent: dict[str, str | None]
         prefix = ro.cfg.rollout.workflow_prefix
         out.append(Request("workflow", row["query_id"], row["parent_id"],
                            [repair_id(root_of(row["gen_id"], parent), attempt)], [row["slot"]],
-                           render(ro.tokenizer, user) + prefix, [], ro.cfg.generator.max_new_tokens, prefix))
+                           render(ro.tokenizer, user, prompt_dir=ro.cfg.rollout.prompt_dir) + prefix, [],
+                           ro.cfg.generator.max_new_tokens, prefix))
     return out
 
 

@@ -112,11 +112,13 @@ class Sampler:
             user, max_tokens = agent_prompt(item.prompt, shown), self.cfg.rollout.max_plan_tokens
         else:
             shown, stored_plan = self._workflow_exemplars(item, parent, rng)
-            user = workflow_prompt(item.prompt, self.family, shown, parent["text"] if parent else None, stored_plan)
+            user = workflow_prompt(item.prompt, self.family, shown, parent["text"] if parent else None, stored_plan,
+                                   self.cfg.rollout.prompt_dir)
             max_tokens = self.cfg.generator.max_new_tokens
         prefix = self.cfg.rollout.workflow_prefix if kind == "workflow" else ""
         return Request(kind, item.id, parent_id, [gen_id(self.ctx.round, item.id, kind, s, parent_id) for s in slots],
-                       slots, render(self.tokenizer, user) + prefix, [s.gen_id for s in shown], max_tokens, prefix)
+                       slots, render(self.tokenizer, user, prompt_dir=self.cfg.rollout.prompt_dir) + prefix,
+                       [s.gen_id for s in shown], max_tokens, prefix)
 
     def _workflow_exemplars(self, item: Item, parent: dict | None, rng: random.Random) -> tuple[list, str | None]:
         """Flat: the query's pool. Two-level: D_W of the stored agent the plan was conditioned on, and that
@@ -234,6 +236,9 @@ def run_rollout(ctx: RunContext) -> dict:
     if cfg.generator.backend not in BACKENDS:
         raise RolloutError(f"unknown generation backend {cfg.generator.backend!r}; use one of {', '.join(BACKENDS)}")
     mode = get_mode(cfg.rollout.mode)
+    if cfg.rollout.prompt_dir is not None and not Path(cfg.rollout.prompt_dir).is_dir():
+        raise RolloutError(f"rollout.prompt_dir {cfg.rollout.prompt_dir!r} is not a folder (relative paths start at "
+                           f"the working directory, {Path.cwd()})")
     adapter, adapter_round = resolve_adapter(ctx)
     tokenizer = load_tokenizer(cfg.generator.model)
     require_chat_template(tokenizer, cfg.generator.model)
