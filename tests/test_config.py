@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
                                               ("spogw-humaneval.yaml", "spogw-humaneval"),
                                               ("two-level.yaml", "two-level"), ("refine.yaml", "refine"),
                                               ("humaneval-served.yaml", "humaneval-served"),
-                                              ("gsm-served.yaml", "gsm-served")])
+                                              ("gsm-served.yaml", "gsm-served"),
+                                              ("humaneval-learn.yaml", "he-learn"), ("gsm-learn.yaml", "gsm-learn")])
 def test_shipped_configs_validate(name, run_id):
     assert load_config(ROOT / "configs" / name).run_id == run_id
 
