@@ -1,5 +1,6 @@
 import os
 import socket
+import time
 
 import pytest
 
@@ -8,6 +9,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    """Poll `cond` until true; fail naming `what` after `timeout` s (a deadline for a loaded machine, not a check)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} after {timeout:.0f}s")
+        time.sleep(0.5)
 
 
 def free_port() -> int:

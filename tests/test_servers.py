@@ -11,12 +11,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import EMBEDDED_MODEL, free_port, vllm_or_skip
+from conftest import EMBEDDED_MODEL, free_port, vllm_or_skip, wait_until
 
 from pipeline import stages
 from pipeline.config import load_config
@@ -94,14 +93,6 @@ def refused(url: str) -> bool:
         return True
     return False
 
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    """Poll `cond` until true; fail naming `what` after `timeout` s (a deadline for slow machines, not a check)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} after {timeout:.0f}s")
-        time.sleep(0.5)
 
 
 def watchdog_of(pid: int, url: str) -> int | None:

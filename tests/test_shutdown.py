@@ -8,10 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
+from conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,14 +20,6 @@ def live(pgid: int) -> list[int]:
 
     return group_alive(pgid)
 
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    """Poll `cond` until true; fail naming `what` after `timeout` s (a deadline for a loaded machine, not a check)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} after {timeout:.0f}s")
-        time.sleep(0.5)
 
 
 def catches_sigterm(pid: int) -> bool:
