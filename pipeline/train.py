@@ -108,7 +108,8 @@ def _split_causal_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
 
 
 def _head_logprobs(head: torch.nn.Module, h: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    logits = head(h).float()
+    logits = head(h)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up to fp32; fp64 stays fp64
     return logits.gather(1, tgt[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
