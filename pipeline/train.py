@@ -1,8 +1,14 @@
 """The train stage: LoRA GRPO with advantage-masked KL on a round's curated groups (DESIGN.md §6).
 
-Data: every member of every kept group is one sequence (prompt_token_ids + token_ids, the loss on
-the completion only) with its group advantage; a workflow kept in several groups appears several
-times. A two-level round's loss is the proposal's: an agent term and a workflow term, each averaged
+Data: every member of every kept group is one row (prompt_token_ids + token_ids, the loss on the completion
+only) with its group advantage; a workflow kept in several groups is several rows. Each token is computed once
+(issue 23, docs/performance.md): a step holds whole groups (`pipeline.packing.plan_steps`), a forward pass encodes
+each distinct prompt once and its completions attend to it (`collate`, `completion_logprobs`), a sequence in several
+rows of a step is computed once and carries the sum of their loss terms (`chunk_loss_input`), and passes are
+packed by padded tokens (`pipeline.packing.pack`).
+
+The stage in four steps (`run_train`): `load_stage` (rows, policy, step plan), `reference_passes` (π_old and the
+reference), `optimise` (the optimiser loop, one `StepMetrics` a step), `write_outputs`. A two-level round's loss is the proposal's: an agent term and a workflow term, each averaged
 over its own sequences of the optimiser step, weighted by training.two_level (`step_weights`), each
 level's KL masked or not by its switch (`kl_masks`). π_old = the adapter as loaded (previous round's
 checkpoint; at round 0 generator.adapter, which sampled it, or a fresh LoRA = the base model), recomputed
@@ -32,7 +38,8 @@ import torch
 from pipeline.grpo import grpo_mkl_loss, grpo_mkl_terms, level_weights
 from pipeline.packing import Chunk, RowShape, logprob_chunks, pack, plan_steps, step_units
 
-__all__ = ["grpo_mkl_loss", "grpo_mkl_terms", "run_train", "TrainSequence", "Batch", "collate", "completion_logprobs"]
+__all__ = ["grpo_mkl_loss", "grpo_mkl_terms", "run_train", "TrainSequence", "Batch", "collate", "completion_logprobs",
+           "StepMetrics", "chunk_loss_input", "row_shapes", "plan_passes"]
 
 log = logging.getLogger(__name__)
 
