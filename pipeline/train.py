@@ -318,7 +318,8 @@ def row_shapes(seqs: list[TrainSequence]) -> list[RowShape]:
 
 def pass_budget(tc) -> int:
     """Padded token positions a pass may hold: training.micro_batch_tokens, or by default the worst case of the
-    former fixed micro-batches (micro_batch_size sequences of max_seq_len), so peak memory stays as it was."""
+    former fixed micro-batches (micro_batch_size sequences of max_seq_len): a pass then holds no more token positions
+    than a micro-batch could (it also holds its prompts' keys and values once per sequence)."""
     return tc.micro_batch_tokens or tc.micro_batch_size * tc.max_seq_len
 
 
