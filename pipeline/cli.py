@@ -278,7 +278,12 @@ def bench_train(
     batch: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 8,
     completion_len: Annotated[int | None, typer.Option(min=1, help="Longest completion (default 512 on CUDA, "
                                                        "128 on CPU); completions are ragged below it.")] = None,
-    prompt_len: Annotated[int, typer.Option(min=1, help="Prompt ids per sequence with --arch.")] = 256,
+    prompt_len: Annotated[int | None, typer.Option(min=1, help="Random prompt ids per sequence (default: chat-template "
+                                                   "prompts on the embedded model, 256 with --arch).")] = None,
+    group_size: Annotated[int | None, typer.Option(min=1, help="Consecutive sequences sharing a prompt (default: the "
+                                                   "batch, one GRPO group).")] = None,
+    sweep: Annotated[bool, typer.Option(help="Instead: the shared-prompt saving against prompt length and group "
+                                        "size (embedded model, ours only).")] = False,
     reps: Annotated[int, typer.Option(min=1, help="Timed steps per side (median), after one warm-up.")] = 3,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Checkpoint the decoder layers (both sides).")] = False,
     weights_dtype: Annotated[str, typer.Option(help="float32 (the trainer's fp32 master weights) or bfloat16.")]
@@ -288,10 +293,14 @@ def bench_train(
     """Training-step tokens/s against TRL's GRPO loss + backward on the same model and batch (CUDA: bf16 autocast,
     peak memory and MFU)."""
     from pipeline.perf.train import TrlMissing, run
+    from pipeline.perf.train import sweep as run_sweep
 
+    if sweep:
+        run_sweep(batch=batch, completion_len=completion_len or 64, echo=typer.echo)
+        return
     try:
         run(arch, batch, completion_len, reps, prompt_len, gradient_checkpointing, weights_dtype, json_out,
-            echo=typer.echo)
+            echo=typer.echo, group_size=group_size)
     except (TrlMissing, ValueError) as e:
         _fail(str(e))
 

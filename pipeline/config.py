@@ -425,8 +425,19 @@ class TrainingConfig(_Strict):
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     epochs: int = Field(1, gt=0, description="Passes over the round's curated data.")
-    micro_batch_size: int = Field(4, gt=0, description="Sequences per forward/backward.")
+    micro_batch_size: int = Field(
+        4, gt=0, description="Rows (group members) per micro-batch: an optimiser step trains micro_batch_size x "
+        "grad_accum of them; the forward/backward passes that compute them are packed by micro_batch_tokens.",
+    )
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimiser step.")
+    micro_batch_tokens: int | None = Field(
+        None, gt=0, description="Token positions (padding included; a shared prompt counted once) per forward/"
+        "backward pass; default micro_batch_size x max_seq_len, the former worst case.",
+    )
+    step_order: Literal["groups", "rows"] = Field(
+        "groups", description="Rows of a step: whole groups, a query's groups together (its passes share the prompt "
+        "and the sequences in several groups), or shuffled rows (the order before issue 23).",
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     beta: float = Field(0.1, ge=0, description="KL weight β.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip ε.")

@@ -42,6 +42,9 @@ def test_tiny_arch_bench_writes_json(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
     assert r["model"] == "tiny" and r["batch"] == 2
     assert r["completion_tokens"] == 8 + 1 and r["tokens"] == 2 * 8 + 8 + 1  # ragged: 8, then max(1, 8 - 16)
+    # one group of 2 (the default): the prompt minus its last token once (7), then per sequence its last prompt
+    # token and completion but the last (8 and 1 positions)
+    assert r["group_size"] == 2 and r["computed_tokens"] == 7 + 8 + 1
     assert r["params"] == sum(p.numel() for p in bench.build_arch("tiny").parameters())
     assert r["lora_params"] > 0
     for k in ("ours", "trl"):

@@ -189,10 +189,10 @@ def test_crash_restart_then_skip_then_next_round(tmp_path, samples, monkeypatch)
     assert ctx.store.manifest(ctx.run_id, 0, "train") is None
     assert ctx.store.read("train_metrics", ctx.run_id, 0).height == 2  # the crashed attempt's rows, until...
     res = train_stage()  # ...the restart discards them: no duplicated metrics
-    assert res.counts["steps"] == 2 and not res.skipped
+    assert res["counts"]["steps"] == 2 and not res["skipped"]
     assert sorted(ctx.store.read("train_metrics", ctx.run_id, 0)["step"].to_list()) == [0, 1]
     assert ctx.store.read("checkpoints", ctx.run_id, 0).height == 1
-    assert train_stage().skipped is True
+    assert train_stage()["skipped"] is True
     assert ctx.store.read("train_metrics", ctx.run_id, 0).height == 2
     ckpt0 = ctx.store.checkpoint_dir(ctx.run_id, 0)
     assert not [p for p in ckpt0.parent.iterdir() if p.name.endswith(".tmp")]
@@ -308,10 +308,10 @@ def test_step_weights_and_kl_masks_follow_the_levels():
     seqs = [TrainSequence("a", [1], [2, 3], 0.5, None, "agent"), TrainSequence("w0", [1], [2], 1.0, None, "workflow"),
             TrainSequence("w1", [1], [2, 3, 4, 5], -1.0, None, "workflow")]
     # c = w_l / (n_l T_b): agent 1/(1*2); workflows 1/(2*1), 1/(2*4)
-    assert step_weights(seqs, [[2, 0], [1]], tc) == pytest.approx({2: 1 / 8, 0: 1 / 2, 1: 1 / 2})
+    assert step_weights(seqs, [2, 0, 1], tc) == pytest.approx({2: 1 / 8, 0: 1 / 2, 1: 1 / 2})
     assert kl_masks(seqs, tc).tolist() == [False, True, True]  # agent KL unmasked, workflow KL masked
     flat = [TrainSequence("f", [1], [2], 1.0, None)]
-    assert step_weights(flat, [[0]], tc) is None and kl_masks(flat, tc) is True
+    assert step_weights(flat, [0], tc) is None and kl_masks(flat, tc) is True
 
 
 def _random_adapter(model_ref: str, path, dropout: float = 0.05, scale: float = 0.5) -> dict[str, torch.Tensor]:
@@ -386,13 +386,3 @@ def test_round_0_trains_from_generator_adapter(tmp_path, tiny_model):
     bad = _ctx(tmp_path, [f"generator.model={tiny_model}", f"generator.adapter={tmp_path / 'nope'}"])
     with pytest.raises(RuntimeError, match="trains from the adapter .*nope.*generator.adapter must name"):
         load_policy(bad, "cpu")
-
-
-def test_logprob_batches_lay_out_the_first_step_as_training_does():
-    from pipeline.stages.train import logprob_batches
-
-    seqs = [TrainSequence(g, [1], [2], 0.0, None) for g in ["a", "b", "a", "c", "d", "b"]]
-    # step 1's micro-batches as they are (index 2 and 0 are both "a": each keeps its own row), then one
-    # sequence per generation not in step 1 (b at 1, c at 3; 5 is b again), two at a time
-    assert logprob_batches(seqs, [[2, 0], [4]], 2) == [[2, 0], [4], [1, 3]]
-    assert logprob_batches(seqs, [], 4) == [[0, 1, 3, 4]]

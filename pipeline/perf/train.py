@@ -86,21 +86,25 @@ def _ragged(i: int, completion_len: int) -> int:
     return max(1, completion_len - 16 * (i % 4))  # ragged completions, as in real rounds
 
 
-def _batch(tok, batch: int, completion_len: int) -> list[TrainSequence]:
+def _batch(tok, batch: int, completion_len: int, group_size: int) -> list[TrainSequence]:
+    """Chat-template prompts, one per group of `group_size` consecutive sequences (a GRPO group shares its prompt)."""
     g = torch.Generator().manual_seed(0)
     seqs = []
     for i in range(batch):
-        prompt = tok.apply_chat_template([{"role": "user", "content": f"Write workflow {i} that solves the task."}],
-                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        prompt = tok.apply_chat_template([{"role": "user", "content": f"Write workflow {i // group_size} that solves "
+                                           "the task."}], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
         comp = torch.randint(100, tok.vocab_size, (_ragged(i, completion_len),), generator=g).tolist()
         seqs.append(TrainSequence(f"s{i}", list(prompt), comp, 1.0 if i % 2 else -1.0, None))
     return seqs
 
 
-def _id_batch(vocab: int, batch: int, prompt_len: int, completion_len: int) -> list[TrainSequence]:
-    """Tokenizer-free: random prompt ids of a fixed length, ragged random completions (ids 3.. : not pad/eos)."""
+def _id_batch(vocab: int, batch: int, prompt_len: int, completion_len: int, group_size: int = 1) -> list[TrainSequence]:
+    """Tokenizer-free: random prompt ids of a fixed length, one prompt per group of `group_size` consecutive
+    sequences, ragged random completions (ids 3.. : not pad/eos)."""
     g = torch.Generator().manual_seed(0)
-    return [TrainSequence(f"s{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(),
+    prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(-(-batch // group_size))]
+    return [TrainSequence(f"s{i}", prompts[i // group_size],
                           torch.randint(3, vocab, (_ragged(i, completion_len),), generator=g).tolist(),
                           1.0 if i % 2 else -1.0, None) for i in range(batch)]
 
@@ -192,9 +196,11 @@ def _versions() -> dict:
 
 
 def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None = None, reps: int = REPS,
-        prompt_len: int = PROMPT_LEN, gradient_checkpointing: bool = False, weights_dtype: str = "float32",
-        json_path: str | Path | None = None, echo=print) -> dict:
-    """Measure, print, and return (and write to `json_path`) the result dict."""
+        prompt_len: int | None = None, gradient_checkpointing: bool = False, weights_dtype: str = "float32",
+        json_path: str | Path | None = None, echo=print, group_size: int | None = None) -> dict:
+    """Measure, print, and return (and write to `json_path`) the result dict. `group_size` consecutive sequences
+    share a prompt (default: the whole batch is one GRPO group, as TRL's num_generations here); `prompt_len`: random
+    prompt ids of that length (default: chat-template prompts on the embedded model, 256 ids with `arch`)."""
     from peft import LoraConfig, get_peft_model
 
     from pipeline.config import TrainingConfig
@@ -206,18 +212,23 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
     if weights_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--weights-dtype must be float32 or bfloat16, not {weights_dtype!r}")
     tc = TrainingConfig()
+    group_size = group_size or batch
     if arch is None:
         from pipeline.engines.models import load_causal_lm, load_tokenizer
 
         tok = load_tokenizer(MODEL)
         base = load_causal_lm(MODEL, dtype=weights_dtype, device=device)
-        seqs = _batch(tok, batch, completion_len)
-        model_name, batch_kind = MODEL, "chat-template prompts + random completions (embedded tokenizer)"
+        model_name = MODEL
     else:
         base = build_arch(arch, getattr(torch, weights_dtype), device)
         tok = tiny_tokenizer()
-        seqs = _id_batch(base.config.vocab_size, batch, prompt_len, completion_len)
-        model_name, batch_kind = arch, f"random prompt ids x{prompt_len} + random completions (no tokenizer)"
+        model_name, prompt_len = arch, prompt_len or PROMPT_LEN
+    if prompt_len is None:
+        seqs = _batch(tok, batch, completion_len, group_size)
+        batch_kind = f"chat-template prompts, one per {group_size} sequences + random completions"
+    else:
+        seqs = _id_batch(base.config.vocab_size, batch, prompt_len, completion_len, group_size)
+        batch_kind = f"random prompt ids x{prompt_len}, one per {group_size} sequences + random completions"
     n, head = matmul_params(base)
     frozen = sum(p.numel() for p in base.parameters())
     if gradient_checkpointing:
@@ -284,7 +295,8 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
         "params": frozen,
         "lora_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "batch": batch, "batch_kind": batch_kind, "completion_len": completion_len,
-        "completion_tokens": n_tok, "tokens": sum(lengths), "reps": reps,
+        "completion_tokens": n_tok, "tokens": sum(lengths), "computed_tokens": b.tokens, "group_size": group_size,
+        "reps": reps,
         "gradient_checkpointing": gradient_checkpointing,
         "flops_per_step": flops, "peak_bf16_flops": peak_flops,
         "loss": {"ours": ours_loss[-1], "trl": trl_loss[-1]},
@@ -313,19 +325,63 @@ def _print(r: dict, echo) -> None:
     echo(f"{r['model']}: {_si(r['params'])} frozen + {_si(r['lora_params'])} LoRA params on "
          f"{r['device']} ({r['precision']}{', gradient checkpointing' if r['gradient_checkpointing'] else ''})")
     echo(f"batch {r['batch']} sequences ({r['batch_kind']}): {r['completion_tokens']} completion tokens, "
-         f"{r['tokens']} with prompts; median of {r['reps']} steps after 1 warm-up")
+         f"{r['tokens']} with prompts (TRL computes these), {r['computed_tokens']} with each prompt once (ours); "
+         f"median of {r['reps']} steps after 1 warm-up")
     for k in ("ours", "trl"):
         x = r[k]
         mem = f"  peak {x['peak_memory_gib']:6.2f} GiB" if x["peak_memory_gib"] is not None else ""
         mfu = ("  MFU " + " | ".join(f"{v:.1%} ({f})" for f, v in x["mfu"].items())) if x["mfu"] else ""
         echo(f"  {k:5s} {x['ms_per_step']:8.1f} ms/step  {x['completion_tokens_per_s']:9.0f} completion tokens/s"
              f"{mem}{mfu}")
-    echo(f"  ratio ours/TRL tokens/s: {r['ratio_tokens_per_s']:.2f}x  (goal >= 1.2x)")
+    echo(f"  ratio ours/TRL tokens/s: {r['ratio_tokens_per_s']:.2f}x  (goal >= 3x on HumanEval-length groups)")
     echo(f"  loss: ours {r['loss']['ours']:.6f} vs TRL {r['loss']['trl']:.6f} (same formula with kl_mask off)")
     f = r["flops_per_step"]
     echo(f"  model FLOPs/step {_si(f['6N'])} (6N: 6/param/token, LM head only where scored), "
          f"{_si(f['4N'])} (4N: LoRA, no frozen-weight grads), {_si(f['6N+attn'])} (6N + PaLM "
          f"attention 12·L·d·T)" + ("" if r["peak_bf16_flops"] else "; MFU on CUDA with a known peak only"))
+
+
+def _step_seconds(model, seqs: list[TrainSequence], share: bool, reps: int) -> float:
+    """Median wall time of our forward + ioGRPO-mKL loss + backward on `seqs`, prompts shared or not."""
+    b = collate(seqs, 0, share_prompts=share)
+    with torch.no_grad():
+        old = completion_logprobs(model, b).detach()
+    times = []
+    for r in range(reps + 1):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        terms = grpo_mkl_terms(completion_logprobs(model, b), old, old, b.advantages, b.completion_mask, BETA, EPS)
+        terms.loss.backward()
+        if r:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sweep(prompt_lens=(128, 512), group_sizes=(2, 4, 8), batch: int = BATCH, completion_len: int = 64,
+          reps: int = 1, echo=print) -> list[dict]:
+    """The shared-prompt saving against prompt length and group size on the embedded model (CPU fp32): the same
+    step with each prompt once and with a prompt row per sequence (the cost before issue 23); the token ratio is
+    what the saving tends to when compute is linear in tokens (Prefix Grouper's FLOP argument)."""
+    from peft import LoraConfig, get_peft_model
+
+    from pipeline.config import TrainingConfig
+    from pipeline.engines.models import load_causal_lm
+
+    tc = TrainingConfig()
+    model = get_peft_model(load_causal_lm(MODEL, dtype="float32", device="cpu"),
+                           LoraConfig(task_type="CAUSAL_LM", r=tc.lora_r, lora_alpha=tc.lora_alpha, lora_dropout=0.0,
+                                      target_modules=list(tc.target_modules))).train()
+    rows = []
+    echo(f"{'prompt':>6} {'group':>5} {'per-seq s':>9} {'shared s':>8} {'saving':>6} {'token ratio':>11}")
+    for p in prompt_lens:
+        for g in group_sizes:
+            seqs = _id_batch(model.config.vocab_size, batch, p, completion_len, g)
+            full, shared = (_step_seconds(model, seqs, s, reps) for s in (False, True))
+            ratio = collate(seqs, 0, share_prompts=False).tokens / collate(seqs, 0).tokens
+            rows.append({"prompt_len": p, "group_size": g, "per_sequence_s": full, "shared_s": shared,
+                         "saving": full / shared, "token_ratio": ratio})
+            echo(f"{p:>6} {g:>5} {full:>9.2f} {shared:>8.2f} {full / shared:>5.2f}x {ratio:>10.2f}x")
+    return rows
 
 
 def main(completion_len: int | None = None, **kw) -> dict:

@@ -16,7 +16,11 @@ start from random ones): measured, π_old then differs from π_θ at step 1 (|ρ
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 
 def make_accelerator():
@@ -35,24 +39,23 @@ def make_accelerator():
 
 
 class LogprobModule(torch.nn.Module):
-    """`completion_logprobs` as the module's forward, so DDP sees the call: its gradient all-reduce is prepared in
-    the wrapped module's forward, which the trainer's decoder + head split (never [B, T, V] logits) would
-    otherwise bypass."""
+    """The trainer's log-prob function (`logprobs(model, batch)`, pipeline.stages.train.completion_logprobs) as the
+    module's forward, so DDP sees the call: its gradient all-reduce is prepared in the wrapped module's forward,
+    which the trainer's decoder + head split (never [B, T, V] logits) would otherwise bypass."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, logprobs):
         super().__init__()
         self.model = model
+        self.logprobs = logprobs  # given, not imported: the trainer imports this module
 
     def forward(self, batch) -> torch.Tensor:
-        from pipeline.stages.train import completion_logprobs
-
-        return completion_logprobs(self.model, batch)
+        return self.logprobs(self.model, batch)
 
 
-def rank_share(micro: list[list[int]], rank: int, n: int) -> list[tuple[list[int], bool]]:
-    """This rank's micro-batches of one optimiser step, dealt round-robin, as (indices, real). Every rank gets the
+def rank_share(micro: list[T], rank: int, n: int) -> list[tuple[T, bool]]:
+    """This rank's passes of one optimiser step, dealt round-robin, as (pass, real). Every rank gets the
     same count (DDP all-reduces at each rank's last backward, so all ranks must get there): a rank short of one
-    repeats the step's first micro-batch with real=False, which the trainer weights 0 (no gradient, no metrics)."""
+    repeats the step's first pass with real=False, which the trainer weights 0 (no gradient, no metrics)."""
     mine = [(mb, True) for mb in micro[rank::n]]
     per_rank = -(-len(micro) // n)
     return mine + [(micro[0], False)] * (per_rank - len(mine))
@@ -70,18 +73,22 @@ def gather_logprobs(local: dict[int, torch.Tensor], n: int) -> dict[int, torch.T
     return merged
 
 
-def reduce_step(values: dict[str, float | None], n: int, maxed: tuple[str, ...] = ()) -> dict[str, float | None]:
-    """One optimiser step's per-rank sums summed over ranks (`maxed` keys: the max). None means no rank had a
-    value (an objective without a KL term) and stays None."""
+def reduce_step(values: T, n: int, maxed: tuple[str, ...] = ()) -> T:
+    """One optimiser step's per-rank sums (a dataclass of floats) summed over ranks (`maxed` fields: the max). None
+    means no rank had a value (an objective without a KL term) and stays None."""
     if n == 1:
         return values
+    import dataclasses
+
     import torch.distributed as dist
 
-    keys = sorted(values)
-    vals = torch.tensor([0.0 if values[k] is None else float(values[k]) for k in keys], dtype=torch.float64)
-    has = torch.tensor([values[k] is not None for k in keys], dtype=torch.float64)
+    keys = [f.name for f in dataclasses.fields(values)]
+    got = [getattr(values, k) for k in keys]
+    vals = torch.tensor([0.0 if v is None else float(v) for v in got], dtype=torch.float64)
+    has = torch.tensor([v is not None for v in got], dtype=torch.float64)
     summed, highest = vals.clone(), vals.clone()
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
     dist.all_reduce(has, op=dist.ReduceOp.SUM)
-    return {k: None if has[i] == 0 else float(highest[i] if k in maxed else summed[i]) for i, k in enumerate(keys)}
+    return type(values)(**{k: None if has[i] == 0 else float(highest[i] if k in maxed else summed[i])
+                           for i, k in enumerate(keys)})

@@ -1,8 +1,14 @@
-"""The train stage: LoRA GRPO with advantage-masked KL on a round's curated groups (DESIGN.md §6).
+"""The train stage: LoRA GRPO with advantage-masked KL on a round's curated groups (docs/design.md §6).
 
-Data: every member of every kept group is one sequence (prompt_token_ids + token_ids, the loss on
-the completion only) with its group advantage; a workflow kept in several groups appears several
-times. A two-level round's loss is the proposal's: an agent term and a workflow term, each averaged
+Data: every member of every kept group is one row (prompt_token_ids + token_ids, the loss on the completion
+only) with its group advantage; a workflow kept in several groups is several rows. Each token is computed once
+(issue 23, docs/performance.md): a step holds whole groups (`pipeline.core.packing.plan_steps`), a forward pass encodes
+each distinct prompt once and its completions attend to it (`collate`, `completion_logprobs`), a sequence in several
+rows of a step is computed once and carries the sum of their loss terms (`chunk_loss_input`), and passes are
+packed by padded tokens (`pipeline.core.packing.pack`).
+
+The stage in four steps (`run_train`): `load_stage` (rows, policy, step plan), `reference_passes` (π_old and the
+reference), `optimise` (the optimiser loop, one `StepMetrics` a step), `write_outputs`. A two-level round's loss is the proposal's: an agent term and a workflow term, each averaged
 over its own sequences of the optimiser step, weighted by training.two_level (`step_weights`), each
 level's KL masked or not by its switch (`kl_masks`). π_old = the adapter as loaded (previous round's
 checkpoint; at round 0 generator.adapter, which sampled it, or a fresh LoRA = the base model), recomputed
@@ -20,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +36,11 @@ import torch
 # polars / the store / the run config are imported where used: the step functions below (collate,
 # completion_logprobs) import with torch alone, as `pipeline bench train` needs on a bare GPU machine.
 from pipeline.core.grpo import grpo_mkl_loss, grpo_mkl_terms, level_weights
+from pipeline.core.packing import Chunk, RowShape, logprob_chunks, pack, plan_steps, step_units
 from pipeline.stages.modes import get_mode
 
-__all__ = ["grpo_mkl_loss", "grpo_mkl_terms", "run_train", "TrainSequence", "Batch", "collate", "completion_logprobs"]
+__all__ = ["grpo_mkl_loss", "grpo_mkl_terms", "run_train", "TrainSequence", "Batch", "collate", "completion_logprobs",
+           "StepMetrics", "chunk_loss_input", "row_shapes", "plan_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -53,33 +60,53 @@ class TrainSequence:
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor  # [B, T] right-padded
-    attention_mask: torch.Tensor  # [B, T]
-    src: torch.Tensor  # [N] flat positions (b*T + p-1) of the hidden states that predict completion tokens
+    """One forward pass in two parts: the distinct prompts (each without its last token) once, then every sequence's
+    last prompt token and completion, attending to its prompt's keys and values. Position j of the second part's
+    grid predicts completion token j, so the grids of `input_ids`, `tgt` and `completion_mask` coincide."""
+
+    prompt_ids: torch.Tensor  # [P, Lp] distinct prompts minus their last token, right-padded (Lp may be 0)
+    prompt_mask: torch.Tensor  # [P, Lp]
+    prompt_of: torch.Tensor  # [B] the row of each sequence's prompt
+    input_ids: torch.Tensor  # [B, Tc] last prompt token + completion[:-1], right-padded
+    position_ids: torch.Tensor  # [B, Tc] positions in the full sequence (len(prompt) - 1 + j)
+    src: torch.Tensor  # [N] flat positions (b*Tc + j) of the completion tokens in the [B, Tc] grid
     tgt: torch.Tensor  # [N] the completion token ids
-    dst: torch.Tensor  # [N] flat positions (b*Tc + j) in the [B, Tc] completion grid
     completion_mask: torch.Tensor  # [B, Tc]
     advantages: torch.Tensor  # [B]
 
+    @property
+    def slots(self) -> int:
+        """Token positions the pass computes, padding included (prompt grid + completion grid)."""
+        return self.prompt_ids.numel() + self.input_ids.numel()
 
-def collate(seqs: list[TrainSequence], pad_id: int, device: torch.device | str = "cpu") -> Batch:
-    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
-    t, tc = max(lengths), max(len(s.completion_ids) for s in seqs)
-    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
-    att = torch.zeros((len(seqs), t), dtype=torch.long)
-    cmask = torch.zeros((len(seqs), tc))
-    src, tgt, dst = [], [], []
+    @property
+    def tokens(self) -> int:
+        """Token positions that hold a real token."""
+        return int(self.prompt_mask.sum()) + int(self.completion_mask.sum())
+
+
+def collate(seqs: list[TrainSequence], pad_id: int, device: torch.device | str = "cpu",
+            share_prompts: bool = True) -> Batch:
+    """`share_prompts=False` gives every sequence its own prompt row (the per-sequence cost, for benches)."""
+    prompts: dict[tuple[int, ...], int] = {}
+    prompt_of = [prompts.setdefault(tuple(s.prompt_ids[:-1]) if share_prompts else (b, *s.prompt_ids[:-1]),
+                                    len(prompts)) for b, s in enumerate(seqs)]
+    body = [p if share_prompts else p[1:] for p in prompts]
+    lp, tc = max(map(len, body), default=0), max(len(s.completion_ids) for s in seqs)
+    pids, pmask = torch.full((len(body), lp), pad_id, dtype=torch.long), torch.zeros((len(body), lp), dtype=torch.long)
+    for i, p in enumerate(body):
+        pids[i, : len(p)], pmask[i, : len(p)] = torch.tensor(p, dtype=torch.long), 1
+    ids, tgt = torch.full((len(seqs), tc), pad_id, dtype=torch.long), torch.zeros((len(seqs), tc), dtype=torch.long)
+    cmask, pos = torch.zeros((len(seqs), tc)), torch.zeros((len(seqs), tc), dtype=torch.long)
     for b, s in enumerate(seqs):
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        ids[b, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
-        att[b, : p + c] = 1
-        cmask[b, :c] = 1
-        src.append(torch.arange(b * t + p - 1, b * t + p + c - 1))
-        dst.append(torch.arange(b * tc, b * tc + c))
-        tgt.append(torch.tensor(s.completion_ids))
+        c = len(s.completion_ids)
+        ids[b, :c] = torch.tensor([s.prompt_ids[-1], *s.completion_ids[:-1]])
+        tgt[b, :c], cmask[b, :c] = torch.tensor(s.completion_ids), 1
+        pos[b] = torch.arange(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + tc)
+    src = cmask.flatten().nonzero().squeeze(1)
     adv = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
-    return Batch(ids.to(device), att.to(device), torch.cat(src).to(device), torch.cat(tgt).to(device),
-                 torch.cat(dst).to(device), cmask.to(device), adv.to(device))
+    return Batch(*(t.to(device) for t in (pids, pmask, torch.tensor(prompt_of), ids, pos, src, tgt.flatten()[src],
+                                          cmask, adv)))
 
 
 def _split_causal_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -89,18 +116,96 @@ def _split_causal_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
 
 
 def _head_logprobs(head: torch.nn.Module, h: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    logits = head(h).float()
+    logits = head(h)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up to fp32; fp64 stays fp64
     return logits.gather(1, tgt[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
+# ---- the prompt's keys and values, shared by its completions ----------------------------------------------------
+# HF's cache API carries them from the prompt pass to the completion pass. Neither cache below appends: a layer under
+# gradient checkpointing runs its forward again in the backward pass, and a second append would double the prompt.
+
+
+def _cache_types():
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class RecordingLayer(DynamicLayer):
+        """Keeps the last keys/values it was given (replacing: a checkpointed replay stores the same again)."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states
+            return key_states, value_states
+
+    class PrefixLayer(DynamicLayer):
+        """Read-only prompt keys/values: returns them followed by the new ones, stores nothing."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+            super().__init__()
+            self.lazy_initialization(keys, values)
+            self.keys, self.values = keys, values
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    return Cache, RecordingLayer, PrefixLayer
+
+
+def _recording_cache():
+    cache_cls, recording, _ = _cache_types()
+    return cache_cls(layer_class_to_replicate=recording)
+
+
+def _prefix_cache(rec, rows: torch.Tensor):
+    """`rec`'s keys/values with batch rows `rows` (each sequence's prompt): index_select copies them, and its
+    backward sums the completions' gradients into their prompt's."""
+    cache_cls, _, prefix = _cache_types()
+    return cache_cls(layers=[prefix(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
+                             for layer in rec.layers])
+
+
+@contextlib.contextmanager
+def _cache_under_checkpointing(decoder: torch.nn.Module):
+    """HF drops `past_key_values` in a layer under gradient checkpointing unless the layer says its cache is safe to
+    replay; ours are (see above), so the flag is set for the forward (the replay reuses the forward's arguments)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for m in layers:
+        m._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m._can_checkpoint_with_cache
+
+
+def _prompt_states(decoder: torch.nn.Module, batch: Batch):
+    """The prompts' per-layer keys and values (with their autograd history: gradients flow back into the prompt
+    pass), expanded to one row per sequence as a read-only cache; None when no prompt has more than one token."""
+    if batch.prompt_ids.shape[1] == 0:
+        return None
+    rec = _recording_cache()
+    with _cache_under_checkpointing(decoder):
+        decoder(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, past_key_values=rec, use_cache=False)
+    return _prefix_cache(rec, batch.prompt_of)
+
+
 def completion_logprobs(model: torch.nn.Module, batch: Batch, head_chunk: int = 2048) -> torch.Tensor:
-    """[B, Tc] log-probs of the completion tokens (0 on padding). The head runs only on the flattened
-    hidden states of the N predicting positions: [N, H] @ [H, V], never [B, T, V]; above `head_chunk`
-    positions it runs in checkpointed chunks, so at most [head_chunk, V] logits live at once (large vocabularies)."""
+    """[B, Tc] log-probs of the completion tokens (0 on padding), each distinct prompt encoded once (`Batch`).
+    The head runs only on the hidden states of the N completion positions: [N, H] @ [H, V], never [B, T, V];
+    above `head_chunk` positions it runs in checkpointed chunks, so at most [head_chunk, V] logits live at once."""
     from torch.utils.checkpoint import checkpoint
 
     decoder, head = _split_causal_lm(model)
-    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    cache = _prompt_states(decoder, batch)
+    mask = batch.completion_mask.long()
+    if cache is not None:
+        mask = torch.cat([batch.prompt_mask.index_select(0, batch.prompt_of), mask], dim=1)
+    with _cache_under_checkpointing(decoder):
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
+                         past_key_values=cache, use_cache=False).last_hidden_state
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
     if h.shape[0] <= head_chunk:
         logp = _head_logprobs(head, h, batch.tgt)
@@ -110,7 +215,7 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, head_chunk: int = 
         logp = torch.cat([run(head, h[i: i + head_chunk], batch.tgt[i: i + head_chunk])
                           for i in range(0, h.shape[0], head_chunk)])
     b, tc = batch.completion_mask.shape
-    return logp.new_zeros(b * tc).scatter(0, batch.dst, logp).view(b, tc)
+    return logp.new_zeros(b * tc).scatter(0, batch.src, logp).view(b, tc)
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -207,31 +312,57 @@ def load_policy(ctx, device: str):
     return PeftModel.from_pretrained(base, str(start), is_trainable=True, config=lora)
 
 
-def logprob_batches(seqs: list[TrainSequence], first_step: list[list[int]], mbs: int) -> list[list[int]]:
-    """Batches (sequence indices) of a π_old / reference pass: the first optimiser step's micro-batches exactly as
-    training runs them, then one sequence per remaining generation, `mbs` at a time. Kernels round differently at
-    another padded length (up to 2e-5 in fp32 here, far more in bf16), so laid out this way the first step
-    computes π_θ exactly as π_old was computed: ρ = 1 and k3 = 0 before any update."""
-    batches = [list(mb) for mb in first_step]
-    seen = {seqs[i].gen_id for mb in batches for i in mb}
-    rest = []
-    for i, s in enumerate(seqs):
-        if s.gen_id not in seen:
-            seen.add(s.gen_id)
-            rest.append(i)
-    return batches + [rest[j: j + mbs] for j in range(0, len(rest), mbs)]
+def row_shapes(seqs: list[TrainSequence]) -> list[RowShape]:
+    """What `pipeline.core.packing` plans with: identity, group, the prompt a pass encodes once, completion length."""
+    return [RowShape(s.gen_id, s.group_id, tuple(s.prompt_ids[:-1]), len(s.completion_ids)) for s in seqs]
+
+
+def pass_budget(tc) -> int:
+    """Padded token positions a pass may hold: training.micro_batch_tokens, or by default the worst case of the
+    former fixed micro-batches (micro_batch_size sequences of max_seq_len): a pass then holds no more token positions
+    than a micro-batch could (it also holds its prompts' keys and values once per sequence)."""
+    return tc.micro_batch_tokens or tc.micro_batch_size * tc.max_seq_len
+
+
+@dataclass
+class PlannedStep:
+    epoch: int
+    passes: list[Chunk]  # its forward/backward passes
+
+    @property
+    def rows(self) -> list[int]:
+        return [r for c in self.passes for r in c.rows]
+
+
+def plan_passes(seqs: list[TrainSequence], tc, rng: np.random.Generator, paired: bool = False) -> list[PlannedStep]:
+    """Every optimiser step's passes: its rows (`pipeline.core.packing.plan_steps`, training.step_order, micro_batch_size
+    x grad_accum rows a step), one unit per distinct sequence (or pair), packed by tokens."""
+    shapes = row_shapes(seqs)
+    unit = 2 if paired else 1
+    epochs = plan_steps(shapes, tc.epochs, tc.micro_batch_size * tc.grad_accum * unit, rng, tc.step_order, unit)
+    return [PlannedStep(e, pack(step_units(rows, shapes, paired), shapes, pass_budget(tc)))
+            for e, steps in enumerate(epochs) for rows in steps]
+
+
+def _pass_logprobs(model, seqs: list[TrainSequence], chunk: Chunk, pad_id: int, device, bf16: bool,
+                   disable_adapter: bool) -> dict[str, torch.Tensor]:
+    uniq = [seqs[i] for i in chunk.uniq]
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16), \
+            model.disable_adapter() if disable_adapter else contextlib.nullcontext():
+        lp = completion_logprobs(model, collate(uniq, pad_id, device)).float()
+    return {s.gen_id: lp[b, : len(s.completion_ids)].cpu() for b, s in enumerate(uniq)}
 
 
 @torch.no_grad()
-def reference_logprobs(model, seqs: list[TrainSequence], batches: list[list[int]], pad_id: int, device,
+def reference_logprobs(model, seqs: list[TrainSequence], chunks: list[Chunk], pad_id: int, device,
                        disable_adapter: bool = False, desc: str = "old logprobs", bf16: bool = False,
-                       shard: tuple[int, int] = (0, 1)) -> dict[int, torch.Tensor]:
-    """Per sequence index, completion log-probs (fp32 values) of `model` in eval mode (no dropout) computed on
-    `batches` (`logprob_batches`), under the same bf16 autocast as the training forward when `bf16`: π_old and
+                       shard: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
+    """Per gen_id, completion log-probs (fp32 values) of `model` in eval mode (no dropout) computed on `chunks`
+    (`pipeline.core.packing.logprob_chunks`), under the same bf16 autocast as the training forward when `bf16`: π_old and
     π_θ are then the same computation at the first step (ratio 1, k3 0 before any update), and the pass costs
-    half the fp32 time on CPU. A sequence outside `batches` takes its generation's first computed value.
-    `shard=(rank, n)`: this rank computes batches[rank::n] (its share of the first step is exactly the
-    micro-batches it trains on, `pipeline.stages.parallel.rank_share`) and the ranks' results are gathered."""
+    half the fp32 time on CPU. A sequence in several chunks takes the first chunk's value.
+    `shard=(rank, n)`: this rank computes chunks[rank::n] (its share of the first step is exactly the passes it
+    trains, `pipeline.stages.parallel.rank_share`) and the ranks' results are gathered."""
     from tqdm import tqdm
 
     from pipeline.stages.parallel import gather_logprobs
@@ -239,23 +370,18 @@ def reference_logprobs(model, seqs: list[TrainSequence], batches: list[list[int]
     rank, n = shard
     was_training = model.training
     model.eval()
-    computed: dict[int, torch.Tensor] = {}
+    computed: dict[int, dict[str, torch.Tensor]] = {}
     try:
-        for mb in tqdm(batches[rank::n], desc=desc, unit="batch", leave=False, disable=rank > 0):
-            chunk = [seqs[i] for i in mb]
-            batch = collate(chunk, pad_id, device)
-            with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16), \
-                    model.disable_adapter() if disable_adapter else contextlib.nullcontext():
-                lp = completion_logprobs(model, batch).float()
-            for b, (i, s) in enumerate(zip(mb, chunk, strict=True)):
-                computed[i] = lp[b, : len(s.completion_ids)].cpu()
+        for k in tqdm(range(rank, len(chunks), n), desc=desc, unit="pass", leave=False, disable=rank > 0):
+            computed[k] = _pass_logprobs(model, seqs, chunks[k], pad_id, device, bf16, disable_adapter)
     finally:
         model.train(was_training)
     computed = gather_logprobs(computed, n)
     by_gen: dict[str, torch.Tensor] = {}
-    for i in (i for mb in batches for i in mb):  # "first computed" in the batches' order, whoever computed it
-        by_gen.setdefault(seqs[i].gen_id, computed[i])
-    return {i: computed[i] if i in computed else by_gen[s.gen_id] for i, s in enumerate(seqs)}
+    for k in sorted(computed):
+        for gen, lp in computed[k].items():
+            by_gen.setdefault(gen, lp)
+    return by_gen
 
 
 def _pad_rows(rows: list[torch.Tensor], tc: int, device) -> torch.Tensor:
@@ -265,29 +391,15 @@ def _pad_rows(rows: list[torch.Tensor], tc: int, device) -> torch.Tensor:
     return out.to(device)
 
 
-def _plan_steps(n: int, tc, rng: np.random.Generator, unit: int = 1) -> list[list[list[int]]]:
-    """Epochs of shuffled micro-batches grouped into optimiser steps: steps[i] = [micro-batch sequence indices].
-    Sequences come in units of `unit` consecutive ones (2: score_dpo's pairs) that are shuffled and batched whole,
-    `micro_batch_size` units a micro-batch."""
-    steps = []
-    for _ in range(tc.epochs):
-        order = rng.permutation(n // unit)
-        micro = [[u * unit + k for u in order[i: i + tc.micro_batch_size].tolist() for k in range(unit)]
-                 for i in range(0, n // unit, tc.micro_batch_size)]
-        steps += [micro[i: i + tc.grad_accum] for i in range(0, len(micro), tc.grad_accum)]
-    return steps
-
-
-def step_weights(seqs: list[TrainSequence], micro: list[list[int]], tc) -> dict[int, float] | None:
-    """Two-level: each sequence's factor c_b in its optimiser step's loss (`pipeline.core.grpo.level_weights`: agent
-    and workflow terms, each averaged over its own sequences of the step, weighted by training.two_level);
-    flat: None (a step's loss is the mean of its micro-batches' losses, as SPOGW)."""
-    idx = [i for mb in micro for i in mb]
-    if all(seqs[i].level == "flat" for i in idx):
+def step_weights(seqs: list[TrainSequence], rows: list[int], tc) -> dict[int, float] | None:
+    """Two-level: each row's factor c_b in its optimiser step's loss (`pipeline.core.grpo.level_weights`: agent and
+    workflow terms, each averaged over its own rows of the step, weighted by training.two_level); flat: None (a
+    step's loss is the mean over its rows, or its completion tokens under loss_norm=token, as SPOGW)."""
+    if all(seqs[i].level == "flat" for i in rows):
         return None
     w = {"agent": tc.two_level.agent_weight, "workflow": tc.two_level.workflow_weight}
-    c = level_weights([seqs[i].level for i in idx], [len(seqs[i].completion_ids) for i in idx], w, tc.loss_norm)
-    return dict(zip(idx, c.tolist(), strict=True))
+    c = level_weights([seqs[i].level for i in rows], [len(seqs[i].completion_ids) for i in rows], w, tc.loss_norm)
+    return dict(zip(rows, c.tolist(), strict=True))
 
 
 def kl_masks(chunk: list[TrainSequence], tc) -> bool | torch.Tensor:
@@ -299,7 +411,159 @@ def kl_masks(chunk: list[TrainSequence], tc) -> bool | torch.Tensor:
     return torch.tensor([switch[s.level] for s in chunk])
 
 
+def pass_shares(seqs: list[TrainSequence], chunk: Chunk, step_rows: list[int], norm: str) -> tuple[float, float]:
+    """(share, token share) of a pass in its step: its rows' share of the step's rows (norm="sequence") or of its
+    completion tokens (norm="token"), and its rows' share of the completion tokens. An objective returns the mean
+    over the rows it is given; times `share`, the passes' losses sum to the step's mean."""
+    tokens = lambda rows: sum(len(seqs[r].completion_ids) for r in rows)  # noqa: E731
+    tok_share = tokens(chunk.rows) / max(tokens(step_rows), 1)
+    return (len(chunk.rows) / len(step_rows) if norm == "sequence" else tok_share), tok_share
+
+
+def _seq_tensor(seqs: list[TrainSequence], rows: list[int], field: str, device) -> torch.Tensor | None:
+    vals = [getattr(seqs[i], field) for i in rows]
+    return None if any(v is None for v in vals) else torch.tensor(vals, dtype=torch.float32, device=device)
+
+
+def chunk_loss_input(seqs: list[TrainSequence], chunk: Chunk, logp: torch.Tensor, batch: Batch, tc,
+                     old: dict | None, ref: dict | None, weights: dict[int, float] | None, device):
+    """The objective's input for a pass's rows: each row takes its sequence's log-probs (computed once, `take`),
+    with its own coefficient; the rows of one sequence then add their loss terms, and its gradient is their sum."""
+    from pipeline.core.objectives import LossInput
+
+    rows = [seqs[r] for r in chunk.rows]
+    take = torch.tensor(chunk.take, device=logp.device)
+    tcol = logp.shape[1]
+    gens = lambda lps: _pad_rows([lps[s.gen_id] for s in rows], tcol, device)  # noqa: E731
+    return LossInput(
+        logp=logp.float().index_select(0, take), mask=batch.completion_mask.index_select(0, take),
+        coef=torch.tensor([s.advantage for s in rows], dtype=torch.float32, device=device),
+        old_logp=None if old is None else gens(old), ref_logp=None if ref is None else gens(ref),
+        scores=_seq_tensor(seqs, chunk.rows, "score", device), kl_mask=kl_masks(rows, tc),
+        seq_weights=None if weights is None else torch.tensor([weights[r] for r in chunk.rows], device=device))
+
+
 # ---- the stage -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepMetrics:
+    """One optimiser step: a row of `train_metrics`."""
+
+    step: int
+    epoch: int
+    loss: float
+    pg_loss: float
+    kl: float | None  # mean k3 to the reference (objectives with one)
+    clip_frac: float | None  # share of completion tokens whose clipped branch is active (ratio objectives)
+    ratio_dev: float | None  # max |π_θ/π_old - 1|
+    lr: float
+    grad_norm: float
+    tokens: int  # completion tokens of the step's rows
+    padding_share: float  # share of the step's computed token positions that were padding
+    logp_mismatch: float | None  # mean |generation-time - trainer π_old| per token
+    wall_s: float
+
+
+@dataclass
+class StepSums:
+    """One rank's running sums over a step's passes (`pipeline.stages.parallel.reduce_step` adds the ranks')."""
+
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float | None = None
+    clip_frac: float | None = None
+    ratio_dev: float | None = None  # a max, not a sum
+    tokens: float = 0.0
+    slots: float = 0.0  # token positions computed (padding included)
+    real: float = 0.0  # of which real tokens
+    mism: float = 0.0
+    mism_n: float = 0.0
+
+    def add_terms(self, terms, share: float, tok_share: float, loss_share: float) -> None:
+        self.loss += float(terms.loss.detach()) * loss_share
+        self.pg_loss += float(terms.pg_loss) * loss_share
+        if terms.kl is not None:
+            self.kl = (self.kl or 0.0) + float(terms.kl) * share
+        if terms.clip_frac is not None:
+            self.clip_frac = (self.clip_frac or 0.0) + float(terms.clip_frac) * tok_share
+        if terms.ratio_dev is not None:
+            self.ratio_dev = max(self.ratio_dev or 0.0, float(terms.ratio_dev))
+
+    def add_mismatch(self, uniq: list[TrainSequence], old: dict | None) -> None:
+        for s in uniq:
+            if s.gen_logprobs is not None and old is not None:
+                self.mism += float((torch.tensor(s.gen_logprobs) - old[s.gen_id]).abs().sum())
+                self.mism_n += len(s.gen_logprobs)
+
+
+@dataclass
+class TrainSetup:
+    """What the passes and the optimiser loop share."""
+
+    ctx: object
+    obj: object  # pipeline.core.objectives.Objective
+    accel: object
+    seqs: list[TrainSequence]
+    info: dict
+    model: torch.nn.Module  # the PEFT model
+    policy: torch.nn.Module  # the same, as DDP sees it (`LogprobModule`)
+    pad_id: int
+    steps: list[PlannedStep]
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        return self.accel.process_index, self.accel.num_processes
+
+
+def _check_objective(ctx):
+    from pipeline.core.objectives import get_objective
+
+    tc = ctx.cfg.training
+    obj = get_objective(tc.objective)
+    mode = get_mode(ctx.cfg.rollout.mode)
+    if mode.objective_kinds is not None and obj.kind not in mode.objective_kinds:
+        raise ValueError(f"training.objective={obj.name} trains on {obj.kind} rows, which curation does not write "
+                         f"for rollout.mode {mode.name} (it writes {', '.join(mode.objective_kinds)} rows)")
+    if obj.needs_ref and tc.reference == "none":
+        raise ValueError(f"training.objective={obj.name} needs a reference model; training.reference is 'none'")
+    return obj
+
+
+def load_stage(ctx, obj, accel) -> TrainSetup:
+    """Step 1: the round's rows, the policy (the same fresh LoRA on every rank), the step plan; DDP wraps the
+    policy (and broadcasts rank 0's weights, so π_old / reference come from the weights every rank trains)."""
+    from pipeline.engines.models import load_tokenizer
+    from pipeline.run import derived_seed
+    from pipeline.stages.parallel import LogprobModule
+
+    tc = ctx.cfg.training
+    torch.manual_seed(derived_seed(tc.seed, "train", ctx.round))
+    seqs, info = load_sequences(ctx, obj.kind)
+    if not seqs:
+        log.warning("round %d has no kept %s rows: the checkpoint is the unchanged adapter", ctx.round, obj.kind)
+    pad_id = load_tokenizer(ctx.cfg.generator.model).pad_token_id or 0
+    model = load_policy(ctx, accel.device)
+    if tc.gradient_checkpointing:
+        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rng = np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))
+    steps = plan_passes(seqs, tc, rng, obj.paired) if seqs else []
+    policy = accel.prepare(LogprobModule(model, completion_logprobs))
+    return TrainSetup(ctx, obj, accel, seqs, info, model, policy, pad_id, steps)
+
+
+def reference_passes(s: TrainSetup) -> tuple[dict | None, dict | None]:
+    """Step 2: π_old and reference log-probs per gen_id, before any update (`reference_logprobs`)."""
+    tc = s.ctx.cfg.training
+    chunks = logprob_chunks(s.steps[0].passes if s.steps else [], row_shapes(s.seqs), pass_budget(tc))
+    args = {"pad_id": s.pad_id, "device": s.accel.device, "bf16": tc.bf16, "shard": s.shard}
+    old = reference_logprobs(s.model, s.seqs, chunks, **args) if s.obj.needs_old else None
+    if not s.obj.uses_ref or tc.reference == "none":
+        return old, None
+    if tc.reference == "base" and start_adapter(s.ctx) is not None:
+        return old, reference_logprobs(s.model, s.seqs, chunks, disable_adapter=True, desc="ref logprobs", **args)
+    # the starting adapter = π_old (a fresh LoRA is a no-op: both are the base model)
+    return old, old if old is not None else reference_logprobs(s.model, s.seqs, chunks, desc="ref logprobs", **args)
 
 
 def _lr_scheduler(optimizer, tc, total_steps: int):
@@ -309,125 +573,101 @@ def _lr_scheduler(optimizer, tc, total_steps: int):
     return get_scheduler(name, optimizer, num_warmup_steps=tc.warmup_steps, num_training_steps=max(total_steps, 1))
 
 
-def _seq_tensor(seqs: list[TrainSequence], mb: list[int], field: str, device) -> torch.Tensor | None:
-    vals = [getattr(seqs[i], field) for i in mb]
-    return None if any(v is None for v in vals) else torch.tensor(vals, dtype=torch.float32, device=device)
+def train_pass(s: TrainSetup, chunk: Chunk, step_rows: list[int], real: bool, passes: tuple[dict | None, dict | None],
+               sums: StepSums) -> None:
+    """One forward/backward over a pass's distinct sequences, its rows' loss terms summed (a filler, real=False,
+    weighs 0: DDP needs every rank at each all-reduce)."""
+    tc, device, n_ranks = s.ctx.cfg.training, s.accel.device, s.accel.num_processes
+    old, ref = passes
+    batch = collate([s.seqs[i] for i in chunk.uniq], s.pad_id, device)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.bf16):
+        logp = s.policy(batch)
+    weights = step_weights(s.seqs, step_rows, tc)
+    terms = s.obj.fn(chunk_loss_input(s.seqs, chunk, logp, batch, tc, old, ref, weights, device), tc)
+    share, tok_share = pass_shares(s.seqs, chunk, step_rows, tc.loss_norm)
+    loss_share = share if weights is None else 1.0  # level weights already normalise over the step
+    # x ranks: DDP averages the ranks' gradients, the step's gradient is their sum
+    s.accel.backward(terms.loss * (loss_share * n_ranks if real else 0.0))
+    if real:
+        sums.add_terms(terms, share, tok_share, loss_share)
+        sums.tokens += sum(len(s.seqs[r].completion_ids) for r in chunk.rows)
+        sums.slots, sums.real = sums.slots + batch.slots, sums.real + batch.tokens
+        sums.add_mismatch([s.seqs[i] for i in chunk.uniq], old)
+
+
+def optimise(s: TrainSetup, passes: tuple[dict | None, dict | None]) -> list[StepMetrics]:
+    """Step 3: the optimiser loop; each rank runs its share of every step's passes (`pipeline.stages.parallel.rank_share`)."""
+    from tqdm import tqdm
+
+    from pipeline.stages.parallel import rank_share
+
+    tc, accel = s.ctx.cfg.training, s.accel
+    params = [p for p in s.policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
+    sched = _lr_scheduler(optimizer, tc, len(s.steps))
+    s.policy.train()
+    metrics = []
+    for step, planned in enumerate(tqdm(s.steps, desc=f"train round {s.ctx.round} ({s.obj.name})", unit="step",
+                                        disable=not accel.is_main_process)):
+        t0, lr, sums = time.perf_counter(), sched.get_last_lr()[0], StepSums()
+        step_rows = planned.rows
+        mine = rank_share(planned.passes, *s.shard)
+        for j, (chunk, real) in enumerate(mine):
+            # DDP all-reduces at each rank's last backward of the step only
+            with contextlib.nullcontext() if j == len(mine) - 1 else accel.no_sync(s.policy):
+                train_pass(s, chunk, step_rows, real, passes, sums)
+        grad_norm = accel.clip_grad_norm_(params, tc.max_grad_norm)
+        optimizer.step()
+        sched.step()
+        optimizer.zero_grad(set_to_none=True)
+        metrics.append(_step_metrics(step, planned.epoch, lr, float(grad_norm), sums, s.accel.num_processes, t0))
+    s.policy.eval()
+    return metrics
+
+
+def _step_metrics(step: int, epoch: int, lr: float, grad_norm: float, sums: StepSums, n_ranks: int,
+                  t0: float) -> StepMetrics:
+    from pipeline.stages.parallel import reduce_step
+
+    t = reduce_step(sums, n_ranks, maxed=("ratio_dev",))
+    return StepMetrics(step=step, epoch=epoch, loss=t.loss, pg_loss=t.pg_loss, kl=t.kl, clip_frac=t.clip_frac,
+                       ratio_dev=t.ratio_dev, lr=lr, grad_norm=grad_norm, tokens=int(t.tokens),
+                       padding_share=1 - t.real / t.slots if t.slots else 0.0,
+                       logp_mismatch=t.mism / t.mism_n if t.mism_n else None, wall_s=time.perf_counter() - t0)
+
+
+def write_outputs(s: TrainSetup, metrics: list[StepMetrics]) -> dict:
+    """Step 4: rank 0 saves the adapter (whole or absent), then `train_metrics`, the `checkpoints` row and the
+    manifest; every rank returns the counts once the manifest exists (the runner checks it)."""
+    from dataclasses import asdict
+
+    ctx, accel = s.ctx, s.accel
+    ckpt = ctx.store.checkpoint_dir(ctx.run_id, ctx.round)
+    if accel.is_main_process:
+        peft_model = accel.unwrap_model(s.policy).model
+        ctx.store.publish_checkpoint(lambda d: peft_model.save_pretrained(str(d)), ctx.run_id, ctx.round)
+        ctx.store.write("train_metrics", [asdict(m) for m in metrics], ctx.run_id, ctx.round)
+        ctx.store.write("checkpoints", [{"path": str(ckpt), "base_model": ctx.cfg.generator.model,
+                                         "parent_round": ctx.round - 1 if ctx.round > 0 else None,
+                                         "rows_used": len(s.seqs)}], ctx.run_id, ctx.round)
+    mismatch = [m.logp_mismatch for m in metrics if m.logp_mismatch is not None]
+    counts = {"objective": s.obj.name, "sequences": len(s.seqs), "generations": len({q.gen_id for q in s.seqs}),
+              "steps": len(s.steps), "tokens": sum(m.tokens for m in metrics), **s.info,
+              "processes": accel.num_processes, "final_loss": metrics[-1].loss if metrics else None,
+              "logp_mismatch": float(np.mean(mismatch)) if mismatch else None, "checkpoint": str(ckpt)}
+    if accel.is_main_process:
+        ctx.finish("train", **counts)
+    accel.wait_for_everyone()
+    return counts
 
 
 def run_train(ctx) -> dict:
     """Train the round's adapter with `training.objective` on its curated rows and write the round's checkpoint.
     Under `accelerate launch --num_processes N` it trains data-parallel (`pipeline.stages.parallel`): the same global
-    batches, each optimiser step's micro-batches dealt to the ranks, gradients all-reduced; rank 0 writes."""
-    from tqdm import tqdm
+    steps, each step's passes dealt to the ranks, gradients all-reduced; rank 0 writes."""
+    from pipeline.stages.parallel import make_accelerator
 
-    from pipeline.core.objectives import LossInput, get_objective
-    from pipeline.engines.models import load_tokenizer
-    from pipeline.run import derived_seed
-    from pipeline.stages.parallel import LogprobModule, make_accelerator, rank_share, reduce_step
-
-    ckpt = ctx.store.checkpoint_dir(ctx.run_id, ctx.round)
-    tc = ctx.cfg.training
-    obj = get_objective(tc.objective)
-    mode = get_mode(ctx.cfg.rollout.mode)
-    if mode.objective_kinds is not None and obj.kind not in mode.objective_kinds:
-        raise ValueError(f"training.objective={obj.name} trains on {obj.kind} rows, which curation does not write "
-                         f"for rollout.mode {mode.name} (it writes {', '.join(mode.objective_kinds)} rows)")
-    if obj.needs_ref and tc.reference == "none":
-        raise ValueError(f"training.objective={obj.name} needs a reference model; training.reference is 'none'")
-    accel = make_accelerator()
-    rank, n_ranks, device = accel.process_index, accel.num_processes, accel.device
-    main = accel.is_main_process
-    torch.manual_seed(derived_seed(tc.seed, "train", ctx.round))  # the same fresh LoRA on every rank
-    seqs, info = load_sequences(ctx, obj.kind)
-    if not seqs:
-        log.warning("round %d has no kept %s rows: the checkpoint is the unchanged adapter", ctx.round, obj.kind)
-    pad_id = load_tokenizer(ctx.cfg.generator.model).pad_token_id or 0
-    model = load_policy(ctx, device)
-    if tc.gradient_checkpointing:
-        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    rng = np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))
-    steps = _plan_steps(len(seqs), tc, rng, 2 if obj.paired else 1) if seqs else []
-    batches = logprob_batches(seqs, steps[0] if steps else [], tc.micro_batch_size)
-    # DDP broadcasts rank 0's weights here: π_old / reference below then come from the weights every rank trains
-    policy = accel.prepare(LogprobModule(model))  # DDP wraps the call the loss goes through
-    lp_args = {"pad_id": pad_id, "device": device, "bf16": tc.bf16, "shard": (rank, n_ranks)}
-    old = reference_logprobs(model, seqs, batches, **lp_args) if obj.needs_old else None
-    ref = None
-    if obj.uses_ref and tc.reference != "none":
-        if tc.reference == "base" and start_adapter(ctx) is not None:
-            ref = reference_logprobs(model, seqs, batches, disable_adapter=True, desc="ref logprobs", **lp_args)
-        else:  # the starting adapter = π_old (a fresh LoRA is a no-op: both are the base model)
-            ref = old if old is not None else reference_logprobs(model, seqs, batches, desc="ref logprobs", **lp_args)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(steps) / tc.epochs) if steps else 0
-    sched = _lr_scheduler(optimizer, tc, len(steps))
-    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.bf16)
-    policy.train()
-    metrics = []
-    for step, micro in enumerate(tqdm(steps, desc=f"train round {ctx.round} ({obj.name})", unit="step",
-                                      disable=not main)):
-        t0 = time.perf_counter()
-        lr = sched.get_last_lr()[0]
-        acc: dict[str, float | None] = {"loss": 0.0, "pg_loss": 0.0, "kl": None, "clip_frac": None, "ratio_dev": None,
-                                        "tokens": 0.0, "mism": 0.0, "mism_n": 0.0}
-        weights = step_weights(seqs, micro, tc)
-        share_mbs = rank_share(micro, rank, n_ranks)
-        for j, (mb, real) in enumerate(share_mbs):
-            chunk = [seqs[i] for i in mb]
-            batch = collate(chunk, pad_id, device)
-            tcol = batch.completion_mask.shape[1]
-            # DDP all-reduces at each rank's last backward of the step only
-            sync = contextlib.nullcontext() if j == len(share_mbs) - 1 else accel.no_sync(policy)
-            with sync:
-                with autocast:
-                    logp = policy(batch)
-                cw = None if weights is None else torch.tensor([weights[i] for i in mb], device=device)
-                terms = obj.fn(LossInput(
-                    logp=logp.float(), mask=batch.completion_mask, coef=batch.advantages,
-                    old_logp=None if old is None else _pad_rows([old[i] for i in mb], tcol, device),
-                    ref_logp=None if ref is None else _pad_rows([ref[i] for i in mb], tcol, device),
-                    scores=_seq_tensor(seqs, mb, "score", device), kl_mask=kl_masks(chunk, tc), seq_weights=cw), tc)
-                share = 1.0 if cw is not None else 1 / len(micro)  # level weights already normalise over the step
-                # x ranks: DDP averages the ranks' gradients, the step's gradient is their sum; a filler weighs 0
-                accel.backward(terms.loss * (share * n_ranks if real else 0.0))
-            if not real:
-                continue
-            for k in ("loss", "pg_loss", "kl", "clip_frac"):
-                v, w = getattr(terms, k), share if k in ("loss", "pg_loss") else 1 / len(micro)
-                if v is not None:
-                    acc[k] = (acc[k] or 0.0) + float(v.detach()) * w
-            acc["tokens"] += int(batch.completion_mask.sum())
-            if terms.ratio_dev is not None:
-                acc["ratio_dev"] = max(acc["ratio_dev"] or 0.0, float(terms.ratio_dev))
-            for i, s in zip(mb, chunk, strict=True):
-                if s.gen_logprobs is not None and old is not None:
-                    acc["mism"] += float((torch.tensor(s.gen_logprobs) - old[i]).abs().sum())
-                    acc["mism_n"] += len(s.gen_logprobs)
-        grad_norm = accel.clip_grad_norm_(params, tc.max_grad_norm)
-        optimizer.step()
-        sched.step()
-        optimizer.zero_grad(set_to_none=True)
-        acc = reduce_step(acc, n_ranks, maxed=("ratio_dev",))
-        mism, mism_n = acc.pop("mism"), acc.pop("mism_n")
-        metrics.append({"step": step, "epoch": step // steps_per_epoch, **acc, "tokens": int(acc["tokens"]), "lr": lr,
-                        "grad_norm": float(grad_norm), "logp_mismatch": mism / mism_n if mism_n else None,
-                        "wall_s": time.perf_counter() - t0})
-    policy.eval()
-    if main:
-        peft_model = accel.unwrap_model(policy).model
-        # whole or absent, on a local path or object storage
-        ctx.store.publish_checkpoint(lambda d: peft_model.save_pretrained(str(d)), ctx.run_id, ctx.round)
-        ctx.store.write("train_metrics", metrics, ctx.run_id, ctx.round)
-        ctx.store.write("checkpoints", [{"path": str(ckpt), "base_model": ctx.cfg.generator.model,
-                                         "parent_round": ctx.round - 1 if ctx.round > 0 else None,
-                                         "rows_used": len(seqs)}], ctx.run_id, ctx.round)
-    mismatch = [m["logp_mismatch"] for m in metrics if m["logp_mismatch"] is not None]
-    counts = {"objective": obj.name, "sequences": len(seqs), "generations": len({s.gen_id for s in seqs}),
-              "steps": len(steps), "tokens": sum(m["tokens"] for m in metrics), **info, "processes": n_ranks,
-              "final_loss": metrics[-1]["loss"] if metrics else None,
-              "logp_mismatch": float(np.mean(mismatch)) if mismatch else None, "checkpoint": str(ckpt)}
-    if main:
-        ctx.finish("train", **counts)
-    accel.wait_for_everyone()  # every rank returns after the manifest exists (the runner checks it)
-    return counts
+    obj = _check_objective(ctx)
+    setup = load_stage(ctx, obj, make_accelerator())
+    passes = reference_passes(setup)
+    return write_outputs(setup, optimise(setup, passes))

@@ -172,6 +172,8 @@ TABLES: dict[str, pa.Schema] = {
             ("logp_mismatch", pa.float64()),  # mean |generation-time − trainer old logprob|
             ("wall_s", pa.float64()),
             ("created_at", _ts),
+            # added with issue 23 (nullable: parts written before read it as null)
+            ("padding_share", pa.float64()),  # share of the step's computed token positions that were padding
         ]
     ),
     "checkpoints": pa.schema(
