@@ -271,7 +271,7 @@ def test_ablation_plans_arms_and_pairs_them_by_hand(tmp_path, monkeypatch):
         calls.append((stage, run_id, round))
         return {"skipped": False, "wall_s": 0.0, "counts": {}}
 
-    def evaluate_round(store_root, run_id, round, split, sets, call):
+    def evaluate_tracked(store_root, run_id, round, split, sets, call):
         evals.append((run_id, round))
         eid = ab.eval_run_id(run_id, round, split)
         (ab.Store(store_root).run_dir(eid)).mkdir(parents=True, exist_ok=True)
@@ -282,7 +282,7 @@ def test_ablation_plans_arms_and_pairs_them_by_hand(tmp_path, monkeypatch):
         return {"per_query": [{"query_id": f"q{i}", "mean_at_l": m, "best_at_l": m, "valid_share": 1.0}
                               for i, m in enumerate(means[arm])]}
 
-    monkeypatch.setattr(ab, "evaluate_round", evaluate_round)
+    monkeypatch.setattr(ab, "evaluate_tracked", evaluate_tracked)
     monkeypatch.setattr(ab, "eval_summary", eval_summary)
     sets = [f"store.root={tmp_path}", "experiment.bootstrap=200"]
     summary = ab.run_ablation("configs/smoke.yaml", call, ["sft_best"], seeds=1, run_id="ab", sets=sets)

@@ -69,7 +69,7 @@ def _train(ctx, monkeypatch, processes: int) -> tuple[dict, dict[str, torch.Tens
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = run_stage("train", ctx.run_id, 0, str(ctx.store.root))
     ckpt = ctx.store.checkpoint_dir(ctx.run_id, 0)
-    return (out["counts"], load_file(ckpt / "adapter_model.safetensors"),
+    return (out.counts, load_file(ckpt / "adapter_model.safetensors"),
             ctx.store.read("train_metrics", ctx.run_id, 0).sort("step"))
 
 

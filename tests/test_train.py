@@ -189,10 +189,10 @@ def test_crash_restart_then_skip_then_next_round(tmp_path, samples, monkeypatch)
     assert ctx.store.manifest(ctx.run_id, 0, "train") is None
     assert ctx.store.read("train_metrics", ctx.run_id, 0).height == 2  # the crashed attempt's rows, until...
     res = train_stage()  # ...the restart discards them: no duplicated metrics
-    assert res["counts"]["steps"] == 2 and not res["skipped"]
+    assert res.counts["steps"] == 2 and not res.skipped
     assert sorted(ctx.store.read("train_metrics", ctx.run_id, 0)["step"].to_list()) == [0, 1]
     assert ctx.store.read("checkpoints", ctx.run_id, 0).height == 1
-    assert train_stage()["skipped"] is True
+    assert train_stage().skipped is True
     assert ctx.store.read("train_metrics", ctx.run_id, 0).height == 2
     ckpt0 = ctx.store.checkpoint_dir(ctx.run_id, 0)
     assert not [p for p in ckpt0.parent.iterdir() if p.name.endswith(".tmp")]
