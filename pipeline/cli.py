@@ -296,7 +296,7 @@ def bench_train(
     from pipeline.perf.train import sweep as run_sweep
 
     if sweep:
-        run_sweep(batch=batch, completion_len=completion_len or 64, echo=typer.echo)
+        run_sweep(batch=batch, completion_len=completion_len or 64, reps=reps, echo=typer.echo)
         return
     try:
         run(arch, batch, completion_len, reps, prompt_len, gradient_checkpointing, weights_dtype, json_out,

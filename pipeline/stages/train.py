@@ -8,8 +8,10 @@ rows of a step is computed once and carries the sum of their loss terms (`chunk_
 packed by padded tokens (`pipeline.core.packing.pack`).
 
 The stage in four steps (`run_train`): `load_stage` (rows, policy, step plan), `reference_passes` (π_old and the
-reference), `optimise` (the optimiser loop, one `StepMetrics` a step), `write_outputs`. A two-level round's loss is the proposal's: an agent term and a workflow term, each averaged
-over its own sequences of the optimiser step, weighted by training.two_level (`step_weights`), each
+reference), `optimise` (the optimiser loop, one `StepMetrics` a step), `write_outputs`.
+
+A two-level round's loss is the proposal's: an agent term and a workflow term, each averaged over its own rows of
+the optimiser step, weighted by training.two_level (`step_weights`), each
 level's KL masked or not by its switch (`kl_masks`). π_old = the adapter as loaded (previous round's
 checkpoint; at round 0 generator.adapter, which sampled it, or a fresh LoRA = the base model), recomputed
 here once before the first step in eval mode (fp32, or under the bf16 autocast of training when
