@@ -310,6 +310,7 @@ class Fakes:
 def test_rounds_run_on_an_s3_store_with_the_endpoint_from_the_config(bucket, s3_server, monkeypatch, tmp_path):
     from pipeline.run import open_run
     from pipeline.stages.rounds import direct_call, run_rounds
+    from pipeline.studies.tracking import TRACKERS
     from pipeline.stages.runner import RetryPolicy
 
     monkeypatch.delenv("AWS_ENDPOINT_URL")  # the config names the server; use_endpoint exports it for the stages
@@ -318,7 +319,7 @@ def test_rounds_run_on_an_s3_store_with_the_endpoint_from_the_config(bucket, s3_
     cfg.write_text(f"run_id: s3run\nrounds: 2\nstore:\n  root: s3://{bucket}/runs\n  endpoint_url: {s3_server}\n"
                    "scoring:\n  reps: 1\ncuration:\n  n: 3\n  t: 1\n  top_n: 8\n")
     fakes = Fakes().install(monkeypatch)
-    out = run_rounds(cfg, None, None, direct_call(RetryPolicy(retries=0, delay_s=0)))
+    out = run_rounds(cfg, None, None, direct_call(RetryPolicy(retries=0, delay_s=0)), observer=TRACKERS)
     assert out["store"] == f"s3://{bucket}/runs" and [r["round"] for r in out["rounds"]] == [0, 1]
     assert out["rounds"][1]["mean_score"] == pytest.approx(0.375)  # slots 0..3 score 0, .25, .5, .75
     st = Store(f"s3://{bucket}/runs")
@@ -336,7 +337,7 @@ def test_rounds_run_on_an_s3_store_with_the_endpoint_from_the_config(bucket, s3_
     assert len(st.fs.glob(f"{st.url(st.run_dir('s3run'))}/tensorboard/events.out.tfevents.*")) == 1  # replaced
     # a second invocation skips every stage: manifests and whole checkpoints are read from the bucket
     n = len(fakes.calls)
-    run_rounds(cfg, None, None, direct_call(RetryPolicy(retries=0, delay_s=0)))
+    run_rounds(cfg, None, None, direct_call(RetryPolicy(retries=0, delay_s=0)), observer=TRACKERS)
     assert len(fakes.calls) == n
     assert open_run(None, "s3run", 1, store_root=f"s3://{bucket}/runs").done("curate")
     # evaluating a checkpoint: the eval run's generator.adapter is the s3:// checkpoint, materialised for rollout
