@@ -79,12 +79,12 @@ class Stage:
         return self.merge is not None
 
     def function(self) -> StageFn:
-        return _resolve(self.fn)
+        return resolve(self.fn)
 
     def merge_function(self) -> StageFn:
         if self.merge is None:
             raise ValueError(f"stage {self.name!r} cannot be sharded")
-        return _resolve(self.merge)
+        return resolve(self.merge)
 
     def done(self, ctx, shard: Shard | None = None) -> bool:
         """The manifest (the shard's, given one) is written for the run's frozen config (and the checkpoint is
@@ -94,7 +94,8 @@ class Stage:
         return ctx.done(self.name) and (not self.checkpoint or ctx.store.checkpoint_complete(ctx.run_id, ctx.round))
 
 
-def _resolve(fn: str | StageFn) -> StageFn:
+def resolve(fn: str | StageFn) -> StageFn:
+    """A registry's "module:function" reference (or the callable itself), imported where it is called."""
     if callable(fn):
         return fn
     module, _, name = fn.partition(":")

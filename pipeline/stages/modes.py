@@ -11,9 +11,10 @@ Contracts (ctx: `pipeline.run.RunContext`):
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from pipeline.stages import resolve
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,7 @@ class RolloutMode:
     selection: bool = False  # evaluation adds the two-level inference rule's Sel@L (pipeline.core.selection)
 
     def function(self, step: str) -> Callable:
-        module, _, name = getattr(self, step).partition(":")
-        return getattr(importlib.import_module(module), name)
+        return resolve(getattr(self, step))
 
 
 MODES: dict[str, RolloutMode] = {}
