@@ -305,6 +305,33 @@ def bench_train(
         _fail(str(e))
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+@bench_app.command("executor")
+def bench_executor(
+    config: Annotated[Path, typer.Argument(help="Run config YAML with `executor.serve` (its server is started).")],
+    problems: Annotated[int, typer.Option(min=1, help="Development problems, one request / workflow each.")] = 24,
+    concurrency: Annotated[str, typer.Option(help="Plain client: requests in flight, comma list.")] = "2,4,8,16,32",
+    scoring: Annotated[str, typer.Option(help="Score stage: scoring.concurrency values, comma list.")] = "8,16",
+    program: Annotated[Path | None, typer.Option(help="Workflow scored (default: the code prompt's example).")]
+    = None,
+    sets: SetOpt = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result dict here as JSON.")] = None,
+) -> None:
+    """Executor tokens/s during the score stage against the same server driven by a plain concurrent client."""
+    from pipeline.perf.executor import main
+
+    try:
+        main(str(config), sets or [], problems, _ints(concurrency), _ints(scoring), program, json_out)
+    except ConfigError as e:
+        _fail(str(e))
+
+
 @app.command("run")
 def run_cmd(
     config: Annotated[Path, typer.Argument(help="Run config YAML.")],

@@ -479,6 +479,10 @@ class ExperimentConfig(_Strict):
     )
     eval_queries: int | None = Field(32, gt=0, description="Evaluate on the first N queries of that split.")
     eval_l: int = Field(4, gt=0, description="L: workflows sampled per held-out query (Mean@L, Best@L).")
+    eval_temperature: float | None = Field(
+        None, ge=0, description="Generator temperature of the evaluations (base and checkpoints alike); null: "
+        "generator.temperature, the rollout's.",
+    )
     eval_rounds: Literal["all", "last"] = Field("all", description="Checkpoints evaluated besides the base model.")
     bootstrap: int = Field(10000, gt=0, description="Bootstrap resamples of the paired differences.")
     ci_level: float = Field(0.95, gt=0, lt=1, description="Level of the bootstrap interval.")

@@ -17,3 +17,15 @@ def test_experiment_refuses_an_eval_split_that_holds_training_queries():
         with pytest.raises(ConfigError, match=f"eval_split {held_out} shares queries with benchmark.train_split "
                                               f"{train}"):
             plan(cfg(train, held_out))
+
+
+def test_evaluations_sample_at_the_eval_temperature_when_one_is_set():
+    from pipeline.studies.experiment import eval_sets
+
+    def cfg(**experiment):
+        return config_from_dict({"experiment": {"eval_queries": 12, "eval_l": 3, **experiment},
+                                 "generator": {"temperature": 1.0}})
+
+    assert eval_sets(cfg()) == ["benchmark.max_queries=12", "rollout.m=3"]
+    assert eval_sets(cfg(eval_temperature=0.7)) == ["benchmark.max_queries=12", "generator.temperature=0.7",
+                                                    "rollout.m=3"]

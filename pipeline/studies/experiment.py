@@ -54,9 +54,12 @@ def seed_sets(seed: int) -> list[str]:
 
 
 def eval_sets(cfg: RunConfig) -> list[str]:
-    """Overrides of an evaluation run: the held-out query count and L (flat: L samples per query)."""
+    """Overrides of an evaluation run: the held-out query count, L (flat: L samples per query) and the sampling
+    temperature when it is not the rollout's (explore while training, sample as chosen on dev when evaluating)."""
     ex = cfg.experiment
     sets = [f"benchmark.max_queries={'null' if ex.eval_queries is None else ex.eval_queries}"]
+    if ex.eval_temperature is not None:
+        sets.append(f"generator.temperature={ex.eval_temperature}")
     if get_mode(cfg.rollout.mode).evaluated_as == "flat":  # L samples per query (refine runs are evaluated flat)
         sets.append(f"rollout.m={ex.eval_l}")
     return sets
