@@ -8,6 +8,7 @@
   <experiment>-summary       markdown: the headline lines (as printed) and where the results are
   <run or experiment>-report link: the HTML report (a file:// link for a local store)
   <experiment>-ablation      markdown and a `-paired` table for `ablate`
+  <experiment>-methods       markdown and a `-paired` table for `compare-methods`
 
 Keys make each artifact one line of history across flow runs (Prefect keeps every version). All numbers are read
 from the store or the library's summaries; nothing here computes a result.
@@ -122,6 +123,13 @@ def publish_ablation(summary: dict, markdown_table: str) -> None:
         md = Path(str(summary["results"])) / "ablation.md" if "://" not in str(summary["results"]) \
             else f"{summary['results']}/ablation.md"
         create_link_artifact(link_to(md), link_text=f"ablation {exp} results", key=artifact_key(exp, "ablation-report"))
+
+
+def publish_methods(summary: dict, markdown_table: str) -> None:
+    exp = summary["experiment"]
+    create_table_artifact(paired_rows(summary["paired"], ("arm", "against", "against_metric")),
+                          key=artifact_key(exp, "methods-paired"), description=f"methods {exp}: paired differences")
+    create_markdown_artifact(markdown_table, key=artifact_key(exp, "methods"), description=f"methods {exp}")
 
 
 def publish_report_link(run_id: str, report: Path | str) -> None:

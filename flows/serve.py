@@ -4,7 +4,9 @@ Deployments: experiment/demo (the README's demo: configs/demo.yaml, one seed, he
 model), experiment/learn (configs/learn.yaml, 3 seeds: docs/learning.md), experiment/default (--param
 config=PATH), iterate/smoke (the whole loop in minutes, configs/smoke.yaml), iterate/default (--param
 config=PATH), score/rescore (re-score failed rows of a round), evaluate/default (a round's checkpoint on the
-test split), ablate/objectives (docs/objectives.md: one round's data trained with every objective). Then:
+test split), ablate/objectives (docs/objectives.md: one round's data trained with every objective),
+compare-methods/default (--param config=PATH) and compare-methods/gsm (docs/methods.md: every method on
+configs/gsm-learn.yaml, 3 seeds). Then:
 `prefect deployment run experiment/demo [--param run_id=R] [--watch]`.
 With `--task-runner dask:tcp://HOST:8786`, `--param shards=N` on iterate or score spreads each round's scoring
 over the Dask workers (docs/scale-out.md, Sharded scoring).
@@ -28,6 +30,7 @@ from flows.evaluate import evaluate as evaluate_flow
 from flows.experiment import experiment as experiment_flow
 from flows.iterate import SMOKE_CONFIG
 from flows.iterate import iterate as iterate_flow
+from flows.methods import compare_methods as methods_flow
 from flows.runners import task_runner_from_spec
 from flows.score import score as score_flow
 from pipeline.stages.runner import REPO
@@ -35,9 +38,9 @@ from pipeline.stages.runner import REPO
 
 def deployments(task_runner: str = "thread") -> list[RunnerDeployment]:
     runner = task_runner_from_spec(task_runner)
-    iterate, score, evaluate, experiment, ablate = (f.with_options(task_runner=runner) for f in
-                                                    (iterate_flow, score_flow, evaluate_flow, experiment_flow,
-                                                     ablate_flow))
+    iterate, score, evaluate, experiment, ablate, methods = (f.with_options(task_runner=runner) for f in
+                                                             (iterate_flow, score_flow, evaluate_flow, experiment_flow,
+                                                              ablate_flow, methods_flow))
     return [
         experiment.to_deployment("demo", parameters={"config": "configs/demo.yaml"},
                                  description="The README's demo: one seed of SPOGW on Qwen2.5-Coder-0.5B, held-out "
@@ -56,6 +59,11 @@ def deployments(task_runner: str = "thread") -> list[RunnerDeployment]:
         ablate.to_deployment("objectives", parameters={"config": "configs/learn.yaml"},
                              description="docs/objectives.md: round 0 of configs/learn.yaml trained with each "
                                          "objective, held-out Mean@L / Best@L with paired intervals."),
+        methods.to_deployment("default", description="Every method (docs/methods.md) on any config: --param "
+                                                     "config=PATH [--param seeds=N] [--param lr_sweep=[...]]."),
+        methods.to_deployment("gsm", parameters={"config": "configs/gsm-learn.yaml", "seeds": 3},
+                              description="docs/methods.md: SPOGW, two-level, W4S, ScoreFlow, FlowReasoner, SMC and "
+                                          "the best fixed program on gsm_symbolic, 3 seeds, held-out paired intervals"),
     ]
 
 

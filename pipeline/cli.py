@@ -416,6 +416,50 @@ def ablate(
     typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")
 
 
+@app.command("compare-methods")
+def compare_methods(
+    config: Annotated[Path, typer.Argument(help="Run config YAML: the task, base model and `experiment` (seeds, "
+                                                "held-out split, queries, L).")],
+    methods: Annotated[str | None, typer.Option(
+        "--methods", help="Comma-separated methods (default: all registered: spogw, two_level, w4s, scoreflow, "
+        "flowreasoner, smc, task_best; docs/methods.md)."
+    )] = None,
+    seeds: Annotated[int | None, typer.Option("--seeds", help="Seeds 0..N-1 (default: experiment.seeds).")] = None,
+    run_id: RunIdOpt = None,
+    lr_sweep: Annotated[str | None, typer.Option(
+        "--lr-sweep", help="Comma-separated learning rates: each trained method trains one seed one round per rate, "
+        "evaluated on the dev split; the best dev Mean@L is its training.lr."
+    )] = None,
+    arm_sets: Annotated[list[str] | None, typer.Option(
+        "--arm-set", help="One method's override: --arm-set w4s:training.lr=5e-4 (repeatable)."
+    )] = None,
+    retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
+    sets: SetOpt = None,
+) -> None:
+    """Train each method (S seeds x R rounds, same base model and training queries) and compare their held-out
+    evaluations with the base model and SPOGW, paired intervals over seeds then queries (results under
+    <store>/experiments/<run_id>-methods/)."""
+    import shlex
+
+    from pipeline.stages.rounds import direct_call
+    from pipeline.stages.runner import RetryPolicy, StageError
+    from pipeline.studies.methods import parse_arm_sets, run_methods, table
+
+    command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    names = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
+    try:
+        lrs = [float(x) for x in lr_sweep.split(",") if x.strip()] if lr_sweep else None
+    except ValueError:
+        _fail(f"--lr-sweep {lr_sweep!r}: expected comma-separated learning rates, e.g. 1e-4,2e-4,5e-4")
+    try:
+        summary = run_methods(config, direct_call(RetryPolicy(retries)), names, seeds, run_id, sets or [],
+                              parse_arm_sets(arm_sets), lrs, command)
+    except (ConfigError, StageError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(table(summary))
+    typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")
+
+
 def _num(x: float | None, digits: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 

@@ -36,7 +36,8 @@ row over the same candidates.
 Not W4S: the state shows the current workflow and the accuracies so far, not a chat history of earlier turns; the
 sequence trained on for a repaired candidate is the repair generation itself (its own prompt, the repair prompt) where
 W4S splices the fixed code into the original action; held-out evaluation of a refine run samples flat workflows
-(`pipeline.studies.evaluate.open_eval_run`), not W4S's optimise-on-validation-then-test.
+(`pipeline.studies.evaluate.open_eval_run`); W4S's optimise-on-validation-then-test is the `refined` evaluation of
+`pipeline compare-methods` (pipeline.studies.methods).
 """
 
 from __future__ import annotations

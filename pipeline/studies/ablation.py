@@ -105,18 +105,19 @@ def table(summary: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for a in summary["arms"]:
         cells = [a["arm"] + ("" if a["arm"] == "base" else f" ({get_objective(a['arm']).kind} rows)")]
-        cells += [_fmt(a.get(m)) for m in metrics]
+        cells += [fmt(a.get(m)) for m in metrics]
         for m in metrics:
             for who in ("base", ref):
                 p = next((p for p in summary["paired"] if p["arm"] == a["arm"] and p["against"] == who
                           and p["metric"] == m), None)
                 cells.append("" if p is None else f"{p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]")
-        cells.append(_fmt(a.get("valid_share"), 2))
+        cells.append(fmt(a.get("valid_share"), 2))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _fmt(x: float | None, digits: int = 3) -> str:
+def fmt(x: float | None, digits: int = 3) -> str:
+    """A table cell: the number with `digits` decimals, n/a for none."""
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 

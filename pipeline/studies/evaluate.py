@@ -16,7 +16,9 @@ score from the store's `generation_scores` view, as in curation (mean over reps,
 unscored = no score yet). Of a self-repair chain only its last attempt counts (`final`): a query's L workflows are
 its L slots. Any derived run whose round 0 holds workflows (baselines, SMC) is summarised the same way.
 A refine run (rollout.mode: refine) is evaluated in flat mode: its feedback shows gold answers, so held-out
-queries get L workflows each from the flat workflow prompt (W4S's optimise-on-validation-then-test is not done).
+queries get L workflows each from the flat workflow prompt. W4S's own procedure (refine on a validation split with
+the trained checkpoint, then run the best refined workflow on test) is `pipeline.studies.methods`' `refined`
+evaluation: `open_eval_run(..., mode="refine")` opens its validation run.
 For a two-level run it adds the proposal's inference-time selection (pipeline.core.selection: per query the best
 agent, then its best workflow) as Sel@L, `select_at_l`.
 `evaluate_round` runs the evaluation's stages through a stage caller.
@@ -36,9 +38,11 @@ from pipeline.store import Store
 EVAL_STAGES = ("rollout", "score")  # of pipeline.stages, run at round 0 of the evaluation run
 
 
-def eval_run_id(run_id: str, round: int, split: str = "test") -> str:
+def eval_run_id(run_id: str, round: int, split: str = "test", mode: str | None = None) -> str:
+    """`mode`: an evaluation sampled in another rollout mode than the run's evaluation mode gets it as a suffix."""
     tag = "base" if round < 0 else f"r{round}"
-    return f"{run_id}-eval-{tag}" if split == "test" else f"{run_id}-eval-{split}-{tag}"
+    eid = f"{run_id}-eval-{tag}" if split == "test" else f"{run_id}-eval-{split}-{tag}"
+    return eid if mode is None else f"{eid}-{mode}"
 
 
 def check_split(split: str) -> None:
@@ -62,14 +66,18 @@ def _evaluated_as(mode: str) -> list[str]:
 
 
 def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
-                  sets: list[str] | None = None) -> RunContext:
-    """Create (first call) or reopen the evaluation run of round `round`'s checkpoint (-1: base model)."""
+                  sets: list[str] | None = None, mode: str | None = None) -> RunContext:
+    """Create (first call) or reopen the evaluation run of round `round`'s checkpoint (-1: base model). `mode`: sample
+    in that rollout mode instead of the run's evaluation mode, in the run `eval_run_id(..., mode)` (W4S's refinement
+    of the checkpoint on a validation split, pipeline.studies.methods: `refine`)."""
     check_split(split)
     store = Store(store_root)
     saved = store.run_dir(run_id) / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"run {run_id!r} not found under {store.root}")
-    eid = eval_run_id(run_id, round, split)
+    if mode is not None:
+        get_mode(mode)  # an unknown mode fails before the run is frozen
+    eid = eval_run_id(run_id, round, split, mode)
     if (store.run_dir(eid) / "config.yaml").is_file():
         return open_run(None, eid, 0, sets, str(store.root))
     adapter = "null"
@@ -84,7 +92,8 @@ def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
     pool = saved_cfg.training.data_run or run_id
     frozen = [f"benchmark.train_split={split}", f"generator.adapter={adapter}", "rounds=1",
               f"store.root={store.root}", f"rollout.exemplar_run={pool}", f"rollout.exemplar_round={round + 1}"]
-    frozen += _evaluated_as(saved_cfg.rollout.mode)  # refine: its feedback reads gold answers, so L flat workflows
+    # refine: its feedback reads gold answers, so L flat workflows (unless `mode` asks for refinement itself)
+    frozen += _evaluated_as(saved_cfg.rollout.mode) if mode is None else [f"rollout.mode={mode}"]
     return open_run(saved, eid, 0, frozen + list(sets or []), str(store.root))
 
 

@@ -1,0 +1,533 @@
+"""The methods side by side (`pipeline compare-methods CONFIG`, issue 24): each method of the papers this project
+implements trained from the same base model on the same training queries, S seeds x R rounds, then evaluated on the
+same held-out queries with its own inference procedure, against the base model and against SPOGW.
+
+A method is a record in `METHODS` (pure data, as verl's registries): its overlay on CONFIG (`--set` strings), whether
+it trains, and how it is evaluated. For each seed s of `experiment.seeds` (as `pipeline experiment`):
+- the base model, once per seed and the same for every method: the run `<run_id>-base-s<s>` (CONFIG with the seed's
+  overrides, never trained) evaluated at k = -1 (pipeline.studies.evaluate: `<run_id>-base-s<s>-eval-base`);
+- each trained method X: the run `<run_id>-X-s<s>` (CONFIG + seed + X's overlay [+ its swept learning rate] + the
+  `--arm-set X:...` overrides) trains `rounds` rounds (pipeline.stages.rounds.run_rounds), then its last checkpoint is
+  evaluated on the held-out split, per evaluation of X:
+  - `sample`: L workflows per held-out query in the mode's evaluation mode (`evaluate_tracked`); a two-level run
+    samples N_A x N_W = L workflows (`two_level_shape`) and adds Sel@L, the proposal's inference rule;
+  - `refined` (W4S): the checkpoint refines one workflow for the whole validation part (`rollout.mode: refine`, one
+    task of the training query count on `baselines.selection_split`: dev when CONFIG holds one out) in the run
+    `<arm>-eval-<split>-r<k>-refine`; the refined candidate with the best validation accuracy (ties: the earliest
+    turn; `refined_workflow`) is run L times on every held-out query, like a fixed program
+    (`baselines.run_fixed`, run `<arm>-baseline-refined`);
+- each training-free reference on the base model: `smc` (BayesFlow's SMC sampler, pipeline.studies.smc, N = L, run
+  `<run_id>-s<s>-smc`) and `task_best` (the best fixed program per task chosen on the selection split,
+  pipeline.studies.baselines; it samples nothing, so it runs once and pairs with every seed).
+Every evaluation scores the benchmark metric alone (`METRIC_ONLY`: FlowReasoner's complexity and diversity weights
+shape its training reward, not its held-out score) with the same seed, split, queries and L, so per-query numbers pair
+up across arms.
+
+Per arm (a method's evaluation; `w4s` and `w4s/refined` are two arms of one training run) the summary gives Mean@L,
+Best@L, Majority@L (Sel@L where the mode selects), valid share, generator and executor tokens per held-out query (the
+store's `query_usage`), training wall time (the training run's stage wall seconds, pipeline.studies.report's
+`stage_timings`, mean over seeds) and the paired difference to the base model and to SPOGW per (seed, query) with the
+seeds-then-queries interval (`experiment.paired_interval`). Sel@L is paired with the other arm's Mean@L when that arm
+has none: both are the score of the one workflow delivered per query.
+
+`lr_sweep`: before the comparison, each trained method trains one seed (the first) one round per learning rate, in
+`<run_id>-X-lr<lr>-s<s>`, evaluated on the dev split (CONFIG must train on `train` with `benchmark.dev_share` > 0:
+the test split is never used for the choice); the best dev Mean@L (ties: the first listed) becomes X's
+`training.lr` (a `--arm-set X:training.lr=...` still wins) and the sweep is kept in the summary.
+
+Written to `<store>/experiments/<run_id>-methods/methods.json` (every number, per seed and per query) and
+`methods.md` (the tables), rewritten after each seed. Re-running resumes: finished stages are skipped by their
+manifests, in training, evaluation, validation and reference runs alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.core.learning import METRICS, paired_differences
+from pipeline.engines.workflow import extract_code
+from pipeline.run import open_run
+from pipeline.stages.modes import get_mode
+from pipeline.store import Store, store_for
+from pipeline.studies.ablation import fmt, round_s
+from pipeline.studies.baselines import TASK_BEST, run_baseline, run_fixed, selection_split
+from pipeline.studies.evaluate import EVAL_STAGES, eval_summary, open_eval_run
+from pipeline.studies.experiment import (
+    BASE,
+    METRIC_NAMES,
+    SeedPlan,
+    eval_sets,
+    mean_or_none,
+    paired_interval,
+    plan,
+    seed_run_id,
+    splits_overlap,
+)
+from pipeline.studies.report import span, stage_timings
+from pipeline.studies.smc import run_smc
+from pipeline.studies.tracking import TRACKERS, evaluate_tracked
+
+log = logging.getLogger("pipeline.studies.methods")
+
+# how an arm is evaluated on the held-out split (module doc)
+SAMPLE, REFINED, SMC, TASK_BEST_EVAL = "sample", "refined", "smc", TASK_BEST
+EVALUATIONS = (SAMPLE, REFINED, SMC, TASK_BEST_EVAL)
+REFERENCE_ARM = "spogw"  # every arm is also paired with this one
+BASE_ARM = "base"
+ALL_METRICS = (*METRICS, "select_at_l")
+# held-out scores are the benchmark metric: no reward shaping in any evaluation
+METRIC_ONLY = ("scoring.reward.complexity_weight=0", "scoring.reward.cost_weight=0",
+               "scoring.reward.diversity_weight=0")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    paper: str  # the method in one line: paper, objective, inference
+    sets: tuple[str, ...] = ()  # its overlay on CONFIG, as `--set` strings
+    trained: bool = True  # False: a training-free reference on the base model
+    evaluations: tuple[str, ...] = (SAMPLE,)  # its held-out evaluations; the first one's arm is named after it
+    seeded: bool = True  # a reference whose result depends on the seed (run per seed); False: once, for all seeds
+
+    def arm(self, evaluation: str) -> str:
+        """The arm (table row) of one of its evaluations: the method's name, or `<name>/<evaluation>`."""
+        return self.name if evaluation == self.evaluations[0] else f"{self.name}/{evaluation}"
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register_method(m: Method) -> Method:
+    if m.name in METHODS:
+        raise ValueError(f"method {m.name!r} is already registered")
+    if m.name == BASE_ARM or "/" in m.name:
+        raise ValueError(f"method name {m.name!r} is reserved or not a run id part")
+    bad = [e for e in m.evaluations if e not in EVALUATIONS]
+    if bad or not m.evaluations:
+        raise ValueError(f"method {m.name!r}: evaluations must be some of {EVALUATIONS}, got {m.evaluations}")
+    if m.trained != all(e in (SAMPLE, REFINED) for e in m.evaluations):
+        raise ValueError(f"method {m.name!r}: trained methods are evaluated by sample/refined, references by smc/"
+                         "task_best")
+    METHODS[m.name] = m
+    return m
+
+
+def get_method(name: str) -> Method:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; registered: {', '.join(METHODS)}") from None
+
+
+# SPOGW (arXiv 2510.04147 / docs/algorithms.md): flat rollouts, C(m,n) groups screened and sharpened, ioGRPO with
+# the advantage-masked KL; no exemplars.
+register_method(Method(
+    "spogw", "SPOGW: flat rollout, C(m,n) groups with screening and sharpening, ioGRPO with masked KL; sampling",
+    ("rollout.mode=flat", "rollout.exemplars=none", "training.objective=iogrpo_mkl", "training.kl_mask=true")))
+# The project's proposal (configs/two-level.yaml): N_A plans, N_W workflows under each, F/M/S contrastive exemplars,
+# agent and workflow advantages over one batch mean and std, the two-term loss with unmasked KL; Sel@L at inference.
+register_method(Method(
+    "two_level", "two-level agent/workflow proposal: plans then workflows, F/M/S exemplars, agent + workflow "
+    "advantages; Mean@L and Sel@L",
+    ("rollout.mode=two_level", "rollout.n_agents=2", "rollout.n_workflows=3", "rollout.exemplars=buckets",
+     "curation.adv_norm=batch", "curation.agent_adv_stats=workflows", "training.objective=iogrpo_mkl",
+     "training.two_level.agent_weight=1.0", "training.two_level.workflow_weight=1.0",
+     "training.two_level.agent_kl_mask=false", "training.two_level.workflow_kl_mask=false")))
+# W4S (arXiv 2504.04785, configs/refine.yaml): T turns of K candidates per task with self-repair, RLAO turn rewards,
+# reward-weighted regression (exp(r / 0.4)); evaluated by sampling and by refine-on-validation-then-test.
+register_method(Method(
+    "w4s", "W4S: multi-turn refinement with self-repair, RLAO rewards, RWR; sampling, and refine on validation then "
+    "the best refined workflow on test",
+    ("rollout.mode=refine", "rollout.exemplars=none", "rollout.repair_attempts=3", "rollout.repair_check=run",
+     "rollout.refine.turns=3", "rollout.refine.candidates=4", "rollout.refine.unit=task", "rollout.refine.task_size=8",
+     "rollout.refine.failure_cases=3", "rollout.refine.show_gold=true", "curation.rwr_temperature=0.4",
+     "training.objective=rwr"),
+    evaluations=(SAMPLE, REFINED)))
+# ScoreFlow (arXiv 2502.04306): Score-DPO on pairs drawn by score gap^3, the base model as the reference (its code).
+register_method(Method(
+    "scoreflow", "ScoreFlow: Score-DPO on score-gap-weighted pairs of the same flat rollouts, reference = base; "
+    "sampling",
+    ("rollout.mode=flat", "rollout.exemplars=none", "training.objective=score_dpo", "training.reference=base")))
+# FlowReasoner (arXiv 2504.15257): GRPO on a multi-purpose reward. Weights: ours (0.1 each; the paper's values are
+# not used anywhere in this project), the reward penalises complexity and redundancy (pipeline.core.reward).
+register_method(Method(
+    "flowreasoner", "FlowReasoner: GRPO (KL on every token) on metric - 0.1 complexity - 0.1 (1 - diversity); "
+    "sampling",
+    ("rollout.mode=flat", "rollout.exemplars=none", "training.objective=grpo",
+     "scoring.reward.complexity_weight=0.1", "scoring.reward.diversity_weight=0.1")))
+# Training-free references on the base model.
+register_method(Method(
+    "smc", "BayesFlow's SMC sampler (M = 0, consistency reward) on the base model, N = L particles",
+    trained=False, evaluations=(SMC,)))
+register_method(Method(
+    "task_best", "the best fixed program per task, chosen on the selection split (dev), L runs per query",
+    trained=False, evaluations=(TASK_BEST_EVAL,), seeded=False))
+
+
+# ---- names and overrides -------------------------------------------------------------------------------------------
+
+
+def base_run_id(run_id: str, seed: int) -> str:
+    return f"{run_id}-base-s{seed}"
+
+
+def method_run_id(run_id: str, method: str, seed: int) -> str:
+    return f"{run_id}-{method}-s{seed}"
+
+
+def sweep_run_id(run_id: str, method: str, lr: float, seed: int) -> str:
+    return f"{run_id}-{method}-lr{lr:g}-s{seed}"
+
+
+def methods_dir(store: Store, run_id: str) -> Path:
+    return store.root / "experiments" / f"{run_id}-methods"
+
+
+def parse_arm_sets(items: list[str] | None) -> dict[str, list[str]]:
+    """`METHOD:key=value` items (`--arm-set`) -> method -> its overrides, in order."""
+    out: dict[str, list[str]] = {}
+    for item in items or []:
+        name, sep, kv = item.partition(":")
+        if not sep or "=" not in kv:
+            raise ValueError(f"--arm-set {item!r}: expected METHOD:key.path=value")
+        out.setdefault(get_method(name.strip()).name, []).append(kv.strip())
+    return out
+
+
+def method_sets(m: Method, sets: list[str], seed: list[str], lr: float | None = None,
+                extra: list[str] | None = None) -> list[str]:
+    """A method run's overrides: CONFIG's --set, the seed's, the method's overlay, the swept lr, its --arm-set."""
+    return [*sets, *seed, *m.sets, *([f"training.lr={lr}"] if lr is not None else []), *(extra or [])]
+
+
+def two_level_shape(L: int) -> tuple[int, int]:
+    """(N_A, N_W) with N_A x N_W = L, as square as L allows, N_A >= N_W. A prime L gives N_W = 1, where Sel@L (best
+    agent, then its best workflow) is Best@L: use a composite experiment.eval_l (4) for two-level runs."""
+    w = max(d for d in range(1, int(L ** 0.5) + 1) if L % d == 0)
+    return L // w, w
+
+
+def arm_eval_sets(cfg: RunConfig) -> list[str]:
+    """Overrides of a held-out evaluation of a run of `cfg`: the experiment's queries and L (two-level: N_A x N_W =
+    L), scored by the metric alone."""
+    out = [*eval_sets(cfg), *METRIC_ONLY]
+    if get_mode(cfg.rollout.mode).evaluated_as == "two_level":
+        a, w = two_level_shape(cfg.experiment.eval_l)
+        out += [f"rollout.n_agents={a}", f"rollout.n_workflows={w}"]
+    return out
+
+
+def train_wall_s(store: Store, run_id: str) -> float:
+    """Wall seconds the run's stages took (timings.jsonl: the last attempt of each stage that did work)."""
+    return round_s(float(stage_timings(store, run_id)["wall_s"].sum()))
+
+
+# ---- W4S: refine on validation, then the best refined workflow on test --------------------------------------------
+
+
+def refined_workflow(store: Store, run_id: str) -> dict:
+    """The refine run's candidate with the best validation accuracy (ties: the earliest turn, then task and slot), of
+    those that passed their self-check; with its code, and the start workflow's accuracy for reference."""
+    turns = store.read("turns", run_id, 0)
+    live = turns.filter(~pl.col("skipped")) if turns.height else turns
+    if live.height == 0:
+        raise ValueError(f"run {run_id!r}: no refined workflow passed its self-check; nothing to run on test")
+    best = live.sort(["accuracy", "turn", "task_id", "slot"], descending=[True, False, False, False]).row(0, named=True)
+    text = store.read("generations", run_id, 0).filter(pl.col("gen_id") == best["gen_id"])["text"][0]
+    start = turns.filter(pl.col("turn") == 0)["previous"].to_list()
+    return {"gen_id": best["gen_id"], "task_id": best["task_id"], "turn": best["turn"], "slot": best["slot"],
+            "accuracy": best["accuracy"], "start_accuracy": start[0] if start else None,
+            "candidates": live.height, "code": extract_code(text or "")}
+
+
+def evaluate_refined(store: Store, arm_run: str, round: int, arm_cfg: RunConfig, split: str, call) -> dict:
+    """W4S's evaluation of `arm_run`'s round `round` checkpoint (module doc); returns the test run's id, the
+    validation run's and the chosen workflow."""
+    if arm_cfg.rollout.mode != "refine":
+        raise ConfigError(f"the refined evaluation needs rollout.mode refine, {arm_run} has {arm_cfg.rollout.mode}")
+    val = selection_split(arm_cfg)
+    if splits_overlap(val, split):
+        raise ConfigError(f"the refined evaluation chooses on {val}, which shares queries with the held-out {split}")
+    root = str(store.root)
+    vsets = ["rollout.refine.unit=task", f"rollout.refine.task_size={arm_cfg.benchmark.max_queries or 1_000_000}"]
+    ctx = open_eval_run(root, arm_run, round, val, vsets, mode="refine")
+    for stage in EVAL_STAGES:
+        call(stage=stage, run_id=ctx.run_id, round=0, store_root=root, sets=vsets)
+    choice = refined_workflow(store, ctx.run_id)
+    # the test run holds the chosen program L times per query, scored as a flat workflow (its run is flat)
+    summ = run_fixed(frozen_config(store, arm_run), REFINED, call, arm_run, split, [*METRIC_ONLY, "rollout.mode=flat"],
+                     choice["code"])
+    return {"eval_run_id": summ["eval_run_id"], "validation_run_id": ctx.run_id, "validation_split": val,
+            "selected": {k: v for k, v in choice.items() if k != "code"}}
+
+
+# ---- the runs --------------------------------------------------------------------------------------------------------
+
+
+def frozen_config(store: Store, run_id: str) -> Path:
+    """A run's saved config: CONFIG with the study's --set (and the seed's) frozen in. Derived runs start from it, so
+    their own held-out overrides (the experiment's queries and L) come after those --set, as in evaluation runs."""
+    return store.run_dir(run_id) / "config.yaml"
+
+
+def run_reference(m: Method, evaluation: str, store: Store, cfg: RunConfig, sp: SeedPlan, extra: list[str],
+                  call) -> dict:
+    """A training-free reference's held-out run from the seed's base run config; returns {eval_run_id[, selected]}."""
+    split, config = cfg.experiment.eval_split, frozen_config(store, base_run_id(cfg.run_id, sp.seed))
+    if evaluation == SMC:
+        own = [f"smc.seed={sp.seed}", f"smc.N={cfg.experiment.eval_l}", *METRIC_ONLY, *m.sets, *extra]
+        return {"eval_run_id": run_smc(config, call, seed_run_id(cfg.run_id, sp.seed), split, own)["eval_run_id"]}
+    s = run_baseline(config, TASK_BEST, call, cfg.run_id, split, [*METRIC_ONLY, *m.sets, *extra])
+    return {"eval_run_id": s["eval_run_id"], "selected": s["selected"]}
+
+
+def sweep_lr(path: Path, cfg: RunConfig, chosen: list[Method], sets: list[str], arm_sets: dict[str, list[str]],
+             lrs: list[float], sp: SeedPlan, call) -> dict:
+    """One round per (trained method, learning rate) on seed `sp`, each evaluated on dev; per method the runs and
+    the chosen lr (the best dev Mean@L, ties: the first listed)."""
+    from pipeline.stages.rounds import run_rounds
+
+    b = cfg.benchmark
+    if b.dev_share == 0 or splits_overlap(b.train_split, "dev"):
+        raise ConfigError("--lr-sweep chooses on the dev split: train on `train` with a dev split held out "
+                          f"(benchmark.train_split=train, benchmark.dev_share > 0); got train_split {b.train_split}, "
+                          f"dev_share {b.dev_share}")
+    store, out = store_for(cfg.store), {}
+    for m in [m for m in chosen if m.trained]:
+        rows = []
+        for lr in lrs:
+            rid = sweep_run_id(cfg.run_id, m.name, lr, sp.seed)
+            own = [*method_sets(m, sets, sp.sets, None, arm_sets.get(m.name)), "rounds=1", f"training.lr={lr}"]
+            log.info("lr sweep: %s at lr %g (%s)", m.name, lr, rid)
+            run_rounds(path, 1, rid, call, sets=own, observer=TRACKERS)
+            summ = evaluate_tracked(str(store.root), rid, 0, "dev", arm_eval_sets(load_config(path, own)), call)
+            rows.append({"lr": lr, "run_id": rid, "eval_run_id": summ["eval_run_id"], "queries": summ["queries"],
+                         "mean_at_l": summ["mean_at_l"], "best_at_l": summ["best_at_l"],
+                         "train_wall_s": train_wall_s(store, rid)})
+        scored = [r for r in rows if r["mean_at_l"] is not None]
+        best = max(scored, key=lambda r: r["mean_at_l"]) if scored else None  # max keeps the first of equal ones
+        out[m.name] = {"split": "dev", "seed": sp.seed, "runs": rows, "chosen": None if best is None else best["lr"]}
+    return out
+
+
+def run_methods(config: str | Path, call, methods: list[str] | None = None, seeds: int | None = None,
+                run_id: str | None = None, sets: list[str] | None = None, arm_sets: dict[str, list[str]] | None = None,
+                lr_sweep: list[float] | None = None, command: str | None = None,
+                after_seed: Callable[[dict, Path], None] | None = None) -> dict:
+    """The comparison (module doc) through `call` (a stage caller); returns the summary. `after_seed(summary,
+    results folder)` runs after each seed's summary is written."""
+    from pipeline.stages.rounds import resolve_config, run_rounds
+
+    path = resolve_config(config)
+    sets = list(sets or [])
+    cfg = load_config(path, sets)
+    if run_id:
+        cfg = cfg.model_copy(update={"run_id": run_id})
+    chosen = [get_method(n) for n in (methods or list(METHODS))]
+    if len({m.name for m in chosen}) != len(chosen):
+        raise ValueError(f"methods repeat: {[m.name for m in chosen]}")
+    arm_sets = {get_method(k).name: list(v) for k, v in (arm_sets or {}).items()}
+    stray = sorted(set(arm_sets) - {m.name for m in chosen})
+    if stray:
+        raise ValueError(f"--arm-set names methods not compared: {stray}")
+    plans = plan(cfg, list(range(seeds)) if seeds is not None else None)
+    for m in chosen:  # every arm's config validates before any work
+        m_cfg = load_config(path, method_sets(m, sets, plans[0].sets, None, arm_sets.get(m.name)))
+        if REFINED in m.evaluations and m_cfg.rollout.mode != "refine":
+            raise ConfigError(f"method {m.name}: the refined evaluation needs rollout.mode refine")
+        if REFINED in m.evaluations and splits_overlap(selection_split(m_cfg), cfg.experiment.eval_split):
+            raise ConfigError(f"method {m.name}: the refined evaluation chooses on {selection_split(m_cfg)}, which "
+                              f"shares queries with the held-out {cfg.experiment.eval_split}")
+    store, split = store_for(cfg.store), cfg.experiment.eval_split
+    root = str(store.root)
+    t0 = time.perf_counter()
+    sweep = sweep_lr(path, cfg, chosen, sets, arm_sets, list(lr_sweep), plans[0], call) if lr_sweep else {}
+    lrs = {name: s["chosen"] for name, s in sweep.items()}
+    records: list[dict] = []
+    shared: dict[tuple[str, str], dict] = {}  # references' runs by (method, evaluation); unseeded: the one run
+    walls: dict[int, float] = {}
+    done: list[int] = []
+    summary: dict = {}
+    for sp in plans:
+        t_seed = time.perf_counter()
+        base = base_run_id(cfg.run_id, sp.seed)
+        open_run(path, base, 0, sets + sp.sets)  # frozen, never trained: the base model's evaluation run's parent
+        log.info("seed %d: evaluating the base model on %s", sp.seed, split)
+        b = evaluate_tracked(root, base, BASE, split, arm_eval_sets(cfg), call)
+        records.append({"arm": BASE_ARM, "method": BASE_ARM, "evaluation": SAMPLE, "seed": sp.seed,
+                        "eval_run_id": b["eval_run_id"], "train_run_id": None})
+        for m in chosen:
+            extra = arm_sets.get(m.name, [])
+            if not m.trained:
+                for ev in m.evaluations:
+                    if m.seeded or (m.name, ev) not in shared:
+                        log.info("seed %d: reference %s", sp.seed, m.name)
+                        shared[(m.name, ev)] = run_reference(m, ev, store, cfg, sp, extra, call)
+                    records.append({"arm": m.arm(ev), "method": m.name, "evaluation": ev, "seed": sp.seed,
+                                    "train_run_id": None, **shared[(m.name, ev)]})
+                continue
+            arm = method_run_id(cfg.run_id, m.name, sp.seed)
+            own = method_sets(m, sets, sp.sets, lrs.get(m.name), extra)
+            arm_cfg = load_config(path, own)
+            log.info("seed %d: training %s (%s, %d rounds)", sp.seed, m.name, arm, cfg.rounds)
+            run_rounds(path, cfg.rounds, arm, call, sets=own, observer=TRACKERS)
+            last = cfg.rounds - 1
+            for ev in m.evaluations:
+                log.info("seed %d: evaluating %s (%s) on %s", sp.seed, m.name, ev, split)
+                if ev == SAMPLE:
+                    got = {"eval_run_id": evaluate_tracked(root, arm, last, split, arm_eval_sets(arm_cfg),
+                                                           call)["eval_run_id"]}
+                else:
+                    got = evaluate_refined(store, arm, last, arm_cfg, split, call)
+                records.append({"arm": m.arm(ev), "method": m.name, "evaluation": ev, "seed": sp.seed,
+                                "train_run_id": arm, **got})
+        walls[sp.seed] = round_s(time.perf_counter() - t_seed)
+        done.append(sp.seed)
+        summary = summarise(store, cfg, [m.name for m in chosen], records, done)
+        summary |= {"lr_sweep": sweep, "lr": lrs}
+        out = write_results(store, summary, {"command": command, "config": str(path), "sets": sets,
+                                             "arm_sets": arm_sets, "seed_wall_s": walls,
+                                             "wall_s": round_s(time.perf_counter() - t0)})
+        log.info("after seed %d:\n%s", sp.seed, table(summary))
+        if after_seed is not None:
+            after_seed(summary, out)
+    summary["results"] = str(out)
+    summary["wall_s"] = round_s(time.perf_counter() - t0)
+    return summary
+
+
+# ---- the summary -----------------------------------------------------------------------------------------------------
+
+
+def _tokens(row: dict, side: str) -> float | None:
+    a, b = row.get(f"{side}_tokens_in"), row.get(f"{side}_tokens_out")
+    return None if a is None or b is None else float(a + b)
+
+
+def _metrics(rows: list[dict]) -> dict:
+    """Means over rows of each metric some row has (Sel@L only where the arm selects)."""
+    out = {m: mean_or_none([r[m] for r in rows if r.get(m) is not None]) for m in ALL_METRICS}
+    return {m: v for m, v in out.items() if v is not None or m != "select_at_l"}
+
+
+def summarise(store: Store, cfg: RunConfig, methods: list[str], records: list[dict], seeds: list[int]) -> dict:
+    """Per (arm, seed, query) numbers from the evaluation runs of `records`; per arm their means, tokens and training
+    wall time; per arm, other arm (base, spogw) and metric the pooled paired difference with its intervals."""
+    ex = cfg.experiment
+    summaries: dict[str, dict] = {}
+    per_query, per_seed = [], []
+    for rec in records:
+        eid = rec["eval_run_id"]
+        if eid not in summaries:
+            summaries[eid] = eval_summary(store, eid)
+        summ = summaries[eid]
+        rows = [{"arm": rec["arm"], "seed": rec["seed"], "query_id": q["query_id"],
+                 **{m: q.get(m) for m in ALL_METRICS}, "valid_share": q.get("valid_share"),
+                 "gen_tokens": _tokens(q, "gen"), "exec_tokens": _tokens(q, "exec")} for q in summ["per_query"]]
+        per_query += rows
+        walls = {"train_wall_s": train_wall_s(store, rec["train_run_id"]) if rec["train_run_id"] else None}
+        if rec.get("validation_run_id"):
+            walls["select_wall_s"] = train_wall_s(store, rec["validation_run_id"])
+        per_seed.append({**rec, "queries": summ["queries"], **_metrics(rows),
+                         "valid_share": summ["valid_share"], "gen_tokens_per_query": summ["gen_tokens_per_query"],
+                         "exec_tokens_per_query": summ["exec_tokens_per_query"], **walls})
+    order = list(dict.fromkeys(r["arm"] for r in records))
+    arms = []
+    for arm in order:
+        rows = [q for q in per_query if q["arm"] == arm]
+        mine = [p for p in per_seed if p["arm"] == arm]
+        arms.append({"arm": arm, "method": mine[0]["method"], "evaluation": mine[0]["evaluation"],
+                     "seeds": [p["seed"] for p in mine], "n": len(rows), **_metrics(rows),
+                     "valid_share": mean_or_none([q["valid_share"] for q in rows if q["valid_share"] is not None]),
+                     "gen_tokens_per_query": mean_or_none([q["gen_tokens"] for q in rows
+                                                           if q["gen_tokens"] is not None]),
+                     "exec_tokens_per_query": mean_or_none([q["exec_tokens"] for q in rows
+                                                            if q["exec_tokens"] is not None]),
+                     "train_wall_s": mean_or_none([p["train_wall_s"] for p in mine if p["train_wall_s"] is not None]),
+                     **({"select_wall_s": mean_or_none([p["select_wall_s"] for p in mine])}
+                        if any("select_wall_s" in p for p in mine) else {})})
+    has = {a["arm"]: {m for m in ALL_METRICS if a.get(m) is not None} for a in arms}
+    paired = []
+    for a in arms:
+        for against in (BASE_ARM, REFERENCE_ARM):
+            if against == a["arm"] or against not in has or a["arm"] == BASE_ARM:
+                continue
+            for metric in [m for m in ALL_METRICS if m in has[a["arm"]]]:
+                theirs = metric if metric in has[against] else "mean_at_l" if metric == "select_at_l" else None
+                if theirs is None:
+                    continue
+                pairs = []
+                for s in seeds:
+                    mine = {q["query_id"]: q[metric] for q in per_query
+                            if q["arm"] == a["arm"] and q["seed"] == s and q[metric] is not None}
+                    other = {q["query_id"]: q[theirs] for q in per_query
+                             if q["arm"] == against and q["seed"] == s and q[theirs] is not None}
+                    pairs += [(s, q, d) for q, d in paired_differences(mine, other).items()]
+                if pairs:
+                    paired.append({"arm": a["arm"], "against": against, "metric": metric, "against_metric": theirs,
+                                   **paired_interval(pairs, seeds, ex)})
+    return {"experiment": cfg.run_id, "methods": methods, "seeds": seeds, "rounds": cfg.rounds,
+            "split": ex.eval_split, "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "arms": arms,
+            "paired": paired, "per_seed": per_seed, "per_query": per_query}
+
+
+def _diff(summary: dict, arm: str, against: str, metric: str) -> str:
+    p = next((p for p in summary["paired"] if (p["arm"], p["against"], p["metric"]) == (arm, against, metric)), None)
+    return "" if p is None else f"{p['mean']:+.3f} {span(p, 'lo_seeds_queries', 'hi_seeds_queries')}"
+
+
+def table(summary: dict) -> str:
+    """The Markdown of docs/methods.md: per arm the held-out means and paired differences (seeds-then-queries
+    intervals), every paired difference, per seed rows, and the learning-rate sweep."""
+    sel = any(a.get("select_at_l") is not None for a in summary["arms"])
+    metrics = [*METRICS, *(["select_at_l"] if sel else [])]
+    head = ["arm", "evaluation", "seeds", *[METRIC_NAMES[m] for m in metrics], "Mean@L vs base",
+            f"Mean@L vs {REFERENCE_ARM}", "generator tokens/query", "executor tokens/query", "training s/seed", "valid"]
+    lines = [f"Held-out {summary['split']}, {summary['eval_queries']} queries, L = {summary['eval_l']}, seeds "
+             f"{summary['seeds']}, {summary['rounds']} round(s); differences: mean [95% interval resampling seeds, "
+             "then queries].", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for a in summary["arms"]:
+        cells = [a["arm"], a["evaluation"], str(len(a["seeds"])), *[fmt(a.get(m)) for m in metrics],
+                 _diff(summary, a["arm"], BASE_ARM, "mean_at_l"), _diff(summary, a["arm"], REFERENCE_ARM, "mean_at_l"),
+                 fmt(a.get("gen_tokens_per_query"), 0), fmt(a.get("exec_tokens_per_query"), 0),
+                 fmt(a.get("train_wall_s"), 0), fmt(a.get("valid_share"), 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| arm | against | metric | difference | interval: seeds, queries | interval: pairs | pairs |",
+              "|---|---|---|---|---|---|---|"]
+    for p in summary["paired"]:
+        name = METRIC_NAMES[p["metric"]] + ("" if p["against_metric"] == p["metric"]
+                                            else f" vs {METRIC_NAMES[p['against_metric']]}")
+        lines.append(f"| {p['arm']} | {p['against']} | {name} | {p['mean']:+.3f} | "
+                     f"{span(p, 'lo_seeds_queries', 'hi_seeds_queries')} | {span(p, 'lo', 'hi')} | {p['n']} |")
+    lines += ["", "| arm | seed | " + " | ".join(METRIC_NAMES[m] for m in metrics)
+              + " | generator tokens/query | executor tokens/query | training s | evaluation run |",
+              "|" + "---|" * (len(metrics) + 6)]
+    for p in summary["per_seed"]:
+        lines.append(f"| {p['arm']} | {p['seed']} | " + " | ".join(fmt(p.get(m)) for m in metrics)
+                     + f" | {fmt(p.get('gen_tokens_per_query'), 0)} | {fmt(p.get('exec_tokens_per_query'), 0)} | "
+                     f"{fmt(p.get('train_wall_s'), 0)} | {p['eval_run_id']} |")
+    if summary.get("lr_sweep"):
+        lines += ["", "| method | lr | dev Mean@L | dev Best@L | run | chosen |", "|---|---|---|---|---|---|"]
+        for name, s in summary["lr_sweep"].items():
+            for r in s["runs"]:
+                lines.append(f"| {name} | {r['lr']:g} | {fmt(r['mean_at_l'])} | {fmt(r['best_at_l'])} | "
+                             f"{r['run_id']} | {'yes' if r['lr'] == s['chosen'] else ''} |")
+    return "\n".join(lines)
+
+
+def write_results(store: Store, summary: dict, extra: dict) -> Path:
+    dest = methods_dir(store, summary["experiment"])
+    with store.output_dir(dest) as out:  # on object storage: written locally, then uploaded file by file
+        tmp = out / ".methods.json.tmp"
+        tmp.write_text(json.dumps({**summary, **extra}, indent=1, default=str))
+        tmp.replace(out / "methods.json")
+        (out / "methods.md").write_text(table(summary) + "\n")
+    return dest

@@ -1,0 +1,247 @@
+"""`pipeline compare-methods` (pipeline.studies.methods): the method registry's overlays, and the whole comparison on
+configs/smoke.yaml with the real runner, manifests, evaluation runs, baselines and summary, where the four stage
+functions are fakes that write rows with known scores (as tests/test_flows.py's experiment test), so every held-out
+number and paired difference is known by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import polars as pl
+import pytest
+
+from pipeline import stages
+from pipeline.config import ConfigError, load_config
+from pipeline.engines.workflow import extract_code
+from pipeline.run import open_run
+from pipeline.stages.rounds import direct_call
+from pipeline.stages.runner import RetryPolicy
+from pipeline.store import Store
+from pipeline.studies import methods as mm
+
+CONFIGS = ("configs/smoke.yaml", "configs/gsm-learn.yaml")
+
+
+# ---- the registry ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_methods_overlay_is_a_valid_config_of_its_paper(config):
+    want = {"spogw": ("flat", "iogrpo_mkl", "previous"), "two_level": ("two_level", "iogrpo_mkl", "previous"),
+            "w4s": ("refine", "rwr", "previous"), "scoreflow": ("flat", "score_dpo", "base"),
+            "flowreasoner": ("flat", "grpo", "previous")}
+    assert set(mm.METHODS) == {*want, "smc", "task_best"}
+    for name, m in mm.METHODS.items():
+        cfg = load_config(config, mm.method_sets(m, [], ["generator.seed=1"], 3e-4 if m.trained else None))
+        assert cfg.generator.seed == 1
+        if not m.trained:
+            assert m.sets == () and cfg.rollout.mode == load_config(config).rollout.mode
+            continue
+        assert (cfg.rollout.mode, cfg.training.objective, cfg.training.reference) == want[name]
+        assert cfg.training.lr == 3e-4
+    fr = load_config(config, list(mm.METHODS["flowreasoner"].sets)).scoring.reward
+    assert (fr.complexity_weight, fr.diversity_weight) == (0.1, 0.1)
+    assert load_config(config, list(mm.METHODS["spogw"].sets)).training.kl_mask
+    assert mm.METHODS["w4s"].evaluations == ("sample", "refined") and mm.METHODS["w4s"].arm("refined") == "w4s/refined"
+    # held-out evaluations score the metric alone: FlowReasoner's evaluation has no reward shaping
+    ev = load_config(config, [*mm.METHODS["flowreasoner"].sets, *mm.arm_eval_sets(load_config(config))])
+    assert (ev.scoring.reward.complexity_weight, ev.scoring.reward.diversity_weight) == (0, 0)
+
+
+def test_two_level_shape_and_arm_sets():
+    assert [mm.two_level_shape(L) for L in (1, 2, 4, 6, 8, 9)] == [(1, 1), (2, 1), (2, 2), (3, 2), (4, 2), (3, 3)]
+    cfg = load_config("configs/smoke.yaml", [*mm.METHODS["two_level"].sets, "experiment.eval_l=6"])
+    assert mm.arm_eval_sets(cfg)[-2:] == ["rollout.n_agents=3", "rollout.n_workflows=2"]
+    assert mm.parse_arm_sets(["w4s:training.lr=5e-4", "w4s:rollout.refine.turns=2", "spogw:training.beta=0"]) == {
+        "w4s": ["training.lr=5e-4", "rollout.refine.turns=2"], "spogw": ["training.beta=0"]}
+    with pytest.raises(ValueError, match="unknown method 'ppo'"):
+        mm.parse_arm_sets(["ppo:training.lr=1"])
+    with pytest.raises(ValueError, match="expected METHOD:key.path=value"):
+        mm.parse_arm_sets(["training.lr=1"])
+    with pytest.raises(ValueError, match="reserved"):
+        mm.register_method(mm.Method("base", "x"))
+
+
+# ---- the comparison with fake stages --------------------------------------------------------------------------------
+
+REFINE_CANDIDATES = [(0, 0, 0.25), (0, 1, 0.75), (1, 0, 0.75), (1, 1, None)]  # (turn, slot, accuracy; None: skipped)
+PROGRAM_SCORES = {"cot": 0.75, "refined": 0.5}  # baseline runs (fixed programs) by label; others 0.25
+
+
+def trained_score(cfg, qi: int, agent: int) -> float:
+    """A checkpoint's score on the qi-th held-out query (the base model: 0, 0.5, 0, ...)."""
+    t = cfg.training
+    if cfg.rollout.mode == "two_level":
+        return 1.0 if agent == 0 else 0.0  # Mean@L 0.5, Sel@L = Best@L = 1
+    return {"iogrpo_mkl": 1.0 if t.lr >= 2e-4 else 0.5, "score_dpo": 0.25 if qi % 2 == 0 else 1.0, "rwr": 0.5,
+            "grpo": 0.75}[t.objective]
+
+
+class Fakes:
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+    def make(self, stage):
+        def fn(ctx, only_failed=False, shard=None):
+            self.calls.append((ctx.run_id, stage))
+            if stage == "rollout":
+                self.rollout(ctx)
+            elif stage == "score":
+                self.score(ctx)
+            elif stage == "train":
+                ctx.store.checkpoint_dir(ctx.run_id, ctx.round).mkdir(parents=True)
+            ctx.finish(stage, rows=1)
+            return {"rows": 1}
+        return fn
+
+    def rollout(self, ctx):
+        from pipeline.engines.benchmarks import load_benchmark
+
+        items, ro, st = load_benchmark(ctx.cfg.benchmark).items(), ctx.cfg.rollout, ctx.store
+        rows = []
+        if ro.mode == "refine":
+            task = f"task:{items[0].id}+{len(items)}"
+            turns = []
+            for turn, slot, acc in REFINE_CANDIDATES:
+                gid = f"c{turn}{slot}"
+                rows.append({"gen_id": gid, "kind": "workflow", "query_id": task, "valid": True, "turn": turn,
+                             "text": f"```python\nasync def solve(problem):\n    return '{gid}'\n```"})
+                turns.append({"task_id": task, "turn": turn, "slot": slot, "gen_id": gid, "accuracy": acc,
+                              "previous": 0.5 if turn == 0 else 0.75, "skipped": acc is None, "advanced": False})
+            st.write("turns", turns, ctx.run_id, ctx.round)
+        for it in items if ro.mode != "refine" else []:
+            if ro.mode == "two_level":
+                for a in range(ro.n_agents):
+                    rows.append({"gen_id": f"{it.id}-a{a}", "kind": "agent", "query_id": it.id, "valid": True})
+                    rows += [{"gen_id": f"{it.id}-a{a}-w{w}", "kind": "workflow", "query_id": it.id, "valid": True,
+                              "parent_id": f"{it.id}-a{a}"} for w in range(ro.n_workflows)]
+            else:
+                rows += [{"gen_id": f"{it.id}-w{j}", "kind": "workflow", "query_id": it.id, "valid": True}
+                         for j in range(ro.m)]
+        st.write("generations", rows, ctx.run_id, ctx.round)
+
+    def score(self, ctx):
+        gens = ctx.store.read("generations", ctx.run_id, ctx.round).filter(pl.col("kind") == "workflow")
+        index = {q: i for i, q in enumerate(sorted(set(gens["query_id"].to_list())))}
+        rows = []
+        for g in gens.iter_rows(named=True):
+            qi = index[g["query_id"]]
+            if g["backend"] == "baseline":
+                s = PROGRAM_SCORES.get(g["model"], 0.25)
+            elif ctx.cfg.generator.adapter is None:
+                s = 0.5 * (qi % 2)
+            else:
+                s = trained_score(ctx.cfg, qi, int(g["gen_id"].split("-a")[-1][0]) if "-a" in g["gen_id"] else 0)
+            rows.append({"gen_id": g["gen_id"], "rep": 0, "attempt": 0, "status": "ok", "score": s, "metric": s,
+                         "answer": str(s)})
+        ctx.store.write("scores", rows, ctx.run_id, ctx.round)
+
+    def install(self, monkeypatch):
+        for name, st in list(stages.STAGES.items()):
+            monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(st, fn=self.make(name), isolated=False,
+                                                                         checkpoint=False))
+        return self
+
+
+def _sets(tmp_path, *more):
+    return [f"store.root={tmp_path}", "rounds=1", "tracking=[]", "benchmark.max_queries=4", "experiment.eval_queries=2",
+            "experiment.eval_l=4", "experiment.bootstrap=200", *more]
+
+
+def _timings(store: Store, run: str) -> list[dict]:
+    return [json.loads(x) for x in (store.run_dir(run) / "timings.jsonl").read_text().splitlines()]
+
+
+def test_compare_methods_end_to_end_pairs_by_hand_and_resumes(tmp_path, monkeypatch):
+    fakes = Fakes().install(monkeypatch)
+    names = ["spogw", "two_level", "w4s", "scoreflow", "flowreasoner", "task_best"]
+    call = direct_call(RetryPolicy(retries=0, delay_s=0))
+    out = mm.run_methods("configs/smoke.yaml", call, names, seeds=1, run_id="cm", sets=_sets(tmp_path))
+    st = Store(tmp_path)
+    body = json.loads((tmp_path / "experiments" / "cm-methods" / "methods.json").read_text())
+    arms = {a["arm"]: a for a in body["arms"]}
+    assert list(arms) == ["base", "spogw", "two_level", "w4s", "w4s/refined", "scoreflow", "flowreasoner", "task_best"]
+    assert all(a["n"] == 2 and a["seeds"] == [0] for a in arms.values())  # 2 held-out queries x 1 seed per arm
+    got = {a: (x["mean_at_l"], x["best_at_l"], x.get("select_at_l")) for a, x in arms.items()}
+    assert got == {"base": (0.25, 0.25, None), "spogw": (1.0, 1.0, None), "two_level": (0.5, 1.0, 1.0),
+                   "w4s": (0.5, 0.5, None), "w4s/refined": (0.5, 0.5, None), "scoreflow": (0.625, 0.625, None),
+                   "flowreasoner": (0.75, 0.75, None), "task_best": (0.75, 0.75, None)}
+
+    # every paired difference is the mean of the stored per-query differences of the same seed and query
+    pq = {(r["arm"], r["seed"], r["query_id"]): r for r in body["per_query"]}
+    for p in body["paired"]:
+        diffs = [r[p["metric"]] - pq[(p["against"], s, q)][p["against_metric"]]
+                 for (a, s, q), r in pq.items() if a == p["arm"]]
+        assert p["n"] == len(diffs) == 2 and p["mean"] == pytest.approx(sum(diffs) / len(diffs)), p
+    paired = {(p["arm"], p["against"], p["metric"]): p for p in body["paired"]}
+    # by hand: scoreflow (0.25, 1.0) - base (0, 0.5) = (0.25, 0.5); two-level's Sel@L (1, 1) against base's Mean@L
+    assert paired[("scoreflow", "base", "mean_at_l")]["mean"] == pytest.approx(0.375)
+    assert paired[("scoreflow", "spogw", "mean_at_l")]["mean"] == pytest.approx(-0.375)
+    sel = paired[("two_level", "base", "select_at_l")]
+    assert (sel["against_metric"], sel["mean"]) == ("mean_at_l", 0.75)
+    assert paired[("task_best", "spogw", "mean_at_l")]["mean"] == pytest.approx(-0.25)
+    assert ("spogw", "spogw", "mean_at_l") not in paired and not any(p["arm"] == "base" for p in body["paired"])
+
+    # the runs: shared base per seed, arms with their overlays, evaluations scored by the metric alone
+    runs = {r["arm"]: r for r in body["per_seed"]}
+    assert runs["base"]["eval_run_id"] == "cm-base-s0-eval-base" and runs["spogw"]["train_run_id"] == "cm-spogw-s0"
+    cfg = open_run(None, "cm-scoreflow-s0", 0, store_root=str(tmp_path)).cfg
+    assert (cfg.training.objective, cfg.training.reference, cfg.generator.seed) == ("score_dpo", "base", 0)
+    assert open_run(None, "cm-flowreasoner-s0", 0, store_root=str(tmp_path)).cfg.scoring.reward.complexity_weight == 0.1
+    ev = open_run(None, runs["flowreasoner"]["eval_run_id"], 0, store_root=str(tmp_path)).cfg
+    assert ev.scoring.reward.complexity_weight == 0 and ev.benchmark.train_split == "test"
+    tl = open_run(None, runs["two_level"]["eval_run_id"], 0, store_root=str(tmp_path)).cfg.rollout
+    assert (tl.mode, tl.n_agents, tl.n_workflows) == ("two_level", 2, 2)  # N_A x N_W = L = 4
+
+    # W4S: refined on the validation split with the checkpoint, the best validated candidate (c01: 0.75, earlier
+    # than c10) run L times on each test query
+    ref = runs["w4s/refined"]
+    assert (ref["validation_run_id"], ref["validation_split"]) == ("cm-w4s-s0-eval-validate-r0-refine", "validate")
+    assert ref["selected"] | {"task_id": None} == {"gen_id": "c01", "task_id": None, "turn": 0, "slot": 1,
+                                                    "accuracy": 0.75, "start_accuracy": 0.5, "candidates": 3}
+    vcfg = open_run(None, ref["validation_run_id"], 0, store_root=str(tmp_path)).cfg
+    assert (vcfg.rollout.mode, vcfg.benchmark.train_split, vcfg.rollout.refine.task_size) == ("refine", "validate", 4)
+    assert vcfg.generator.adapter == str(st.checkpoint_dir("cm-w4s-s0", 0))
+    test = st.read("generations", ref["eval_run_id"], 0)
+    assert test.height == 2 * 4 and set(test["text"]) == {extract_code("```python\nasync def solve(problem):\n"
+                                                                        "    return 'c01'\n```")}
+
+    # training wall time: the sum of the training run's stage wall seconds in its timings.jsonl
+    lines = [t for t in _timings(st, "cm-spogw-s0") if not t["skipped"]]
+    assert [t["stage"] for t in lines] == ["rollout", "score", "curate", "train"]
+    assert runs["spogw"]["train_wall_s"] == pytest.approx(sum(t["wall_s"] for t in lines), abs=0.1)
+    assert runs["task_best"]["train_wall_s"] is None
+    md = (tmp_path / "experiments" / "cm-methods" / "methods.md").read_text()
+    assert "| scoreflow | sample | 1 | 0.625 | 0.625 | 0.625 | n/a | +0.375 [" in md
+    assert out["results"].endswith("cm-methods")
+
+    # resume: a second call trains, rolls out and scores nothing; every stage is skipped by its manifest
+    fakes.calls.clear()
+    n_lines = len(_timings(st, "cm-spogw-s0"))
+    again = mm.run_methods("configs/smoke.yaml", call, names, seeds=1, run_id="cm", sets=_sets(tmp_path))
+    assert fakes.calls == []
+    assert [t["skipped"] for t in _timings(st, "cm-spogw-s0")[n_lines:]] == [True] * 4
+    assert [a["mean_at_l"] for a in again["arms"]] == [a["mean_at_l"] for a in body["arms"]]
+
+
+def test_lr_sweep_chooses_on_dev_and_trains_the_arm_with_it(tmp_path, monkeypatch):
+    Fakes().install(monkeypatch)
+    call = direct_call(RetryPolicy(retries=0, delay_s=0))
+    with pytest.raises(ConfigError, match="--lr-sweep chooses on the dev split"):
+        mm.run_methods("configs/smoke.yaml", call, ["spogw"], seeds=1, run_id="sw", sets=_sets(tmp_path),
+                       lr_sweep=[1e-4, 2e-4])
+    sets = _sets(tmp_path, "benchmark.train_split=train", "benchmark.dev_share=0.5")
+    out = mm.run_methods("configs/smoke.yaml", call, ["spogw"], seeds=1, run_id="sw", sets=sets,
+                         lr_sweep=[1e-4, 2e-4, 5e-4])
+    sweep = out["lr_sweep"]["spogw"]
+    # the fake checkpoint scores 0.5 below lr 2e-4 and 1.0 from it: 2e-4 and 5e-4 tie, the first listed wins
+    assert [(r["lr"], r["mean_at_l"]) for r in sweep["runs"]] == [(1e-4, 0.5), (2e-4, 1.0), (5e-4, 1.0)]
+    assert (sweep["chosen"], sweep["split"], out["lr"]) == (2e-4, "dev", {"spogw": 2e-4})
+    assert [r["eval_run_id"] for r in sweep["runs"]] == ["sw-spogw-lr0.0001-s0-eval-dev-r0",
+                                                          "sw-spogw-lr0.0002-s0-eval-dev-r0",
+                                                          "sw-spogw-lr0.0005-s0-eval-dev-r0"]
+    assert open_run(None, "sw-spogw-s0", 0, store_root=str(tmp_path)).cfg.training.lr == 2e-4
+    held_out = {d.name for d in tmp_path.iterdir() if "-eval-" in d.name}
+    assert {e for e in held_out if "-lr" in e} == {r["eval_run_id"] for r in sweep["runs"]}  # no sweep run on test
+    assert json.loads((tmp_path / "experiments" / "sw-methods" / "methods.json").read_text())["lr"] == {"spogw": 2e-4}
