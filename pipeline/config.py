@@ -167,7 +167,10 @@ class ExecutorConfig(_Strict):
     api_key_env: str = Field("OPENAI_API_KEY", description="Env var holding the API key (never stored).")
     temperature: float = Field(0.0, ge=0, description="Executor sampling temperature (paper: 0).")
     max_tokens: int = Field(256, gt=0, description="Completion cap per executor call.")
-    concurrency: int = Field(8, gt=0, description="Concurrent executor requests.")
+    concurrency: int = Field(
+        32, gt=0, description="Executor requests in flight at once (32: the most tokens/s a vLLM CPU server gave "
+        "here, `pipeline bench executor`, docs/performance.md).",
+    )
     max_retries: int = Field(4, ge=0, description="Retries on 429/5xx/timeouts/connection errors.")
     timeout_s: float = Field(60.0, gt=0, description="Per-call timeout in seconds.")
     prices: PriceConfig = Field(default_factory=PriceConfig, description="Price table for cost accounting.")
@@ -337,7 +340,11 @@ class RewardConfig(_Strict):
 
 class ScoringConfig(_Strict):
     reps: int = Field(1, gt=0, description="Runs per workflow; the score is their mean (paper: 3).")
-    concurrency: int = Field(2, gt=0, description="Sandboxes running at once.")
+    concurrency: int | None = Field(
+        None, gt=0, description="Workflows running at once; null: executor.concurrency for an OpenAI-compatible "
+        "executor (a workflow mostly waits on its calls, so as many workflows as requests keep the server's batch "
+        "full), 2 for the in-process one.",
+    )
     timeout_s: float = Field(60.0, gt=0, description="Wall-clock limit per workflow run.")
     cpu_time_s: int = Field(30, gt=0, description="CPU-time limit per workflow run.")
     memory_mb: int = Field(1024, gt=0, description="Address-space limit of a workflow process.")
@@ -528,6 +535,12 @@ class RunConfig(_Strict):
         "evaluation (pipeline.studies.tracking), so it never holds a number the store does not.",
     )
 
+    @model_validator(mode="after")
+    def _scoring_concurrency(self) -> RunConfig:
+        if self.scoring.concurrency is None:
+            self.scoring.concurrency = self.executor.concurrency if self.executor.kind == "openai" else 2
+        return self
+
     @field_validator("tracking", mode="before")
     @classmethod
     def _tracking_names(cls, v: Any) -> Any:
@@ -552,7 +565,7 @@ class RunConfig(_Strict):
 
 # Fields whose default changed after runs were frozen, with the default they had: hashed against it, so the
 # finished stages of those runs stay finished (a saved config holds every field, the old default included).
-_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05}
+_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05, ("executor", "concurrency"): 8, ("scoring", "concurrency"): 2}
 
 
 def _legacy_hash_form(cfg: RunConfig, body: dict) -> dict:

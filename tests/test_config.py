@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, RunConfig, apply_overrides, diff_configs, load_config
+from pipeline.config import ConfigError, RunConfig, apply_overrides, config_from_dict, diff_configs, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_exemplars_names_and_legacy_booleans(tmp_path):
     # a run frozen with `exemplars: false` (and the then default lora_dropout 0.05, saved with every field) keeps
     # its config hash: sha256 of its one non-default field, as before
     legacy = hashlib.sha256(json.dumps({"rollout": {"exemplars": False}}, sort_keys=True).encode()).hexdigest()[:16]
-    frozen = {"rollout": {"exemplars": False}, "training": {"lora_dropout": 0.05}}
+    frozen = {"rollout": {"exemplars": False}, "training": {"lora_dropout": 0.05}, "executor": {"concurrency": 8}}
     assert RunConfig.model_validate(frozen).config_hash() == legacy
 
 
@@ -80,10 +80,12 @@ def test_config_hash_of_runs_frozen_before_the_lora_dropout_default_changed():
     def sha(body: dict) -> str:
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
-    assert RunConfig.model_validate({"training": {"lora_dropout": 0.05}}).config_hash() == sha({})
-    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0}}).config_hash() == sha(
+    # a frozen config holds every field: executor.concurrency at its default of then, 8 (moved to 32 later)
+    then = {"executor": {"concurrency": 8}}
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.05}, **then}).config_hash() == sha({})
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0}, **then}).config_hash() == sha(
         {"training": {"lora_dropout": 0.0}})
-    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0, "lr": 0.1}}).config_hash() == sha(
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0, "lr": 0.1}, **then}).config_hash() == sha(
         {"training": {"lora_dropout": 0.0, "lr": 0.1}})
 
 
@@ -211,3 +213,16 @@ def test_the_rollout_modes_a_config_accepts_are_the_registered_ones():
     from pipeline.stages.modes import MODES
 
     assert set(get_args(RolloutConfig.model_fields["mode"].annotation)) == set(MODES) == {"flat", "two_level", "refine"}
+
+
+def test_concurrency_defaults_follow_the_executor_and_keep_the_hash_of_runs_saved_before():
+    served = {"kind": "openai", "base_url": "http://x/v1"}
+    assert config_from_dict({"executor": served}).scoring.concurrency == 32  # as many workflows as requests
+    assert config_from_dict({}).scoring.concurrency == 2  # the in-process executor
+    assert config_from_dict({"executor": served, "scoring": {"concurrency": 5}}).scoring.concurrency == 5
+    # a config saved before the defaults moved holds the old ones (executor 8, scoring 2): its hash, by the code
+    # of commit c668463, must not move, or every finished stage of that run would run again
+    old = {"executor": {"concurrency": 8}, "scoring": {"concurrency": 2}}
+    assert config_from_dict(old).config_hash() == "3f5ee1602261f17c"
+    assert config_from_dict({"executor": {**served, **old["executor"]}, "scoring": old["scoring"]}).config_hash() \
+        == "e269505f6e2a1030"
