@@ -35,7 +35,7 @@ from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paire
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
 from pipeline.store.views import flagged_rewarded
-from pipeline.studies.evaluate import eval_run_id, eval_summary
+from pipeline.studies.evaluate import eval_run_id, eval_sets, eval_summary
 from pipeline.studies.report import build_experiment_report, span
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
 
@@ -51,15 +51,6 @@ def seed_run_id(run_id: str, seed: int) -> str:
 def seed_sets(seed: int) -> list[str]:
     """Overrides that make a seed's run: every source of randomness of a round follows the seed."""
     return [f"generator.seed={seed}", f"training.seed={seed}", f"curation.seed={seed}"]
-
-
-def eval_sets(cfg: RunConfig) -> list[str]:
-    """Overrides of an evaluation run: the held-out query count and L (flat: L samples per query)."""
-    ex = cfg.experiment
-    sets = [f"benchmark.max_queries={'null' if ex.eval_queries is None else ex.eval_queries}"]
-    if get_mode(cfg.rollout.mode).evaluated_as == "flat":  # L samples per query (refine runs are evaluated flat)
-        sets.append(f"rollout.m={ex.eval_l}")
-    return sets
 
 
 def eval_rounds(cfg: RunConfig) -> list[int]:
