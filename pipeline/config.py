@@ -493,6 +493,14 @@ class ExperimentConfig(_Strict):
     eval_rounds: Literal["all", "last"] = Field("all", description="Checkpoints evaluated besides the base model.")
     bootstrap: int = Field(10000, gt=0, description="Bootstrap resamples of the paired differences.")
     ci_level: float = Field(0.95, gt=0, lt=1, description="Level of the bootstrap interval.")
+    references: list[str] = Field(
+        default_factory=list, description="Baselines (`pipeline baseline` methods, e.g. io, cot_sc, program:<file>) "
+        "run after the seeds on the same held-out queries and L, reported with each round's paired difference to them.",
+    )
+    shared_base: bool = Field(
+        False, description="Evaluate the base model once (the first seed's run and sampling seed) and pair every seed "
+        "with it: one evaluation less per extra seed, but the base's sampling noise is not resampled across seeds.",
+    )
 
 
 class SMCConfig(_Strict):
@@ -648,15 +656,21 @@ def load_config(path: str | Path, sets: list[str] | None = None) -> RunConfig:
     return config_from_dict(data, str(path))
 
 
+# Options that only say which extra runs an experiment makes and how it pairs them: no run computes differently, so
+# a run resumed with another value of them is not refused (an experiment can gain references after its seeds ran).
+PLAN_ONLY = frozenset({"experiment.references", "experiment.shared_base"})
+
+
 def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
-    """Dotted paths whose values differ (used to refuse silently resuming a run with another config)."""
+    """Dotted paths whose values differ, PLAN_ONLY left out (used to refuse silently resuming a run with another
+    config)."""
     out: list[str] = []
 
     def walk(x: Any, y: Any, prefix: str) -> None:
         if isinstance(x, dict) and isinstance(y, dict):
             for k in sorted(set(x) | set(y)):
                 walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
-        elif x != y:
+        elif x != y and prefix not in PLAN_ONLY:
             out.append(prefix)
 
     walk(json.loads(a.model_dump_json()), json.loads(b.model_dump_json()), "")

@@ -180,6 +180,10 @@ def test_diff_and_hash():
     assert diff_configs(a, b) == [] and a.config_hash() == b.config_hash()
     b.rollout.m = 3
     assert diff_configs(a, b) == ["rollout.m"] and a.config_hash() != b.config_hash()
+    # which references an experiment runs, and whether its seeds share the base evaluation, change no run: a run
+    # frozen without them resumes with them (and the reverse)
+    b.experiment.references, b.experiment.shared_base, b.experiment.eval_l = ["io"], True, 2
+    assert diff_configs(a, b) == ["experiment.eval_l", "rollout.m"]
 
 
 def test_config_hash_ignores_defaults_and_the_experiment_section():

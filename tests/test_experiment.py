@@ -20,7 +20,7 @@ def test_experiment_refuses_an_eval_split_that_holds_training_queries():
 
 
 def test_evaluations_sample_at_the_eval_temperature_when_one_is_set():
-    from pipeline.studies.experiment import eval_sets
+    from pipeline.studies.evaluate import eval_sets
 
     def cfg(**experiment):
         return config_from_dict({"experiment": {"eval_queries": 12, "eval_l": 3, **experiment},

@@ -111,8 +111,7 @@ def test_evaluation_and_derived_runs_of_a_refine_run_sample_flat(tmp_path):
     import yaml
 
     from pipeline.run import open_run
-    from pipeline.studies.evaluate import derived_run_sets, open_eval_run
-    from pipeline.studies.experiment import eval_sets
+    from pipeline.studies.evaluate import derived_run_sets, eval_sets, open_eval_run
 
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"run_id": "rf", "store": {"root": str(tmp_path)}, "rollout": {"mode": "refine"}}))

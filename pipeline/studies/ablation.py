@@ -28,12 +28,11 @@ from pipeline.core.learning import paired_differences
 from pipeline.core.objectives import OBJECTIVES, get_objective
 from pipeline.run import open_run
 from pipeline.store import Store, store_for
-from pipeline.studies.evaluate import eval_run_id, eval_summary
+from pipeline.studies.evaluate import eval_run_id, eval_sets, eval_summary
 from pipeline.studies.experiment import (
     BASE,
     METRIC_NAMES,
     compared_metrics,
-    eval_sets,
     mean_or_none,
     paired_interval,
     plan,

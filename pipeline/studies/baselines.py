@@ -2,7 +2,7 @@
 metrics as generated workflows, so that a trained generator can be compared with simple prompting.
 
 A baseline is a derived run `<run_id>-baseline-<method>` (`-baseline-<split>-<method>` off the test split): CONFIG
-with `benchmark.train_split=<split>` and the experiment's held-out query count and L (`experiment.eval_sets`), as
+with `benchmark.train_split=<split>` and the experiment's held-out query count and L (`evaluate.eval_sets`), as
 the base model's and a checkpoint's evaluation runs have. Its round 0 holds the split's queries and, per query, L
 generations whose text is the method's program (`backend` = "baseline", `model` = the method; no generator tokens).
 The normal score stage runs them; `evaluate.eval_summary` gives Mean@L / Best@L / Majority@L and tokens per query.
@@ -111,17 +111,25 @@ def baseline_run_id(run_id: str, method: str, split: str = "test") -> str:
     return f"{run_id}-baseline-{method}" if split == "test" else f"{run_id}-baseline-{split}-{method}"
 
 
-def _check_method(method: str) -> None:
+def check_method(method: str) -> None:
+    """A ConfigError unless `method` is a known method or `program:<file>` of an existing file."""
     if method not in METHODS and not method.startswith(PROGRAM_PREFIX):
-        raise ConfigError(f"unknown baseline method {method!r}; methods: {', '.join(METHODS)}")
+        raise ConfigError(f"unknown baseline method {method!r}; methods: {', '.join(METHODS)}, program:<file>")
+    path = Path(method.removeprefix(PROGRAM_PREFIX))
+    if method.startswith(PROGRAM_PREFIX) and not path.is_file():
+        raise ConfigError(f"--program {path}: file not found")
+
+
+def method_tag(method: str) -> str:
+    """The name of a method's derived run: the method, or `program-<file stem>` for `program:<file>`."""
+    return f"program-{Path(method.removeprefix(PROGRAM_PREFIX)).stem}" if method.startswith(PROGRAM_PREFIX) else method
 
 
 def open_baseline_run(config: str, method: str, run_id: str | None = None, split: str = "test",
                       sets: list[str] | None = None, held_out: bool = True) -> RunContext:
     """Create (first call) or reopen the derived run of `method` on `split`. `held_out`: the experiment's query
     count and L (as evaluation runs); else CONFIG's own queries (task_best's selection run)."""
-    from pipeline.studies.evaluate import derived_run_sets
-    from pipeline.studies.experiment import eval_sets
+    from pipeline.studies.evaluate import derived_run_sets, eval_sets
 
     sets = list(sets or [])
     cfg = load_config(config, sets)
@@ -295,13 +303,11 @@ def run_baseline(config: str, method: str, call=None, run_id: str | None = None,
     """One baseline's derived run, through `call` (a stage caller; default `pipeline.stages.rounds.direct_call()`)."""
     from pipeline.stages.rounds import direct_call
 
-    _check_method(method)
+    check_method(method)
     call = call or direct_call()
     if method.startswith(PROGRAM_PREFIX):
-        path = Path(method.removeprefix(PROGRAM_PREFIX))
-        if not path.is_file():
-            raise ConfigError(f"--program {path}: file not found")
-        return run_fixed(config, f"program-{path.stem}", call, run_id, split, sets, path.read_text())
+        program = Path(method.removeprefix(PROGRAM_PREFIX)).read_text()
+        return run_fixed(config, method_tag(method), call, run_id, split, sets, program)
     if method == TASK_BEST:
         return run_task_best(config, call, run_id, split, sets, candidates, max_candidates)
     return run_fixed(config, method, call, run_id, split, sets)

@@ -30,7 +30,7 @@ from dataclasses import asdict
 
 import polars as pl
 
-from pipeline.config import SPLITS, ConfigError, load_config
+from pipeline.config import SPLITS, ConfigError, RunConfig, load_config
 from pipeline.run import RunContext, open_run
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store
@@ -57,6 +57,18 @@ def derived_run_sets(split: str, cfg=None) -> list[str]:
     check_split(split)
     sets = [f"benchmark.train_split={split}", "rounds=1", "rollout.exemplars=false"]
     return sets + ([] if cfg is None else _evaluated_as(cfg.rollout.mode))
+
+
+def eval_sets(cfg: RunConfig) -> list[str]:
+    """Overrides of an evaluation run: the held-out query count, L (flat: L samples per query) and the sampling
+    temperature when it is not the rollout's (explore while training, sample as chosen on dev when evaluating)."""
+    ex = cfg.experiment
+    sets = [f"benchmark.max_queries={'null' if ex.eval_queries is None else ex.eval_queries}"]
+    if ex.eval_temperature is not None:
+        sets.append(f"generator.temperature={ex.eval_temperature}")
+    if get_mode(cfg.rollout.mode).evaluated_as == "flat":  # L samples per query (refine runs are evaluated flat)
+        sets.append(f"rollout.m={ex.eval_l}")
+    return sets
 
 
 def _evaluated_as(mode: str) -> list[str]:

@@ -12,12 +12,23 @@ headline interval of each mean resamples seeds, then queries within each drawn s
 `hi_seeds_queries`): a trained model is one draw of training's randomness, so the seed-to-seed spread belongs in
 it. Kept beside it: the interval over pairs (`lo`, `hi`), the one over queries (`lo_by_query`, `hi_by_query`: a
 drawn query brings all its seeds' pairs), and each seed's own mean and interval (pipeline.core.learning).
-Summaries written before the headline interval existed lack its keys; readers show n/a. The summary is written to
-`<store>/experiments/<run_id>/` as experiment.json (everything), per_query.csv and report.html.
+Summaries written before the headline interval existed lack its keys; readers show n/a.
+
+`experiment.shared_base`: the base model is evaluated once, in the first seed's run with its sampling seed, and its
+per-query numbers are the base of every seed's pairs; this saves one evaluation per extra seed, but the base's own
+sampling noise is then one draw, not resampled across seeds. `experiment.references`: after the seeds, each named
+baseline (pipeline.studies.baselines: a fixed program, task_best or `program:<file>`) runs on the same split,
+queries and L in its derived run `<run_id>-baseline-<method>`; the summary gives it as a reference arm (Mean@L,
+Best@L, Majority@L, tokens per query) with every evaluated round's paired difference to it (pairs over seed x
+query, the reference's per-query value the base of every seed). `curve`: per evaluated round, the mean over
+(seed, query) with its seeds-then-queries interval and each seed's mean (the report plots it with the references).
+
+The summary is written to `<store>/experiments/<run_id>/` as experiment.json (everything), per_query.csv,
+report.html and curve.png.
 `run_experiment` runs it through a stage caller (pipeline.stages.rounds: without Prefect, or flows/experiment.py's).
 Re-running with the same run id resumes: finished stages are skipped by their manifests, in the seed runs and in
-the evaluation runs alike. The summary is rewritten after every seed, so a stopped experiment still leaves its
-results so far.
+the evaluation runs alike. The summary is rewritten after every seed and after the references, so a stopped
+experiment still leaves its results so far.
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paire
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
 from pipeline.store.views import flagged_rewarded
-from pipeline.studies.evaluate import eval_run_id, eval_summary
+from pipeline.studies.baselines import baseline_run_id, check_method, method_tag, run_baseline
+from pipeline.studies.evaluate import eval_run_id, eval_sets, eval_summary
 from pipeline.studies.report import build_experiment_report, span
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
 
@@ -51,18 +63,6 @@ def seed_run_id(run_id: str, seed: int) -> str:
 def seed_sets(seed: int) -> list[str]:
     """Overrides that make a seed's run: every source of randomness of a round follows the seed."""
     return [f"generator.seed={seed}", f"training.seed={seed}", f"curation.seed={seed}"]
-
-
-def eval_sets(cfg: RunConfig) -> list[str]:
-    """Overrides of an evaluation run: the held-out query count, L (flat: L samples per query) and the sampling
-    temperature when it is not the rollout's (explore while training, sample as chosen on dev when evaluating)."""
-    ex = cfg.experiment
-    sets = [f"benchmark.max_queries={'null' if ex.eval_queries is None else ex.eval_queries}"]
-    if ex.eval_temperature is not None:
-        sets.append(f"generator.temperature={ex.eval_temperature}")
-    if get_mode(cfg.rollout.mode).evaluated_as == "flat":  # L samples per query (refine runs are evaluated flat)
-        sets.append(f"rollout.m={ex.eval_l}")
-    return sets
 
 
 def eval_rounds(cfg: RunConfig) -> list[int]:
@@ -93,6 +93,8 @@ def plan(cfg: RunConfig, seeds: list[int] | None = None) -> list[SeedPlan]:
     if splits_overlap(train, held_out):  # evaluating on the training queries would not measure generalisation
         raise ConfigError(f"experiment.eval_split {held_out} shares queries with benchmark.train_split {train}; "
                           "train on `train` (benchmark.dev_share > 0) to evaluate on `dev`")
+    for method in cfg.experiment.references:  # a typo fails now, not after hours of training
+        check_method(method)
     seeds = list(cfg.experiment.seeds if seeds is None else seeds)
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"experiment seeds repeat: {seeds}")
@@ -103,40 +105,89 @@ def experiment_dir(store: Store, run_id: str) -> Path:
     return store.root / "experiments" / run_id
 
 
+def seed_rounds(cfg: RunConfig, seed: int, seeds: list[int]) -> list[int]:
+    """The rounds evaluated in seed `seed`'s runs: all of `eval_rounds`, but the base model only in the first
+    seed's when `experiment.shared_base` is on."""
+    shared = cfg.experiment.shared_base and seed != seeds[0]
+    return [k for k in eval_rounds(cfg) if not (shared and k == BASE)]
+
+
+def query_values(per_query: list[dict], seed: int, round: int, metric: str) -> dict[str, float]:
+    """query -> `metric` of (seed, round) in the summary's per-query rows (queries without it left out)."""
+    return {q["query_id"]: q[metric] for q in per_query
+            if q["seed"] == seed and q["round"] == round and q.get(metric) is not None}
+
+
+def pair_rows(cfg: RunConfig, seeds: list[int], per_query: list[dict], rounds: list[int], metrics: tuple[str, ...],
+              base_of) -> list[dict]:
+    """Per round of `rounds` and metric: round k minus `base_of(seed, metric)` (query -> value) per (seed, query),
+    pooled over seeds (`paired_interval`), with both arms' means."""
+    rows = []
+    for k in rounds:
+        for metric in metrics:
+            base = {s: base_of(s, metric) for s in seeds}
+            arm = {s: query_values(per_query, s, k, metric) for s in seeds}
+            pairs = [(s, q, d) for s in seeds for q, d in paired_differences(arm[s], base[s]).items()]
+            if pairs:
+                rows.append({"round": k, "metric": metric,
+                             "base": mean_or_none([v for b in base.values() for v in b.values()]),
+                             "trained": mean_or_none([v for x in arm.values() for v in x.values()]),
+                             **paired_interval(pairs, seeds, cfg.experiment)})
+    return rows
+
+
+def curve(cfg: RunConfig, seeds: list[int], per_query: list[dict]) -> list[dict]:
+    """Per evaluated round and metric: the mean over (seed, query) with its seeds-then-queries interval, and each
+    seed's own mean (the report's held-out curve)."""
+    ex, rows = cfg.experiment, []
+    for k in eval_rounds(cfg):
+        for metric in compared_metrics(cfg):
+            by_seed = {s: v for s in seeds if (v := query_values(per_query, s, k, metric))}
+            if by_seed:
+                ci = hierarchical_ci([(s, q, x) for s, v in by_seed.items() for q, x in v.items()], ex.bootstrap,
+                                     ex.ci_level, seed=0)
+                rows.append({"round": k, "metric": metric, "n": ci.n, "mean": ci.mean, "lo": ci.lo, "hi": ci.hi,
+                             "level": ci.level, "per_seed": [{"seed": s, "mean": mean_or_none(list(v.values()))}
+                                                             for s, v in by_seed.items()]})
+    return rows
+
+
+def references(store: Store, cfg: RunConfig) -> list[dict]:
+    """`eval_summary` of each `experiment.references` baseline run that exists, with its `method` and `label` (the
+    method, or `program-<file stem>`)."""
+    runs = {m: baseline_run_id(cfg.run_id, method_tag(m), cfg.experiment.eval_split) for m in cfg.experiment.references}
+    return [{"method": m, "label": method_tag(m), **eval_summary(store, rid)} for m, rid in runs.items()
+            if (store.run_dir(rid) / "config.yaml").is_file()]
+
+
 def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
     """Per (seed, evaluated round): the eval run's summary; per round k >= 0 and metric: the pooled paired
-    difference to the base model with its bootstrap interval."""
+    difference to the base model with its bootstrap interval (the first seed's base for every seed when
+    `shared_base`); the curve over rounds; each reference's summary and every round's paired difference to it (the
+    reference's per-query value is the base of every seed)."""
     split, ex = cfg.experiment.eval_split, cfg.experiment
     arms, per_query = [], []
     for s in seeds:
-        for k in eval_rounds(cfg):
+        for k in seed_rounds(cfg, s, seeds):
             eid = eval_run_id(seed_run_id(cfg.run_id, s), k, split)
             if not (store.run_dir(eid) / "config.yaml").is_file():
                 continue
             summ = eval_summary(store, eid)
             arms.append({"seed": s, "round": k, **{key: v for key, v in summ.items() if key != "per_query"}})
             per_query += [{"seed": s, "round": k, **q} for q in summ["per_query"]]
-    paired = []
-    for k in [r for r in eval_rounds(cfg) if r != BASE]:
-        for metric in compared_metrics(cfg):
-            pairs: list[tuple[int, str, float]] = []  # (seed, query, arm - base)
-            for s in seeds:
-                base = {q["query_id"]: q[metric] for q in per_query
-                        if q["seed"] == s and q["round"] == BASE and q.get(metric) is not None}
-                arm = {q["query_id"]: q[metric] for q in per_query
-                       if q["seed"] == s and q["round"] == k and q.get(metric) is not None}
-                pairs += [(s, qid, d) for qid, d in paired_differences(arm, base).items()]
-            if not pairs:
-                continue
-            base_mean = mean_or_none([q[metric] for q in per_query if q["round"] == BASE and q.get(metric) is not None])
-            arm_mean = mean_or_none([q[metric] for q in per_query if q["round"] == k and q.get(metric) is not None])
-            paired.append({"round": k, "metric": metric, "base": base_mean, "trained": arm_mean,
-                           **paired_interval(pairs, seeds, ex)})
+    base_seed = (lambda s: seeds[0]) if ex.shared_base else (lambda s: s)
+    paired = pair_rows(cfg, seeds, per_query, [k for k in eval_rounds(cfg) if k != BASE], compared_metrics(cfg),
+                       lambda s, m: query_values(per_query, base_seed(s), BASE, m))
+    refs = references(store, cfg)
+    against = [{"reference": r["label"], **row} for r in refs for row in pair_rows(
+        cfg, seeds, per_query, eval_rounds(cfg), METRICS,
+        lambda s, m, r=r: {q["query_id"]: q[m] for q in r["per_query"] if q.get(m) is not None})]
     # training runs' rewarded samples whose code touched the harness's surface (docs/sandbox.md, scores.flags)
     flagged = {seed_run_id(cfg.run_id, s): flagged_rewarded(store, seed_run_id(cfg.run_id, s)) for s in seeds}
     return {"experiment": cfg.run_id, "seeds": seeds, "rounds": cfg.rounds, "split": split,
-            "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "arms": arms, "paired": paired,
-            "per_query": per_query, "flagged_rewarded": flagged}
+            "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "shared_base": ex.shared_base, "arms": arms,
+            "paired": paired, "curve": curve(cfg, seeds, per_query), "references": refs,
+            "paired_references": against, "per_query": per_query, "flagged_rewarded": flagged}
 
 
 def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], ex) -> dict:
@@ -186,9 +237,25 @@ def headline(summary: dict) -> list[str]:
             f"{span(p, 'lo_by_query', 'hi_by_query')})")
         lines += [f"  seed {x['seed']}: {x['mean']:+.3f} {span(x, 'lo', 'hi')} over {x['n']} queries"
                   for x in p.get("per_seed", [])]
+    for r in summary.get("references", []):  # summaries written before issue 26 lack them
+        lines.append(f"reference {r.get('label', r['method'])} ({r['eval_run_id']}): held-out Mean@L "
+                     f"{fmt(r['mean_at_l'])}, Best@L {fmt(r['best_at_l'])}, Majority@L {fmt(r.get('majority_at_l'))}, "
+                     f"tokens/query generator {fmt(r.get('gen_tokens_per_query'), 0)} executor "
+                     f"{fmt(r.get('exec_tokens_per_query'), 0)}")
+    for p in summary.get("paired_references", []):
+        if p["metric"] == "mean_at_l":
+            arm = "base model" if p["round"] == BASE else f"round {p['round']}"
+            lines.append(f"{arm} vs {p['reference']}, held-out Mean@L: {fmt(p['trained'])} vs {fmt(p['base'])}, "
+                         f"paired difference {p['mean']:+.3f} {span(p, 'lo_seeds_queries', 'hi_seeds_queries')} "
+                         f"(seeds, then queries; {p['n']} pairs)")
     if "flagged_rewarded" in summary:  # summaries written before issue 22 lack it
         lines.append(f"flagged rewarded training runs (scores.flags): {summary['flagged_rewarded']}")
     return lines
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    """A number with `digits` decimals, or n/a."""
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: str | None = None,
@@ -196,7 +263,8 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                    after_seed=None) -> dict:
     """Train and evaluate every seed through `call` (a stage caller), then write the summary; returns it.
     `after_round(run_id, store_root, k)` runs after each round of a seed run, `after_seed(summary, results folder)`
-    after each seed's summary is written (the experiment flow publishes both as Prefect artifacts)."""
+    after each seed's summary is written and after the references' (the experiment flow publishes both as Prefect
+    artifacts)."""
     from pipeline.stages.rounds import resolve_config, run_rounds
 
     path = resolve_config(config)
@@ -206,27 +274,37 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
         cfg = cfg.model_copy(update={"run_id": run_id})
     store = store_for(cfg.store)
     t0 = time.perf_counter()
-    walls: dict[int, float] = {}
+    extra: dict = {"command": command, "seed_wall_s": {}, "config": str(path), "sets": sets}
     done: list[int] = []
-    summary: dict = {}
-    for sp in plan(cfg, list(range(seeds)) if seeds is not None else None):
+
+    def publish(when: str) -> tuple[dict, Path]:
+        summary = summarise(store, cfg, done)
+        out = write_results(store, summary, extra | {"wall_s": round(time.perf_counter() - t0, 1)})
+        for line in headline(summary):
+            log.info("%s: %s", when, line)
+        if after_seed is not None:
+            after_seed(summary, out)
+        return summary, out
+
+    plans = plan(cfg, list(range(seeds)) if seeds is not None else None)
+    for sp in plans:
         t_seed = time.perf_counter()
         log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
         run_rounds(path, cfg.rounds, sp.run_id, call, after_round, sets=sets + sp.sets, observer=TRACKERS)
-        for k in eval_rounds(cfg):
+        for k in seed_rounds(cfg, sp.seed, [p.seed for p in plans]):
             log.info("seed %d: evaluating %s on %s", sp.seed, "the base model" if k < 0 else f"round {k}",
                      cfg.experiment.eval_split)
             evaluate_tracked(str(store.root), sp.run_id, k, cfg.experiment.eval_split, eval_sets(cfg), call)
-        walls[sp.seed] = round(time.perf_counter() - t_seed, 1)
+        extra["seed_wall_s"][sp.seed] = round(time.perf_counter() - t_seed, 1)
         done.append(sp.seed)
-        summary = summarise(store, cfg, done)
-        out = write_results(store, summary, {"command": command, "seed_wall_s": walls,
-                                             "wall_s": round(time.perf_counter() - t0, 1), "config": str(path),
-                                             "sets": sets})
-        for line in headline(summary):
-            log.info("after seed %d: %s", sp.seed, line)
-        if after_seed is not None:
-            after_seed(summary, out)
+        summary, out = publish(f"after seed {sp.seed}")
+    if cfg.experiment.references:  # derived runs on the same split, queries and L: resumed like the rest
+        t_refs = time.perf_counter()
+        for method in cfg.experiment.references:
+            log.info("reference %s on %s", method, cfg.experiment.eval_split)
+            run_baseline(str(path), method, call, cfg.run_id, cfg.experiment.eval_split, sets)
+        extra["references_wall_s"] = round(time.perf_counter() - t_refs, 1)
+        summary, out = publish("after the references")
     summary["results"] = str(out)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
     return summary

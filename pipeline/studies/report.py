@@ -170,9 +170,59 @@ def paired_row(p: dict) -> dict:
     return row | {k: p.get(k) for keys in INTERVALS.values() for k in keys}
 
 
+CURVE_PNG = "curve.png"  # the held-out curve over rounds, next to an experiment's report.html
+REFERENCE_COLUMNS = ("label", "eval_run_id", "queries", "mean_at_l", "best_at_l", "majority_at_l", "valid_share",
+                     "gen_tokens_per_query", "exec_tokens_per_query", "exec_calls_per_query")
+
+
+def plot_curve(summary: dict, out: Path):
+    """The held-out Mean@L over rounds of an experiment summary (its `curve` and `references`) as a PNG at `out`:
+    x = rounds of training (0: the base model), the mean over seeds with its seeds-then-queries interval as error
+    bars, each seed as a thin line, each reference as a labelled horizontal line. Returns the matplotlib Figure."""
+    from matplotlib.figure import Figure
+
+    rows = sorted((c for c in summary.get("curve", []) if c["metric"] == "mean_at_l"), key=lambda c: c["round"])
+    x = [c["round"] + 1 for c in rows]
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    for s in sorted({p["seed"] for c in rows for p in c["per_seed"]}):
+        pts = [(c["round"] + 1, p["mean"]) for c in rows for p in c["per_seed"] if p["seed"] == s]
+        ax.plot([u for u, _ in pts], [v for _, v in pts], linewidth=0.8, alpha=0.6, marker=".", label=f"seed {s}")
+    level = int(round(100 * rows[0]["level"])) if rows else 95
+    ax.errorbar(x, [c["mean"] for c in rows], yerr=[[c["mean"] - c["lo"] for c in rows],
+                                                   [c["hi"] - c["mean"] for c in rows]],
+                color="black", linewidth=2, marker="o", capsize=0,
+                label=f"mean over seeds, {level}% CI (seeds, then queries)")
+    refs = [r for r in summary.get("references", []) if r.get("mean_at_l") is not None]
+    for i, r in enumerate(refs):
+        ax.axhline(r["mean_at_l"], linestyle="--", linewidth=1.2, color=f"C{(i + 3) % 10}",
+                   label=f"{r.get('label', r['method'])} ({r['mean_at_l']:.3f})")
+    ax.set_xticks(x, ["base" if k == 0 else str(k) for k in x])
+    ax.set_xlabel("rounds of training (base: the base model)")
+    ax.set_ylabel(f"held-out Mean@L (L = {summary.get('eval_l')})")
+    ax.set_title(f"experiment {summary.get('experiment')}: {summary.get('split')} split", fontsize="medium")
+    ax.legend(fontsize="small", loc="best")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    return fig
+
+
+def reference_tables(summary: dict) -> str:
+    """HTML of the experiment's reference arms and every round's paired difference to them (none: empty)."""
+    refs = [{k: r.get(k) for k in REFERENCE_COLUMNS} for r in summary.get("references", [])]
+    pairs = [{"reference": p["reference"], **paired_row(p)} for p in summary.get("paired_references", [])]
+    if not refs:
+        return ""
+    return (f"<h2>References</h2><p>baselines on the same held-out queries and L (experiment.references)</p>"
+            f"{_table(pl.DataFrame(refs))}<h2>Paired differences to the references</h2><p>round (-1: the base "
+            f"model) − reference per (seed, query), the reference's value the base of every seed; base: the "
+            f"reference's mean</p>{_table(pl.DataFrame(pairs)) if pairs else ''}")
+
+
 def build_experiment_report(summary: dict, out: Path) -> Path:
     """HTML page of a learning experiment (pipeline.studies.experiment): the paired differences with their intervals
-    (table and plot), the held-out numbers of every (seed, round) evaluation and the config's key numbers."""
+    (table and plot), the held-out curve over rounds with the references (`plot_curve`, a PNG beside the page), the
+    references' numbers, the held-out numbers of every (seed, round) evaluation and the config's key numbers."""
     import plotly.graph_objects as go
 
     paired = pl.DataFrame([paired_row(p) for p in summary["paired"]]) if summary["paired"] else pl.DataFrame()
@@ -205,6 +255,13 @@ def build_experiment_report(summary: dict, out: Path) -> Path:
         fig.update_layout(xaxis_title="round (-1 = base model)", yaxis_title="held-out score", xaxis_dtick=1,
                           height=380, margin={"t": 30})
         parts.append("<h2>Held-out score per seed</h2>" + fig.to_html(full_html=False, include_plotlyjs=not parts))
+    curve = ""
+    if any(c["metric"] == "mean_at_l" for c in summary.get("curve", [])):
+        plot_curve(summary, out.parent / CURVE_PNG)
+        rows = [{k: c[k] for k in ("round", "metric", "n", "mean", "lo", "hi")} for c in summary["curve"]]
+        curve = (f"<h2>Held-out score over rounds</h2><p><img src='{CURVE_PNG}' alt='held-out Mean@L over rounds'>"
+                 f"</p><p>mean over (seed, query); lo, hi: the seeds-then-queries interval</p>"
+                 f"{_table(pl.DataFrame(rows))}")
     title = f"experiment {summary['experiment']}"
     page = (
         "<!doctype html><html><head><meta charset='utf-8'>"
@@ -217,7 +274,7 @@ def build_experiment_report(summary: dict, out: Path) -> Path:
         f"bootstrap resampling seeds, then queries within each drawn seed; ci_pairs: over pairs; ci_queries: over "
         f"queries (all seeds of a drawn query together); n/a: not in this summary (written before it existed)</p>"
         f"{_table(paired) if paired.height else '<p>no evaluation yet</p>'}"
-        f"<h2>Per seed</h2>{_table(per_seed) if per_seed.height else ''}"
+        f"<h2>Per seed</h2>{_table(per_seed) if per_seed.height else ''}{curve}{reference_tables(summary)}"
         f"<h2>Evaluations</h2>{_table(arms) if arms.height else ''}{''.join(parts)}</body></html>"
     )
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -217,8 +217,7 @@ def smc_run_id(run_id: str, split: str = "test", plain_n: int | None = None) -> 
 def open_smc_run(config: str, run_id: str | None = None, split: str = "test",
                  sets: list[str] | None = None) -> RunContext:
     """The derived run: CONFIG on `split` with the experiment's held-out query count, exemplars off."""
-    from pipeline.studies.evaluate import derived_run_sets
-    from pipeline.studies.experiment import eval_sets
+    from pipeline.studies.evaluate import derived_run_sets, eval_sets
 
     sets = list(sets or [])
     cfg = load_config(config, sets)
@@ -343,8 +342,7 @@ def run_plain(config: str, L: int, call=None, run_id: str | None = None, split: 
     """Plain sampling for comparison with SMC at a chosen executor budget: the configured generator samples L
     workflows per held-out query (the rollout stage, flat), scored by the score stage; returns `eval_summary`."""
     from pipeline.stages.rounds import direct_call
-    from pipeline.studies.evaluate import derived_run_sets, eval_summary
-    from pipeline.studies.experiment import eval_sets
+    from pipeline.studies.evaluate import derived_run_sets, eval_sets, eval_summary
 
     frozen = derived_run_sets(split)
     call = call or direct_call()

@@ -1,0 +1,17 @@
+# The "best fixed workflow" candidate for HumanEval (issue 26): the hand-written prompt's example workflow
+# (configs/prompts/code/example_code.txt, byte for byte below this header) run as a fixed program: ask the executor
+# for the function, run the public tests, ask once more with the failures. The trained generator copies it.
+# As written, `run_tests` gets the executor's whole reply, a ```python block, which does not compile: the public
+# tests report a SyntaxError whenever the reply is fenced, so the repair call runs on every such query and the
+# answer is the second reply. code_generate_test_repair_extracted.py is the same workflow testing the code itself.
+#   pipeline baseline configs/humaneval-learn.yaml --method program:configs/programs/code_generate_test_repair.py
+# ruff: noqa: E501, F821 (the example's long line; llm and run_tests are the sandbox's helpers)
+async def solve(problem):
+    entry_point = problem.split("def ")[-1].split("(")[0]
+    ask = [{"role": "user", "content": "Complete this Python function. Reply with the whole function in a Python code block.\n" + problem}]
+    code = (await llm(ask))[0]
+    feedback = await run_tests(code, entry_point)
+    if feedback != "no error":
+        ask += [{"role": "assistant", "content": code}, {"role": "user", "content": f"The tests failed: {feedback}\nReply with the corrected function in a Python code block."}]
+        code = (await llm(ask))[0]
+    return code

@@ -1,0 +1,342 @@
+"""Issue 26's references: the hand-written equal-budget programs (configs/programs/) run as baselines against a
+scripted executor on HumanEval and word problems, the experiment's reference arms and shared base (fake stages, so
+every number is known by hand), and the held-out curve over rounds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from test_executors import FaultServer
+
+from pipeline import stages
+from pipeline.config import ConfigError, load_config
+from pipeline.engines.benchmarks import load_benchmark
+from pipeline.engines.benchmarks.code import canonical_humaneval_answers
+from pipeline.stages.rounds import direct_call
+from pipeline.stages.runner import RetryPolicy, run_stage
+from pipeline.store import Store
+from pipeline.studies.baselines import run_baseline
+
+PROGRAMS = Path(__file__).resolve().parents[1] / "configs" / "programs"
+
+
+def in_process(stage, run_id, round, store_root, sets=None, only_failed=False):
+    return run_stage(stage, run_id, round, store_root, sets, only_failed, isolate=False)
+
+
+class Scripted(FaultServer):
+    """An OpenAI-compatible executor whose n completions of a request are `texts(body, n)`."""
+
+    def __init__(self, texts):
+        super().__init__()
+        self.texts = texts
+
+    def respond(self, h, mode, body):
+        n = body.get("n") or 1
+        texts = self.texts(body, n)
+        assert len(texts) == n
+        out = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+               "choices": [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": "stop"}
+                           for i, t in enumerate(texts)],
+               "usage": {"prompt_tokens": 7, "completion_tokens": 3 * n, "total_tokens": 7 + 3 * n}}
+        payload = json.dumps(out).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(payload)))
+        h.end_headers()
+        h.wfile.write(payload)
+
+
+@pytest.fixture
+def scripted():
+    servers = []
+
+    def make(texts):
+        servers.append(Scripted(texts))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def _config(tmp_path: Path, url: str, benchmark: dict) -> Path:
+    cfg = {"run_id": "h", "store": {"root": str(tmp_path / "store")}, "benchmark": benchmark,
+           "executor": {"kind": "openai", "model": "m", "base_url": url, "max_retries": 0, "timeout_s": 10},
+           "scoring": {"timeout_s": 60, "concurrency": 2, "max_llm_calls": 4},
+           "experiment": {"eval_queries": 2, "eval_l": 1}}
+    path = tmp_path / "h.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _answers(store: Store, run_id: str) -> dict[str, str]:
+    df = store.sql("SELECT query_id, answer FROM latest_scores WHERE run_id = $run", {"run": run_id})
+    return dict(zip(df["query_id"], df["answer"], strict=True))
+
+
+def fenced(code: str) -> str:
+    return f"```python\n{code}\n```"
+
+
+HUMANEVAL = {"name": "humaneval", "train_split": "train"}
+
+
+def _humaneval(tmp_path):
+    """The two held-out HumanEval items of the tests' config, right and wrong answers per entry point."""
+    items = load_benchmark(load_config(_config(tmp_path, "http://127.0.0.1:9/v1", HUMANEVAL),
+                                       ["benchmark.train_split=test", "benchmark.max_queries=2"]).benchmark).items()
+    assert [it.id for it in items] == ["HumanEval/0", "HumanEval/1"] and all(it.meta["public_tests"] for it in items)
+    canonical = canonical_humaneval_answers()
+    right = {it.meta["entry_point"]: fenced(canonical[it.id]) for it in items}
+    return items, right
+
+
+def _wrong(ep: str, j: int) -> str:
+    return fenced(f"def {ep}(*args, **kwargs):\n    return None  # sample {j}")
+
+
+def _entry_point(body: dict, items) -> str:
+    asked = body["messages"][0]["content"]
+    return next(it.meta["entry_point"] for it in items if it.meta["entry_point"] in asked)
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_best_of_k_returns_the_first_sample_passing_the_public_tests(tmp_path, scripted):
+    """HumanEval/0: samples 0, 1 and 3 fail the public tests, sample 2 (the canonical solution) passes: it is the
+    answer. HumanEval/1: no sample passes: the first is the answer. One executor call per run, n = 4 at T = 0.7."""
+    items, right = _humaneval(tmp_path)
+    first = items[0].meta["entry_point"]
+
+    def texts(body, n):
+        ep = _entry_point(body, items)
+        return [right[ep] if (ep, j) == (first, 2) else _wrong(ep, j) for j in range(n)]
+
+    srv = scripted(texts)
+    path = _config(tmp_path, srv.url, HUMANEVAL)
+    s = run_baseline(str(path), f"program:{PROGRAMS / 'code_best_of_k.py'}", in_process)
+    assert s["eval_run_id"] == "h-baseline-program-code_best_of_k"
+    assert (s["queries"], s["mean_at_l"], s["best_at_l"], s["exec_calls_per_query"]) == (2, 0.5, 0.5, 1.0)
+    assert [(r["body"]["n"], r["body"]["temperature"]) for r in srv.requests] == [(4, 0.7), (4, 0.7)]
+    got = _answers(Store(tmp_path / "store"), s["eval_run_id"])
+    assert got["HumanEval/0"] == right[first] and got["HumanEval/1"].endswith("# sample 0\n```")
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_generate_test_repair_as_written_always_repairs_a_fenced_reply(tmp_path, scripted):
+    """The example workflow run as it is: the executor's right answer comes fenced, `run_tests` compiles the whole
+    reply, so the public tests report a SyntaxError and the repair call runs for every query (2 calls per run)."""
+    items, right = _humaneval(tmp_path)
+    srv = scripted(lambda body, n: [right[_entry_point(body, items)]] * n)
+    s = run_baseline(str(_config(tmp_path, srv.url, HUMANEVAL)),
+                     f"program:{PROGRAMS / 'code_generate_test_repair.py'}", in_process)
+    assert (s["mean_at_l"], s["exec_calls_per_query"]) == (1.0, 2.0)
+    repairs = [r["body"]["messages"] for r in srv.requests if len(r["body"]["messages"]) == 3]
+    assert len(repairs) == 2 and all("SyntaxError" in m[-1]["content"] for m in repairs)
+    example = (Path(__file__).resolve().parents[1] / "configs/prompts/code/example_code.txt").read_text()
+    assert (PROGRAMS / "code_generate_test_repair.py").read_text().endswith(example)  # the example, byte for byte
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_generate_test_repair_extracted_repairs_only_on_failing_public_tests(tmp_path, scripted):
+    """HumanEval/0's first answer is right: one call. HumanEval/1's first answer fails its public test: the repair
+    request shows that failure (not a SyntaxError) and its right answer is returned."""
+    items, right = _humaneval(tmp_path)
+
+    def texts(body, n):
+        ep = _entry_point(body, items)
+        repair = len(body["messages"]) == 3
+        return [right[ep] if ep == items[0].meta["entry_point"] or repair else _wrong(ep, 0)] * n
+
+    srv = scripted(texts)
+    s = run_baseline(str(_config(tmp_path, srv.url, HUMANEVAL)),
+                     f"program:{PROGRAMS / 'code_generate_test_repair_extracted.py'}", in_process)
+    assert (s["mean_at_l"], s["exec_calls_per_query"]) == (1.0, 1.5)
+    repairs = [r["body"]["messages"][-1]["content"] for r in srv.requests if len(r["body"]["messages"]) == 3]
+    assert len(repairs) == 1 and "separate_paren_groups" in repairs[0] and "SyntaxError" not in repairs[0]
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_word_problem_references_under_the_exact_number_rule(tmp_path, scripted):
+    """gsm_symbolic (scored by the exact final number): cot_sc's majority and pot's evaluated expression are right
+    on the first query; on the second every answer is a near miss (gold + 1), which scores 0, not reasoning-gym's
+    0.01. word_pot_sc: 3 of 5 expressions evaluate to the gold number on the first query, the majority on the
+    second is a wrong number."""
+    bench = {"name": "procedural", "tasks": ["gsm_symbolic"], "size": 20, "train_split": "train"}
+    held_out = load_config(_config(tmp_path, "http://127.0.0.1:9/v1", bench),
+                           ["benchmark.train_split=test", "benchmark.max_queries=2"]).benchmark
+    items = load_benchmark(held_out).items()
+    gold = [int(it.reference["answer"]) for it in items]
+    assert len(items) == 2 and gold[0] >= 1000
+
+    def texts(body, n):
+        asked = body["messages"][-1]["content"]
+        q = next(i for i, it in enumerate(items) if asked.startswith(it.prompt))
+        g = gold[q]
+        if "Python expression" in asked and n == 1:  # pot
+            return [f"{g - 3} + 3" if q == 0 else f"{g} + 1"]
+        if "Python expression" in asked:  # word_pot_sc, n = 5
+            return ([f"{g - 1} + 1", "7", f"{g} * 1", "oops(", f"{g} / 1"] if q == 0
+                    else ["1 + 1", "2", "x = 5", "3", "(1"])
+        # cot_sc, n = 5: three of five end in the gold number (one written "28,080."), two wrong
+        return ([f"So the total is ${g:,}.", "It is 7", f"{g}", "maybe 12", f"The answer is {g}"] if q == 0
+                else [f"The answer is {g + 1}"] * n)
+
+    srv = scripted(texts)
+    path = str(_config(tmp_path, srv.url, bench))
+    st = Store(tmp_path / "store")
+    sc = run_baseline(path, "cot_sc", in_process)
+    assert (sc["mean_at_l"], sc["majority_at_l"]) == (0.5, 0.5)
+    assert st.sql("SELECT max(metric) AS m FROM latest_scores WHERE run_id = 'h-baseline-cot_sc' AND query_id = "
+                  f"'{items[1].id}'")["m"].to_list() == [0.0]  # a near miss: no partial credit
+    assert run_baseline(path, "pot", in_process)["mean_at_l"] == 0.5
+    assert _answers(st, "h-baseline-pot")[items[0].id] == str(gold[0])
+    s = run_baseline(path, f"program:{PROGRAMS / 'word_pot_sc.py'}", in_process)
+    assert (s["mean_at_l"], s["exec_calls_per_query"]) == (0.5, 1.0)
+    assert _answers(st, s["eval_run_id"]) == {items[0].id: str(gold[0]), items[1].id: "2"}
+    assert [r["body"]["n"] for r in srv.requests if r["body"]["messages"][-1]["content"].endswith("only.")
+            and r["body"].get("temperature") == 0.7] == [5, 5]
+
+
+# ---- the experiment's references and shared base (fake stages) ----------------------------------------------------
+
+
+def _fake(calls: list):
+    """Stage functions: rollout writes L workflows per query of the run's split; score gives the base model
+    0.5 - 0.25 * seed, a checkpoint 1.0, the io reference 0.25 and the hand-written program 0.75."""
+    def make(stage):
+        def fn(ctx, only_failed=False):
+            calls.append((ctx.run_id, stage))
+            if stage == "rollout":
+                items = load_benchmark(ctx.cfg.benchmark).items()
+                ctx.store.write("generations", [
+                    {"gen_id": f"g{i}-{j}", "kind": "workflow", "query_id": it.id, "slot": j, "valid": True,
+                     "text": "x"} for i, it in enumerate(items) for j in range(ctx.cfg.rollout.m)], ctx.run_id,
+                    ctx.round)
+            if stage == "score":
+                gens = ctx.store.read("generations", ctx.run_id, ctx.round)
+                score = (0.25 if ctx.run_id.endswith("-baseline-io") else 0.75 if "-baseline-" in ctx.run_id
+                         else 1.0 if ctx.cfg.generator.adapter else 0.5 - 0.25 * ctx.cfg.generator.seed)
+                ctx.store.write("scores", [{"gen_id": g, "query_id": q, "rep": 0, "attempt": 0, "status": "ok",
+                                            "score": score, "answer": "1"}
+                                           for g, q in zip(gens["gen_id"], gens["query_id"], strict=True)],
+                                ctx.run_id, ctx.round)
+            if stage == "train":
+                ctx.store.checkpoint_dir(ctx.run_id, ctx.round).mkdir(parents=True)
+            ctx.finish(stage, rows=1)
+            return {"rows": 1}
+        return fn
+    return make
+
+
+def _experiment_config(tmp_path: Path, run_id: str, experiment: dict) -> Path:
+    cfg = {"run_id": run_id, "rounds": 2, "store": {"root": str(tmp_path / "runs")}, "tracking": [],
+           "benchmark": {"name": "procedural", "tasks": ["chain_sum"], "size": 20},
+           "experiment": {"seeds": [0, 1], "eval_queries": 2, "eval_l": 2, "bootstrap": 200, **experiment}}
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_experiment_references_and_shared_base(tmp_path, monkeypatch):
+    from pipeline.studies.experiment import experiment_dir, headline, run_experiment
+
+    calls: list = []
+    make = _fake(calls)
+    for name, st in list(stages.STAGES.items()):
+        monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(st, fn=make(name), isolated=False,
+                                                                     checkpoint=False))
+    program, tag = f"program:{PROGRAMS / 'expression_eval.py'}", "program-expression_eval"
+    path = _experiment_config(tmp_path, "x", {"references": ["io", program], "shared_base": True})
+    out = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
+    runs = {r for r, _ in calls}
+    # the base model is evaluated in seed 0's run only; each reference once, in its derived run
+    assert "x-s0-eval-base" in runs and "x-s1-eval-base" not in runs
+    assert {"x-baseline-io", "x-baseline-program-expression_eval"} <= runs
+    assert [(a["seed"], a["round"]) for a in out["arms"]] == [(0, -1), (0, 0), (0, 1), (1, 0), (1, 1)]
+    mean = [p for p in out["paired"] if p["metric"] == "mean_at_l"]
+    # seed 1's pairs use seed 0's base (0.5), not its own (0.25, never evaluated): 1.0 - 0.5 everywhere
+    assert [(p["round"], p["n"], p["base"], p["trained"], p["mean"]) for p in mean] == [(0, 4, 0.5, 1.0, 0.5),
+                                                                                        (1, 4, 0.5, 1.0, 0.5)]
+    assert [(x["seed"], x["mean"]) for x in mean[0]["per_seed"]] == [(0, 0.5), (1, 0.5)]
+    refs = {r["method"]: r for r in out["references"]}
+    assert (refs["io"]["mean_at_l"], refs["io"]["best_at_l"], refs["io"]["majority_at_l"]) == (0.25, 0.25, 0.25)
+    assert refs[program]["mean_at_l"] == 0.75 and refs[program]["label"] == tag
+    assert refs["io"]["eval_run_id"] == "x-baseline-io"
+    assert refs["io"]["gen_tokens_per_query"] == 0 and refs["io"]["queries"] == 2
+    against = {(p["reference"], p["round"]): p for p in out["paired_references"] if p["metric"] == "mean_at_l"}
+    # the base model (seed 0's only) and each round against each reference, the reference the base of every seed
+    assert {k: (p["n"], p["base"], p["trained"], p["mean"]) for k, p in against.items()} == {
+        ("io", -1): (2, 0.25, 0.5, 0.25), ("io", 0): (4, 0.25, 1.0, 0.75), ("io", 1): (4, 0.25, 1.0, 0.75),
+        (tag, -1): (2, 0.75, 0.5, -0.25), (tag, 0): (4, 0.75, 1.0, 0.25), (tag, 1): (4, 0.75, 1.0, 0.25)}
+    assert against[("io", 0)]["lo_seeds_queries"] == against[("io", 0)]["hi_seeds_queries"] == 0.75
+    curve = [(c["round"], c["n"], c["mean"], [x["seed"] for x in c["per_seed"]]) for c in out["curve"]
+             if c["metric"] == "mean_at_l"]
+    assert curve == [(-1, 2, 0.5, [0]), (0, 4, 1.0, [0, 1]), (1, 4, 1.0, [0, 1])]
+    lines = headline(out)
+    assert "reference io (x-baseline-io): held-out Mean@L 0.250, Best@L 0.250, Majority@L 0.250, tokens/query " \
+           "generator 0 executor 0" in lines
+    assert "round 1 vs io, held-out Mean@L: 1.000 vs 0.250, paired difference +0.750 [+0.750, +0.750] (seeds, then " \
+           "queries; 4 pairs)" in lines
+    folder = experiment_dir(Store(tmp_path / "runs"), "x")
+    body = json.loads((folder / "experiment.json").read_text())
+    assert body["shared_base"] and len(body["paired_references"]) == 2 * 3 * 3 and "references_wall_s" in body
+    page = (folder / "report.html").read_text()
+    assert "<img src='curve.png'" in page and "<h2>References</h2>" in page and "x-baseline-io" in page
+    assert (folder / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # resumed: every stage of the seeds, evaluations and references is skipped by its manifest
+    calls.clear()
+    again = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
+    assert calls == [] and again["paired_references"] == out["paired_references"]
+
+    # shared_base off (the default) and no references: each seed pairs with its own base, as before
+    calls.clear()
+    own = run_experiment(_experiment_config(tmp_path, "y", {}), direct_call(RetryPolicy(delay_s=0)))
+    assert {"y-s0-eval-base", "y-s1-eval-base"} <= {r for r, _ in calls}
+    mean = [p for p in own["paired"] if p["metric"] == "mean_at_l"]
+    assert [(p["round"], p["n"], p["base"], p["mean"]) for p in mean] == [(0, 4, 0.375, 0.625), (1, 4, 0.375, 0.625)]
+    assert [(x["seed"], x["mean"]) for x in mean[0]["per_seed"]] == [(0, 0.5), (1, 0.75)]
+    assert own["references"] == [] and own["paired_references"] == [] and not own["shared_base"]
+
+
+def test_an_unknown_reference_fails_before_any_training(tmp_path):
+    from pipeline.studies.experiment import plan
+
+    for ref, why in (("nope", "unknown baseline method 'nope'"), ("program:none.py", "--program none.py: file not")):
+        with pytest.raises(ConfigError, match=why):
+            plan(load_config(_experiment_config(tmp_path, "z", {"references": [ref]})))
+
+
+def test_curve_plot_has_a_line_per_seed_the_mean_and_each_reference(tmp_path):
+    """A hand-made summary: 3 seeds (the base shared, so seed 0 only at round -1), rounds 0-2, two references."""
+    from pipeline.studies.report import plot_curve
+
+    def point(k, means):
+        m = sum(means) / len(means)
+        return {"round": k, "metric": "mean_at_l", "n": 10 * len(means), "mean": m, "lo": m - 0.05, "hi": m + 0.05,
+                "level": 0.95, "per_seed": [{"seed": s, "mean": v} for s, v in enumerate(means)]}
+
+    summary = {"experiment": "he", "split": "test", "eval_l": 2,
+               "curve": [point(-1, [0.55]), point(0, [0.6, 0.62, 0.58]), point(1, [0.63, 0.6, 0.61]),
+                         point(2, [0.65, 0.6, 0.7]), {**point(0, [1.0]), "metric": "best_at_l"}],
+               "references": [{"method": "io", "mean_at_l": 0.561},
+                              {"method": "program:configs/programs/code_best_of_k.py", "label":
+                               "program-code_best_of_k", "mean_at_l": 0.6},
+                              {"method": "cot", "mean_at_l": None}]}  # not evaluated yet: no line
+    fig = plot_curve(summary, tmp_path / "out" / "curve.png")
+    assert (tmp_path / "out" / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (ax,) = fig.axes
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert sorted(labels) == sorted(["seed 0", "seed 1", "seed 2", "mean over seeds, 95% CI (seeds, then queries)",
+                                     "io (0.561)", "program-code_best_of_k (0.600)"])
+    assert len(ax.lines) == 3 + 1 + 2  # seeds, the mean (its error bars are a collection), references
+    seed0 = next(line for line in ax.lines if line.get_label() == "seed 0")
+    assert list(seed0.get_xdata()) == [0, 1, 2, 3] and list(seed0.get_ydata()) == [0.55, 0.6, 0.63, 0.65]
+    assert list(next(line for line in ax.lines if line.get_label() == "seed 1").get_xdata()) == [1, 2, 3]
+    io = next(line for line in ax.lines if line.get_label() == "io (0.561)")
+    assert list(io.get_ydata()) == [0.561, 0.561]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["base", "1", "2", "3"]
