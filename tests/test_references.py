@@ -127,24 +127,10 @@ def test_best_of_k_returns_the_first_sample_passing_the_public_tests(tmp_path, s
 
 
 @pytest.mark.usefixtures("shared_sandbox")
-def test_generate_test_repair_as_written_always_repairs_a_fenced_reply(tmp_path, scripted):
-    """The example workflow run as it is: the executor's right answer comes fenced, `run_tests` compiles the whole
-    reply, so the public tests report a SyntaxError and the repair call runs for every query (2 calls per run)."""
-    items, right = _humaneval(tmp_path)
-    srv = scripted(lambda body, n: [right[_entry_point(body, items)]] * n)
-    s = run_baseline(str(_config(tmp_path, srv.url, HUMANEVAL)),
-                     f"program:{PROGRAMS / 'code_generate_test_repair.py'}", in_process)
-    assert (s["mean_at_l"], s["exec_calls_per_query"]) == (1.0, 2.0)
-    repairs = [r["body"]["messages"] for r in srv.requests if len(r["body"]["messages"]) == 3]
-    assert len(repairs) == 2 and all("SyntaxError" in m[-1]["content"] for m in repairs)
-    example = (Path(__file__).resolve().parents[1] / "configs/prompts/code/example_code.txt").read_text()
-    assert (PROGRAMS / "code_generate_test_repair.py").read_text().endswith(example)  # the example, byte for byte
-
-
-@pytest.mark.usefixtures("shared_sandbox")
-def test_generate_test_repair_extracted_repairs_only_on_failing_public_tests(tmp_path, scripted):
-    """HumanEval/0's first answer is right: one call. HumanEval/1's first answer fails its public test: the repair
-    request shows that failure (not a SyntaxError) and its right answer is returned."""
+def test_the_example_workflow_repairs_only_on_failing_public_tests(tmp_path, scripted):
+    """The hand-written prompt's example run as it is, on fenced replies (`run_tests` reads their code block, as the
+    hidden tests do). HumanEval/0's first answer is right: one call. HumanEval/1's first answer fails its public
+    test: the repair request shows that failure (not a SyntaxError) and its right answer is returned."""
     items, right = _humaneval(tmp_path)
 
     def texts(body, n):
@@ -154,10 +140,12 @@ def test_generate_test_repair_extracted_repairs_only_on_failing_public_tests(tmp
 
     srv = scripted(texts)
     s = run_baseline(str(_config(tmp_path, srv.url, HUMANEVAL)),
-                     f"program:{PROGRAMS / 'code_generate_test_repair_extracted.py'}", in_process)
+                     f"program:{PROGRAMS / 'code_generate_test_repair.py'}", in_process)
     assert (s["mean_at_l"], s["exec_calls_per_query"]) == (1.0, 1.5)
     repairs = [r["body"]["messages"][-1]["content"] for r in srv.requests if len(r["body"]["messages"]) == 3]
     assert len(repairs) == 1 and "separate_paren_groups" in repairs[0] and "SyntaxError" not in repairs[0]
+    example = (Path(__file__).resolve().parents[1] / "configs/prompts/code/example_code.txt").read_text()
+    assert (PROGRAMS / "code_generate_test_repair.py").read_text().endswith(example)  # the example, byte for byte
 
 
 @pytest.mark.usefixtures("shared_sandbox")

@@ -1,9 +1,8 @@
 # The "best fixed workflow" candidate for HumanEval (issue 26): the hand-written prompt's example workflow
 # (configs/prompts/code/example_code.txt, byte for byte below this header) run as a fixed program: ask the executor
 # for the function, run the public tests, ask once more with the failures. The trained generator copies it.
-# As written, `run_tests` gets the executor's whole reply, a ```python block, which does not compile: the public
-# tests report a SyntaxError whenever the reply is fenced, so the repair call runs on every such query and the
-# answer is the second reply. code_generate_test_repair_extracted.py is the same workflow testing the code itself.
+# `run_tests` reads a fenced reply as its code block (as the hidden tests do), so the repair call runs only when the
+# public tests fail: 1 executor call, or 2.
 #   pipeline baseline configs/humaneval-learn.yaml --method program:configs/programs/code_generate_test_repair.py
 # ruff: noqa: E501, F821 (the example's long line; llm and run_tests are the sandbox's helpers)
 async def solve(problem):
