@@ -7,8 +7,8 @@ pipeline.stages.curate); its round `round` checkpoint is the arm of CONFIG's own
 arm. Each other objective X is an arm run `<run_id>-s<s>-<X>` with `training.objective=X` and
 `training.data_run=<source>`: it trains round `round` on the source's curated rows from the source's previous
 checkpoint (the policy that sampled them) and writes only its own checkpoint. The base model and every arm's
-checkpoint are evaluated by pipeline.studies.evaluate with the same seed, split, queries and L, so per-query numbers pair
-up across arms.
+checkpoint are evaluated by pipeline.studies.evaluate with the same seed, split, queries and L, so per-query
+numbers pair up across arms.
 
 The summary gives per arm and metric the mean over seeds x queries and the paired difference to the base model
 and to the reference arm with percentile-bootstrap intervals (pipeline.studies.experiment),
@@ -18,7 +18,6 @@ resumes: finished stages are skipped by their manifests.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from pipeline.studies.experiment import (
     paired_interval,
     plan,
 )
+from pipeline.studies.report import write_study
 from pipeline.studies.tracking import evaluate_tracked
 
 log = logging.getLogger("pipeline.studies.ablation")
@@ -122,12 +122,7 @@ def fmt(x: float | None, digits: int = 3) -> str:
 
 def write_results(store: Store, summary: dict, extra: dict) -> Path:
     dest = ablation_dir(store, summary["experiment"])
-    with store.output_dir(dest) as out:  # on object storage: written locally, then uploaded file by file
-        tmp = out / ".ablation.json.tmp"
-        tmp.write_text(json.dumps({**summary, **extra}, indent=1, default=str))
-        tmp.replace(out / "ablation.json")
-        (out / "ablation.md").write_text(table(summary) + "\n")
-    return dest
+    return write_study(store, dest, "ablation", {**summary, **extra}, table(summary))
 
 
 def run_ablation(config: str | Path, call, objectives: list[str] | None = None, seeds: int | None = None,

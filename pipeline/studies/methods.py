@@ -42,7 +42,6 @@ manifests, in training, evaluation, validation and reference runs alike.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -71,7 +70,7 @@ from pipeline.studies.experiment import (
     seed_run_id,
     splits_overlap,
 )
-from pipeline.studies.report import span, stage_timings
+from pipeline.studies.report import span, stage_timings, write_study
 from pipeline.studies.smc import run_smc
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
 
@@ -525,9 +524,4 @@ def table(summary: dict) -> str:
 
 def write_results(store: Store, summary: dict, extra: dict) -> Path:
     dest = methods_dir(store, summary["experiment"])
-    with store.output_dir(dest) as out:  # on object storage: written locally, then uploaded file by file
-        tmp = out / ".methods.json.tmp"
-        tmp.write_text(json.dumps({**summary, **extra}, indent=1, default=str))
-        tmp.replace(out / "methods.json")
-        (out / "methods.md").write_text(table(summary) + "\n")
-    return dest
+    return write_study(store, dest, "methods", {**summary, **extra}, table(summary))

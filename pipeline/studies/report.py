@@ -37,6 +37,16 @@ def train_curves(store: Store, run_id: str) -> pl.DataFrame:
         {"run": run_id})
 
 
+def write_study(store: Store, dest, name: str, body: dict, markdown: str):
+    """A study's `<name>.json` (written whole or not at all) and `<name>.md` under `dest`; returns `dest`."""
+    with store.output_dir(dest) as out:  # on object storage: written locally, then uploaded file by file
+        tmp = out / f".{name}.json.tmp"
+        tmp.write_text(json.dumps(body, indent=1, default=str))
+        tmp.replace(out / f"{name}.json")
+        (out / f"{name}.md").write_text(markdown + "\n")
+    return dest
+
+
 def stage_timings(store: Store, run_id: str) -> pl.DataFrame:
     """Wall seconds per (round, stage): the last run of each stage that did work (skips are 0 s)."""
     path = store.run_dir(run_id) / "timings.jsonl"
