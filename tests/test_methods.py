@@ -185,7 +185,8 @@ def test_compare_methods_end_to_end_pairs_by_hand_and_resumes(tmp_path, monkeypa
 
     # the runs: shared base per seed, arms with their overlays, evaluations scored by the metric alone
     runs = {r["arm"]: r for r in body["per_seed"]}
-    assert runs["base"]["eval_run_id"] == "cm-base-s0-eval-base" and runs["spogw"]["train_run_id"] == "cm-spogw-s0"
+    # the base model's evaluation is `pipeline experiment`'s (run cm-s0); spogw changes smoke.yaml: its own run
+    assert runs["base"]["eval_run_id"] == "cm-s0-eval-base" and runs["spogw"]["train_run_id"] == "cm-spogw-s0"
     cfg = open_run(None, "cm-scoreflow-s0", 0, store_root=str(tmp_path)).cfg
     assert (cfg.training.objective, cfg.training.reference, cfg.generator.seed) == ("score_dpo", "base", 0)
     assert open_run(None, "cm-flowreasoner-s0", 0, store_root=str(tmp_path)).cfg.scoring.reward.complexity_weight == 0.1
@@ -245,3 +246,21 @@ def test_lr_sweep_chooses_on_dev_and_trains_the_arm_with_it(tmp_path, monkeypatc
     held_out = {d.name for d in tmp_path.iterdir() if "-eval-" in d.name}
     assert {e for e in held_out if "-lr" in e} == {r["eval_run_id"] for r in sweep["runs"]}  # no sweep run on test
     assert json.loads((tmp_path / "experiments" / "sw-methods" / "methods.json").read_text())["lr"] == {"spogw": 2e-4}
+
+
+def test_the_method_of_config_itself_reuses_the_experiment_run_of_its_seed(tmp_path, monkeypatch):
+    """With smoke.yaml set to SPOGW's own settings, the spogw arm is `pipeline experiment`'s run: trained once, by
+    whichever command comes first, the other skipping every stage."""
+    from pipeline.studies.experiment import run_experiment
+
+    fakes = Fakes().install(monkeypatch)
+    call = direct_call(RetryPolicy(retries=0, delay_s=0))
+    sets = _sets(tmp_path, *mm.get_method("spogw").sets)
+    run_experiment("configs/smoke.yaml", call, seeds=1, run_id="ex", sets=sets)
+    trained = [c for c in fakes.calls if c[1] == "train"]
+    assert len(trained) == 1
+    fakes.calls.clear()
+    out = mm.run_methods("configs/smoke.yaml", call, ["spogw"], seeds=1, run_id="ex", sets=sets)
+    runs = {r["arm"]: r for r in out["per_seed"]}
+    assert (runs["spogw"]["train_run_id"], runs["base"]["eval_run_id"]) == ("ex-s0", "ex-s0-eval-base")
+    assert fakes.calls == []  # trained and evaluated already by the experiment

@@ -4,8 +4,11 @@ same held-out queries with its own inference procedure, against the base model a
 
 A method is a record in `METHODS` (pure data, as verl's registries): its overlay on CONFIG (`--set` strings), whether
 it trains, and how it is evaluated. For each seed s of `experiment.seeds` (as `pipeline experiment`):
-- the base model, once per seed and the same for every method: the run `<run_id>-base-s<s>` (CONFIG with the seed's
-  overrides, never trained) evaluated at k = -1 (pipeline.studies.evaluate: `<run_id>-base-s<s>-eval-base`);
+- the base model, once per seed and the same for every method: the run `<run_id>-s<s>` of `pipeline experiment`
+  (CONFIG with the seed's overrides) evaluated at k = -1 (pipeline.studies.evaluate: `<run_id>-s<s>-eval-base`), or
+  `<run_id>-base-s<s>` when scoring by the metric alone would change CONFIG;
+- a method whose overlay leaves CONFIG as it is (the config hash: CONFIG's own method, usually spogw) trains that same
+  run `<run_id>-s<s>`: what `pipeline experiment` computed is reused, and the other way round;
 - each trained method X: the run `<run_id>-X-s<s>` (CONFIG + seed + X's overlay [+ its swept learning rate] + the
   `--arm-set X:...` overrides) trains `rounds` rounds (pipeline.stages.rounds.run_rounds), then its last checkpoint is
   evaluated on the held-out split, per evaluation of X:
@@ -178,6 +181,11 @@ def base_run_id(run_id: str, seed: int) -> str:
     return f"{run_id}-base-s{seed}"
 
 
+def same_hash(a: RunConfig, b: RunConfig) -> bool:
+    """Whether two configs compute the same (pipeline.config.RunConfig.config_hash)."""
+    return a.config_hash() == b.config_hash()
+
+
 def method_run_id(run_id: str, method: str, seed: int) -> str:
     return f"{run_id}-{method}-s{seed}"
 
@@ -278,9 +286,10 @@ def frozen_config(store: Store, run_id: str) -> Path:
 
 
 def run_reference(m: Method, evaluation: str, store: Store, cfg: RunConfig, sp: SeedPlan, extra: list[str],
-                  call) -> dict:
-    """A training-free reference's held-out run from the seed's base run config; returns {eval_run_id[, selected]}."""
-    split, config = cfg.experiment.eval_split, frozen_config(store, base_run_id(cfg.run_id, sp.seed))
+                  call, base: str) -> dict:
+    """A training-free reference's held-out run from the config of the seed's base run `base`; returns
+    {eval_run_id[, selected]}."""
+    split, config = cfg.experiment.eval_split, frozen_config(store, base)
     if evaluation == SMC:
         own = [f"smc.seed={sp.seed}", f"smc.N={cfg.experiment.eval_l}", *METRIC_ONLY, *m.sets, *extra]
         return {"eval_run_id": run_smc(config, call, seed_run_id(cfg.run_id, sp.seed), split, own)["eval_run_id"]}
@@ -357,7 +366,12 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
     summary: dict = {}
     for sp in plans:
         t_seed = time.perf_counter()
-        base = base_run_id(cfg.run_id, sp.seed)
+        seed_cfg = load_config(path, sets + sp.sets)
+        # `pipeline experiment`'s run of this seed is CONFIG's own method: its base evaluation and its training are
+        # this comparison's too when nothing differs (config hash), so neither command computes them twice
+        exp_run = seed_run_id(cfg.run_id, sp.seed)
+        same_base = same_hash(seed_cfg, load_config(path, sets + sp.sets + list(METRIC_ONLY)))
+        base = exp_run if same_base else base_run_id(cfg.run_id, sp.seed)
         open_run(path, base, 0, sets + sp.sets)  # frozen, never trained: the base model's evaluation run's parent
         log.info("seed %d: evaluating the base model on %s", sp.seed, split)
         b = evaluate_tracked(root, base, BASE, split, arm_eval_sets(cfg), call)
@@ -369,13 +383,13 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                 for ev in m.evaluations:
                     if m.seeded or (m.name, ev) not in shared:
                         log.info("seed %d: reference %s", sp.seed, m.name)
-                        shared[(m.name, ev)] = run_reference(m, ev, store, cfg, sp, extra, call)
+                        shared[(m.name, ev)] = run_reference(m, ev, store, cfg, sp, extra, call, base)
                     records.append({"arm": m.arm(ev), "method": m.name, "evaluation": ev, "seed": sp.seed,
                                     "train_run_id": None, **shared[(m.name, ev)]})
                 continue
-            arm = method_run_id(cfg.run_id, m.name, sp.seed)
             own = method_sets(m, sets, sp.sets, lrs.get(m.name), extra)
             arm_cfg = load_config(path, own)
+            arm = exp_run if same_base and same_hash(arm_cfg, seed_cfg) else method_run_id(cfg.run_id, m.name, sp.seed)
             log.info("seed %d: training %s (%s, %d rounds)", sp.seed, m.name, arm, cfg.rounds)
             run_rounds(path, cfg.rounds, arm, call, sets=own, observer=TRACKERS)
             last = cfg.rounds - 1
