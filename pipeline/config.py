@@ -345,7 +345,10 @@ class ScoringConfig(_Strict):
         "executor (a workflow mostly waits on its calls, so as many workflows as requests keep the server's batch "
         "full), 2 for the in-process one.",
     )
-    timeout_s: float = Field(60.0, gt=0, description="Wall-clock limit per workflow run.")
+    timeout_s: float = Field(
+        60.0, gt=0, description="Wall-clock limit per workflow run, less its time waiting on executor calls (a "
+        "queue at a shared server is not the workflow's; executor.timeout_s bounds each call).",
+    )
     cpu_time_s: int = Field(30, gt=0, description="CPU-time limit per workflow run.")
     memory_mb: int = Field(1024, gt=0, description="Address-space limit of a workflow process.")
     max_llm_calls: int = Field(20, gt=0, description="Executor-call budget per workflow run.")

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,7 +55,7 @@ class SandboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class Limits:
-    timeout_s: float = 60.0  # wall clock, helper calls included
+    timeout_s: float = 60.0  # wall clock, less the time spent waiting on executor calls
     cpu_s: int = 30
     memory_mb: int = 1024  # address space per process
     max_llm_calls: int = 20  # llm() requests per run
@@ -223,9 +223,11 @@ class Sandbox:
                 self._proc = None
 
     # ---- one run ----------------------------------------------------------------------------------
-    async def run(self, mode: str, payload: dict, limits: Limits, on_request=None) -> dict:
+    async def run(self, mode: str, payload: dict, limits: Limits, on_request=None,
+                  not_counted: Callable[[], float] | None = None) -> dict:
         """Run one child; returns {result, exit, timed_out, oversized, wall_s}. `on_request(msg, reply)`
-        serves helper requests (awaitable)."""
+        serves helper requests (awaitable). `not_counted()`: seconds so far that the wall limit leaves out (the
+        time the run waited on its executor calls)."""
         loop = asyncio.get_running_loop()
         self.ensure_started()
         uid = self._uids.acquire() if self.isolation.get("privilege_drop") else os.getuid()
@@ -272,7 +274,7 @@ class Sandbox:
                         t.add_done_callback(tasks.discard)
 
             try:
-                await asyncio.wait_for(converse(), limits.timeout_s)
+                await _within(converse(), limits.timeout_s, t0, not_counted)
             except TimeoutError:
                 out["timed_out"] = True
             except (ValueError, asyncio.LimitOverrunError, asyncio.IncompleteReadError, ConnectionError):
@@ -295,6 +297,25 @@ class Sandbox:
                 _kill_group(pid)
         out["wall_s"] = time.perf_counter() - t0
         return out
+
+
+async def _within(coro, limit_s: float, t0: float, not_counted: Callable[[], float] | None) -> None:
+    """Await `coro` until the wall time since `t0`, less `not_counted()`, reaches `limit_s` (then TimeoutError)."""
+    if not_counted is None:
+        return await asyncio.wait_for(coro, limit_s)
+    task = asyncio.ensure_future(coro)
+    try:
+        while not task.done():
+            left = limit_s - (time.perf_counter() - t0 - not_counted())
+            if left <= 0:
+                raise TimeoutError
+            await asyncio.wait({task}, timeout=min(left, 0.5))  # re-read: executor waits extend the limit
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def sensitive_paths() -> list[str]:
@@ -352,6 +373,12 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
         return SandboxResult("invalid", error=reason)
     res = SandboxResult("ok")
     notes: dict[str, Any] = {}
+    # executor calls in flight, since when, and the waits already over: the wall limit is the workflow's own time,
+    # so that a queue at a shared executor server does not time a workflow out (each call has its own timeout)
+    waiting = {"calls": 0, "since": 0.0, "total": 0.0}
+
+    def waited() -> float:
+        return waiting["total"] + (time.perf_counter() - waiting["since"] if waiting["calls"] else 0.0)
 
     async def on_request(msg: dict, reply) -> None:
         rid = msg.get("id")
@@ -372,18 +399,25 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
             return await reply({"id": rid, "error": f"bad llm() call: {e}"})
         if executor is None:
             return await reply({"id": rid, "error": "no executor configured for llm()"})
+        if not waiting["calls"]:
+            waiting["since"] = time.perf_counter()
+        waiting["calls"] += 1
         try:
             comp = await executor.complete(msgs, temperature=t, n=n)
         except Exception as e:  # any executor failure (after its own retries) is transient, not the workflow's
             notes["executor_error"] = _truncate(f"{type(e).__name__}: {e}")
             return await reply({"id": rid, "error": "executor error"})
+        finally:
+            waiting["calls"] -= 1
+            if not waiting["calls"]:
+                waiting["total"] += time.perf_counter() - waiting["since"]
         res.tokens_in += int(comp.tokens_in)
         res.tokens_out += int(comp.tokens_out)
         res.cost_usd += float(getattr(comp, "cost_usd", 0.0))
         await reply({"id": rid, "texts": list(comp.texts)})
 
     payload = {"code": code, "problem": problem, "public_tests": public_tests, "output_chars": limits.output_chars}
-    out = await (sandbox or default_sandbox()).run("workflow", payload, limits, on_request)
+    out = await (sandbox or default_sandbox()).run("workflow", payload, limits, on_request, waited)
     result = out["result"] or {}
     res.wall_s = out["wall_s"]
     if result.get("stdout"):
