@@ -76,15 +76,16 @@ def test_store_write_when_fsync_fails_leaves_no_visible_part(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_chaos_suite_short(tmp_path):
-    """The CI cut of scripts/chaos.py: one kill -9 inside scoring, then resume; a 100-run executor soak."""
+    """The CI cut of scripts/chaos.py: a 100-run executor soak. Its kill trial inside scoring is the same check as
+    tests/test_flows.py::test_kill_9_during_scoring_then_resume_loses_and_duplicates_nothing, so CI runs that once."""
     out = tmp_path / "chaos"
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--out", str(out), "--trials", "1",
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--out", str(out), "--trials", "0",
                         "--stages", "score", "--soak", "100", "--seed", "1"], capture_output=True, text=True,
                        timeout=1200, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     report = json.loads((out / "chaos.json").read_text())
     assert r.returncode == 0 and report["failures"] == [], r.stdout[-3000:] + r.stderr[-3000:]
-    (trial,) = report["trials"]
-    assert trial["landed_in"] == "score", trial  # the kill hit the stage it aimed at
+    assert report["trials"] == []
     soak = report["soak"]
-    assert soak["passes"][-1]["latest_by_status"].get("executor_error") is None
+    assert soak["passes"][-1]["latest_by_status"] == {"ok": 100}  # every transient fault re-scored away
+    assert soak["passes"][0]["latest_by_status"].get("executor_error", 0) > 0, "the first pass met no fault"
     assert sum(v for k, v in soak["faults_injected"].items() if k != "ok") > 0, "no fault was injected"
