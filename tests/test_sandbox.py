@@ -93,11 +93,11 @@ def test_the_wall_limit_leaves_out_waiting_on_the_executor(sb):
     # two calls of 1.5 s each (one after the other) against a 1 s limit: the workflow's own time is far below it
     code = "async def solve(p):\n    a = await llm(p)\n    b = await llm(p)\n    return 'done'\n"
     r = run(sb, code, executor=SlowExecutor(1.5), limits=Limits(timeout_s=1.0))
-    assert (r.status, r.answer, r.llm_calls) == ("ok", "done", 2) and r.wall_s > 3.0
+    assert (r.status, r.answer, r.llm_calls) == ("ok", "done", 2)
     # its own time still counts, after a wait as before one
     slow = "import asyncio\nasync def solve(p):\n    await llm(p)\n    await asyncio.sleep(30)\n"
     r = run(sb, slow, executor=SlowExecutor(1.5), limits=Limits(timeout_s=1.0))
-    assert r.status == "timeout" and r.llm_calls == 1 and r.wall_s < 10
+    assert r.status == "timeout" and r.llm_calls == 1
 
 
 def test_llm_helper_counts_tokens_cost_and_builds_system_message(sb):

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.config import load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.engines.benchmarks import load_benchmark
 from pipeline.engines.servers import serving
 from pipeline.run import open_run
@@ -73,7 +73,7 @@ def run(config: str, sets: list[str], problems: int, concurrency: list[int], sco
     sets = [*sets, "benchmark.train_split=dev", f"benchmark.max_queries={problems}"]
     cfg = load_config(config, sets)
     if cfg.executor.serve is None:
-        raise SystemExit(f"{config}: executor.serve is not set; this bench starts the executor's server itself")
+        raise ConfigError(f"{config}: executor.serve is not set; this bench starts the executor's server itself")
     program = (program_file or DEFAULT_PROGRAM).read_text()
     prompts = [it.prompt for it in load_benchmark(cfg.benchmark).items()]
     ex = cfg.executor
