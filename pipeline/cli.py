@@ -5,6 +5,7 @@ Heavy libraries are imported inside commands so `--help` and `validate` stay ins
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -564,21 +565,34 @@ def baseline(
     """Run baselines (fixed programs) on the held-out queries through the same sandbox, executor and score stage
     as generated workflows, each in the derived run <run_id>-baseline-<method>; prints Mean@L / Best@L /
     Majority@L and tokens per query."""
+    from pipeline.engines.servers import ServeError
+    from pipeline.studies.baselines import sharing_executor
+
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(sharing_executor(str(config), run_id, sets))
+        except (ConfigError, ServeError) as e:
+            _fail(str(e))
+        for m in [*(methods or []), *(f"program:{p}" for p in programs or [])]:
+            _baseline(config, m, run_id, split, sets, candidates, max_candidates)
+
+
+def _baseline(config: Path, m: str, run_id: str | None, split: str, sets: list[str] | None,
+              candidates: list[str] | None, max_candidates: int) -> None:
     from pipeline.stages.runner import StageError
     from pipeline.studies.baselines import run_baseline
 
-    for m in [*(methods or []), *(f"program:{p}" for p in programs or [])]:
-        try:
-            summ = run_baseline(str(config), m, None, run_id, split, sets or [], candidates or [], max_candidates)
-        except (ConfigError, StageError) as e:
-            _fail(str(e))
-        typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
-                   f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, valid "
-                   f"{_num(summ['valid_share'], 2)}, tokens/query generator {_num(summ['gen_tokens_per_query'], 0)} "
-                   f"executor {_num(summ['exec_tokens_per_query'], 0)}, status {summ['status']}")
-        for task, win in summ.get("selected", {}).items():
-            typer.echo(f"  task {task}: {win['label']} (mean {win['mean_score']:.3f} on {win['queries']} selection "
-                       f"queries, run {_selection_run(config, run_id, sets)})")
+    try:
+        summ = run_baseline(str(config), m, None, run_id, split, sets or [], candidates or [], max_candidates)
+    except (ConfigError, StageError) as e:
+        _fail(str(e))
+    typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
+               f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, valid "
+               f"{_num(summ['valid_share'], 2)}, tokens/query generator {_num(summ['gen_tokens_per_query'], 0)} "
+               f"executor {_num(summ['exec_tokens_per_query'], 0)}, status {summ['status']}")
+    for task, win in summ.get("selected", {}).items():
+        typer.echo(f"  task {task}: {win['label']} (mean {win['mean_score']:.3f} on {win['queries']} selection "
+                   f"queries, run {_selection_run(config, run_id, sets)})")
 
 
 def _selection_run(config: Path, run_id: str | None, sets: list[str] | None) -> str:

@@ -31,6 +31,17 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
+def harness():
+    """One temporary Prefect server and database for every test that runs a flow (a start costs 10-20 s here).
+    Tests read back only their own flow runs (by run id), so what earlier tests wrote does not matter.
+    tests/test_shutdown.py starts and stops its own: it checks what happens after the server is gone."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
 def shared_sandbox():
     """The process-wide sandbox (`default_sandbox()`, the one `run_workflow`, `run_test_suite` and the code
     benchmarks use when given none), its zygote started once for the session and stopped at its end.

@@ -12,19 +12,12 @@ import pytest
 from fake_run import install_fake_stages, write_config
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.ablate import ablate
 from flows.artifacts import artifact_key
 from flows.experiment import experiment
 from flows.iterate import iterate
 from pipeline.store import Store
-
-
-@pytest.fixture(scope="module")
-def harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def artifacts_of(state) -> dict[str, object]:

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.evaluate import evaluate
 from flows.iterate import iterate
@@ -27,12 +26,6 @@ from pipeline.store import Store
 from pipeline.studies.evaluate import eval_run_id
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 class FakeStages:

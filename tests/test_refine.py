@@ -344,20 +344,19 @@ def test_refine_resumes_an_interrupted_turn_without_duplicates(tmp_path, monkeyp
     assert _rollout(monkeypatch, ctx, gen)["sampled_now"] == 0 and len(gen.prompts) == 2
 
 
-# ---- one real round through Prefect (slow) ------------------------------------------------------------------------
+# ---- one real round on the embedded model (slow) ---------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_refine_round_through_prefect_on_the_embedded_model(tmp_path):
+def test_refine_round_on_the_embedded_model(tmp_path):
     """SmolLM2-135M writes the workflows and executes them: T=3 turns x K=2 candidates of one task of 2 items, one
-    repair allowed; the stages run through Prefect stage tasks in child processes. The tiny model's samples decide
-    how many candidates are repaired or skipped, so the SQL checks that the numbers add up."""
+    repair allowed; the stages run in this process (the Prefect path of the same stages in child processes is
+    tests/test_flows.py::test_one_real_round_end_to_end's check). The tiny model's samples decide how many
+    candidates are repaired or skipped, so the SQL checks that the numbers add up."""
     import yaml
-    from prefect import flow
-    from prefect.testing.utilities import prefect_test_harness
 
-    from flows.tasks import submitting_call
     from pipeline.run import open_run
+    from pipeline.stages.rounds import direct_call
     from pipeline.stages.runner import RetryPolicy
 
     data = yaml.safe_load((REPO / "tests" / "data" / "tiny_flow.yaml").read_text())
@@ -372,14 +371,9 @@ def test_refine_round_through_prefect_on_the_embedded_model(tmp_path):
     cfg.write_text(yaml.safe_dump(data))
     ctx = open_run(cfg, "refine-e2e")
 
-    @flow(name="refine-round")
-    def refine_round() -> list[dict]:
-        call = submitting_call(RetryPolicy(1, 1.0))
-        return [call(stage=s, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=None)
-                for s in ("rollout", "score", "curate", "train")]
-
-    with prefect_test_harness(server_startup_timeout=120):
-        res = refine_round()
+    call = direct_call(RetryPolicy(1, 1.0), isolate=False)
+    res = [call(stage=s, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=None)
+           for s in ("rollout", "score", "curate", "train")]
     assert [r.skipped for r in res] == [False, False, False, False]
     st = Store(tmp_path / "runs")
     turns = st.sql("SELECT turn, count(*) n, count(*) FILTER (WHERE skipped) skipped, "

@@ -4,6 +4,7 @@ child) under the real watchdog; the kill -9 test runs once more with vLLM servin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -240,3 +241,60 @@ def test_the_session_vllm_server_is_reused_by_a_served_executor(tmp_path, vllm_s
     with serving(cfg, ["executor"], tmp_path / "logs") as served:
         assert served.executor.base_url == vllm_server
     assert "smol" in servers.served_models(vllm_server[: -len("/v1")])
+
+
+# ---- one executor server for the stages of a command -----------------------------------------------------------
+
+
+def test_a_command_shares_one_executor_server_with_its_stages_and_stops_it(tmp_path, fake_vllm, monkeypatch):
+    """Inside `sharing`, each stage's `serving` (two here; a stage child process inherits the same environment) is
+    pointed at the one server the command started, and none starts its own. A stage whose server differs (another
+    max_model_len) starts its own. The server stops, and is unlisted, with the block."""
+    monkeypatch.delenv(servers.SHARED_ENV, raising=False)
+    cfg = load_config(served_config(tmp_path))
+    seen = []
+    with servers.sharing(cfg, tmp_path / "shared-logs"):
+        (entry,) = servers.shared_servers().values()
+        for stage in ("score-0", "score-1"):
+            with serving(cfg, ["executor"], tmp_path / stage) as served:
+                url = served.executor.base_url
+                seen.append((url, servers.served_models(url[: -len("/v1")]), served.executor.serve))
+        other = cfg.model_copy(update={"executor": cfg.executor.model_copy(
+            update={"serve": cfg.executor.serve.model_copy(update={"max_model_len": 512})})})
+        with serving(other, ["executor"], tmp_path / "own-logs") as own:
+            assert own.executor.base_url != entry["url"] + "/v1"
+        assert group_alive(entry["pid"])  # the stages did not stop the command's server
+    assert seen == [(entry["url"] + "/v1", [EMBEDDED_MODEL], None)] * 2
+    assert not (tmp_path / "score-0").exists() and not (tmp_path / "score-1").exists()  # no server of their own
+    assert "fake server up" in (tmp_path / "own-logs" / "executor.log").read_text()
+    assert servers.SHARED_ENV not in os.environ and refused(entry["url"] + "/v1")
+    assert group_alive(entry["pid"]) == []
+
+
+def test_a_listed_server_that_is_gone_costs_a_start_not_the_stage(tmp_path, fake_vllm, monkeypatch):
+    cfg = load_config(served_config(tmp_path))
+    key = servers.spec_key(servers.spec_for(cfg, "executor"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setenv(servers.SHARED_ENV, f'{{"{key}": {{"url": "http://127.0.0.1:{free_port()}", '
+                                            f'"pid": {dead.pid}}}}}')
+    with serving(cfg, ["executor"], tmp_path / "logs") as served:
+        assert servers.served_models(served.executor.base_url[: -len("/v1")]) == [EMBEDDED_MODEL]
+    assert "fake server up" in (tmp_path / "logs" / "executor.log").read_text()
+    monkeypatch.setenv(servers.SHARED_ENV, "not json")
+    with pytest.raises(ServeError, match="PIPELINE_SHARED_SERVERS is not JSON"):
+        servers.shared_servers()
+
+
+def test_rounds_share_the_executor_only_when_more_than_one_of_its_stages_is_left(tmp_path, monkeypatch):
+    """`pipeline run` / iterate: two rounds left to score share a server; one score stage left starts its own as
+    before (a shared one would only add its start)."""
+    from pipeline.stages import rounds
+
+    started = []
+    monkeypatch.setattr(rounds, "sharing", lambda cfg, log_dir: started.append(log_dir) or contextlib.nullcontext())
+    ctx = open_run(served_config(tmp_path), round=0)
+    rounds.shared_executor(ctx, 2, None)
+    assert started == [tmp_path / "runs" / "t" / "server-logs" / "shared"]
+    monkeypatch.setattr(rounds, "stage_done", lambda stage, run_id, k, root, sets: (stage, k) != ("score", 1))
+    assert isinstance(rounds.shared_executor(ctx, 2, None), contextlib.nullcontext) and len(started) == 1

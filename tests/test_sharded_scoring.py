@@ -12,7 +12,6 @@ from pathlib import Path
 import distributed
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 from prefect_dask import DaskTaskRunner
 from test_scoring import SOLVER, make_run
 
@@ -27,12 +26,6 @@ SLOW = "import asyncio\nasync def solve(problem):\n    await asyncio.sleep(0.2)\
 WORKFLOWS = [SOLVER, "def solve(p): return 1", SLOW]  # ok 1.0, invalid 0, ok 0.0
 REPS = 2
 RUNS = N_QUERIES * len(WORKFLOWS) * REPS
-
-
-@pytest.fixture(scope="module")
-def harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 @pytest.fixture(scope="module")

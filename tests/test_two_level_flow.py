@@ -1,4 +1,8 @@
-"""The two-level demo configuration (configs/two-level.yaml): one real round through the Prefect `iterate` flow."""
+"""The two-level demo configuration (configs/two-level.yaml): one real round of every stage on the embedded model.
+
+The stages run in this process (`pipeline run`'s path): that the same stages run through the Prefect `iterate`
+flow in child processes is tests/test_flows.py::test_one_real_round_end_to_end's check, and the Prefect start and
+four child processes (each importing torch and loading the model) cost two minutes here for nothing more."""
 
 from __future__ import annotations
 
@@ -6,22 +10,20 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prefect.testing.utilities import prefect_test_harness
 
-from flows.iterate import iterate
+from pipeline.stages.rounds import direct_call, run_rounds
 from pipeline.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_two_level_config_runs_a_round_through_prefect(tmp_path):
+def test_two_level_config_runs_a_round_of_every_stage(tmp_path):
     data = yaml.safe_load((REPO / "configs" / "two-level.yaml").read_text())
     data["store"] = {"root": str(tmp_path / "runs")}
     cfg = tmp_path / "two-level.yaml"
     cfg.write_text(yaml.safe_dump(data))
-    with prefect_test_harness(server_startup_timeout=120):
-        out = iterate(str(cfg), rounds=1, run_id="tl", retry_delay_s=1)
+    out = run_rounds(cfg, 1, "tl", direct_call(isolate=False))
     st = Store(tmp_path / "runs")
     for stage in ("rollout", "score", "curate", "train"):
         assert st.manifest("tl", 0, stage) is not None, stage

@@ -10,6 +10,13 @@ lists the model, points the section's base_url at it, and stops it when the stag
   when the *thread* that started the child ends, and a server may be started from a worker thread (Prefect tasks).
 - `Server.stop()`: SIGTERM to the group (vLLM shuts down gracefully), SIGKILL to what is left after a grace period.
 - A fixed `port` where a server already serves the model is reused and left running: someone else owns it.
+- A command that runs many stages (`pipeline run`, `experiment`, `baseline`, `compare-methods`) starts the
+  executor's server once, for all of them (`sharing`): it lists the server in the environment variable
+  PIPELINE_SHARED_SERVERS, which every stage process it starts inherits, and a stage whose server spec matches one
+  listed (and up) uses it instead of starting its own. A CPU server takes about two minutes to start, and a
+  three-round experiment with its evaluations started one about twenty times. The server stops with the command
+  (the watchdog watches the command's process); an idle vLLM server sleeps rather than spins (vLLM's
+  shm_broadcast.SpinCondition), so it costs memory, not CPU, while a stage trains.
 - `check()` runs before anything starts: vLLM installed, the model found, the port free or serving this model;
   each failure is a ServeError that says what to do.
 """
@@ -18,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -40,6 +50,7 @@ VLLM_SERVER = "vllm.entrypoints.openai.api_server"
 STOP_GRACE_S = 20.0  # a graceful vLLM shutdown takes a few seconds on CPU
 POLL_S = 0.5  # the watchdog's look at its parent: a killed stage's server outlives it by about this much
 SECTIONS = ("executor", "generator")
+SHARED_ENV = "PIPELINE_SHARED_SERVERS"  # JSON {spec key: server root url} of the servers a command shares
 
 
 class ServeError(RuntimeError):
@@ -284,16 +295,18 @@ def serve(spec: ServerSpec, log_file: Path) -> Iterator[Server]:
 @contextlib.contextmanager
 def serving(cfg: RunConfig, sections: Iterable[str], log_dir: Path) -> Iterator[RunConfig]:
     """`cfg` with each of `sections` that has `serve` set pointed at its own server (base_url; the served model
-    name) for the block. Every server is checked before any starts, all start at once, and those started here stop
-    when the block ends."""
+    name) for the block. A server the command shares (`sharing`) is used as it is; the others are checked before
+    any starts, all start at once, and those started here stop when the block ends."""
     specs = {s: spec_for(cfg, s) for s in sections if getattr(cfg, s).serve is not None}
-    for spec in specs.values():
-        check(spec)
+    servers = {s: srv for s, spec in specs.items() if (srv := shared_server(spec)) is not None}
+    for section, spec in specs.items():
+        if section not in servers:
+            check(spec)
     with contextlib.ExitStack() as stack:
-        servers = {}
         for section, spec in specs.items():
-            servers[section] = launch(spec, log_dir / f"{section}.log")
-            stack.callback(servers[section].stop)
+            if section not in servers:
+                servers[section] = launch(spec, log_dir / f"{section}.log")
+                stack.callback(servers[section].stop)
         updates = {}
         for section, server in servers.items():
             server.wait()
@@ -302,6 +315,91 @@ def serving(cfg: RunConfig, sections: Iterable[str], log_dir: Path) -> Iterator[
             updates[section] = getattr(cfg, section).model_copy(
                 update={"base_url": server.base_url, "serve": None, **extra})
         yield cfg.model_copy(update=updates)
+
+
+# ---- one server for all the stages of a command ------------------------------------------------------------------
+
+
+def spec_key(spec: ServerSpec) -> str:
+    """What makes two specs the same server: everything but the port (any) and the start timeout."""
+    fields = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("port", "start_timeout_s")}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def shared_servers() -> dict[str, dict]:
+    """The servers listed in PIPELINE_SHARED_SERVERS: spec key -> {"url": server root, "pid": its watchdog}."""
+    try:
+        listed = json.loads(os.environ.get(SHARED_ENV) or "{}")
+    except json.JSONDecodeError:
+        raise ServeError(f"{SHARED_ENV} is not JSON: {os.environ[SHARED_ENV]!r}; unset it") from None
+    return listed if isinstance(listed, dict) else {}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def shared_server(spec: ServerSpec) -> Server | None:
+    """The shared server of `spec` once it serves the model (waiting while it starts; never stopped by its users),
+    or None when none is listed, or the listed one is gone or serves something else: the stage then starts its own,
+    so a shared server that died costs a start, not the stage."""
+    import httpx
+
+    entry = shared_servers().get(spec_key(spec))
+    if not isinstance(entry, dict) or "url" not in entry:
+        return None
+    deadline = time.monotonic() + spec.start_timeout_s
+    while True:
+        try:
+            ids = served_models(entry["url"], timeout=2)
+            if spec.name in ids:
+                return Server(spec, entry["url"])
+            reason = f"it serves {ids}"
+            break
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            reason = f"{type(e).__name__}: {e}"
+        if not alive(int(entry.get("pid", 0)) or -1) or time.monotonic() > deadline:
+            break
+        time.sleep(1)  # still starting
+    log.warning("the shared server of %s at %s is not usable (%s); starting another", spec.name, entry["url"], reason)
+    return None
+
+
+@contextlib.contextmanager
+def sharing(cfg: RunConfig, log_dir: Path) -> Iterator[None]:
+    """Start the executor's server (`executor.serve`) unless it is shared already, without waiting for it, and list
+    it in PIPELINE_SHARED_SERVERS for the block: the stages started inside it use it (the first waits while it
+    starts, so its start overlaps whatever runs before). Stopped and unlisted when the block ends; a block whose
+    stages were all done costs a start that is cut short. Not the generator's server: it loads each round's
+    adapter at run time, and its stages are one a round."""
+    listed = shared_servers()
+    specs = [spec_for(cfg, "executor")] if cfg.executor.serve is not None else []
+    specs = [spec for spec in specs if spec_key(spec) not in listed and spec.port is None]  # a fixed port: reused
+    if not specs:
+        yield
+        return
+    for spec in specs:
+        check(spec)
+    before = os.environ.get(SHARED_ENV)
+    with contextlib.ExitStack() as stack:
+        for spec in specs:
+            server = launch(spec, log_dir / f"{spec.name.replace('/', '_').replace(':', '_')}.log")
+            stack.callback(server.stop)
+            listed[spec_key(spec)] = {"url": server.url, "pid": server.pgid}
+        os.environ[SHARED_ENV] = json.dumps(listed)
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(SHARED_ENV, None)
+            else:
+                os.environ[SHARED_ENV] = before
 
 
 def server_log_dir(store, run_id: str, name: str) -> Path:

@@ -11,6 +11,7 @@ on the direct path), then writes the stage manifest once every shard is complete
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.engines.servers import check_served
+from pipeline.engines.servers import check_served, server_log_dir, sharing
 from pipeline.run import open_run
-from pipeline.stages import ROUND_STAGES, get_stage
+from pipeline.stages import ROUND_STAGES, get_stage, served_sections
 from pipeline.stages.runner import REPO, RetryPolicy, finish_shards, record_timing, round_s, run_stage, stage_done
 from pipeline.store import Store, round_stats
 
@@ -128,14 +129,15 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     if observer is not None:
         observer.check(ctx.cfg)  # e.g. a missing tracker package fails before any work
     walls: dict[int, dict[str, float]] = {}
-    for k in range(rounds):
-        for stage in ROUND_STAGES:
-            res = call_stage(call, stage, run_id, k, store_root, sets, shards=shards)
-            walls.setdefault(k, {})[stage] = res.wall_s
-        if after_round is not None:
-            after_round(run_id, store_root, k)
-        if observer is not None:
-            observer.round_done(ctx.store, run_id, ctx.cfg)
+    with shared_executor(ctx, rounds, sets):
+        for k in range(rounds):
+            for stage in ROUND_STAGES:
+                res = call_stage(call, stage, run_id, k, store_root, sets, shards=shards)
+                walls.setdefault(k, {})[stage] = res.wall_s
+            if after_round is not None:
+                after_round(run_id, store_root, k)
+            if observer is not None:
+                observer.round_done(ctx.store, run_id, ctx.cfg)
     stats = round_stats(Store(store_root), run_id)
     per_round = [
         {"round": r["round"], "mean_score": r["mean_score"], "best_score": r["best_score"],
@@ -143,3 +145,14 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
         for r in stats.iter_rows(named=True) if r["round"] < rounds
     ]
     return {"run_id": run_id, "store": store_root, "rounds": per_round}
+
+
+def shared_executor(ctx, rounds: int, sets: list[str] | None) -> contextlib.AbstractContextManager:
+    """One executor server for the rounds' stages that call it (pipeline.engines.servers.sharing) when more than
+    one of them is left to run; a single stage starts its own as before."""
+    if ctx.cfg.executor.serve is None:
+        return contextlib.nullcontext()
+    store_root = str(ctx.store.root)
+    left = sum(not stage_done(stage, ctx.run_id, k, store_root, sets) for k in range(rounds) for stage in ROUND_STAGES
+               if "executor" in served_sections(get_stage(stage), ctx.cfg))
+    return sharing(ctx.cfg, server_log_dir(ctx.store, ctx.run_id, "shared")) if left > 1 else contextlib.nullcontext()

@@ -38,9 +38,10 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
 from pipeline.core.reward import program_key
+from pipeline.engines.servers import sharing
 from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext, open_run
-from pipeline.store import Store
+from pipeline.store import Store, store_for
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +297,14 @@ def run_task_best(config: str, call, run_id: str | None = None, split: str = "te
     write_programs(ctx, per_query)
     _score(ctx, call, sets)
     return {**eval_summary(ctx.store, ctx.run_id), "selected": chosen}
+
+
+def sharing_executor(config: str, run_id: str | None = None, sets: list[str] | None = None):
+    """One executor server for the baselines of one command (pipeline.engines.servers.sharing), its log under
+    `<store>/experiments/<run_id>-baselines/server-logs/`."""
+    cfg = load_config(config, list(sets or []))
+    log_dir = store_for(cfg.store).root / "experiments" / f"{run_id or cfg.run_id}-baselines" / "server-logs"
+    return sharing(cfg, log_dir)
 
 
 def run_baseline(config: str, method: str, call=None, run_id: str | None = None, split: str = "test",

@@ -43,6 +43,7 @@ import polars as pl
 
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
+from pipeline.engines.servers import sharing
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
 from pipeline.store.views import flagged_rewarded
@@ -287,24 +288,26 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
         return summary, out
 
     plans = plan(cfg, list(range(seeds)) if seeds is not None else None)
-    for sp in plans:
-        t_seed = time.perf_counter()
-        log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
-        run_rounds(path, cfg.rounds, sp.run_id, call, after_round, sets=sets + sp.sets, observer=TRACKERS)
-        for k in seed_rounds(cfg, sp.seed, [p.seed for p in plans]):
-            log.info("seed %d: evaluating %s on %s", sp.seed, "the base model" if k < 0 else f"round {k}",
-                     cfg.experiment.eval_split)
-            evaluate_tracked(str(store.root), sp.run_id, k, cfg.experiment.eval_split, eval_sets(cfg), call)
-        extra["seed_wall_s"][sp.seed] = round(time.perf_counter() - t_seed, 1)
-        done.append(sp.seed)
-        summary, out = publish(f"after seed {sp.seed}")
-    if cfg.experiment.references:  # derived runs on the same split, queries and L: resumed like the rest
-        t_refs = time.perf_counter()
-        for method in cfg.experiment.references:
-            log.info("reference %s on %s", method, cfg.experiment.eval_split)
-            run_baseline(str(path), method, call, cfg.run_id, cfg.experiment.eval_split, sets)
-        extra["references_wall_s"] = round(time.perf_counter() - t_refs, 1)
-        summary, out = publish("after the references")
+    # one executor server for every stage of every seed, evaluation and reference (pipeline.engines.servers)
+    with sharing(cfg, experiment_dir(store, cfg.run_id) / "server-logs"):
+        for sp in plans:
+            t_seed = time.perf_counter()
+            log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
+            run_rounds(path, cfg.rounds, sp.run_id, call, after_round, sets=sets + sp.sets, observer=TRACKERS)
+            for k in seed_rounds(cfg, sp.seed, [p.seed for p in plans]):
+                log.info("seed %d: evaluating %s on %s", sp.seed, "the base model" if k < 0 else f"round {k}",
+                         cfg.experiment.eval_split)
+                evaluate_tracked(str(store.root), sp.run_id, k, cfg.experiment.eval_split, eval_sets(cfg), call)
+            extra["seed_wall_s"][sp.seed] = round(time.perf_counter() - t_seed, 1)
+            done.append(sp.seed)
+            summary, out = publish(f"after seed {sp.seed}")
+        if cfg.experiment.references:  # derived runs on the same split, queries and L: resumed like the rest
+            t_refs = time.perf_counter()
+            for method in cfg.experiment.references:
+                log.info("reference %s on %s", method, cfg.experiment.eval_split)
+                run_baseline(str(path), method, call, cfg.run_id, cfg.experiment.eval_split, sets)
+            extra["references_wall_s"] = round(time.perf_counter() - t_refs, 1)
+            summary, out = publish("after the references")
     summary["results"] = str(out)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
     return summary

@@ -55,6 +55,7 @@ import polars as pl
 
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.core.learning import METRICS, paired_differences
+from pipeline.engines.servers import sharing
 from pipeline.engines.workflow import extract_code
 from pipeline.run import open_run
 from pipeline.stages.modes import get_mode
@@ -356,65 +357,68 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                               f"shares queries with the held-out {cfg.experiment.eval_split}")
     store, split = store_for(cfg.store), cfg.experiment.eval_split
     root = str(store.root)
-    t0 = time.perf_counter()
-    sweep = sweep_lr(path, cfg, chosen, sets, arm_sets, list(lr_sweep), plans[0], call) if lr_sweep else {}
-    lrs = {name: s["chosen"] for name, s in sweep.items()}
-    records: list[dict] = []
-    shared: dict[tuple[str, str], dict] = {}  # references' runs by (method, evaluation); unseeded: the one run
-    walls: dict[int, float] = {}
-    done: list[int] = []
-    summary: dict = {}
-    for sp in plans:
-        t_seed = time.perf_counter()
-        seed_cfg = load_config(path, sets + sp.sets)
-        # `pipeline experiment`'s run of this seed is CONFIG's own method: its base evaluation and its training are
-        # this comparison's too when nothing differs (config hash), so neither command computes them twice
-        exp_run = seed_run_id(cfg.run_id, sp.seed)
-        same_base = same_hash(seed_cfg, load_config(path, sets + sp.sets + list(METRIC_ONLY)))
-        base = exp_run if same_base else base_run_id(cfg.run_id, sp.seed)
-        open_run(path, base, 0, sets + sp.sets)  # frozen, never trained: the base model's evaluation run's parent
-        log.info("seed %d: evaluating the base model on %s", sp.seed, split)
-        b = evaluate_tracked(root, base, BASE, split, arm_eval_sets(cfg), call)
-        records.append({"arm": BASE_ARM, "method": BASE_ARM, "evaluation": SAMPLE, "seed": sp.seed,
-                        "eval_run_id": b["eval_run_id"], "train_run_id": None})
-        for m in chosen:
-            extra = arm_sets.get(m.name, [])
-            if not m.trained:
+    # one executor server for every stage of every arm, seed and evaluation (pipeline.engines.servers)
+    with sharing(cfg, methods_dir(store, cfg.run_id) / "server-logs"):
+        t0 = time.perf_counter()
+        sweep = sweep_lr(path, cfg, chosen, sets, arm_sets, list(lr_sweep), plans[0], call) if lr_sweep else {}
+        lrs = {name: s["chosen"] for name, s in sweep.items()}
+        records: list[dict] = []
+        shared: dict[tuple[str, str], dict] = {}  # references' runs by (method, evaluation); unseeded: the one run
+        walls: dict[int, float] = {}
+        done: list[int] = []
+        summary: dict = {}
+        for sp in plans:
+            t_seed = time.perf_counter()
+            seed_cfg = load_config(path, sets + sp.sets)
+            # `pipeline experiment`'s run of this seed is CONFIG's own method: its base evaluation and its training are
+            # this comparison's too when nothing differs (config hash), so neither command computes them twice
+            exp_run = seed_run_id(cfg.run_id, sp.seed)
+            same_base = same_hash(seed_cfg, load_config(path, sets + sp.sets + list(METRIC_ONLY)))
+            base = exp_run if same_base else base_run_id(cfg.run_id, sp.seed)
+            open_run(path, base, 0, sets + sp.sets)  # frozen, never trained: the base model's evaluation run's parent
+            log.info("seed %d: evaluating the base model on %s", sp.seed, split)
+            b = evaluate_tracked(root, base, BASE, split, arm_eval_sets(cfg), call)
+            records.append({"arm": BASE_ARM, "method": BASE_ARM, "evaluation": SAMPLE, "seed": sp.seed,
+                            "eval_run_id": b["eval_run_id"], "train_run_id": None})
+            for m in chosen:
+                extra = arm_sets.get(m.name, [])
+                if not m.trained:
+                    for ev in m.evaluations:
+                        if m.seeded or (m.name, ev) not in shared:
+                            log.info("seed %d: reference %s", sp.seed, m.name)
+                            shared[(m.name, ev)] = run_reference(m, ev, store, cfg, sp, extra, call, base)
+                        records.append({"arm": m.arm(ev), "method": m.name, "evaluation": ev, "seed": sp.seed,
+                                        "train_run_id": None, **shared[(m.name, ev)]})
+                    continue
+                own = method_sets(m, sets, sp.sets, lrs.get(m.name), extra)
+                arm_cfg = load_config(path, own)
+                mine = method_run_id(cfg.run_id, m.name, sp.seed)
+                arm = exp_run if same_base and same_hash(arm_cfg, seed_cfg) else mine
+                log.info("seed %d: training %s (%s, %d rounds)", sp.seed, m.name, arm, cfg.rounds)
+                run_rounds(path, cfg.rounds, arm, call, sets=own, observer=TRACKERS)
+                last = cfg.rounds - 1
                 for ev in m.evaluations:
-                    if m.seeded or (m.name, ev) not in shared:
-                        log.info("seed %d: reference %s", sp.seed, m.name)
-                        shared[(m.name, ev)] = run_reference(m, ev, store, cfg, sp, extra, call, base)
+                    log.info("seed %d: evaluating %s (%s) on %s", sp.seed, m.name, ev, split)
+                    if ev == SAMPLE:
+                        got = {"eval_run_id": evaluate_tracked(root, arm, last, split, arm_eval_sets(arm_cfg),
+                                                               call)["eval_run_id"]}
+                    else:
+                        got = evaluate_refined(store, arm, last, arm_cfg, split, call)
                     records.append({"arm": m.arm(ev), "method": m.name, "evaluation": ev, "seed": sp.seed,
-                                    "train_run_id": None, **shared[(m.name, ev)]})
-                continue
-            own = method_sets(m, sets, sp.sets, lrs.get(m.name), extra)
-            arm_cfg = load_config(path, own)
-            arm = exp_run if same_base and same_hash(arm_cfg, seed_cfg) else method_run_id(cfg.run_id, m.name, sp.seed)
-            log.info("seed %d: training %s (%s, %d rounds)", sp.seed, m.name, arm, cfg.rounds)
-            run_rounds(path, cfg.rounds, arm, call, sets=own, observer=TRACKERS)
-            last = cfg.rounds - 1
-            for ev in m.evaluations:
-                log.info("seed %d: evaluating %s (%s) on %s", sp.seed, m.name, ev, split)
-                if ev == SAMPLE:
-                    got = {"eval_run_id": evaluate_tracked(root, arm, last, split, arm_eval_sets(arm_cfg),
-                                                           call)["eval_run_id"]}
-                else:
-                    got = evaluate_refined(store, arm, last, arm_cfg, split, call)
-                records.append({"arm": m.arm(ev), "method": m.name, "evaluation": ev, "seed": sp.seed,
-                                "train_run_id": arm, **got})
-        walls[sp.seed] = round_s(time.perf_counter() - t_seed)
-        done.append(sp.seed)
-        summary = summarise(store, cfg, [m.name for m in chosen], records, done)
-        summary |= {"lr_sweep": sweep, "lr": lrs}
-        out = write_results(store, summary, {"command": command, "config": str(path), "sets": sets,
-                                             "arm_sets": arm_sets, "seed_wall_s": walls,
-                                             "wall_s": round_s(time.perf_counter() - t0)})
-        log.info("after seed %d:\n%s", sp.seed, table(summary))
-        if after_seed is not None:
-            after_seed(summary, out)
-    summary["results"] = str(out)
-    summary["wall_s"] = round_s(time.perf_counter() - t0)
-    return summary
+                                    "train_run_id": arm, **got})
+            walls[sp.seed] = round_s(time.perf_counter() - t_seed)
+            done.append(sp.seed)
+            summary = summarise(store, cfg, [m.name for m in chosen], records, done)
+            summary |= {"lr_sweep": sweep, "lr": lrs}
+            out = write_results(store, summary, {"command": command, "config": str(path), "sets": sets,
+                                                 "arm_sets": arm_sets, "seed_wall_s": walls,
+                                                 "wall_s": round_s(time.perf_counter() - t0)})
+            log.info("after seed %d:\n%s", sp.seed, table(summary))
+            if after_seed is not None:
+                after_seed(summary, out)
+        summary["results"] = str(out)
+        summary["wall_s"] = round_s(time.perf_counter() - t0)
+        return summary
 
 
 # ---- the summary -----------------------------------------------------------------------------------------------------
