@@ -500,6 +500,11 @@ class ExperimentConfig(_Strict):
         default_factory=list, description="Baselines (`pipeline baseline` methods, e.g. io, cot_sc, program:<file>) "
         "run after the seeds on the same held-out queries and L, reported with each round's paired difference to them.",
     )
+    references_from: str | None = Field(
+        None, description="Use the reference runs of this experiment run id (<id>-baseline-<method>, made by `pipeline "
+        "baseline --run-id <id>`) instead of making them: experiments that differ only in training (e.g. the learning "
+        "rate chosen on dev) share their references. Their benchmark and executor must be this config's.",
+    )
     shared_base: bool = Field(
         False, description="Evaluate the base model once (the first seed's run and sampling seed) and pair every seed "
         "with it: one evaluation less per extra seed, but the base's sampling noise is not resampled across seeds.",
@@ -661,7 +666,7 @@ def load_config(path: str | Path, sets: list[str] | None = None) -> RunConfig:
 
 # Options that only say which extra runs an experiment makes and how it pairs them: no run computes differently, so
 # a run resumed with another value of them is not refused (an experiment can gain references after its seeds ran).
-PLAN_ONLY = frozenset({"experiment.references", "experiment.shared_base"})
+PLAN_ONLY = frozenset({"experiment.references", "experiment.references_from", "experiment.shared_base"})
 
 
 def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:

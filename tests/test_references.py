@@ -230,7 +230,7 @@ def _experiment_config(tmp_path: Path, run_id: str, experiment: dict) -> Path:
     return path
 
 
-def test_experiment_references_and_shared_base(tmp_path, monkeypatch):
+def test_experiment_references_shared_base_and_borrowed_references(tmp_path, monkeypatch):
     from pipeline.studies.experiment import experiment_dir, headline, run_experiment
 
     calls: list = []
@@ -289,6 +289,27 @@ def test_experiment_references_and_shared_base(tmp_path, monkeypatch):
     assert [(p["round"], p["n"], p["base"], p["mean"]) for p in mean] == [(0, 4, 0.375, 0.625), (1, 4, 0.375, 0.625)]
     assert [(x["seed"], x["mean"]) for x in mean[0]["per_seed"]] == [(0, 0.5), (1, 0.75)]
     assert own["references"] == [] and own["paired_references"] == [] and not own["shared_base"]
+
+    # another experiment ("w": another learning rate) borrows x's reference runs: it makes none, pairs with them
+    calls.clear()
+    borrow = {"references": ["io", program], "references_from": "x"}
+    w = _experiment_config(tmp_path, "w", borrow)
+    w.write_text(w.read_text() + "training:\n  lr: 1.0e-05\n")
+    theirs = run_experiment(w, direct_call(RetryPolicy(delay_s=0)))
+    assert not any("-baseline-" in r for r, _ in calls)
+    borrowed = {r["eval_run_id"] for r in theirs["references"]}
+    assert borrowed == {"x-baseline-io", "x-baseline-program-expression_eval"}
+    against = {(p["reference"], p["round"]): p["mean"] for p in theirs["paired_references"]
+               if p["metric"] == "mean_at_l"}
+    assert against[("io", 1)] == 0.75 and against[(tag, 1)] == 0.25
+    other = _experiment_config(tmp_path, "v", borrow)
+    other.write_text(other.read_text() + "executor:\n  max_tokens: 7\n")
+    with pytest.raises(ConfigError, match="x-baseline-io has another executor section .*max_tokens"):
+        run_experiment(other, direct_call(RetryPolicy(delay_s=0)))
+    with pytest.raises(ConfigError, match="reference run nobody-baseline-io not found.*--run-id nobody --method io"):
+        run_experiment(_experiment_config(tmp_path, "u", {"references": ["io"], "references_from": "nobody"}),
+                       direct_call(RetryPolicy(delay_s=0)))
+    assert not (tmp_path / "runs" / "v-s0").exists()  # refused before any work
 
 
 def test_an_unknown_reference_fails_before_any_training(tmp_path):

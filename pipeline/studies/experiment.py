@@ -153,10 +153,34 @@ def curve(cfg: RunConfig, seeds: list[int], per_query: list[dict]) -> list[dict]
     return rows
 
 
+def reference_runs(cfg: RunConfig) -> dict[str, str]:
+    """method -> the derived run of each `experiment.references` baseline (of `references_from` when set)."""
+    owner = cfg.experiment.references_from or cfg.run_id
+    return {m: baseline_run_id(owner, method_tag(m), cfg.experiment.eval_split) for m in cfg.experiment.references}
+
+
+def check_borrowed(store: Store, cfg: RunConfig) -> None:
+    """References of another experiment (`references_from`) pair with this one's evaluations only on the same
+    benchmark and executor: a ConfigError naming the run and section otherwise, or a missing run with the command
+    that makes it."""
+    for m, rid in reference_runs(cfg).items():
+        if not (store.run_dir(rid) / "config.yaml").is_file():
+            raise ConfigError(f"reference run {rid} not found under {store.root}: make it with `pipeline baseline "
+                              f"CONFIG --run-id {cfg.experiment.references_from} --method {m}`")
+        theirs = load_config(store.run_dir(rid) / "config.yaml")
+        for section in ("benchmark", "executor", "scoring"):
+            # a derived run points the benchmark at the held-out split itself (train_split, max_queries)
+            a, b = (getattr(c, section).model_dump(exclude={"train_split", "max_queries"}) for c in (theirs, cfg))
+            if a != b:
+                raise ConfigError(f"reference run {rid} has another {section} section than this experiment (" +
+                                  ", ".join(k for k in a if a[k] != b.get(k)) + "): its numbers would not pair "
+                                  "with these evaluations; drop experiment.references_from")
+
+
 def references(store: Store, cfg: RunConfig) -> list[dict]:
     """`eval_summary` of each `experiment.references` baseline run that exists, with its `method` and `label` (the
     method, or `program-<file stem>`)."""
-    runs = {m: baseline_run_id(cfg.run_id, method_tag(m), cfg.experiment.eval_split) for m in cfg.experiment.references}
+    runs = reference_runs(cfg)
     return [{"method": m, "label": method_tag(m), **eval_summary(store, rid)} for m, rid in runs.items()
             if (store.run_dir(rid) / "config.yaml").is_file()]
 
@@ -274,6 +298,8 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     if run_id:
         cfg = cfg.model_copy(update={"run_id": run_id})
     store = store_for(cfg.store)
+    if cfg.experiment.references_from:
+        check_borrowed(store, cfg)
     t0 = time.perf_counter()
     extra: dict = {"command": command, "seed_wall_s": {}, "config": str(path), "sets": sets}
     done: list[int] = []
@@ -303,7 +329,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
             summary, out = publish(f"after seed {sp.seed}")
         if cfg.experiment.references:  # derived runs on the same split, queries and L: resumed like the rest
             t_refs = time.perf_counter()
-            for method in cfg.experiment.references:
+            for method in [] if cfg.experiment.references_from else cfg.experiment.references:
                 log.info("reference %s on %s", method, cfg.experiment.eval_split)
                 run_baseline(str(path), method, call, cfg.run_id, cfg.experiment.eval_split, sets)
             extra["references_wall_s"] = round(time.perf_counter() - t_refs, 1)
