@@ -559,7 +559,8 @@ def baseline(
         "--candidates", help="task_best: runs whose round-0 workflows are candidates too (repeatable).")] = None,
     max_candidates: Annotated[int, typer.Option(help="task_best: at most this many workflows of --candidates.")] = 16,
     programs: Annotated[list[Path] | None, typer.Option(
-        "--program", help="A hand-written workflow file run on every query (repeatable).")] = None,
+        "--program", help="A hand-written workflow file run on every query (repeatable); FILE?K=2 sets the "
+        "file's module-level constant K.")] = None,
     sets: SetOpt = None,
 ) -> None:
     """Run baselines (fixed programs) on the held-out queries through the same sandbox, executor and score stage

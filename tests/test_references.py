@@ -124,6 +124,14 @@ def test_best_of_k_returns_the_first_sample_passing_the_public_tests(tmp_path, s
     assert [(r["body"]["n"], r["body"]["temperature"]) for r in srv.requests] == [(4, 0.7), (4, 0.7)]
     got = _answers(Store(tmp_path / "store"), s["eval_run_id"])
     assert got["HumanEval/0"] == right[first] and got["HumanEval/1"].endswith("# sample 0\n```")
+    # the same file with K = 2 (`?K=2`): the passing sample (index 2) is never drawn, so the first is the answer
+    srv.requests.clear()
+    s2 = run_baseline(str(path), f"program:{PROGRAMS / 'code_best_of_k.py'}?K=2", in_process)
+    assert s2["eval_run_id"] == "h-baseline-program-code_best_of_k-K2" and s2["mean_at_l"] == 0.0
+    assert [r["body"]["n"] for r in srv.requests] == [2, 2]
+    for bad, why in (("?N=2", "has no module-level line `N = ...`"), ("?K", "'K' is not NAME=VALUE")):
+        with pytest.raises(ConfigError, match=why):
+            run_baseline(str(path), f"program:{PROGRAMS / 'code_best_of_k.py'}{bad}", in_process)
 
 
 @pytest.mark.usefixtures("shared_sandbox")

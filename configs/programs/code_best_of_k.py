@@ -3,9 +3,11 @@
 # first whose code passes the public tests (`run_tests`) is the answer, else the first sample. K = 4 matches the
 # trained generator's budget: its workflows (generate, run the public tests, repair once) made about 4 executor
 # calls per held-out query in the pilot (L = 2 runs of 2 calls; 2,077 executor tokens per query against IO's 502).
-# Per run (what Mean@L scores) that is 2 calls: set K = 2 for a per-run match. The executor is asked exactly as
-# in the example workflow (configs/prompts/code/example_code.txt), so only the design differs.
+# Per run (what Mean@L scores) that is 2 calls: K = 2 is the per-run match (`program:<this file>?K=2` sets it). The
+# executor is asked exactly as in the example workflow (configs/prompts/code/example_code.txt), so only the design
+# differs.
 #   pipeline baseline configs/humaneval-learn.yaml --method program:configs/programs/code_best_of_k.py
+#   pipeline baseline configs/humaneval-learn.yaml --method 'program:configs/programs/code_best_of_k.py?K=2'
 import re
 
 K = 4

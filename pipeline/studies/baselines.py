@@ -106,24 +106,55 @@ TASK_BEST = "task_best"
 METHODS = (*FIXED, TASK_BEST)
 SELECT = "select"  # the task_best selection run's tag
 PROGRAM_PREFIX = "program:"  # method "program:<file>": a hand-written program for every query, run `program-<stem>`
+# "program:<file>?K=2&T=0.5": the same program with module-level constants set (`K = 2`): one file for a budget sweep
 
 
 def baseline_run_id(run_id: str, method: str, split: str = "test") -> str:
     return f"{run_id}-baseline-{method}" if split == "test" else f"{run_id}-baseline-{split}-{method}"
 
 
+def program_parts(method: str) -> tuple[Path, dict[str, str]]:
+    """`program:<file>[?NAME=VALUE&...]` -> the file and the constants to set."""
+    path, _, query = method.removeprefix(PROGRAM_PREFIX).partition("?")
+    consts = {}
+    for part in filter(None, query.split("&")):
+        name, eq, value = part.partition("=")
+        if not eq or not name.isidentifier() or not value:
+            raise ConfigError(f"{method}: {part!r} is not NAME=VALUE")
+        consts[name] = value
+    return Path(path), consts
+
+
+def program_text(method: str) -> str:
+    """The program of `program:<file>?...`: the file with each `NAME = ...` line at module level set to the value
+    given; a ConfigError when the file has no such line (a typo would otherwise run the file's own value)."""
+    path, consts = program_parts(method)
+    text = path.read_text()
+    for name, value in consts.items():
+        text, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", text, count=1, flags=re.M)
+        if n == 0:
+            raise ConfigError(f"{method}: {path} has no module-level line `{name} = ...` to set")
+    return text
+
+
 def check_method(method: str) -> None:
-    """A ConfigError unless `method` is a known method or `program:<file>` of an existing file."""
+    """A ConfigError unless `method` is a known method or `program:<file>[?NAME=VALUE...]` of an existing file whose
+    constants exist."""
     if method not in METHODS and not method.startswith(PROGRAM_PREFIX):
         raise ConfigError(f"unknown baseline method {method!r}; methods: {', '.join(METHODS)}, program:<file>")
-    path = Path(method.removeprefix(PROGRAM_PREFIX))
-    if method.startswith(PROGRAM_PREFIX) and not path.is_file():
-        raise ConfigError(f"--program {path}: file not found")
+    if method.startswith(PROGRAM_PREFIX):
+        path, _ = program_parts(method)
+        if not path.is_file():
+            raise ConfigError(f"--program {path}: file not found")
+        program_text(method)
 
 
 def method_tag(method: str) -> str:
-    """The name of a method's derived run: the method, or `program-<file stem>` for `program:<file>`."""
-    return f"program-{Path(method.removeprefix(PROGRAM_PREFIX)).stem}" if method.startswith(PROGRAM_PREFIX) else method
+    """The name of a method's derived run: the method, or `program-<file stem>[-<NAME><VALUE>...]` for a program."""
+    if not method.startswith(PROGRAM_PREFIX):
+        return method
+    path, consts = program_parts(method)
+    return "-".join([f"program-{path.stem}", *(re.sub(r"[^\w.]", "_", f"{k}{v}") for k, v in consts.items())])
 
 
 def open_baseline_run(config: str, method: str, run_id: str | None = None, split: str = "test",
@@ -315,8 +346,7 @@ def run_baseline(config: str, method: str, call=None, run_id: str | None = None,
     check_method(method)
     call = call or direct_call()
     if method.startswith(PROGRAM_PREFIX):
-        program = Path(method.removeprefix(PROGRAM_PREFIX)).read_text()
-        return run_fixed(config, method_tag(method), call, run_id, split, sets, program)
+        return run_fixed(config, method_tag(method), call, run_id, split, sets, program_text(method))
     if method == TASK_BEST:
         return run_task_best(config, call, run_id, split, sets, candidates, max_candidates)
     return run_fixed(config, method, call, run_id, split, sets)
