@@ -319,6 +319,16 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, mon
                        direct_call(RetryPolicy(delay_s=0)))
     assert not (tmp_path / "runs" / "v-s0").exists()  # refused before any work
 
+    # x's own reference reopened with another learning rate (a fixed program trains nothing): reused, not redone
+    calls.clear()
+    x = tmp_path / "x.yaml"
+    x.write_text(x.read_text() + "training:\n  lr: 1.0e-05\n")
+    assert run_baseline(str(x), "io", direct_call(RetryPolicy(delay_s=0)))["mean_at_l"] == 0.25 and calls == []
+    x.write_text(x.read_text() + "executor:\n  max_tokens: 7\n")
+    with pytest.raises(ConfigError, match="baseline run 'x-baseline-io' was made with other settings "
+                                          "\\(executor.max_tokens\\)"):
+        run_baseline(str(x), "io", direct_call(RetryPolicy(delay_s=0)))
+
 
 def test_an_unknown_reference_fails_before_any_training(tmp_path):
     from pipeline.studies.experiment import plan

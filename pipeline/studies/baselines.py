@@ -36,7 +36,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError, diff_configs, load_config
 from pipeline.core.reward import program_key
 from pipeline.engines.servers import sharing
 from pipeline.engines.workflow import check_workflow, extract_code
@@ -109,6 +109,9 @@ PROGRAM_PREFIX = "program:"  # method "program:<file>": a hand-written program f
 # "program:<file>?K=2&T=0.5": the same program with module-level constants set (`K = 2`): one file for a budget sweep
 
 
+UNUSED_BY_BASELINES = ("generator", "curation", "training")  # config sections no fixed program reads
+
+
 def baseline_run_id(run_id: str, method: str, split: str = "test") -> str:
     return f"{run_id}-baseline-{method}" if split == "test" else f"{run_id}-baseline-{split}-{method}"
 
@@ -165,9 +168,20 @@ def open_baseline_run(config: str, method: str, run_id: str | None = None, split
 
     sets = list(sets or [])
     cfg = load_config(config, sets)
-    frozen = derived_run_sets(split, cfg)
+    derived = derived_run_sets(split, cfg) + (eval_sets(cfg) if held_out else [])
     bid = baseline_run_id(run_id or cfg.run_id, method, split)
-    return open_run(config, bid, 0, frozen + (eval_sets(cfg) if held_out else []) + sets)
+    store = store_for(cfg.store)
+    if store.read_config(bid) is None:
+        return open_run(config, bid, 0, derived + sets)
+    # reopened: a fixed program calls the executor only, so another generator, curation or training (e.g. the
+    # learning rate chosen on dev) reuses the run; anything else that differs is refused, as for any run
+    ctx = open_run(None, bid, 0, sets, str(store.root))
+    changed = min(([p for p in diff_configs(ctx.cfg, load_config(config, derived + extra).model_copy(
+        update={"run_id": bid})) if p.split(".")[0] not in UNUSED_BY_BASELINES] for extra in ([], sets)), key=len)
+    if changed:
+        raise ConfigError(f"baseline run {bid!r} was made with other settings ({', '.join(changed)}): use another "
+                          "--run-id, or --set for a deliberate per-invocation change")
+    return ctx
 
 
 def _task(meta: str | None, benchmark: str) -> str:
