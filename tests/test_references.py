@@ -229,8 +229,8 @@ def _fake(calls: list):
     return make
 
 
-def _experiment_config(tmp_path: Path, run_id: str, experiment: dict) -> Path:
-    cfg = {"run_id": run_id, "rounds": 2, "store": {"root": str(tmp_path / "runs")}, "tracking": [],
+def _experiment_config(tmp_path: Path, run_id: str, experiment: dict, rounds: int = 2) -> Path:
+    cfg = {"run_id": run_id, "rounds": rounds, "store": {"root": str(tmp_path / "runs")}, "tracking": [],
            "benchmark": {"name": "procedural", "tasks": ["chain_sum"], "size": 20},
            "experiment": {"seeds": [0, 1], "eval_queries": 2, "eval_l": 2, "bootstrap": 200, **experiment}}
     path = tmp_path / f"{run_id}.yaml"
@@ -300,8 +300,8 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, mon
 
     # another experiment ("w": another learning rate) borrows x's reference runs: it makes none, pairs with them
     calls.clear()
-    borrow = {"references": ["io", program], "references_from": "x"}
-    w = _experiment_config(tmp_path, "w", borrow)
+    borrow = {"references": ["io", program], "references_from": "x", "seeds": [0]}
+    w = _experiment_config(tmp_path, "w", borrow, rounds=1)
     w.write_text(w.read_text() + "training:\n  lr: 1.0e-05\n")
     theirs = run_experiment(w, direct_call(RetryPolicy(delay_s=0)))
     assert not any("-baseline-" in r for r, _ in calls)
@@ -309,7 +309,7 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, mon
     assert borrowed == {"x-baseline-io", "x-baseline-program-expression_eval"}
     against = {(p["reference"], p["round"]): p["mean"] for p in theirs["paired_references"]
                if p["metric"] == "mean_at_l"}
-    assert against[("io", 1)] == 0.75 and against[(tag, 1)] == 0.25
+    assert against[("io", 0)] == 0.75 and against[(tag, 0)] == 0.25
     other = _experiment_config(tmp_path, "v", borrow)
     other.write_text(other.read_text() + "executor:\n  max_tokens: 7\n")
     with pytest.raises(ConfigError, match="x-baseline-io has another executor section .*max_tokens"):
