@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
                                               ("two-level.yaml", "two-level"), ("refine.yaml", "refine"),
                                               ("humaneval-served.yaml", "humaneval-served"),
                                               ("gsm-served.yaml", "gsm-served"),
-                                              ("humaneval-learn.yaml", "he-learn"), ("gsm-learn.yaml", "gsm-learn")])
+                                              ("humaneval-learn.yaml", "he-learn-lr1e-4"), ("gsm-learn.yaml", "gsm-learn")])
 def test_shipped_configs_validate(name, run_id):
     assert load_config(ROOT / "configs" / name).run_id == run_id
 
