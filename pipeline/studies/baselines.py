@@ -134,7 +134,7 @@ def program_text(method: str) -> str:
     path, consts = program_parts(method)
     text = path.read_text()
     for name, value in consts.items():
-        text, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", text, count=1, flags=re.M)
+        text, n = re.subn(rf"^{name} = .*$", lambda _, line=f"{name} = {value}": line, text, count=1, flags=re.M)
         if n == 0:
             raise ConfigError(f"{method}: {path} has no module-level line `{name} = ...` to set")
     return text
