@@ -335,16 +335,6 @@ def shared_servers() -> dict[str, dict]:
     return listed if isinstance(listed, dict) else {}
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def shared_server(spec: ServerSpec) -> Server | None:
     """The shared server of `spec` once it serves the model (waiting while it starts; never stopped by its users),
     or None when none is listed, or the listed one is gone or serves something else: the stage then starts its own,
@@ -364,7 +354,7 @@ def shared_server(spec: ServerSpec) -> Server | None:
             break
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             reason = f"{type(e).__name__}: {e}"
-        if not alive(int(entry.get("pid", 0)) or -1) or time.monotonic() > deadline:
+        if not group_alive(int(entry.get("pid", 0))) or time.monotonic() > deadline:  # zombies count as gone
             break
         time.sleep(1)  # still starting
     log.warning("the shared server of %s at %s is not usable (%s); starting another", spec.name, entry["url"], reason)
@@ -379,27 +369,22 @@ def sharing(cfg: RunConfig, log_dir: Path) -> Iterator[None]:
     stages were all done costs a start that is cut short. Not the generator's server: it loads each round's
     adapter at run time, and its stages are one a round."""
     listed = shared_servers()
-    specs = [spec_for(cfg, "executor")] if cfg.executor.serve is not None else []
-    specs = [spec for spec in specs if spec_key(spec) not in listed and spec.port is None]  # a fixed port: reused
-    if not specs:
+    spec = spec_for(cfg, "executor") if cfg.executor.serve is not None else None
+    if spec is None or spec_key(spec) in listed or spec.port is not None:  # a fixed port: `launch` reuses it
         yield
         return
-    for spec in specs:
-        check(spec)
+    check(spec)
     before = os.environ.get(SHARED_ENV)
-    with contextlib.ExitStack() as stack:
-        for spec in specs:
-            server = launch(spec, log_dir / f"{spec.name.replace('/', '_').replace(':', '_')}.log")
-            stack.callback(server.stop)
-            listed[spec_key(spec)] = {"url": server.url, "pid": server.pgid}
-        os.environ[SHARED_ENV] = json.dumps(listed)
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop(SHARED_ENV, None)
-            else:
-                os.environ[SHARED_ENV] = before
+    server = launch(spec, log_dir / f"{spec.name.replace('/', '_').replace(':', '_')}.log")
+    os.environ[SHARED_ENV] = json.dumps(listed | {spec_key(spec): {"url": server.url, "pid": server.pgid}})
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SHARED_ENV, None)
+        else:
+            os.environ[SHARED_ENV] = before
+        server.stop()
 
 
 def server_log_dir(store, run_id: str, name: str) -> Path:
