@@ -36,7 +36,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.config import ConfigError, diff_configs, load_config
+from pipeline.config import ConfigError, RunConfig, diff_configs, load_config
 from pipeline.core.reward import program_key
 from pipeline.engines.servers import sharing
 from pipeline.engines.workflow import check_workflow, extract_code
@@ -160,10 +160,18 @@ def method_tag(method: str) -> str:
     return "-".join([f"program-{path.stem}", *(re.sub(r"[^\w.]", "_", f"{k}{v}") for k, v in consts.items())])
 
 
+def baseline_changes(frozen: RunConfig, wanted: RunConfig) -> list[str]:
+    """The fields in which the baseline run frozen as `frozen` differs from `wanted`. A fixed program calls the
+    executor only, so another generator, curation or training (e.g. the learning rate chosen on dev) is none."""
+    return [p for p in diff_configs(frozen, wanted.model_copy(update={"run_id": frozen.run_id}))
+            if p.split(".")[0] not in UNUSED_BY_BASELINES]
+
+
 def open_baseline_run(config: str, method: str, run_id: str | None = None, split: str = "test",
                       sets: list[str] | None = None, held_out: bool = True) -> RunContext:
     """Create (first call) or reopen the derived run of `method` on `split`. `held_out`: the experiment's query
-    count and L (as evaluation runs); else CONFIG's own queries (task_best's selection run)."""
+    count and L (as evaluation runs); else CONFIG's own queries (task_best's selection run). A run reopened with
+    `baseline_changes` is refused, naming them."""
     from pipeline.studies.evaluate import derived_run_sets, eval_sets
 
     sets = list(sets or [])
@@ -173,11 +181,9 @@ def open_baseline_run(config: str, method: str, run_id: str | None = None, split
     store = store_for(cfg.store)
     if store.read_config(bid) is None:
         return open_run(config, bid, 0, derived + sets)
-    # reopened: a fixed program calls the executor only, so another generator, curation or training (e.g. the
-    # learning rate chosen on dev) reuses the run; anything else that differs is refused, as for any run
     ctx = open_run(None, bid, 0, sets, str(store.root))
-    changed = min(([p for p in diff_configs(ctx.cfg, load_config(config, derived + extra).model_copy(
-        update={"run_id": bid})) if p.split(".")[0] not in UNUSED_BY_BASELINES] for extra in ([], sets)), key=len)
+    # as open_run: CONFIG matches alone (`sets` then a deliberate per-invocation change) or with `sets`
+    changed = min((baseline_changes(ctx.cfg, load_config(config, derived + extra)) for extra in ([], sets)), key=len)
     if changed:
         raise ConfigError(f"baseline run {bid!r} was made with other settings ({', '.join(changed)}): use another "
                           "--run-id, or --set for a deliberate per-invocation change")

@@ -47,8 +47,8 @@ from pipeline.engines.servers import sharing
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
 from pipeline.store.views import flagged_rewarded
-from pipeline.studies.baselines import baseline_run_id, check_method, method_tag, run_baseline
-from pipeline.studies.evaluate import eval_run_id, eval_sets, eval_summary
+from pipeline.studies.baselines import baseline_changes, baseline_run_id, check_method, method_tag, run_baseline
+from pipeline.studies.evaluate import derived_run_sets, eval_run_id, eval_sets, eval_summary
 from pipeline.studies.report import build_experiment_report, span
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
 
@@ -159,22 +159,23 @@ def reference_runs(cfg: RunConfig) -> dict[str, str]:
     return {m: baseline_run_id(owner, method_tag(m), cfg.experiment.eval_split) for m in cfg.experiment.references}
 
 
-def check_borrowed(store: Store, cfg: RunConfig) -> None:
-    """References of another experiment (`references_from`) pair with this one's evaluations only on the same
-    benchmark and executor: a ConfigError naming the run and section otherwise, or a missing run with the command
-    that makes it."""
+def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[str]) -> None:
+    """References of another experiment (`references_from`) pair with this one's evaluations only where this
+    experiment's CONFIG would make the same baseline runs (pipeline.studies.baselines.baseline_changes): a
+    ConfigError naming the run and the fields otherwise, or a missing run with the command that makes it."""
     for m, rid in reference_runs(cfg).items():
         if not (store.run_dir(rid) / "config.yaml").is_file():
             raise ConfigError(f"reference run {rid} not found under {store.root}: make it with `pipeline baseline "
                               f"CONFIG --run-id {cfg.experiment.references_from} --method {m}`")
-        theirs = load_config(store.run_dir(rid) / "config.yaml")
-        for section in ("benchmark", "executor", "scoring"):
-            # a derived run points the benchmark at the held-out split itself (train_split, max_queries)
-            a, b = (getattr(c, section).model_dump(exclude={"train_split", "max_queries"}) for c in (theirs, cfg))
-            if a != b:
-                raise ConfigError(f"reference run {rid} has another {section} section than this experiment (" +
-                                  ", ".join(k for k in a if a[k] != b.get(k)) + "): its numbers would not pair "
-                                  "with these evaluations; drop experiment.references_from")
+        wanted = load_config(config, derived_run_sets(cfg.experiment.eval_split, cfg) + eval_sets(cfg) + sets)
+        # this experiment's plan (seeds, rounds evaluated) is its own; L and the queries are in rollout and benchmark
+        changed = [p for p in baseline_changes(load_config(store.run_dir(rid) / "config.yaml"), wanted)
+                   if not p.startswith("experiment.")]
+        if changed:
+            sections = "/".join(dict.fromkeys(p.split(".")[0] for p in changed))
+            raise ConfigError(f"reference run {rid} has another {sections} section than this experiment "
+                              f"({', '.join(changed)}): its numbers would not pair with these evaluations; drop "
+                              "experiment.references_from")
 
 
 def references(store: Store, cfg: RunConfig) -> list[dict]:
@@ -299,7 +300,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
         cfg = cfg.model_copy(update={"run_id": run_id})
     store = store_for(cfg.store)
     if cfg.experiment.references_from:
-        check_borrowed(store, cfg)
+        check_borrowed(store, cfg, path, sets)
     t0 = time.perf_counter()
     extra: dict = {"command": command, "seed_wall_s": {}, "config": str(path), "sets": sets}
     done: list[int] = []
