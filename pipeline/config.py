@@ -458,6 +458,11 @@ class TrainingConfig(_Strict):
     reference: Literal["previous", "base", "none"] = Field(
         "previous", description="KL reference: previous round's checkpoint, the base model, or no KL."
     )
+    old_logprobs: Literal["recompute", "rollout"] = Field(
+        "recompute", description="π_old: recomputed before the first update (ρ = 1 at step 1, one pass over the "
+        "round's sequences), or the rollout's sampled-token log-probs (no pass; they differ by the engines' numerics, "
+        "logged as logp_mismatch; needs generator.temperature 1 and top_p 1, where they are the model's own).",
+    )
     loss_norm: Literal["sequence", "token"] = Field(
         "sequence", description="Mean per sequence then over sequences, or over all tokens of the batch."
     )
@@ -555,6 +560,16 @@ class RunConfig(_Strict):
     def _scoring_concurrency(self) -> RunConfig:
         if self.scoring.concurrency is None:
             self.scoring.concurrency = self.executor.concurrency if self.executor.kind == "openai" else 2
+        return self
+
+    @model_validator(mode="after")
+    def _rollout_logprobs(self) -> RunConfig:
+        # stored log-probs are of the sampling distribution (pipeline.engines.generation.base); π_θ is the model's
+        g = self.generator
+        if self.training.old_logprobs == "rollout" and (g.temperature != 1.0 or g.top_p != 1.0):
+            raise ValueError(f"training.old_logprobs: rollout needs generator.temperature 1 and top_p 1 (got "
+                             f"{g.temperature} and {g.top_p}): otherwise the rollout's log-probs are not the "
+                             "policy's; use recompute")
         return self
 
     @field_validator("tracking", mode="before")

@@ -230,3 +230,12 @@ def test_concurrency_defaults_follow_the_executor_and_keep_the_hash_of_runs_save
     assert config_from_dict(old).config_hash() == "3f5ee1602261f17c"
     assert config_from_dict({"executor": {**served, **old["executor"]}, "scoring": old["scoring"]}).config_hash() \
         == "e269505f6e2a1030"
+
+
+def test_rollout_old_logprobs_need_the_models_own_distribution(tmp_path):
+    """Stored log-probs are of the sampling distribution: at temperature 0.7 they are not π_old's."""
+    assert load_config(ROOT / "configs" / "learn.yaml", ["training.old_logprobs=rollout"]).training.old_logprobs == \
+        "rollout"  # learn.yaml samples at temperature 1, top_p 1
+    for bad in ("generator.temperature=0.7", "generator.top_p=0.9"):
+        with pytest.raises(ConfigError, match="training.old_logprobs: rollout needs generator.temperature 1 and top_p 1"):
+            load_config(ROOT / "configs" / "learn.yaml", ["training.old_logprobs=rollout", bad])

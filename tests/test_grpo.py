@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.core.grpo import group_advantages, grpo_mkl_terms, level_weights, normalise
+from pipeline.core.grpo import group_advantages, grpo_mkl_terms, k3, level_weights, normalise
 
 LN2 = math.log(2)
 K3_UP, K3_DOWN = 1 - LN2, LN2 - 0.5  # k3 at ref - logp = +ln2 and -ln2
@@ -25,6 +25,22 @@ def _case(requires_grad: bool = False):
     adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float64)
     return logp, old, ref, adv, mask
+
+
+def test_k3_estimates_kl_of_the_sampling_distribution_and_its_roles_matter():
+    """k3(q, p) = p/q - 1 - log(p/q) on a token sampled from q. Hand values: q = 1/4, p = 1/2 gives 2 - 1 - ln 2;
+    swapped, 1/2 - 1 + ln 2. The case of docs/learning.md: the reference sampled a token at log p = -1.43 that
+    training pushed to -31.16. The loss's k3(π_θ, π_ref) is e^29.73 - 29.73 - 1 ≈ 8.16e12, while KL(π_ref‖π_θ) on
+    the reference's sample, k3(π_ref, π_θ), is e^-29.73 + 29.73 - 1 ≈ 28.73."""
+    q, p = torch.tensor([math.log(0.25)], dtype=torch.float64), torch.tensor([math.log(0.5)], dtype=torch.float64)
+    assert k3(q, p).item() == pytest.approx(1 - LN2, abs=1e-12)
+    assert k3(p, q).item() == pytest.approx(LN2 - 0.5, abs=1e-12)
+    ref, new = torch.tensor([-1.43], dtype=torch.float64), torch.tensor([-31.16], dtype=torch.float64)
+    assert k3(new, ref).item() == pytest.approx(8.158e12, rel=1e-4)
+    assert k3(ref, new).item() == pytest.approx(28.73, abs=1e-9)
+    # an exact expectation: under q = (1/4, 3/4), p = (1/2, 1/2), E_q[k3(q, p)] = KL(q‖p) = 3/4 ln(3/2) + 1/4 ln(1/2)
+    qs, ps = torch.tensor([0.25, 0.75], dtype=torch.float64), torch.tensor([0.5, 0.5], dtype=torch.float64)
+    assert float((qs * k3(qs.log(), ps.log())).sum()) == pytest.approx(0.75 * math.log(1.5) - 0.25 * LN2, abs=1e-12)
 
 
 def test_sequence_norm_masked_kl_hand_computed():

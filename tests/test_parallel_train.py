@@ -84,7 +84,7 @@ def _assert_same_training(one, two) -> None:
     assert max(float(v.abs().max()) for k, v in w1.items() if "lora_B" in k) > 2e-3  # it trained
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-6
     assert m1["tokens"].to_list() == m2["tokens"].to_list() and m1.height == m2.height == c1["steps"] == c2["steps"]
-    for col in ("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "ratio_dev"):
+    for col in ("loss", "pg_loss", "kl", "kl_old", "grad_norm", "clip_frac", "ratio_dev"):
         assert np.allclose(m1[col].to_numpy(), m2[col].to_numpy(), rtol=1e-4, atol=1e-6), col
 
 

@@ -135,6 +135,9 @@ def test_mechanism_curate_then_train_moves_logprobs(tmp_path, samples):
     # the store holds one metrics row per step and the checkpoint row
     m = ctx.store.read("train_metrics", ctx.run_id, 0)
     assert sorted(m["step"].to_list()) == list(range(12))
+    # KL(π_old‖π_θ) on π_old's samples: none before the first update, some after it (π_old is the round's start)
+    kl_old = m.sort("step")["kl_old"].to_list()
+    assert kl_old[0] == 0.0 and min(kl_old[1:]) > 0.0
     assert m["tokens"].sum() == counts["tokens"] > 0
     ck = ctx.store.read("checkpoints", ctx.run_id, 0)
     assert ck.height == 1 and ck["rows_used"][0] == 16
@@ -331,12 +334,13 @@ def _random_adapter(model_ref: str, path, dropout: float = 0.05, scale: float = 
     return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
 
 
-def _flat_round(ctx) -> None:
+def _flat_round(ctx, logprobs: list[float] | None = None) -> None:
     from test_curate import _gen, _score
 
     from pipeline.stages.curate import run_curate
 
-    ctx.store.write("generations", [_gen(f"w{i}", "q", i) for i in range(3)], ctx.run_id, ctx.round)
+    ctx.store.write("generations", [{**_gen(f"w{i}", "q", i), "token_logprobs": logprobs} for i in range(3)],
+                    ctx.run_id, ctx.round)
     ctx.store.write("scores", [_score(f"w{i}", score=float(i % 2)) for i in range(3)], ctx.run_id, ctx.round)
     run_curate(ctx)
 
@@ -360,6 +364,32 @@ def test_first_step_ratio_is_one_from_a_trained_adapter(tmp_path, tiny_model):
             assert first["ratio_dev"] > 1e-3
         else:
             assert first["ratio_dev"] <= 1e-5 and first["clip_frac"] == 0.0 and abs(first["kl"]) <= 1e-9
+            assert abs(first["kl_old"]) <= 1e-9  # KL(π_old‖π_θ): π_θ is π_old before the first update
+
+
+def test_old_logprobs_from_the_rollout(tmp_path, tiny_model):
+    """training.old_logprobs: rollout takes π_old from the stored sampled-token log-probs: fabricated ones (log p = 0
+    on every token) are exactly what the logged mismatch compares against (0), and they make ρ = p_θ ≠ 1 at step 1.
+    Stored without log-probs, the sequences are recomputed exactly as under `recompute`: the same adapter."""
+    from safetensors.torch import load_file
+    from test_curate import _ctx
+
+    from pipeline.stages.train import run_train
+
+    def trained(mode: str, logprobs: list[float] | None):
+        ctx = _ctx(tmp_path, [f"generator.model={tiny_model}", "generator.temperature=1.0", "generator.top_p=1.0",
+                              "training.micro_batch_size=2", f"training.old_logprobs={mode}"])
+        _flat_round(ctx, logprobs)
+        run_train(ctx)
+        m = ctx.store.read("train_metrics", ctx.run_id, 0).sort("step").row(0, named=True)
+        return m, load_file(str(ctx.store.checkpoint_dir(ctx.run_id, 0) / "adapter_model.safetensors"))
+
+    first, _ = trained("rollout", [0.0, 0.0])
+    assert first["logp_mismatch"] == 0.0 and first["ratio_dev"] > 1e-3
+    recomputed, _ = trained("recompute", [0.0, 0.0])
+    assert recomputed["logp_mismatch"] > 1e-3 and recomputed["ratio_dev"] == 0.0
+    (_, w_rollout), (_, w_recompute) = trained("rollout", None), trained("recompute", None)
+    assert w_rollout.keys() == w_recompute.keys() and all(torch.equal(w_rollout[k], w_recompute[k]) for k in w_rollout)
 
 
 def test_round_0_trains_from_generator_adapter(tmp_path, tiny_model):

@@ -56,7 +56,10 @@ class LossTerms:
 
     loss: torch.Tensor
     pg_loss: torch.Tensor  # the loss without its KL term, same normalisation as the loss
-    kl: torch.Tensor | None = None  # mean k3 over completion tokens (unmasked: the actual divergence from the reference)
+    # mean k3(π_θ, π_ref) over completion tokens, unmasked: the loss's KL term on every token. The tokens are π_old's
+    # samples, not π_θ's, so once π_θ all but rules out a sampled token it reads e^gap (docs/learning.md: one token
+    # pushed from log p -1.4 to -31 made steps of 4e4); `kl_old` (pipeline.stages.train) is what the samples estimate
+    kl: torch.Tensor | None = None
     clip_frac: torch.Tensor | None = None  # share of completion tokens whose clipped branch is active (zero gradient)
     ratio_dev: torch.Tensor | None = None  # max |ρ - 1| over completion tokens: 0 before any update (π_θ = π_old)
 
@@ -70,6 +73,14 @@ def reduce_tokens(per_tok: torch.Tensor, mask: torch.Tensor, norm: str,
     if norm == "token":
         return (per_tok * mask).sum() / mask.sum().clamp(min=1.0)
     raise ValueError(f"norm must be 'sequence' or 'token', got {norm!r}")
+
+
+def k3(sample_logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 per token, r - 1 - log r with r = p/q: an unbiased, non-negative estimate of KL(q‖p) on tokens
+    sampled from q (log q = `sample_logp`, log p = `other_logp`). Its size depends on the roles: it grows as e^gap
+    when p puts much more mass than q on a token, and only linearly in the gap the other way round."""
+    d = other_logp - sample_logp
+    return torch.exp(d) - d - 1
 
 
 def _kl_weights(adv: torch.Tensor, kl_mask: bool | torch.Tensor) -> torch.Tensor:
@@ -108,20 +119,17 @@ def grpo_mkl_terms(
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     pg_tok = torch.minimum(ratio * adv, clipped * adv)
-    if ref_logp is None:
-        k3 = torch.zeros_like(logp)
-    else:
-        d = ref_logp - logp
-        k3 = torch.exp(d) - d - 1
+    # the loss's KL(π_θ‖π_ref) as GRPO writes it, as if the tokens were π_θ's samples
+    kl_tok = torch.zeros_like(logp) if ref_logp is None else k3(logp, ref_logp)
     m = _kl_weights(adv, kl_mask).to(logp.dtype)
     w = None if seq_weights is None else seq_weights.to(logp.dtype)
-    loss = -reduce_tokens(pg_tok - beta * m * k3, mask, norm, w)
+    loss = -reduce_tokens(pg_tok - beta * m * kl_tok, mask, norm, w)
     with torch.no_grad():
         # the clipped branch wins (and the gradient vanishes) above 1+ε for A > 0 and below 1-ε for A < 0
         active = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
         clip_frac = (active.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0)
         pg_loss = -reduce_tokens(pg_tok, mask, norm, w)
-        kl = reduce_tokens(k3, mask, norm)
+        kl = reduce_tokens(kl_tok, mask, norm)
         ratio_dev = ((ratio - 1).abs() * mask).max() if mask.numel() else torch.zeros((), dtype=logp.dtype)
     return LossTerms(loss=loss, pg_loss=pg_loss, kl=kl, clip_frac=clip_frac, ratio_dev=ratio_dev)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeline.core.grpo import LossTerms, grpo_mkl_terms, reduce_tokens
+from pipeline.core.grpo import LossTerms, grpo_mkl_terms, k3, reduce_tokens
 
 KINDS = ("group", "pair", "weighted", "best")  # the `kind` of a `groups` row; null (parts before kinds) = group
 
@@ -145,6 +145,5 @@ def score_dpo(inp: LossInput, tc) -> LossTerms:
         raise ValueError("score_dpo needs reference log-probs and member scores")
     loss = score_dpo_loss(inp.logp, inp.ref_logp, inp.mask, inp.scores, inp.coef, tc.dpo_beta)
     with torch.no_grad():
-        d = inp.ref_logp - inp.logp
-        kl = reduce_tokens(torch.exp(d) - d - 1, inp.mask.to(inp.logp.dtype), tc.loss_norm)
+        kl = reduce_tokens(k3(inp.logp, inp.ref_logp), inp.mask.to(inp.logp.dtype), tc.loss_norm)
     return LossTerms(loss, loss.detach(), kl, None, None)

@@ -15,8 +15,9 @@ the optimiser step, weighted by training.two_level (`step_weights`), each
 level's KL masked or not by its switch (`kl_masks`). π_old = the adapter as loaded (previous round's
 checkpoint; at round 0 generator.adapter, which sampled it, or a fresh LoRA = the base model), recomputed
 here once before the first step in eval mode (fp32, or under the bf16 autocast of training when
-training.bf16); the reference is that same model by default. LoRA dropout defaults to 0, and replaces a
-loaded adapter's: π_θ in train mode then equals π_old before the first update (ρ = 1, logged `ratio_dev`).
+training.bf16), or taken from the rollout's own log-probs (training.old_logprobs: rollout, no pass); the
+reference is that same model by default. LoRA dropout defaults to 0, and replaces a loaded adapter's: π_θ in train
+mode then equals a recomputed π_old before the first update (ρ = 1, logged `ratio_dev`).
 
 Crash safety: the checkpoint is saved to a temp folder and renamed into place; `train_metrics` and
 the `checkpoints` row are written once, at the end, after the adapter is saved. A re-run without
@@ -37,7 +38,7 @@ import torch
 
 # polars / the store / the run config are imported where used: the step functions below (collate,
 # completion_logprobs) import with torch alone, as `pipeline bench train` needs on a bare GPU machine.
-from pipeline.core.grpo import grpo_mkl_loss, grpo_mkl_terms, level_weights
+from pipeline.core.grpo import grpo_mkl_loss, grpo_mkl_terms, k3, level_weights, reduce_tokens
 from pipeline.core.packing import Chunk, RowShape, logprob_chunks, pack, plan_steps, step_units
 from pipeline.stages.modes import get_mode
 
@@ -456,7 +457,8 @@ class StepMetrics:
     epoch: int
     loss: float
     pg_loss: float
-    kl: float | None  # mean k3 to the reference (objectives with one)
+    kl: float | None  # mean k3(π_θ, π_ref): the loss's KL term (objectives with one; see LossTerms.kl)
+    kl_old: float | None  # KL(π_old‖π_θ) estimated on π_old's samples (k3; objectives with a ratio)
     clip_frac: float | None  # share of completion tokens whose clipped branch is active (ratio objectives)
     ratio_dev: float | None  # max |π_θ/π_old - 1|
     lr: float
@@ -474,6 +476,7 @@ class StepSums:
     loss: float = 0.0
     pg_loss: float = 0.0
     kl: float | None = None
+    kl_old: float | None = None
     clip_frac: float | None = None
     ratio_dev: float | None = None  # a max, not a sum
     tokens: float = 0.0
@@ -554,12 +557,27 @@ def load_stage(ctx, obj, accel) -> TrainSetup:
     return TrainSetup(ctx, obj, accel, seqs, info, model, policy, pad_id, steps)
 
 
+def old_logprobs(s: TrainSetup, chunks: list[Chunk], args: dict) -> dict[str, torch.Tensor]:
+    """π_old per gen_id: recomputed on `chunks`, or (training.old_logprobs: rollout) the log-probs the rollout
+    sampled with. Sequences stored without them (an endpoint that gave none) are recomputed in the chunks that
+    hold them, laid out as for `recompute`, so π_θ at the first step still matches them exactly."""
+    if s.ctx.cfg.training.old_logprobs == "recompute":
+        return reference_logprobs(s.model, s.seqs, chunks, **args)
+    rollout = {q.gen_id: torch.tensor(q.gen_logprobs, dtype=torch.float32)
+               for q in s.seqs if q.gen_logprobs is not None}
+    todo = [c for c in chunks if any(s.seqs[i].gen_id not in rollout for i in c.uniq)]
+    if todo:
+        log.info("%d sequences have no rollout log-probs: π_old is recomputed for %d passes",
+                 len({q.gen_id for q in s.seqs} - rollout.keys()), len(todo))
+    return (reference_logprobs(s.model, s.seqs, todo, **args) if todo else {}) | rollout
+
+
 def reference_passes(s: TrainSetup) -> tuple[dict | None, dict | None]:
     """Step 2: π_old and reference log-probs per gen_id, before any update (`reference_logprobs`)."""
     tc = s.ctx.cfg.training
     chunks = logprob_chunks(s.steps[0].passes if s.steps else [], row_shapes(s.seqs), pass_budget(tc))
     args = {"pad_id": s.pad_id, "device": s.accel.device, "bf16": tc.bf16, "shard": s.shard}
-    old = reference_logprobs(s.model, s.seqs, chunks, **args) if s.obj.needs_old else None
+    old = old_logprobs(s, chunks, args) if s.obj.needs_old else None
     if not s.obj.uses_ref or tc.reference == "none":
         return old, None
     if tc.reference == "base" and start_adapter(s.ctx) is not None:
@@ -585,13 +603,17 @@ def train_pass(s: TrainSetup, chunk: Chunk, step_rows: list[int], real: bool, pa
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.bf16):
         logp = s.policy(batch)
     weights = step_weights(s.seqs, step_rows, tc)
-    terms = s.obj.fn(chunk_loss_input(s.seqs, chunk, logp, batch, tc, old, ref, weights, device), tc)
+    inp = chunk_loss_input(s.seqs, chunk, logp, batch, tc, old, ref, weights, device)
+    terms = s.obj.fn(inp, tc)
     share, tok_share = pass_shares(s.seqs, chunk, step_rows, tc.loss_norm)
     loss_share = share if weights is None else 1.0  # level weights already normalise over the step
     # x ranks: DDP averages the ranks' gradients, the step's gradient is their sum
     s.accel.backward(terms.loss * (loss_share * n_ranks if real else 0.0))
     if real:
         sums.add_terms(terms, share, tok_share, loss_share)
+        if inp.old_logp is not None:
+            sums.kl_old = (sums.kl_old or 0.0) + share * float(
+                reduce_tokens(k3(inp.old_logp, inp.logp.detach()), inp.mask.float(), tc.loss_norm))
         sums.tokens += sum(len(s.seqs[r].completion_ids) for r in chunk.rows)
         sums.slots, sums.real = sums.slots + batch.slots, sums.real + batch.tokens
         sums.add_mismatch([s.seqs[i] for i in chunk.uniq], old)
@@ -632,8 +654,8 @@ def _step_metrics(step: int, epoch: int, lr: float, grad_norm: float, sums: Step
     from pipeline.stages.parallel import reduce_step
 
     t = reduce_step(sums, n_ranks, maxed=("ratio_dev",))
-    return StepMetrics(step=step, epoch=epoch, loss=t.loss, pg_loss=t.pg_loss, kl=t.kl, clip_frac=t.clip_frac,
-                       ratio_dev=t.ratio_dev, lr=lr, grad_norm=grad_norm, tokens=int(t.tokens),
+    return StepMetrics(step=step, epoch=epoch, loss=t.loss, pg_loss=t.pg_loss, kl=t.kl, kl_old=t.kl_old,
+                       clip_frac=t.clip_frac, ratio_dev=t.ratio_dev, lr=lr, grad_norm=grad_norm, tokens=int(t.tokens),
                        padding_share=1 - t.real / t.slots if t.slots else 0.0,
                        logp_mismatch=t.mism / t.mism_n if t.mism_n else None, wall_s=time.perf_counter() - t0)
 

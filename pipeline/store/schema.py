@@ -174,6 +174,9 @@ TABLES: dict[str, pa.Schema] = {
             ("created_at", _ts),
             # added with issue 23 (nullable: parts written before read it as null)
             ("padding_share", pa.float64()),  # share of the step's computed token positions that were padding
+            # added with issue 26: KL(π_old‖π_θ) on π_old's samples; `kl` (the loss's k3) explodes once a sampled
+            # token is all but ruled out
+            ("kl_old", pa.float64()),
         ]
     ),
     "checkpoints": pa.schema(

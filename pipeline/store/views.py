@@ -122,12 +122,12 @@ q AS (
 c AS (SELECT round, count(*) FILTER (WHERE kept AND coalesce(kind, 'group') = 'group') AS groups_kept FROM groups
       WHERE run_id = $run GROUP BY round),
 t AS (
-  SELECT round, count(*) AS steps, avg(loss) AS loss, avg(kl) AS kl, avg(clip_frac) AS clip_frac,
+  SELECT round, count(*) AS steps, avg(loss) AS loss, avg(kl) AS kl, avg(kl_old) AS kl_old, avg(clip_frac) AS clip_frac,
          sum(tokens)::BIGINT AS train_tokens
   FROM train_metrics WHERE run_id = $run GROUP BY round),
 r AS (SELECT round FROM g UNION SELECT round FROM s UNION SELECT round FROM c UNION SELECT round FROM t)
 SELECT r.round, workflows, valid_share, scored, mean_score, best_score, flagged_rewarded, llm_calls, tokens_in,
-       tokens_out, cost_usd, gen_tokens_per_query, exec_tokens_per_query, groups_kept, steps, loss, kl, clip_frac,
+       tokens_out, cost_usd, gen_tokens_per_query, exec_tokens_per_query, groups_kept, steps, loss, kl, kl_old, clip_frac,
        train_tokens
 FROM r LEFT JOIN g USING (round) LEFT JOIN s USING (round) LEFT JOIN u USING (round) LEFT JOIN q USING (round)
        LEFT JOIN c USING (round) LEFT JOIN t USING (round)

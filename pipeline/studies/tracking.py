@@ -8,8 +8,8 @@ experiment) and each held-out evaluation (`sync_quietly` after `evaluate_round`,
 stage never leaves duplicate points, and the train stage's loop needs no tracker calls (it already writes `train_metrics`).
 
 Tags (x axis in brackets):
-  train/*            [optimiser step, counted over all rounds] loss, pg_loss, kl, clip_frac, ratio_dev, grad_norm,
-                     lr, tokens_per_s, logp_mismatch
+  train/*            [optimiser step, counted over all rounds] loss, pg_loss, kl, kl_old, clip_frac, ratio_dev,
+                     grad_norm, lr, tokens_per_s, logp_mismatch
   round/*            [round] workflows, valid_share, mean_score, best_score, status/<status> (share of the latest
                      runs), groups_kept, gen/exec_tokens_per_query, wall_s/<stage>
   heldout/<split>/*  [rounds trained: 0 = the base model, k+1 = round k's checkpoint] mean_at_l, best_at_l,
@@ -35,7 +35,7 @@ from pipeline.studies.report import stage_timings, status_counts
 
 log = logging.getLogger("pipeline.studies.tracking")
 
-TRAIN_COLUMNS = ("loss", "pg_loss", "kl", "clip_frac", "ratio_dev", "grad_norm", "lr", "logp_mismatch")
+TRAIN_COLUMNS = ("loss", "pg_loss", "kl", "kl_old", "clip_frac", "ratio_dev", "grad_norm", "lr", "logp_mismatch")
 ROUND_COLUMNS = ("workflows", "valid_share", "mean_score", "best_score", "groups_kept", "gen_tokens_per_query",
                  "exec_tokens_per_query")
 HELDOUT_COLUMNS = ("mean_at_l", "best_at_l", "majority_at_l", "select_at_l", "valid_share")
