@@ -1,7 +1,8 @@
 """Serve the deployments: `python -m flows.serve` (keeps running; Ctrl-C stops it).
 
 Deployments: experiment/demo (the README's demo: configs/demo.yaml, one seed, held-out gain over the base
-model), experiment/learn (configs/learn.yaml, 3 seeds: docs/learning.md), experiment/default (--param
+model), experiment/learn (configs/learn.yaml, 3 seeds: docs/learning.md), experiment/humaneval and experiment/gsm
+(configs/humaneval-learn.yaml and configs/gsm-learn.yaml: docs/learning.md), experiment/default (--param
 config=PATH), iterate/smoke (the whole loop in minutes, configs/smoke.yaml), iterate/default (--param
 config=PATH), score/rescore (re-score failed rows of a round), evaluate/default (a round's checkpoint on the
 test split), ablate/objectives (docs/objectives.md: one round's data trained with every objective),
@@ -47,6 +48,12 @@ def deployments(task_runner: str = "thread") -> list[RunnerDeployment]:
                                              "Mean@L of the base model and of the trained round, paired interval."),
         experiment.to_deployment("learn", parameters={"config": "configs/learn.yaml"},
                                  description="docs/learning.md: 3 seeds, held-out gain over the base model."),
+        experiment.to_deployment("humaneval", parameters={"config": "configs/humaneval-learn.yaml"},
+                                 description="docs/learning.md: HumanEval with a served 0.5B executor, 3 seeds x 3 "
+                                             "rounds against its references (made first: `pipeline baseline`)."),
+        experiment.to_deployment("gsm", parameters={"config": "configs/gsm-learn.yaml"},
+                                 description="docs/learning.md: gsm_symbolic word problems, 3 seeds x 3 rounds "
+                                             "against IO, CoT, CoT-SC, PoT and PoT-SC."),
         experiment.to_deployment("default", description="A learning experiment of any config: --param config=PATH."),
         iterate.to_deployment("smoke", parameters={"config": SMOKE_CONFIG},
                               description="2 rounds of the whole loop in minutes (SmolLM2-135M, flat, procedural)."),
