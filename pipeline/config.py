@@ -56,8 +56,8 @@ class StoreConfig(_Strict):
 
 
 class ServeConfig(_Strict):
-    """A model server the pipeline runs itself (pipeline.engines.servers): the stage that calls the model starts one vLLM
-    OpenAI-compatible server, waits for it, points the section's base_url at it and stops it when it ends."""
+    """A model server the pipeline runs itself (pipeline.engines.servers): the stage that calls the model starts one
+    vLLM OpenAI-compatible server, waits for it, points the section's base_url at it and stops it when it ends."""
 
     model: str | None = Field(
         None, description="Model ref to load (embedded:..., a local HF folder, a hub id); null: the section's `model`.",
@@ -245,8 +245,8 @@ class BenchmarkConfig(_Strict):
 
 
 class RefineConfig(_Strict):
-    """`rollout.mode: refine`: W4S's multi-turn refinement (pipeline.stages.refine). A task's state is its current workflow
-    and the feedback of its validation runs; each turn samples K candidates, self-checks (and repairs, up to
+    """`rollout.mode: refine`: W4S's multi-turn refinement (pipeline.stages.refine). A task's state is its current
+    workflow and the feedback of its validation runs; each turn samples K candidates, self-checks (and repairs, up to
     `rollout.repair_attempts`) them, runs them on the task's items, and the best advances the state."""
 
     turns: int = Field(3, gt=0, description="T: refinement turns per task and round.")
@@ -329,12 +329,13 @@ class RewardConfig(_Strict):
     complexity_weight: float = Field(0.0, ge=0, description="Weight of the complexity penalty (AST/calls).")
     cost_weight: float = Field(0.0, ge=0, description="Weight of the executor-token cost penalty.")
     diversity_weight: float = Field(
-        0.0, ge=0, description="Weight of FlowReasoner's diversity term, a penalty on 1 - diversity (pipeline.core.reward).",
+        0.0, ge=0,
+        description="Weight of FlowReasoner's diversity term, a penalty on 1 - diversity (pipeline.core.reward).",
     )
     judge: JudgeConfig | None = Field(None, description="Optional LLM-as-judge for free-form answers.")
     zero_flagged: bool = Field(
-        True, description="A scored sample whose code touches the harness's surface (`scores.flags`, pipeline.core.tamper) "
-        "gets reward 0; its metric is kept.",
+        True, description="A scored sample whose code touches the harness's surface (`scores.flags`, "
+        "pipeline.core.tamper) gets reward 0; its metric is kept.",
     )
 
 

@@ -45,7 +45,8 @@ def main() -> None:
         loss_k3, sampled_kl = k3(new, ref), k3(ref, new)
         i = int(torch.argmax(loss_k3))
         print(f"{s.gen_id} A={s.advantage:+.2f} tokens={len(s.completion_ids)}: "
-              f"loss k3 mean {float(loss_k3.mean()):.4g}, KL(ref||new) on the samples {float(sampled_kl.mean()):.4f}; top token {i} "
+              f"loss k3 mean {float(loss_k3.mean()):.4g}, "
+              f"KL(ref||new) on the samples {float(sampled_kl.mean()):.4f}; top token {i} "
               f"{tok.decode([s.completion_ids[i]])!r} after {tok.decode(s.completion_ids[max(0, i - 8): i])!r}: "
               f"log p {float(ref[i]):.2f} -> {float(new[i]):.2f}")
 

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
                                               ("two-level.yaml", "two-level"), ("refine.yaml", "refine"),
                                               ("humaneval-served.yaml", "humaneval-served"),
                                               ("gsm-served.yaml", "gsm-served"),
-                                              ("humaneval-learn.yaml", "he-learn-lr1e-4"), ("gsm-learn.yaml", "gsm-learn")])
+                                              ("humaneval-learn.yaml", "he-learn-lr1e-4"),
+                                              ("gsm-learn.yaml", "gsm-learn")])
 def test_shipped_configs_validate(name, run_id):
     assert load_config(ROOT / "configs" / name).run_id == run_id
 
@@ -237,5 +238,6 @@ def test_rollout_old_logprobs_need_the_models_own_distribution(tmp_path):
     assert load_config(ROOT / "configs" / "learn.yaml", ["training.old_logprobs=rollout"]).training.old_logprobs == \
         "rollout"  # learn.yaml samples at temperature 1, top_p 1
     for bad in ("generator.temperature=0.7", "generator.top_p=0.9"):
-        with pytest.raises(ConfigError, match="training.old_logprobs: rollout needs generator.temperature 1 and top_p 1"):
+        with pytest.raises(ConfigError,
+                           match="training.old_logprobs: rollout needs generator.temperature 1 and top_p 1"):
             load_config(ROOT / "configs" / "learn.yaml", ["training.old_logprobs=rollout", bad])

@@ -147,7 +147,8 @@ def test_light_load_still_reaches_every_endpoint(servers):
 
 def test_failing_endpoint_is_dropped_and_its_prompts_retried(servers, caplog):
     good, bad = servers(), servers(fail=503)
-    with caplog.at_level(logging.WARNING, "pipeline.engines.generation.openai_server"), generator(bad.url, good.url) as gen:
+    with caplog.at_level(logging.WARNING,
+                         "pipeline.engines.generation.openai_server"), generator(bad.url, good.url) as gen:
         rows = gen.generate(PROMPTS, SAMPLING)
         assert [ep.failed is not None for ep in gen.endpoints] == [True, False]
         gen.generate(PROMPTS[:2], SAMPLING)  # stays dropped

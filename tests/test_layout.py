@@ -111,7 +111,8 @@ def test_the_design_travels_with_the_code():
 
 def test_architecture_names_every_file_of_the_layout():
     text = (REPO / "docs" / "architecture.md").read_text()
-    files = [p.relative_to(REPO).as_posix() for p in [*(REPO / "pipeline").rglob("*.py"), *(REPO / "flows").glob("*.py")]
+    files = [p.relative_to(REPO).as_posix()
+             for p in [*(REPO / "pipeline").rglob("*.py"), *(REPO / "flows").glob("*.py")]
              if p.name != "__init__.py" or p.parent.name in ("stages", "store", "generation", "sandbox", "benchmarks")]
     # a file is named by its path, or by its name in a row that names its folder's first file by path
     missing = [f for f in files if f not in text and not (f.rsplit("/", 1)[0] + "/" in text

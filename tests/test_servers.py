@@ -1,5 +1,5 @@
-"""Managed model servers (pipeline.engines.servers): checks before any work, reuse, and no server outliving its stage, even
-after kill -9. Most tests run a fake OpenAI-compatible server (a few lines of http.server with a stubborn "engine"
+"""Managed model servers (pipeline.engines.servers): checks before any work, reuse, and no server outliving its stage,
+even after kill -9. Most tests run a fake OpenAI-compatible server (a few lines of http.server with a stubborn "engine"
 child) under the real watchdog; the kill -9 test runs once more with vLLM serving SmolLM2."""
 
 from __future__ import annotations

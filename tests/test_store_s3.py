@@ -310,8 +310,8 @@ class Fakes:
 def test_rounds_run_on_an_s3_store_with_the_endpoint_from_the_config(bucket, s3_server, monkeypatch, tmp_path):
     from pipeline.run import open_run
     from pipeline.stages.rounds import direct_call, run_rounds
-    from pipeline.studies.tracking import TRACKERS
     from pipeline.stages.runner import RetryPolicy
+    from pipeline.studies.tracking import TRACKERS
 
     monkeypatch.delenv("AWS_ENDPOINT_URL")  # the config names the server; use_endpoint exports it for the stages
     monkeypatch.chdir(tmp_path)

@@ -4,8 +4,8 @@ computes (pure: indices in, indices out; the train stage is `pipeline.stages.tra
 A row is one member of one curated group: a sequence (prompt + completion, a generation) with that group's
 coefficient. Top-N screening keeps overlapping groups, so one generation can be several rows of a step; a pass
 computes it once (`Chunk.uniq`) and every row that uses it takes its log-probs (`Chunk.take`). The passes of a step
-are packed by padded token count (`pack`): a pass computes each distinct prompt once (`pipeline.stages.train.collate`), so
-its cost is prompts x longest prompt + sequences x longest completion.
+are packed by padded token count (`pack`): a pass computes each distinct prompt once (`pipeline.stages.train.collate`),
+so its cost is prompts x longest prompt + sequences x longest completion.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def repair_prompt(problem: str, family: str, code: str, error: str) -> str:
 
 def refine_prompt(family: str, task: str, code: str, origin: str, feedback: str, turn: int, turns: int,
                   caution: str = "") -> str:
-    """User message of a refine turn (W4S's state, pipeline.stages.refine): the task, the current workflow (`origin`: where
-    it came from), the feedback of its validation runs, and the ask for an analysis plus a new workflow."""
+    """User message of a refine turn (W4S's state, pipeline.stages.refine): the task, the current workflow (`origin`:
+    where it came from), the feedback of its validation runs, and the ask for an analysis plus a new workflow."""
     return _fill("refine", contract=contract(family), task=task.strip(), code=code.strip("\n"), origin=origin,
                  feedback=feedback.strip(), turn=str(turn), turns=str(turns), caution=caution)

@@ -406,7 +406,7 @@ def group_alive(pgid: int) -> list[int]:
     return pids
 
 
-# ---- the watchdog: `python -m pipeline.engines.servers --parent PID -- CMD ...` ------------------------------------------
+# ---- the watchdog: `python -m pipeline.engines.servers --parent PID -- CMD ...` --------------------------------------
 
 
 def watch(parent: int, cmd: list[str]) -> int:

@@ -1,5 +1,5 @@
-"""Data-parallel training on Accelerate: the pieces `pipeline.stages.train.run_train` needs to run as N processes with the
-same global-batch semantics as one.
+"""Data-parallel training on Accelerate: the pieces `pipeline.stages.train.run_train` needs to run as N processes with
+the same global-batch semantics as one.
 
 Launched as `PIPELINE_LAUNCHER_TRAIN="accelerate launch --multi_gpu --num_processes N"` (on CPU too: Accelerate
 then runs MULTI_CPU over gloo), every rank builds the same data and the same step plan (same seeds), and an

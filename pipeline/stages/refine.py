@@ -10,8 +10,8 @@ with `unit: query` each query is its own task of one item (its id is the query's
   items with the question, the workflow's answer and error (task unit: and the gold answer, see `feedback_text`);
 - action: an analysis of what to change plus new workflow code, sampled K = `candidates` times from the state
   prompt (`prompts/refine.txt`) by the round's generator (base model + the previous round's adapter);
-- self-check: each candidate runs once on the task's first item (`pipeline.stages.repair.self_repair`, scoped to the turn:
-  a crash, timeout or empty answer sends it back with its error up to `rollout.repair_attempts` times, W4S: 3); a
+- self-check: each candidate runs once on the task's first item (`pipeline.stages.repair.self_repair`, scoped to the
+  turn: a crash, timeout or empty answer sends it back with its error up to `rollout.repair_attempts` times, W4S: 3); a
   candidate still failing is *skipped*: no validation, no reward, never trained on;
 - validation: every other candidate runs on all the task's items (one `checks` row per (candidate, item), purpose
   `refine`, `reward` = the item's metric); its accuracy is the mean metric;
@@ -21,10 +21,10 @@ with `unit: query` each query is its own task of one item (its id is the query's
 T = `turns` turns. The store holds everything: candidates (and their repairs) are `generations` rows of kind
 `workflow` with `query_id` = the task id, `parent_id` = the workflow the state showed (null: the start workflow,
 which is no generation), `turn`, and `repair_of` / `attempt` for repairs; self-checks and validation runs are
-`checks` rows; one `turns` row per candidate (pipeline.store.schema) once its turn is complete. The loop is driven by the
-store alone, so a killed rollout resumes where it stopped: a (task, turn) with `turns` rows is done, sampled
-candidates are not sampled again, chains are repaired from where they are (pipeline.stages.repair), and only the (workflow,
-item) runs without a row are run (an executor error is not a result: it is run again).
+`checks` rows; one `turns` row per candidate (pipeline.store.schema) once its turn is complete. The loop is driven by
+the store alone, so a killed rollout resumes where it stopped: a (task, turn) with `turns` rows is done, sampled
+candidates are not sampled again, chains are repaired from where they are (pipeline.stages.repair), and only the
+(workflow, item) runs without a row are run (an executor error is not a result: it is run again).
 
 The score stage of a refine round runs nothing (`score_refine`): a workflow's score is its validation accuracy (0
 for one that failed its self-check), written as one `scores` row per workflow with no executor usage (the runs'

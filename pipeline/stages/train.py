@@ -225,10 +225,10 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, head_chunk: int = 
 
 
 def load_sequences(ctx, kind: str = "group") -> tuple[list[TrainSequence], dict]:
-    """Kept `groups` rows of `kind` (pipeline.core.objectives.KINDS; the round of training.data_run when set), each member
-    joined to its generation: a sequence with the row's coefficient (group: its advantage; other kinds: its weight)
-    and score. The completion tail is cut to max_seq_len. A pair with a member that cannot be trained on is dropped
-    whole, so `pair` sequences stay (chosen, rejected) at positions (2p, 2p + 1)."""
+    """Kept `groups` rows of `kind` (pipeline.core.objectives.KINDS; the round of training.data_run when set), each
+    member joined to its generation: a sequence with the row's coefficient (group: its advantage; other kinds: its
+    weight) and score. The completion tail is cut to max_seq_len. A pair with a member that cannot be trained on is
+    dropped whole, so `pair` sequences stay (chosen, rejected) at positions (2p, 2p + 1)."""
     import polars as pl
 
     max_len = ctx.cfg.training.max_seq_len
@@ -338,8 +338,8 @@ class PlannedStep:
 
 
 def plan_passes(seqs: list[TrainSequence], tc, rng: np.random.Generator, paired: bool = False) -> list[PlannedStep]:
-    """Every optimiser step's passes: its rows (`pipeline.core.packing.plan_steps`, training.step_order, micro_batch_size
-    x grad_accum rows a step), one unit per distinct sequence (or pair), packed by tokens."""
+    """Every optimiser step's passes: its rows (`pipeline.core.packing.plan_steps`, training.step_order,
+    micro_batch_size x grad_accum rows a step), one unit per distinct sequence (or pair), packed by tokens."""
     shapes = row_shapes(seqs)
     unit = 2 if paired else 1
     epochs = plan_steps(shapes, tc.epochs, tc.micro_batch_size * tc.grad_accum * unit, rng, tc.step_order, unit)
@@ -361,8 +361,8 @@ def reference_logprobs(model, seqs: list[TrainSequence], chunks: list[Chunk], pa
                        disable_adapter: bool = False, desc: str = "old logprobs", bf16: bool = False,
                        shard: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
     """Per gen_id, completion log-probs (fp32 values) of `model` in eval mode (no dropout) computed on `chunks`
-    (`pipeline.core.packing.logprob_chunks`), under the same bf16 autocast as the training forward when `bf16`: π_old and
-    π_θ are then the same computation at the first step (ratio 1, k3 0 before any update), and the pass costs
+    (`pipeline.core.packing.logprob_chunks`), under the same bf16 autocast as the training forward when `bf16`: π_old
+    and π_θ are then the same computation at the first step (ratio 1, k3 0 before any update), and the pass costs
     half the fp32 time on CPU. A sequence in several chunks takes the first chunk's value.
     `shard=(rank, n)`: this rank computes chunks[rank::n] (its share of the first step is exactly the passes it
     trains, `pipeline.stages.parallel.rank_share`) and the ranks' results are gathered."""
@@ -620,7 +620,8 @@ def train_pass(s: TrainSetup, chunk: Chunk, step_rows: list[int], real: bool, pa
 
 
 def optimise(s: TrainSetup, passes: tuple[dict | None, dict | None]) -> list[StepMetrics]:
-    """Step 3: the optimiser loop; each rank runs its share of every step's passes (`pipeline.stages.parallel.rank_share`)."""
+    """Step 3: the optimiser loop; each rank runs its share of every step's passes
+    (`pipeline.stages.parallel.rank_share`)."""
     from tqdm import tqdm
 
     from pipeline.stages.parallel import rank_share

@@ -11,7 +11,8 @@ import pyarrow as pa
 
 SCHEMA_VERSION = 1
 
-# `reward_hack`: the workflow ran, but its answer's code returned a look-alike of a value (pipeline/engines/sandbox/grader.py)
+# `reward_hack`: the workflow ran, but its answer's code returned a look-alike of a value
+# (pipeline/engines/sandbox/grader.py)
 STATUSES = ("ok", "invalid", "exec_error", "timeout", "killed", "executor_error", "reward_hack")
 FINAL_STATUSES = ("ok", "invalid", "exec_error", "killed", "reward_hack")  # `timeout` is final unless configured
 TRANSIENT_STATUSES = ("executor_error",)

@@ -290,7 +290,8 @@ def sample_smc(ctx: RunContext) -> dict:
     tok = load_tokenizer(ctx.cfg.generator.model)
     s, prefix = ctx.cfg.smc, ctx.cfg.rollout.workflow_prefix
     pd = ctx.cfg.rollout.prompt_dir
-    queries = [Query(it, render(tok, workflow_prompt(it.prompt, bench.family, prompt_dir=pd) + STEP_HINT, prompt_dir=pd),
+    queries = [Query(it,
+                     render(tok, workflow_prompt(it.prompt, bench.family, prompt_dir=pd) + STEP_HINT, prompt_dir=pd),
                      [Particle(prefix) for _ in range(s.N)],
                      np.random.default_rng(derived_seed(s.seed, "resample", it.id))) for it in bench.items()]
     # served sections: SMC samples and runs workflows here, outside a stage, so it runs their servers itself

@@ -5,7 +5,8 @@ store into TensorBoard event files (and an MLflow file store), where people who 
 The store stays the one source. `sync_run` rewrites a run's tracker output whole from its tables after each round
 (`TRACKERS`, the observer `pipeline.stages.rounds.run_rounds` is given by `pipeline run`, the iterate flow and the
 experiment) and each held-out evaluation (`sync_quietly` after `evaluate_round`, by its callers): a resumed or retried
-stage never leaves duplicate points, and the train stage's loop needs no tracker calls (it already writes `train_metrics`).
+stage never leaves duplicate points, and the train stage's loop needs no tracker calls (it already writes
+`train_metrics`).
 
 Tags (x axis in brackets):
   train/*            [optimiser step, counted over all rounds] loss, pg_loss, kl, kl_old, clip_frac, ratio_dev,
@@ -66,7 +67,8 @@ def train_scalars(store: Store, run_id: str) -> list[Scalar]:
 
 
 def round_scalars(store: Store, run_id: str) -> list[Scalar]:
-    """Per round: rollout, scoring and curation figures (pipeline.studies.report's queries), status shares, stage times."""
+    """Per round: rollout, scoring and curation figures (pipeline.studies.report's queries), status shares, stage
+    times."""
     out = [Scalar(f"round/{c}", r["round"], r[c]) for r in round_stats(store, run_id).iter_rows(named=True)
            for c in ROUND_COLUMNS if r[c] is not None]
     st = status_counts(store, run_id)

@@ -133,7 +133,8 @@ class _VerifyWorker:
         self._proc: subprocess.Popen | None = None
 
     def _start(self) -> None:
-        cmd = [sys.executable, "-c", "from pipeline.engines.benchmarks.metrics import serve_math_verify; serve_math_verify()"]
+        cmd = [sys.executable, "-c",
+               "from pipeline.engines.benchmarks.metrics import serve_math_verify; serve_math_verify()"]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def stop(self) -> None:
