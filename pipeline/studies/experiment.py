@@ -163,11 +163,11 @@ def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[
     """References of another experiment (`references_from`) pair with this one's evaluations only where this
     experiment's CONFIG would make the same baseline runs (pipeline.studies.baselines.baseline_changes): a
     ConfigError naming the run and the fields otherwise, or a missing run with the command that makes it."""
+    wanted = load_config(config, derived_run_sets(cfg.experiment.eval_split, cfg) + eval_sets(cfg) + sets)
     for m, rid in reference_runs(cfg).items():
         if not (store.run_dir(rid) / "config.yaml").is_file():
             raise ConfigError(f"reference run {rid} not found under {store.root}: make it with `pipeline baseline "
                               f"CONFIG --run-id {cfg.experiment.references_from} --method {m}`")
-        wanted = load_config(config, derived_run_sets(cfg.experiment.eval_split, cfg) + eval_sets(cfg) + sets)
         # this experiment's plan (seeds, rounds evaluated) is its own; L and the queries are in rollout and benchmark
         changed = [p for p in baseline_changes(load_config(store.run_dir(rid) / "config.yaml"), wanted)
                    if not p.startswith("experiment.")]
