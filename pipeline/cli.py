@@ -368,6 +368,9 @@ def experiment(
     run_id: RunIdOpt = None,
     retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
     sets: SetOpt = None,
+    only_seed: Annotated[list[int] | None, typer.Option(
+        "--only-seed", help="Run only this seed of the plan, no reference (repeatable): seeds in parallel processes "
+                            "on one store; a last run without it adds the references and the whole report.")] = None,
 ) -> None:
     """Train S seeds x R rounds, evaluate the base model and every checkpoint on held-out queries, and print
     the paired difference with its bootstrap interval (results under <store>/experiments/<run_id>/)."""
@@ -379,7 +382,8 @@ def experiment(
 
     command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     try:
-        summary = run_experiment(config, direct_call(RetryPolicy(retries)), seeds, run_id, sets or [], command)
+        summary = run_experiment(config, direct_call(RetryPolicy(retries)), seeds, run_id, sets or [], command,
+                                 only_seeds=only_seed)
     except (ConfigError, StageError, ValueError) as e:
         _fail(str(e))
     _echo_experiment(summary)

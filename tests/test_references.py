@@ -248,6 +248,10 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, mon
                                                                      checkpoint=False))
     program, tag = f"program:{PROGRAMS / 'expression_eval.py'}", "program-expression_eval"
     path = _experiment_config(tmp_path, "x", {"references": ["io", program], "shared_base": True})
+    # seed 0 alone first (`only_seeds`, as a separate process would): no reference runs beside other seeds
+    alone = run_experiment(path, direct_call(RetryPolicy(delay_s=0)), only_seeds=[0])
+    assert {r for r, _ in calls} == {"x-s0", "x-s0-eval-base", "x-s0-eval-r0", "x-s0-eval-r1"}
+    assert alone["seeds"] == [0] and alone["references"] == []
     out = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
     runs = {r for r, _ in calls}
     # the base model is evaluated in seed 0's run only; each reference once, in its derived run
@@ -289,10 +293,18 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, mon
     again = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
     assert calls == [] and again["paired_references"] == out["paired_references"]
 
-    # shared_base off (the default) and no references: each seed pairs with its own base, as before
+    # shared_base off (the default) and no references: each seed pairs with its own base, as before. The seeds run
+    # in separate calls, seed 1 first: the second call's summary covers both, seed 1's evaluations read from the store
     calls.clear()
-    own = run_experiment(_experiment_config(tmp_path, "y", {}), direct_call(RetryPolicy(delay_s=0)))
-    assert {"y-s0-eval-base", "y-s1-eval-base"} <= {r for r, _ in calls}
+    ypath = _experiment_config(tmp_path, "y", {})
+    with pytest.raises(ValueError, match=r"--only-seed \[2\]: not among the experiment's seeds \[0, 1\]"):
+        run_experiment(ypath, direct_call(RetryPolicy(delay_s=0)), only_seeds=[1, 2])
+    assert calls == []
+    first = run_experiment(ypath, direct_call(RetryPolicy(delay_s=0)), only_seeds=[1])
+    assert {r for r, _ in calls} == {"y-s1", "y-s1-eval-base", "y-s1-eval-r0", "y-s1-eval-r1"}
+    assert first["seeds"] == [1]
+    own = run_experiment(ypath, direct_call(RetryPolicy(delay_s=0)), only_seeds=[0])
+    assert {"y-s0-eval-base", "y-s1-eval-base"} <= {r for r, _ in calls} and own["seeds"] == [0, 1]
     mean = [p for p in own["paired"] if p["metric"] == "mean_at_l"]
     assert [(p["round"], p["n"], p["base"], p["mean"]) for p in mean] == [(0, 4, 0.375, 0.625), (1, 4, 0.375, 0.625)]
     assert [(x["seed"], x["mean"]) for x in mean[0]["per_seed"]] == [(0, 0.5), (1, 0.75)]
@@ -367,3 +379,4 @@ def test_curve_plot_has_a_line_per_seed_the_mean_and_each_reference(tmp_path):
     io = next(line for line in ax.lines if line.get_label() == "io (0.561)")
     assert list(io.get_ydata()) == [0.561, 0.561]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["base", "1", "2", "3"]
+

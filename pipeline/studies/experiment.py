@@ -28,7 +28,10 @@ report.html and curve.png.
 `run_experiment` runs it through a stage caller (pipeline.stages.rounds: without Prefect, or flows/experiment.py's).
 Re-running with the same run id resumes: finished stages are skipped by their manifests, in the seed runs and in
 the evaluation runs alike. The summary is rewritten after every seed and after the references, so a stopped
-experiment still leaves its results so far.
+experiment still leaves its results so far. `only_seeds` (`--only-seed`) runs some seeds of the plan and no
+reference, so that seeds can run in separate processes or machines on one store; every summary covers the seeds run
+here and every other seed whose evaluations are all scored in the store, and a last run without it (everything
+skipped) adds the references and writes the whole report.
 """
 
 from __future__ import annotations
@@ -186,6 +189,12 @@ def references(store: Store, cfg: RunConfig) -> list[dict]:
             if (store.run_dir(rid) / "config.yaml").is_file()]
 
 
+def evaluated(store: Store, cfg: RunConfig, seed: int, seeds: list[int]) -> bool:
+    """Whether every evaluation of seed `seed` (`seed_rounds`) has finished its score stage in the store."""
+    return all(store.manifest(eval_run_id(seed_run_id(cfg.run_id, seed), k, cfg.experiment.eval_split), 0, "score")
+               is not None for k in seed_rounds(cfg, seed, seeds))
+
+
 def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
     """Per (seed, evaluated round): the eval run's summary; per round k >= 0 and metric: the pooled paired
     difference to the base model with its bootstrap interval (the first seed's base for every seed when
@@ -286,7 +295,7 @@ def fmt(x: float | None, digits: int = 3) -> str:
 
 def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: str | None = None,
                    sets: list[str] | None = None, command: str | None = None, after_round=None,
-                   after_seed=None) -> dict:
+                   after_seed=None, only_seeds: list[int] | None = None) -> dict:
     """Train and evaluate every seed through `call` (a stage caller), then write the summary; returns it.
     `after_round(run_id, store_root, k)` runs after each round of a seed run, `after_seed(summary, results folder)`
     after each seed's summary is written and after the references' (the experiment flow publishes both as Prefect
@@ -305,8 +314,17 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     extra: dict = {"command": command, "seed_wall_s": {}, "config": str(path), "sets": sets}
     done: list[int] = []
 
+    plans = plan(cfg, list(range(seeds)) if seeds is not None else None)
+    order = [p.seed for p in plans]
+    if only_seeds is not None and (unknown := sorted(set(only_seeds) - set(order))):
+        raise ValueError(f"--only-seed {unknown}: not among the experiment's seeds {order}")
+    if only_seeds is not None and not only_seeds:
+        raise ValueError("--only-seed: no seed given")
+    mine = [p for p in plans if only_seeds is None or p.seed in only_seeds]
+
     def publish(when: str) -> tuple[dict, Path]:
-        summary = summarise(store, cfg, done)
+        ready = [s for s in order if s in done or evaluated(store, cfg, s, order)]  # in plan order: shared_base
+        summary = summarise(store, cfg, ready)
         out = write_results(store, summary, extra | {"wall_s": round(time.perf_counter() - t0, 1)})
         for line in headline(summary):
             log.info("%s: %s", when, line)
@@ -314,21 +332,26 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
             after_seed(summary, out)
         return summary, out
 
-    plans = plan(cfg, list(range(seeds)) if seeds is not None else None)
-    # one executor server for every stage of every seed, evaluation and reference (pipeline.engines.servers)
-    with sharing(cfg, experiment_dir(store, cfg.run_id) / "server-logs"):
-        for sp in plans:
+    # one executor server for every stage of every seed, evaluation and reference (pipeline.engines.servers); a
+    # process running some seeds logs its own server apart from the others'
+    logs = experiment_dir(store, cfg.run_id) / "server-logs"
+    if only_seeds is not None:
+        logs = logs / ("seed-" + "-".join(map(str, sorted(only_seeds))))
+    with sharing(cfg, logs):
+        for sp in mine:
             t_seed = time.perf_counter()
             log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
             run_rounds(path, cfg.rounds, sp.run_id, call, after_round, sets=sets + sp.sets, observer=TRACKERS)
-            for k in seed_rounds(cfg, sp.seed, [p.seed for p in plans]):
+            for k in seed_rounds(cfg, sp.seed, order):
                 log.info("seed %d: evaluating %s on %s", sp.seed, "the base model" if k < 0 else f"round {k}",
                          cfg.experiment.eval_split)
                 evaluate_tracked(str(store.root), sp.run_id, k, cfg.experiment.eval_split, eval_sets(cfg), call)
             extra["seed_wall_s"][sp.seed] = round(time.perf_counter() - t_seed, 1)
             done.append(sp.seed)
             summary, out = publish(f"after seed {sp.seed}")
-        if cfg.experiment.references:  # derived runs on the same split, queries and L: resumed like the rest
+        # derived runs on the same split, queries and L, resumed like the rest; not in a process of some seeds, which
+        # may run beside others
+        if only_seeds is None and cfg.experiment.references:
             t_refs = time.perf_counter()
             for method in [] if cfg.experiment.references_from else cfg.experiment.references:
                 log.info("reference %s on %s", method, cfg.experiment.eval_split)
