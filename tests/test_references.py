@@ -196,6 +196,8 @@ def test_word_problem_references_under_the_exact_number_rule(tmp_path, scripted)
     assert _answers(st, s["eval_run_id"]) == {items[0].id: str(gold[0]), items[1].id: "2"}
     assert [r["body"]["n"] for r in srv.requests if r["body"]["messages"][-1]["content"].endswith("only.")
             and r["body"].get("temperature") == 0.7] == [5, 5]
+    example = (Path(__file__).resolve().parents[1] / "configs/prompts/word/example_procedural.txt").read_text()
+    assert (PROGRAMS / "word_example_vote.py").read_text().endswith(example)  # the example, byte for byte
 
 
 # ---- the experiment's references and shared base (fake stages) ----------------------------------------------------
