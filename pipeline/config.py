@@ -471,6 +471,9 @@ class TrainingConfig(_Strict):
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
     max_seq_len: int = Field(2048, gt=0, description="Prompt+completion tokens kept per sequence.")
     seed: int = Field(0, description="Training seed.")
+    save_steps: int = Field(
+        8, ge=0, description="Save the loop's progress every N optimiser steps, so that a killed train stage resumes "
+        "there, not at step 0 (0: never; local stores only). Changes no result.")
 
     @field_validator("objective")
     @classmethod
@@ -585,10 +588,11 @@ class RunConfig(_Strict):
     def config_hash(self) -> str:
         """Fingerprint of what the stages compute, kept in every stage manifest. Fields at their default value
         are left out, so a field added to the schema later (at its default) keeps existing runs' manifests valid
-        instead of re-running every finished stage; `experiment` only plans evaluations and `tracking` only copies
-        figures out of the store, so they are left out too."""
+        instead of re-running every finished stage; `experiment` only plans evaluations, `tracking` only copies
+        figures out of the store and `training.save_steps` only saves progress, so they are left out too."""
         body = _legacy_hash_form(self, self.model_dump(mode="json", exclude_defaults=True,
-                                                       exclude={"experiment", "tracking"}))
+                                                       exclude={"experiment": True, "tracking": True,
+                                                                "training": {"save_steps"}}))
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
@@ -680,9 +684,11 @@ def load_config(path: str | Path, sets: list[str] | None = None) -> RunConfig:
     return config_from_dict(data, str(path))
 
 
-# Options that only say which extra runs an experiment makes and how it pairs them: no run computes differently, so
-# a run resumed with another value of them is not refused (an experiment can gain references after its seeds ran).
-PLAN_ONLY = frozenset({"experiment.references", "experiment.references_from", "experiment.shared_base"})
+# Options that only say which extra runs an experiment makes and how it pairs them, or how often training saves its
+# progress: no run computes differently, so a run resumed with another value of them is not refused (an experiment
+# can gain references after its seeds ran).
+PLAN_ONLY = frozenset({"experiment.references", "experiment.references_from", "experiment.shared_base",
+                       "training.save_steps"})
 
 
 def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:

@@ -415,3 +415,52 @@ def test_round_0_trains_from_generator_adapter(tmp_path, tiny_model):
     bad = _ctx(tmp_path, [f"generator.model={tiny_model}", f"generator.adapter={tmp_path / 'nope'}"])
     with pytest.raises(RuntimeError, match="trains from the adapter .*nope.*generator.adapter must name"):
         load_policy(bad, "cpu")
+
+
+def test_a_killed_train_stage_resumes_at_its_last_saved_step(tmp_path, tiny_model, monkeypatch):
+    """training.save_steps = 2 on a 5-step round: the loop dies in step 3 (0-based), after its progress was saved
+    at the end of step 1. The re-run loads it (π_old is not recomputed: that pass would fail here), trains steps 2-4
+    (step 2 again: it was done but not saved) and ends with the adapter and the per-step losses of an uninterrupted
+    run, exactly; the progress file is gone once the checkpoint is written."""
+    from safetensors.torch import load_file
+    from test_curate import _ctx
+
+    from pipeline.stages import train
+    from pipeline.stages.progress import progress_path
+
+    def round_ctx():
+        ctx = _ctx(tmp_path, [f"generator.model={tiny_model}", "training.micro_batch_size=2", "training.epochs=5",
+                              "training.save_steps=2", "training.lr=1e-2"])
+        _flat_round(ctx)
+        return ctx
+
+    def outputs(ctx):
+        m = ctx.store.read("train_metrics", ctx.run_id, 0).sort("step")
+        ckpt = ctx.store.checkpoint_dir(ctx.run_id, 0)
+        return m["loss"].to_list(), load_file(str(ckpt / "adapter_model.safetensors"))
+
+    whole = round_ctx()
+    train.run_train(whole)
+    want_loss, want_w = outputs(whole)
+    assert len(want_loss) == 5 and not progress_path(whole.store, whole.run_id, 0).exists()
+
+    killed = round_ctx()
+    real_metrics = train.StepMetrics
+
+    def dying(**fields):  # a step's metrics are made once its update is done
+        if fields["step"] == 3:
+            raise MemoryError("killed in step 3")
+        return real_metrics(**fields)
+
+    monkeypatch.setattr(train, "StepMetrics", dying)
+    with pytest.raises(MemoryError):
+        train.run_train(killed)
+    saved = progress_path(killed.store, killed.run_id, 0)
+    assert torch.load(saved, weights_only=False)["next_step"] == 2
+    monkeypatch.setattr(train, "StepMetrics", real_metrics)
+    monkeypatch.setattr(train, "reference_passes", lambda s: pytest.fail("π_old recomputed on resume"))
+    counts = train.run_train(killed)
+    got_loss, got_w = outputs(killed)
+    assert counts["steps"] == 5 and got_loss == want_loss and len(set(want_loss)) > 1
+    assert got_w.keys() == want_w.keys() and all(torch.equal(got_w[k], want_w[k]) for k in want_w)
+    assert not saved.exists()

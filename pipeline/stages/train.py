@@ -21,8 +21,8 @@ mode then equals a recomputed π_old before the first update (ρ = 1, logged `ra
 
 Crash safety: the checkpoint is saved to a temp folder and renamed into place; `train_metrics` and
 the `checkpoints` row are written once, at the end, after the adapter is saved. A re-run without
-the stage manifest deletes those parts and any checkpoint folder of the unfinished attempt and
-starts the round's training over.
+the stage manifest deletes those parts and any checkpoint folder of the unfinished attempt, and the
+loop resumes at the last step saved by `training.save_steps` (`pipeline.stages.progress`; step 0 when none).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch
 from pipeline.core.grpo import grpo_mkl_loss, grpo_mkl_terms, k3, level_weights, reduce_tokens
 from pipeline.core.packing import Chunk, RowShape, logprob_chunks, pack, plan_steps, step_units
 from pipeline.stages.modes import get_mode
+from pipeline.stages.progress import clear_progress, load_progress, progress_path, save_progress
 
 __all__ = ["grpo_mkl_loss", "grpo_mkl_terms", "run_train", "TrainSequence", "Batch", "collate", "completion_logprobs",
            "StepMetrics", "chunk_loss_input", "row_shapes", "plan_passes"]
@@ -619,21 +620,36 @@ def train_pass(s: TrainSetup, chunk: Chunk, step_rows: list[int], real: bool, pa
         sums.add_mismatch([s.seqs[i] for i in chunk.uniq], old)
 
 
-def optimise(s: TrainSetup, passes: tuple[dict | None, dict | None]) -> list[StepMetrics]:
+def optimise(s: TrainSetup, passes: tuple[dict | None, dict | None], saved: dict | None = None) -> list[StepMetrics]:
     """Step 3: the optimiser loop; each rank runs its share of every step's passes
-    (`pipeline.stages.parallel.rank_share`)."""
+    (`pipeline.stages.parallel.rank_share`). From `saved` progress it goes on at the step after the saved one; every
+    `training.save_steps` steps rank 0 saves its own (`pipeline.stages.progress`)."""
+    from dataclasses import asdict
+
     from tqdm import tqdm
 
     from pipeline.stages.parallel import rank_share
 
-    tc, accel = s.ctx.cfg.training, s.accel
+    tc, accel, ctx = s.ctx.cfg.training, s.accel, s.ctx
     params = [p for p in s.policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
     sched = _lr_scheduler(optimizer, tc, len(s.steps))
+    trainable = {n: p for n, p in s.model.named_parameters() if p.requires_grad}
+    metrics, start = [], 0
+    if saved is not None:
+        with torch.no_grad():
+            for n, p in trainable.items():
+                p.copy_(saved["trainable"][n])
+        optimizer.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["rng"])
+        metrics, start = [StepMetrics(**m) for m in saved["metrics"]], saved["next_step"]
+        log.info("round %d: training resumes at step %d of %d (saved progress)", ctx.round, start, len(s.steps))
+    path = progress_path(ctx.store, ctx.run_id, ctx.round) if tc.save_steps and accel.is_main_process else None
     s.policy.train()
-    metrics = []
-    for step, planned in enumerate(tqdm(s.steps, desc=f"train round {s.ctx.round} ({s.obj.name})", unit="step",
-                                        disable=not accel.is_main_process)):
+    for step in tqdm(range(start, len(s.steps)), desc=f"train round {ctx.round} ({s.obj.name})", unit="step",
+                     initial=start, total=len(s.steps), disable=not accel.is_main_process):
+        planned = s.steps[step]
         t0, lr, sums = time.perf_counter(), sched.get_last_lr()[0], StepSums()
         step_rows = planned.rows
         mine = rank_share(planned.passes, *s.shard)
@@ -646,6 +662,12 @@ def optimise(s: TrainSetup, passes: tuple[dict | None, dict | None]) -> list[Ste
         sched.step()
         optimizer.zero_grad(set_to_none=True)
         metrics.append(_step_metrics(step, planned.epoch, lr, float(grad_norm), sums, s.accel.num_processes, t0))
+        if path is not None and (step + 1) % tc.save_steps == 0 and step + 1 < len(s.steps):
+            save_progress(path, {"config_hash": ctx.cfg.config_hash(), "n_steps": len(s.steps), "next_step": step + 1,
+                                 "trainable": {n: p.detach().clone() for n, p in trainable.items()},
+                                 "optimizer": optimizer.state_dict(), "scheduler": sched.state_dict(),
+                                 "rng": torch.get_rng_state(), "metrics": [asdict(m) for m in metrics],
+                                 "passes": passes})
     s.policy.eval()
     return metrics
 
@@ -682,6 +704,7 @@ def write_outputs(s: TrainSetup, metrics: list[StepMetrics]) -> dict:
               "logp_mismatch": float(np.mean(mismatch)) if mismatch else None, "checkpoint": str(ckpt)}
     if accel.is_main_process:
         ctx.finish("train", **counts)
+        clear_progress(progress_path(ctx.store, ctx.run_id, ctx.round))
     accel.wait_for_everyone()
     return counts
 
@@ -694,5 +717,7 @@ def run_train(ctx) -> dict:
 
     obj = _check_objective(ctx)
     setup = load_stage(ctx, obj, make_accelerator())
-    passes = reference_passes(setup)
-    return write_outputs(setup, optimise(setup, passes))
+    # the hash of the config this invocation trains with (--set included): progress of another one is not resumed
+    saved = load_progress(progress_path(ctx.store, ctx.run_id, ctx.round), ctx.cfg.config_hash(), len(setup.steps))
+    passes = saved["passes"] if saved is not None else reference_passes(setup)
+    return write_outputs(setup, optimise(setup, passes, saved))

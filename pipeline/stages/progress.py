@@ -1,0 +1,59 @@
+"""A train stage's progress between optimiser steps (`training.save_steps`), so that a killed stage (the out-of-memory
+killer, a lost session) resumes at its last saved step instead of step 0.
+
+Every `save_steps` steps rank 0 writes `<run>/round=<k>/_train_progress.pt`: the trainable weights, the optimiser's
+and the scheduler's state, the metrics of the steps done, torch's RNG state, and π_old / reference log-probs (so a
+resumed stage skips those passes too). The file is written whole or not at all (temp file + rename). The step plan
+is a function of the seed and the round's rows, so the resumed loop runs the same remaining steps: the adapter at
+the end equals an uninterrupted run's (tests/test_train.py). A file of another config (its hash) or another step
+plan (its step count) is ignored and overwritten; the file is removed once the stage has written its checkpoint.
+Object-storage stores keep no progress (their stages restart from step 0, as before).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NAME = "_train_progress.pt"
+
+
+def progress_path(store, run_id: str, round: int) -> Path | None:
+    """Where a round's progress is kept; None on object storage."""
+    return None if store.remote else store.round_dir(run_id, round) / NAME
+
+
+def save_progress(path: Path, state: dict) -> None:
+    """`state` to `path`, whole or not at all."""
+    tmp = path.with_name(path.name + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_progress(path: Path | None, config_hash: str, n_steps: int) -> dict | None:
+    """The saved progress when it belongs to this config and step plan and is not finished; else None."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a torn file cannot happen (rename), a foreign or corrupt one can: start over
+        log.warning("ignoring unreadable train progress %s (%s)", path, e)
+        return None
+    if state.get("config_hash") != config_hash or state.get("n_steps") != n_steps:
+        log.warning("ignoring train progress %s: it belongs to another config or step plan", path)
+        return None
+    if not 0 < state.get("next_step", 0) < n_steps:
+        return None
+    return state
+
+
+def clear_progress(path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".tmp").unlink(missing_ok=True)
