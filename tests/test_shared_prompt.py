@@ -9,7 +9,8 @@ import torch
 
 from pipeline.core.objectives import get_objective
 from pipeline.core.packing import pack, step_units
-from pipeline.stages.train import TrainSequence, chunk_loss_input, collate, completion_logprobs, row_shapes
+from pipeline.stages.train import (TrainSequence, chunk_loss_input, collate, completion_logprobs, frozen_linears_bf16,
+                                  row_shapes)
 
 torch.set_num_threads(2)
 MODEL = "embedded:smollm2-135m-instruct"
@@ -99,6 +100,38 @@ def test_shared_prompt_forward_is_exact_in_float64(lora_smol):
         worst = max(float((got[b, : len(s.completion_ids)] - _full_logprobs(lm, s)).abs().max())
                     for b, s in enumerate(seqs))
     assert worst < 1e-10, worst
+
+
+def test_frozen_bf16_weights_change_nothing_under_the_autocast(lora_smol, smol_tokenizer):
+    """Under the bf16 autocast, the policy with its frozen linear weights stored in bf16 gives the same log-probs and
+    the same LoRA gradients, bit for bit, as with them in fp32 (autocast rounds them to bf16 at each call anyway);
+    the tied embeddings / LM head and the trainable LoRA weights stay fp32."""
+    import copy
+
+    model, seqs = lora_smol
+    batch = collate(seqs, pad_id=0)
+
+    def run(m):
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp = completion_logprobs(m, batch)
+        (lp * batch.completion_mask).sum().backward()
+        return lp.detach(), _grads(m)
+
+    ref_lp, ref_g = run(model)
+    low = copy.deepcopy(model)
+    # the 7 linear layers of each of 30 decoder layers (q, k, v, down through their LoRA base layer); not the tied head
+    assert frozen_linears_bf16(low) == 30 * 7
+    layer = low.get_base_model().model.layers[0]
+    assert layer.self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16
+    assert layer.mlp.up_proj.weight.dtype == torch.bfloat16
+    assert layer.self_attn.q_proj.lora_A["default"].weight.dtype == torch.float32
+    assert low.get_output_embeddings().weight.dtype == torch.float32
+    got_lp, got_g = run(low)
+    assert torch.equal(got_lp, ref_lp)
+    assert ref_g.keys() == got_g.keys() and len(ref_g) == 30 * 4 * 2
+    for n in ref_g:
+        assert torch.equal(got_g[n], ref_g[n]), n
 
 
 def test_one_token_prompts_need_no_prompt_pass(tiny_model):

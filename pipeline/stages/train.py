@@ -316,6 +316,24 @@ def load_policy(ctx, device: str):
     return PeftModel.from_pretrained(base, str(start), is_trainable=True, config=lora)
 
 
+def frozen_linears_bf16(model: torch.nn.Module) -> int:
+    """Store the frozen linear weights (and biases) in bf16 for a bf16-autocast policy; returns how many modules.
+    Autocast caches its bf16 copy only of leaf tensors that require grad, so it casts every frozen fp32 weight again
+    at every call (a step calls each layer twice: prompt, then completions), and the product it computes is that
+    of the bf16-rounded weight anyway: the log-probs and gradients do not change (tests/test_shared_prompt.py), the
+    casts go and the frozen weights take half the memory. Tied input embeddings stay fp32 (they start the residual
+    stream, which autocast keeps in fp32)."""
+    emb = model.get_input_embeddings().weight
+    n = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad and m.weight is not emb:
+            for t in (m.weight, m.bias):
+                if t is not None and not t.requires_grad:
+                    t.data = t.data.to(torch.bfloat16)
+            n += 1
+    return n
+
+
 def row_shapes(seqs: list[TrainSequence]) -> list[RowShape]:
     """What `pipeline.core.packing` plans with: identity, group, the prompt a pass encodes once, completion length."""
     return [RowShape(s.gen_id, s.group_id, tuple(s.prompt_ids[:-1]), len(s.completion_ids)) for s in seqs]
@@ -550,6 +568,8 @@ def load_stage(ctx, obj, accel) -> TrainSetup:
         log.warning("round %d has no kept %s rows: the checkpoint is the unchanged adapter", ctx.round, obj.kind)
     pad_id = load_tokenizer(ctx.cfg.generator.model).pad_token_id or 0
     model = load_policy(ctx, accel.device)
+    if tc.bf16:
+        frozen_linears_bf16(model)
     if tc.gradient_checkpointing:
         model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     rng = np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))
