@@ -9,8 +9,14 @@ import torch
 
 from pipeline.core.objectives import get_objective
 from pipeline.core.packing import pack, step_units
-from pipeline.stages.train import (TrainSequence, chunk_loss_input, collate, completion_logprobs, frozen_linears_bf16,
-                                  row_shapes)
+from pipeline.stages.train import (
+    TrainSequence,
+    chunk_loss_input,
+    collate,
+    completion_logprobs,
+    frozen_linears_bf16,
+    row_shapes,
+)
 
 torch.set_num_threads(2)
 MODEL = "embedded:smollm2-135m-instruct"
