@@ -467,7 +467,8 @@ class TrainingConfig(_Strict):
     loss_norm: Literal["sequence", "token"] = Field(
         "sequence", description="Mean per sequence then over sequences, or over all tokens of the batch."
     )
-    bf16: bool = Field(False, description="bf16 autocast of the policy forward passes (GPU; CPUs with AVX512-BF16).")
+    bf16: bool = Field(False, description="bf16 autocast of the policy forward passes, frozen weights kept in bf16 "
+                                          "(GPU; CPUs with AVX512-BF16).")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
     max_seq_len: int = Field(2048, gt=0, description="Prompt+completion tokens kept per sequence.")
     seed: int = Field(0, description="Training seed.")
