@@ -449,6 +449,11 @@ class TrainingConfig(_Strict):
         "groups", description="Rows of a step: whole groups, a query's groups together (its passes share the prompt "
         "and the sequences in several groups), or shuffled rows (the order before issue 23).",
     )
+    prompt_layout: Literal["split", "packed"] = Field(
+        "split", description="A pass's layout: split (the prompts' keys and values once, then the completions "
+        "attending to them; least memory) or packed (each prompt and its completions in one row under a 4D mask: "
+        "one decoder call, no padding between completions; faster on CPU, attention memory quadratic in the row).",
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     beta: float = Field(0.1, ge=0, description="KL weight β.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip ε.")

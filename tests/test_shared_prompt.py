@@ -13,8 +13,10 @@ from pipeline.stages.train import (
     TrainSequence,
     chunk_loss_input,
     collate,
+    collate_packed,
     completion_logprobs,
     frozen_linears_bf16,
+    pass_batch,
     row_shapes,
 )
 
@@ -62,22 +64,29 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_shared_prompt_forward_equals_one_forward_per_sequence(lora_smol):
+@pytest.mark.parametrize("layout", ["split", "packed"])
+def test_shared_prompt_forward_equals_one_forward_per_sequence(lora_smol, layout):
     """fp32, the embedded model: per-token log-probs within 1e-5 on average and 3e-5 at most, every LoRA gradient
     within 1e-4 relative, with and without gradient checkpointing. The 1e-5 bound does not hold token by token in
     fp32 for any two layouts: today's own batched path differs from one unpadded forward by up to 2.0e-5 on these
     tokens (measured; the shared pass: 2.6e-5 max, 4e-6 mean). In float64 the two agree to 1e-10 (next test): the
     maths is the same, the rest is rounding. The prompt pass runs once per distinct
     prompt (2 rows for 5 sequences); the k/v LoRA gradients include the completions' pull on the prompt's keys and
-    values (detaching them was measured at 0.3 relative error)."""
+    values (detaching them was measured at 0.3 relative error). The packed layout (`training.prompt_layout`: a prompt
+    and its completions in one row) is held to the same bounds."""
     model, seqs = lora_smol
     w = [torch.randn(len(s.completion_ids), generator=torch.Generator().manual_seed(i)) for i, s in enumerate(seqs)]
     model.zero_grad()
     want = [_full_logprobs(model, s) for s in seqs]
     sum((lp * wi).sum() for lp, wi in zip(want, w, strict=True)).backward()
     want_g = _grads(model)
-    batch = collate(seqs, pad_id=0)
-    assert batch.prompt_ids.shape[0] == 2 and batch.prompt_of.tolist() == [0, 0, 0, 1, 1]
+    batch = pass_batch(seqs, 0, "cpu", layout)
+    if layout == "split":
+        assert batch.prompt_ids.shape[0] == 2 and batch.prompt_of.tolist() == [0, 0, 0, 1, 1]
+    else:  # one row per prompt: the prompt, then every completion but its last token
+        assert batch.input_ids.shape[0] == 2
+        prompts = sum(len(seqs[i].prompt_ids) for i in (0, 3))
+        assert batch.tokens == prompts + sum(len(x.completion_ids) - 1 for x in seqs)
     for checkpointed in (False, True):
         if checkpointed:
             model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -94,7 +103,8 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(lora_smol):
     model.get_base_model().gradient_checkpointing_disable()
 
 
-def test_shared_prompt_forward_is_exact_in_float64(lora_smol):
+@pytest.mark.parametrize("layout", ["split", "packed"])
+def test_shared_prompt_forward_is_exact_in_float64(lora_smol, layout):
     """The same sequences in float64: log-probs agree to 1e-10 (fp32 rounding is gone), so the shared pass computes
     today's maths; a wrong position, mask or prompt row would be off by far more than 1e-3."""
     from pipeline.engines.models import load_causal_lm
@@ -102,10 +112,27 @@ def test_shared_prompt_forward_is_exact_in_float64(lora_smol):
     _, seqs = lora_smol
     lm = load_causal_lm(MODEL, dtype="float32", device="cpu").double().eval()
     with torch.no_grad():
-        got = completion_logprobs(lm, collate(seqs, pad_id=0))
+        got = completion_logprobs(lm, pass_batch(seqs, 0, "cpu", layout))
         worst = max(float((got[b, : len(s.completion_ids)] - _full_logprobs(lm, s)).abs().max())
                     for b, s in enumerate(seqs))
     assert worst < 1e-10, worst
+
+
+def test_packed_rows_by_hand():
+    """Two sequences of one prompt [1, 2] (completions [3, 4] and [5, 6, 7]) and one of prompt [9] (completion [8]):
+    row 0 is [1, 2, 3, 5, 6] at positions [0, 1, 2, 2, 3]; the second completion restarts at position 2 and does
+    not see the first; each completion's first token is predicted from the prompt's last position."""
+    seqs = [TrainSequence("a", [1, 2], [3, 4], 1.0, None), TrainSequence("b", [1, 2], [5, 6, 7], -1.0, None),
+            TrainSequence("c", [9], [8], 0.5, None)]
+    b = collate_packed(seqs, pad_id=0)
+    assert b.input_ids.tolist() == [[1, 2, 3, 5, 6], [9, 0, 0, 0, 0]]
+    assert b.position_ids[0].tolist() == [0, 1, 2, 2, 3] and b.position_ids[1, 0] == 0
+    m = b.attention_mask[0, 0].int().tolist()
+    assert m == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
+    assert b.attention_mask[1, 0].int().tolist()[2] == [1, 0, 1, 0, 0]  # padding sees the prompt and itself: no NaN
+    assert b.src.tolist() == [1, 2, 1, 3, 4, 5] and b.dst.tolist() == [0, 1, 3, 4, 5, 6]
+    assert b.tgt.tolist() == [3, 4, 5, 6, 7, 8]
+    assert b.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]] and (b.slots, b.tokens) == (10, 6)
 
 
 def test_frozen_bf16_weights_change_nothing_under_the_autocast(lora_smol, smol_tokenizer):

@@ -113,6 +113,71 @@ def collate(seqs: list[TrainSequence], pad_id: int, device: torch.device | str =
                                           cmask, adv)))
 
 
+@dataclass
+class PackedBatch:
+    """One forward pass as rows that each hold a distinct prompt followed by its sequences' completions (all tokens
+    but the last), under a 4D mask: a completion sees its prompt and its own earlier tokens, not its siblings
+    (Prefix Grouper's layout, arXiv 2506.05433). One decoder call and no padding between completions; the same
+    outputs as `Batch` (`completion_logprobs` returns the same [B, Tc] grid)."""
+
+    input_ids: torch.Tensor  # [R, T] prompt, then each completion[:-1], right-padded
+    position_ids: torch.Tensor  # [R, T] prompt 0..Lp-1; each completion from Lp again
+    attention_mask: torch.Tensor  # [R, 1, T, T] bool, True = attends
+    src: torch.Tensor  # [N] flat positions (r*T + i) of the hidden states predicting the completion tokens
+    dst: torch.Tensor  # [N] their places (b*Tc + j) in the [B, Tc] output grid
+    tgt: torch.Tensor  # [N] the completion token ids
+    completion_mask: torch.Tensor  # [B, Tc]
+    advantages: torch.Tensor  # [B]
+    real: int  # token positions that hold a real token
+
+    @property
+    def slots(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def tokens(self) -> int:
+        return self.real
+
+
+def collate_packed(seqs: list[TrainSequence], pad_id: int, device: torch.device | str = "cpu") -> PackedBatch:
+    rows: dict[tuple[int, ...], list[int]] = {}
+    for b, s in enumerate(seqs):
+        rows.setdefault(tuple(s.prompt_ids), []).append(b)
+    tc = max(len(s.completion_ids) for s in seqs)
+    built, src, dst = [], [], []  # per row (ids, positions, owners); src as (row, index)
+    for r, (prompt, members) in enumerate(rows.items()):
+        lp = len(prompt)
+        ids, pos, own = list(prompt), list(range(lp)), [-1] * lp
+        for b in members:
+            c = seqs[b].completion_ids
+            src += [(r, lp - 1)] + [(r, len(ids) + j) for j in range(len(c) - 1)]
+            dst += [b * tc + j for j in range(len(c))]
+            ids, pos, own = ids + c[:-1], pos + list(range(lp, lp + len(c) - 1)), own + [b] * (len(c) - 1)
+        built.append((ids, pos, own))
+    t = max(len(ids) for ids, _, _ in built)
+    ids_t = torch.full((len(built), t), pad_id, dtype=torch.long)
+    pos_t = torch.zeros((len(built), t), dtype=torch.long)
+    own_t = -2 - torch.arange(t).repeat(len(built), 1)  # padding: an owner of its own (it sees itself: no empty row)
+    for r, (ids, pos, own) in enumerate(built):
+        ids_t[r, : len(ids)], pos_t[r, : len(ids)], own_t[r, : len(ids)] = (torch.tensor(x) for x in (ids, pos, own))
+    idx = torch.arange(t)
+    mask = (idx[None, :] <= idx[:, None]) & ((own_t[:, None, :] == -1) | (own_t[:, None, :] == own_t[:, :, None]))
+    cmask = torch.zeros((len(seqs), tc))
+    for b, s in enumerate(seqs):
+        cmask[b, : len(s.completion_ids)] = 1
+    src_t = torch.tensor([r * t + i for r, i in src], dtype=torch.long)
+    dst_t = torch.tensor(dst, dtype=torch.long)
+    tgt = torch.tensor([tok for bs in rows.values() for b in bs for tok in seqs[b].completion_ids], dtype=torch.long)
+    adv = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
+    real = sum(len(ids) for ids, _, _ in built)
+    return PackedBatch(*(x.to(device) for x in (ids_t, pos_t, mask[:, None], src_t, dst_t, tgt, cmask, adv)), real)
+
+
+def pass_batch(seqs: list[TrainSequence], pad_id: int, device, layout: str = "split") -> Batch | PackedBatch:
+    """A pass's tensors in `training.prompt_layout`."""
+    return collate_packed(seqs, pad_id, device) if layout == "packed" else collate(seqs, pad_id, device)
+
+
 def _split_causal_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(decoder, lm_head) of an HF causal LM, unwrapping PEFT (LoRA layers are injected in place)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -196,13 +261,31 @@ def _prompt_states(decoder: torch.nn.Module, batch: Batch):
     return _prefix_cache(rec, batch.prompt_of)
 
 
-def completion_logprobs(model: torch.nn.Module, batch: Batch, head_chunk: int = 2048) -> torch.Tensor:
+def _gathered_logprobs(head: torch.nn.Module, h: torch.Tensor, tgt: torch.Tensor, head_chunk: int) -> torch.Tensor:
+    """Log-probs of `tgt` from the hidden states `h` [N, H]: above `head_chunk` positions in checkpointed chunks, so
+    at most [head_chunk, V] logits live at once."""
+    from torch.utils.checkpoint import checkpoint
+
+    if h.shape[0] <= head_chunk:
+        return _head_logprobs(head, h, tgt)
+    run = (lambda *a: checkpoint(_head_logprobs, *a, use_reentrant=False)) if torch.is_grad_enabled() else \
+        _head_logprobs
+    return torch.cat([run(head, h[i: i + head_chunk], tgt[i: i + head_chunk])
+                      for i in range(0, h.shape[0], head_chunk)])
+
+
+def completion_logprobs(model: torch.nn.Module, batch: Batch | PackedBatch, head_chunk: int = 2048) -> torch.Tensor:
     """[B, Tc] log-probs of the completion tokens (0 on padding), each distinct prompt encoded once (`Batch`).
     The head runs only on the hidden states of the N completion positions: [N, H] @ [H, V], never [B, T, V];
     above `head_chunk` positions it runs in checkpointed chunks, so at most [head_chunk, V] logits live at once."""
-    from torch.utils.checkpoint import checkpoint
-
     decoder, head = _split_causal_lm(model)
+    if isinstance(batch, PackedBatch):
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                         position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        logp = _gathered_logprobs(head, hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src), batch.tgt,
+                                  head_chunk)
+        b, tc = batch.completion_mask.shape
+        return logp.new_zeros(b * tc).scatter(0, batch.dst, logp).view(b, tc)
     cache = _prompt_states(decoder, batch)
     mask = batch.completion_mask.long()
     if cache is not None:
@@ -210,14 +293,8 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, head_chunk: int = 
     with _cache_under_checkpointing(decoder):
         hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
                          past_key_values=cache, use_cache=False).last_hidden_state
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src)
-    if h.shape[0] <= head_chunk:
-        logp = _head_logprobs(head, h, batch.tgt)
-    else:
-        run = (lambda *a: checkpoint(_head_logprobs, *a, use_reentrant=False)) if torch.is_grad_enabled() else \
-            _head_logprobs
-        logp = torch.cat([run(head, h[i: i + head_chunk], batch.tgt[i: i + head_chunk])
-                          for i in range(0, h.shape[0], head_chunk)])
+    logp = _gathered_logprobs(head, hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src), batch.tgt,
+                              head_chunk)
     b, tc = batch.completion_mask.shape
     return logp.new_zeros(b * tc).scatter(0, batch.src, logp).view(b, tc)
 
@@ -367,18 +444,18 @@ def plan_passes(seqs: list[TrainSequence], tc, rng: np.random.Generator, paired:
 
 
 def _pass_logprobs(model, seqs: list[TrainSequence], chunk: Chunk, pad_id: int, device, bf16: bool,
-                   disable_adapter: bool) -> dict[str, torch.Tensor]:
+                   disable_adapter: bool, layout: str) -> dict[str, torch.Tensor]:
     uniq = [seqs[i] for i in chunk.uniq]
     with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16), \
             model.disable_adapter() if disable_adapter else contextlib.nullcontext():
-        lp = completion_logprobs(model, collate(uniq, pad_id, device)).float()
+        lp = completion_logprobs(model, pass_batch(uniq, pad_id, device, layout)).float()
     return {s.gen_id: lp[b, : len(s.completion_ids)].cpu() for b, s in enumerate(uniq)}
 
 
 @torch.no_grad()
 def reference_logprobs(model, seqs: list[TrainSequence], chunks: list[Chunk], pad_id: int, device,
                        disable_adapter: bool = False, desc: str = "old logprobs", bf16: bool = False,
-                       shard: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
+                       shard: tuple[int, int] = (0, 1), layout: str = "split") -> dict[str, torch.Tensor]:
     """Per gen_id, completion log-probs (fp32 values) of `model` in eval mode (no dropout) computed on `chunks`
     (`pipeline.core.packing.logprob_chunks`), under the same bf16 autocast as the training forward when `bf16`: π_old
     and π_θ are then the same computation at the first step (ratio 1, k3 0 before any update), and the pass costs
@@ -395,7 +472,7 @@ def reference_logprobs(model, seqs: list[TrainSequence], chunks: list[Chunk], pa
     computed: dict[int, dict[str, torch.Tensor]] = {}
     try:
         for k in tqdm(range(rank, len(chunks), n), desc=desc, unit="pass", leave=False, disable=rank > 0):
-            computed[k] = _pass_logprobs(model, seqs, chunks[k], pad_id, device, bf16, disable_adapter)
+            computed[k] = _pass_logprobs(model, seqs, chunks[k], pad_id, device, bf16, disable_adapter, layout)
     finally:
         model.train(was_training)
     computed = gather_logprobs(computed, n)
@@ -597,7 +674,7 @@ def reference_passes(s: TrainSetup) -> tuple[dict | None, dict | None]:
     """Step 2: π_old and reference log-probs per gen_id, before any update (`reference_logprobs`)."""
     tc = s.ctx.cfg.training
     chunks = logprob_chunks(s.steps[0].passes if s.steps else [], row_shapes(s.seqs), pass_budget(tc))
-    args = {"pad_id": s.pad_id, "device": s.accel.device, "bf16": tc.bf16, "shard": s.shard}
+    args = {"pad_id": s.pad_id, "device": s.accel.device, "bf16": tc.bf16, "shard": s.shard, "layout": tc.prompt_layout}
     old = old_logprobs(s, chunks, args) if s.obj.needs_old else None
     if not s.obj.uses_ref or tc.reference == "none":
         return old, None
@@ -620,7 +697,7 @@ def train_pass(s: TrainSetup, chunk: Chunk, step_rows: list[int], real: bool, pa
     weighs 0: DDP needs every rank at each all-reduce)."""
     tc, device, n_ranks = s.ctx.cfg.training, s.accel.device, s.accel.num_processes
     old, ref = passes
-    batch = collate([s.seqs[i] for i in chunk.uniq], s.pad_id, device)
+    batch = pass_batch([s.seqs[i] for i in chunk.uniq], s.pad_id, device, tc.prompt_layout)
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.bf16):
         logp = s.policy(batch)
     weights = step_weights(s.seqs, step_rows, tc)
