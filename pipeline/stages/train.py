@@ -140,6 +140,8 @@ class PackedBatch:
 
 
 def collate_packed(seqs: list[TrainSequence], pad_id: int, device: torch.device | str = "cpu") -> PackedBatch:
+    """`PackedBatch` of `seqs` (prompts of at least one token: a completion's first token is predicted from its
+    prompt's last position)."""
     rows: dict[tuple[int, ...], list[int]] = {}
     for b, s in enumerate(seqs):
         rows.setdefault(tuple(s.prompt_ids), []).append(b)
