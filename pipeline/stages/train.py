@@ -146,7 +146,7 @@ def collate_packed(seqs: list[TrainSequence], pad_id: int, device: torch.device 
     for b, s in enumerate(seqs):
         rows.setdefault(tuple(s.prompt_ids), []).append(b)
     tc = max(len(s.completion_ids) for s in seqs)
-    built, src, dst = [], [], []  # per row (ids, positions, owners); src as (row, index)
+    built, src, dst, tgt = [], [], [], []  # per row (ids, positions, owners); src as (row, index)
     for r, (prompt, members) in enumerate(rows.items()):
         lp = len(prompt)
         ids, pos, own = list(prompt), list(range(lp)), [-1] * lp
@@ -154,6 +154,7 @@ def collate_packed(seqs: list[TrainSequence], pad_id: int, device: torch.device 
             c = seqs[b].completion_ids
             src += [(r, lp - 1)] + [(r, len(ids) + j) for j in range(len(c) - 1)]
             dst += [b * tc + j for j in range(len(c))]
+            tgt += c
             ids, pos, own = ids + c[:-1], pos + list(range(lp, lp + len(c) - 1)), own + [b] * (len(c) - 1)
         built.append((ids, pos, own))
     t = max(len(ids) for ids, _, _ in built)
@@ -169,10 +170,10 @@ def collate_packed(seqs: list[TrainSequence], pad_id: int, device: torch.device 
         cmask[b, : len(s.completion_ids)] = 1
     src_t = torch.tensor([r * t + i for r, i in src], dtype=torch.long)
     dst_t = torch.tensor(dst, dtype=torch.long)
-    tgt = torch.tensor([tok for bs in rows.values() for b in bs for tok in seqs[b].completion_ids], dtype=torch.long)
     adv = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
     real = sum(len(ids) for ids, _, _ in built)
-    return PackedBatch(*(x.to(device) for x in (ids_t, pos_t, mask[:, None], src_t, dst_t, tgt, cmask, adv)), real)
+    tgt_t = torch.tensor(tgt, dtype=torch.long)
+    return PackedBatch(*(x.to(device) for x in (ids_t, pos_t, mask[:, None], src_t, dst_t, tgt_t, cmask, adv)), real)
 
 
 def pass_batch(seqs: list[TrainSequence], pad_id: int, device, layout: str = "split") -> Batch | PackedBatch:
@@ -277,28 +278,27 @@ def _gathered_logprobs(head: torch.nn.Module, h: torch.Tensor, tgt: torch.Tensor
 
 
 def completion_logprobs(model: torch.nn.Module, batch: Batch | PackedBatch, head_chunk: int = 2048) -> torch.Tensor:
-    """[B, Tc] log-probs of the completion tokens (0 on padding), each distinct prompt encoded once (`Batch`).
-    The head runs only on the hidden states of the N completion positions: [N, H] @ [H, V], never [B, T, V];
-    above `head_chunk` positions it runs in checkpointed chunks, so at most [head_chunk, V] logits live at once."""
+    """[B, Tc] log-probs of the completion tokens (0 on padding), each distinct prompt encoded once (`Batch`, or
+    `PackedBatch`: one row per prompt). The head runs only on the hidden states of the N completion positions
+    (`_gathered_logprobs`): [N, H] @ [H, V], never [B, T, V]."""
     decoder, head = _split_causal_lm(model)
     if isinstance(batch, PackedBatch):
         hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                          position_ids=batch.position_ids, use_cache=False).last_hidden_state
-        logp = _gathered_logprobs(head, hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src), batch.tgt,
-                                  head_chunk)
-        b, tc = batch.completion_mask.shape
-        return logp.new_zeros(b * tc).scatter(0, batch.dst, logp).view(b, tc)
-    cache = _prompt_states(decoder, batch)
-    mask = batch.completion_mask.long()
-    if cache is not None:
-        mask = torch.cat([batch.prompt_mask.index_select(0, batch.prompt_of), mask], dim=1)
-    with _cache_under_checkpointing(decoder):
-        hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
-                         past_key_values=cache, use_cache=False).last_hidden_state
+        dst = batch.dst
+    else:
+        cache = _prompt_states(decoder, batch)
+        mask = batch.completion_mask.long()
+        if cache is not None:
+            mask = torch.cat([batch.prompt_mask.index_select(0, batch.prompt_of), mask], dim=1)
+        with _cache_under_checkpointing(decoder):
+            hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
+                             past_key_values=cache, use_cache=False).last_hidden_state
+        dst = batch.src  # the completion grid is the output grid
     logp = _gathered_logprobs(head, hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.src), batch.tgt,
                               head_chunk)
     b, tc = batch.completion_mask.shape
-    return logp.new_zeros(b * tc).scatter(0, batch.src, logp).view(b, tc)
+    return logp.new_zeros(b * tc).scatter(0, dst, logp).view(b, tc)
 
 
 # ---- data -----------------------------------------------------------------------------------------
