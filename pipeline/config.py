@@ -520,6 +520,15 @@ class ExperimentConfig(_Strict):
         "baseline --run-id <id>`) instead of making them: experiments that differ only in training (e.g. the learning "
         "rate chosen on dev) share their references. Their benchmark and executor must be this config's.",
     )
+    select_split: Literal["dev"] | None = Field(
+        None, description="Also run every reference on this split and name the best fixed workflow by it: the highest "
+        "Mean@L there, at the trained generator's executor budget and at any (test is never used to choose).",
+    )
+    select_queries: int | None = Field(None, gt=0, description="The first N queries of select_split; null: all.")
+    budget_slack: float = Field(
+        0.25, ge=0, description="A reference is at the trained generator's budget when its held-out executor tokens "
+        "per query are at most (1 + slack) x those of the last evaluated round (mean over seeds).",
+    )
     shared_base: bool = Field(
         False, description="Evaluate the base model once (the first seed's run and sampling seed) and pair every seed "
         "with it: one evaluation less per extra seed, but the base's sampling noise is not resampled across seeds.",
@@ -694,6 +703,7 @@ def load_config(path: str | Path, sets: list[str] | None = None) -> RunConfig:
 # progress: no run computes differently, so a run resumed with another value of them is not refused (an experiment
 # can gain references after its seeds ran).
 PLAN_ONLY = frozenset({"experiment.references", "experiment.references_from", "experiment.shared_base",
+                       "experiment.select_split", "experiment.select_queries", "experiment.budget_slack",
                        "training.save_steps"})
 
 

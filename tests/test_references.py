@@ -205,7 +205,8 @@ def test_word_problem_references_under_the_exact_number_rule(tmp_path, scripted)
 
 def _fake(calls: list):
     """Stage functions: rollout writes L workflows per query of the run's split; score gives the base model
-    0.5 - 0.25 * seed, a checkpoint 1.0, the io reference 0.25 and the hand-written program 0.75."""
+    0.5 - 0.25 * seed, a checkpoint 1.0, the io reference 0.25 and the hand-written program 0.75 (on dev: 0.9 and
+    0.5)."""
     def make(stage):
         def fn(ctx, only_failed=False):
             calls.append((ctx.run_id, stage))
@@ -217,7 +218,8 @@ def _fake(calls: list):
                     ctx.round)
             if stage == "score":
                 gens = ctx.store.read("generations", ctx.run_id, ctx.round)
-                score = (0.25 if ctx.run_id.endswith("-baseline-io") else 0.75 if "-baseline-" in ctx.run_id
+                score = ((0.9 if ctx.run_id.endswith("-io") else 0.5) if "-baseline-dev-" in ctx.run_id
+                         else 0.25 if ctx.run_id.endswith("-baseline-io") else 0.75 if "-baseline-" in ctx.run_id
                          else 1.0 if ctx.cfg.generator.adapter else 0.5 - 0.25 * ctx.cfg.generator.seed)
                 ctx.store.write("scores", [{"gen_id": g, "query_id": q, "rep": 0, "attempt": 0, "status": "ok",
                                             "score": score, "answer": "1"}
@@ -382,3 +384,74 @@ def test_curve_plot_has_a_line_per_seed_the_mean_and_each_reference(tmp_path):
     assert list(io.get_ydata()) == [0.561, 0.561]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["base", "1", "2", "3"]
 
+
+
+# ---- the best fixed workflow, chosen on dev ------------------------------------------------------------------------
+
+
+def _ref(label: str, mean: float, tokens: float, pending: int = 0) -> dict:
+    return {"label": label, "eval_run_id": f"r-{label}", "queries": 49, "mean_at_l": mean, "best_at_l": mean,
+            "pending": pending, "exec_tokens_per_query": tokens}
+
+
+def test_best_fixed_ranks_by_the_choosing_split_and_keeps_to_the_trained_budget():
+    """HumanEval's numbers (docs/learning.md): dev Mean@2 of IO, the example, best of 2 and best of 4 (0.58 made up:
+    its dev run was never finished), their test executor tokens, and the trained generator's 1,074 a query."""
+    from pipeline.studies.experiment import best_fixed
+
+    dev = [_ref("io", 0.367, 0), _ref("example", 0.531, 0), _ref("bo2", 0.541, 0), _ref("bo4", 0.58, 0)]
+    test = [_ref("io", 0.561, 1004), _ref("example", 0.606, 1075), _ref("bo2", 0.598, 1229), _ref("bo4", 0.636, 2107)]
+    sel = best_fixed(dev, test, 1074, 0.25)  # at most 1,342.5 tokens: bo4 (2,107) is over
+    assert (sel["same_budget"], sel["any_budget"]) == ("bo2", "bo4")
+    assert [(c["label"], c["within_budget"]) for c in sel["candidates"]] == [
+        ("bo4", False), ("bo2", True), ("example", True), ("io", True)]
+    assert sel["candidates"][1]["exec_tokens_per_query"] == 1229  # the held-out split's tokens, not dev's
+    # a slack of 0.1 (1,181.4 tokens) leaves best of 2 out too
+    assert best_fixed(dev, test, 1074, 0.1)["same_budget"] == "example"
+    # an unfinished run on dev is not chosen, and is listed last
+    dev[3] = _ref("bo4", 0.58, 0, pending=40)
+    sel = best_fixed(dev, test, 1074, 0.25)
+    assert (sel["same_budget"], sel["any_budget"]) == ("bo2", "bo2") and sel["candidates"][-1]["label"] == "bo4"
+    assert sel["unfinished"] == ["bo4"]
+    # a tie on dev goes to the cheaper workflow; no trained arm yet: nothing is at its budget
+    dev[1] = _ref("example", 0.541, 0)
+    sel = best_fixed(dev, test, None, 0.25)
+    assert (sel["same_budget"], sel["any_budget"]) == (None, "example")
+
+
+def test_experiment_runs_references_on_dev_and_names_the_best_fixed_workflow(tmp_path, monkeypatch):
+    """Fake stages: on test IO scores 0.25 and the program 0.75, on dev the other way round (0.9 and 0.5): the
+    choice follows dev. A split that holds reported or trained-on queries is refused before any work."""
+    from pipeline.studies.experiment import headline, run_experiment
+
+    calls: list = []
+    make = _fake(calls)
+    for name, st in list(stages.STAGES.items()):
+        monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(st, fn=make(name), isolated=False,
+                                                                     checkpoint=False))
+    program, tag = f"program:{PROGRAMS / 'expression_eval.py'}", "program-expression_eval"
+    split = {"select_split": "dev", "select_queries": 1, "references": ["io", program], "seeds": [0]}
+    path = _experiment_config(tmp_path, "d", split, rounds=1)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["benchmark"] |= {"train_split": "train", "dev_share": 0.5}
+    path.write_text(yaml.safe_dump(cfg))
+    out = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
+    assert {"d-baseline-dev-io", f"d-baseline-dev-{tag}"} <= {r for r, _ in calls}
+    sel = out["selection"]
+    assert (sel["split"], sel["same_budget"], sel["any_budget"], sel["missing"], sel["unfinished"]) == (
+        "dev", "io", "io", [], [])
+    assert [(c["label"], c["mean_at_l"], c["queries"]) for c in sel["candidates"]] == [("io", 0.9, 1), (tag, 0.5, 1)]
+    assert {r["label"]: r["mean_at_l"] for r in out["references"]} == {"io": 0.25, tag: 0.75}  # test unchanged
+    assert "best fixed workflow on dev at any budget: io (dev Mean@L 0.900)" in headline(out)
+    page = (tmp_path / "runs" / "experiments" / "d" / "report.html").read_text()
+    assert "<h2>The best fixed workflow, chosen on dev</h2>" in page and "d-baseline-dev-io" in page
+
+    bad = dict(cfg, run_id="e", experiment=dict(cfg["experiment"], eval_split="dev"))
+    (tmp_path / "e.yaml").write_text(yaml.safe_dump(bad))
+    with pytest.raises(ConfigError, match="select_split dev shares queries with experiment.eval_split dev"):
+        run_experiment(tmp_path / "e.yaml", direct_call(RetryPolicy(delay_s=0)))
+    bad = dict(cfg, run_id="f", benchmark=dict(cfg["benchmark"], train_split="validate"))
+    (tmp_path / "f.yaml").write_text(yaml.safe_dump(bad))
+    with pytest.raises(ConfigError, match="select_split dev shares queries with benchmark.train_split validate"):
+        run_experiment(tmp_path / "f.yaml", direct_call(RetryPolicy(delay_s=0)))
+    assert not (tmp_path / "runs" / "e-s0").exists() and not (tmp_path / "runs" / "f-s0").exists()

@@ -22,6 +22,9 @@ queries and L in its derived run `<run_id>-baseline-<method>`; the summary gives
 Best@L, Majority@L, tokens per query) with every evaluated round's paired difference to it (pairs over seed x
 query, the reference's per-query value the base of every seed). `curve`: per evaluated round, the mean over
 (seed, query) with its seeds-then-queries interval and each seed's mean (the report plots it with the references).
+`experiment.select_split` (dev): the references also run there (first `select_queries` queries), and `selection`
+names the best fixed workflow by its Mean@L there, at the trained generator's executor budget and at any
+(`best_fixed`): the choice a reviewer asks for, made by a rule fixed before the test numbers are read.
 
 The summary is written to `<store>/experiments/<run_id>/` as experiment.json (everything), per_query.csv,
 report.html and curve.png.
@@ -99,6 +102,12 @@ def plan(cfg: RunConfig, seeds: list[int] | None = None) -> list[SeedPlan]:
                           "train on `train` (benchmark.dev_share > 0) to evaluate on `dev`")
     for method in cfg.experiment.references:  # a typo fails now, not after hours of training
         check_method(method)
+    if (chooser := cfg.experiment.select_split) is not None:
+        if not cfg.experiment.references:
+            raise ConfigError(f"experiment.select_split {chooser}: no experiment.references to choose from")
+        for other, name in ((held_out, "experiment.eval_split"), (train, "benchmark.train_split")):
+            if splits_overlap(chooser, other):  # choosing on reported or trained-on queries biases the choice
+                raise ConfigError(f"experiment.select_split {chooser} shares queries with {name} {other}")
     seeds = list(cfg.experiment.seeds if seeds is None else seeds)
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"experiment seeds repeat: {seeds}")
@@ -156,10 +165,12 @@ def curve(cfg: RunConfig, seeds: list[int], per_query: list[dict]) -> list[dict]
     return rows
 
 
-def reference_runs(cfg: RunConfig) -> dict[str, str]:
-    """method -> the derived run of each `experiment.references` baseline (of `references_from` when set)."""
+def reference_runs(cfg: RunConfig, split: str | None = None) -> dict[str, str]:
+    """method -> the derived run of each `experiment.references` baseline on `split` (default: the held-out one),
+    of `references_from` when set."""
     owner = cfg.experiment.references_from or cfg.run_id
-    return {m: baseline_run_id(owner, method_tag(m), cfg.experiment.eval_split) for m in cfg.experiment.references}
+    return {m: baseline_run_id(owner, method_tag(m), split or cfg.experiment.eval_split)
+            for m in cfg.experiment.references}
 
 
 def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[str]) -> None:
@@ -181,12 +192,49 @@ def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[
                               "experiment.references_from")
 
 
-def references(store: Store, cfg: RunConfig) -> list[dict]:
-    """`eval_summary` of each `experiment.references` baseline run that exists, with its `method` and `label` (the
-    method, or `program-<file stem>`)."""
-    runs = reference_runs(cfg)
+def references(store: Store, cfg: RunConfig, split: str | None = None) -> list[dict]:
+    """`eval_summary` of each `experiment.references` baseline run on `split` (default: the held-out one) that
+    exists, with its `method` and `label` (the method, or `program-<file stem>`)."""
+    runs = reference_runs(cfg, split)
     return [{"method": m, "label": method_tag(m), **eval_summary(store, rid)} for m, rid in runs.items()
             if (store.run_dir(rid) / "config.yaml").is_file()]
+
+
+def best_fixed(chosen_on: list[dict], held_out: list[dict], budget: float | None, slack: float) -> dict:
+    """The best fixed workflow, chosen on another split than the held-out one. `chosen_on`, `held_out`: the
+    references' summaries on each split (`references`); `budget`: the trained generator's held-out executor tokens
+    per query. Candidates: the references whose run on the choosing split is finished (no pending workflow), ranked
+    by Mean@L there (ties: fewer held-out executor tokens, then the label). `same_budget`: the first whose held-out
+    executor tokens per query are at most (1 + slack) x budget (none without a budget); `any_budget`: the first."""
+    tokens = {r["label"]: r.get("exec_tokens_per_query") for r in held_out}
+    rows = [{"label": r["label"], "run_id": r["eval_run_id"], "queries": r["queries"], "mean_at_l": r["mean_at_l"],
+             "best_at_l": r["best_at_l"], "pending": r["pending"], "exec_tokens_per_query": tokens.get(r["label"])}
+            for r in chosen_on]
+    for r in rows:
+        r["within_budget"] = budget is not None and r["exec_tokens_per_query"] is not None \
+            and r["exec_tokens_per_query"] <= (1 + slack) * budget
+    ranked = sorted((r for r in rows if not r["pending"] and r["queries"] and r["mean_at_l"] is not None),
+                    key=lambda r: (-r["mean_at_l"], r["exec_tokens_per_query"] or 0.0, r["label"]))
+    unfinished = [r for r in rows if r not in ranked]
+    return {"budget_exec_tokens_per_query": budget, "slack": slack,
+            "same_budget": next((r["label"] for r in ranked if r["within_budget"]), None),
+            "any_budget": ranked[0]["label"] if ranked else None, "candidates": ranked + unfinished,
+            "unfinished": [r["label"] for r in unfinished]}
+
+
+def selection(store: Store, cfg: RunConfig, arms: list[dict], refs: list[dict]) -> dict | None:
+    """`best_fixed` on `experiment.select_split`, the budget the last evaluated round's executor tokens per query
+    (mean over seeds); the references not run there yet listed as `missing`. None without a select_split."""
+    ex = cfg.experiment
+    if ex.select_split is None:
+        return None
+    last = max(eval_rounds(cfg))
+    spent = [a["exec_tokens_per_query"] for a in arms if a["round"] == last and a["exec_tokens_per_query"] is not None]
+    chosen_on = references(store, cfg, ex.select_split)
+    done = {r["method"] for r in chosen_on}
+    return {"split": ex.select_split, "last_round": last, **best_fixed(chosen_on, refs, mean_or_none(spent),
+                                                                         ex.budget_slack),
+            "missing": [method_tag(m) for m in ex.references if m not in done]}
 
 
 def evaluated(store: Store, cfg: RunConfig, seed: int, seeds: list[int]) -> bool:
@@ -222,7 +270,8 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
     return {"experiment": cfg.run_id, "seeds": seeds, "rounds": cfg.rounds, "split": split,
             "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "shared_base": ex.shared_base, "arms": arms,
             "paired": paired, "curve": curve(cfg, seeds, per_query), "references": refs,
-            "paired_references": against, "per_query": per_query, "flagged_rewarded": flagged}
+            "paired_references": against, "selection": selection(store, cfg, arms, refs), "per_query": per_query,
+            "flagged_rewarded": flagged}
 
 
 def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], ex) -> dict:
@@ -283,6 +332,17 @@ def headline(summary: dict) -> list[str]:
             lines.append(f"{arm} vs {p['reference']}, held-out Mean@L: {fmt(p['trained'])} vs {fmt(p['base'])}, "
                          f"paired difference {p['mean']:+.3f} {span(p, 'lo_seeds_queries', 'hi_seeds_queries')} "
                          f"(seeds, then queries; {p['n']} pairs)")
+    if sel := summary.get("selection"):
+        budget = sel["budget_exec_tokens_per_query"]
+        within = "n/a" if budget is None else f"<= {(1 + sel['slack']) * budget:.0f}"
+        means = {c["label"]: c["mean_at_l"] for c in sel["candidates"]}
+        for key, what in (("same_budget", f"at the trained generator's executor budget ({within} tokens/query)"),
+                          ("any_budget", "at any budget")):
+            pick = sel[key]
+            lines.append(f"best fixed workflow on {sel['split']} {what}: " + (
+                "none" if pick is None else f"{pick} ({sel['split']} Mean@L {fmt(means[pick])})"))
+        if left := sel["missing"] + sel["unfinished"]:
+            lines.append(f"not chosen from (not run or not finished on {sel['split']}): {', '.join(left)}")
     if "flagged_rewarded" in summary:  # summaries written before issue 22 lack it
         lines.append(f"flagged rewarded training runs (scores.flags): {summary['flagged_rewarded']}")
     return lines
@@ -356,6 +416,12 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
             for method in [] if cfg.experiment.references_from else cfg.experiment.references:
                 log.info("reference %s on %s", method, cfg.experiment.eval_split)
                 run_baseline(str(path), method, call, cfg.run_id, cfg.experiment.eval_split, sets)
+            if (chooser := cfg.experiment.select_split) and not cfg.experiment.references_from:
+                n = cfg.experiment.select_queries
+                for method in cfg.experiment.references:
+                    log.info("reference %s on %s (the best fixed workflow is chosen there)", method, chooser)
+                    run_baseline(str(path), method, call, cfg.run_id, chooser,
+                                 sets + [f"experiment.eval_queries={'null' if n is None else n}"])
             extra["references_wall_s"] = round(time.perf_counter() - t_refs, 1)
             summary, out = publish("after the references")
     summary["results"] = str(out)

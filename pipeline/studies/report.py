@@ -218,15 +218,26 @@ def plot_curve(summary: dict, out: Path):
 
 
 def reference_tables(summary: dict) -> str:
-    """HTML of the experiment's reference arms and every round's paired difference to them (none: empty)."""
+    """HTML of the experiment's reference arms, every round's paired difference to them and the best fixed workflow
+    chosen on another split (`selection`; none: empty)."""
     refs = [{k: r.get(k) for k in REFERENCE_COLUMNS} for r in summary.get("references", [])]
     pairs = [{"reference": p["reference"], **paired_row(p)} for p in summary.get("paired_references", [])]
     if not refs:
         return ""
+    chosen = ""
+    if sel := summary.get("selection"):
+        budget = sel["budget_exec_tokens_per_query"]
+        cands = sel["candidates"]
+        chosen = (f"<h2>The best fixed workflow, chosen on {sel['split']}</h2><p>the highest {sel['split']} Mean@L: "
+                  f"at the trained generator's executor budget (held-out executor tokens per query at most "
+                  f"(1 + {sel['slack']}) × {'n/a' if budget is None else f'{budget:.0f}'}, round {sel['last_round']}"
+                  f"): <b>{sel['same_budget']}</b>; at any budget: <b>{sel['any_budget']}</b>; not run or not "
+                  f"finished there: {', '.join(sel['missing'] + sel['unfinished']) or 'none'}</p>"
+                  f"{_table(pl.DataFrame(cands)) if cands else ''}")
     return (f"<h2>References</h2><p>baselines on the same held-out queries and L (experiment.references)</p>"
             f"{_table(pl.DataFrame(refs))}<h2>Paired differences to the references</h2><p>round (-1: the base "
             f"model) − reference per (seed, query), the reference's value the base of every seed; base: the "
-            f"reference's mean</p>{_table(pl.DataFrame(pairs)) if pairs else ''}")
+            f"reference's mean</p>{_table(pl.DataFrame(pairs)) if pairs else ''}{chosen}")
 
 
 def build_experiment_report(summary: dict, out: Path) -> Path:
