@@ -242,14 +242,21 @@ def _experiment_config(tmp_path: Path, run_id: str, experiment: dict, rounds: in
     return path
 
 
-def test_experiment_references_shared_base_and_borrowed_references(tmp_path, monkeypatch):
-    from pipeline.studies.experiment import experiment_dir, headline, run_experiment
-
+@pytest.fixture
+def fake_stages(monkeypatch) -> list:
+    """Every stage replaced by `_fake`'s, in process; returns the list of (run id, stage) calls."""
     calls: list = []
     make = _fake(calls)
     for name, st in list(stages.STAGES.items()):
         monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(st, fn=make(name), isolated=False,
                                                                      checkpoint=False))
+    return calls
+
+
+def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fake_stages):
+    from pipeline.studies.experiment import experiment_dir, headline, run_experiment
+
+    calls = fake_stages
     program, tag = f"program:{PROGRAMS / 'expression_eval.py'}", "program-expression_eval"
     path = _experiment_config(tmp_path, "x", {"references": ["io", program], "shared_base": True})
     # seed 0 alone first (`only_seeds`, as a separate process would): no reference runs beside other seeds
@@ -419,16 +426,12 @@ def test_best_fixed_ranks_by_the_choosing_split_and_keeps_to_the_trained_budget(
     assert (sel["same_budget"], sel["any_budget"]) == (None, "example")
 
 
-def test_experiment_runs_references_on_dev_and_names_the_best_fixed_workflow(tmp_path, monkeypatch):
+def test_experiment_runs_references_on_dev_and_names_the_best_fixed_workflow(tmp_path, fake_stages):
     """Fake stages: on test IO scores 0.25 and the program 0.75, on dev the other way round (0.9 and 0.5): the
     choice follows dev. A split that holds reported or trained-on queries is refused before any work."""
     from pipeline.studies.experiment import headline, run_experiment
 
-    calls: list = []
-    make = _fake(calls)
-    for name, st in list(stages.STAGES.items()):
-        monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(st, fn=make(name), isolated=False,
-                                                                     checkpoint=False))
+    calls = fake_stages
     program, tag = f"program:{PROGRAMS / 'expression_eval.py'}", "program-expression_eval"
     split = {"select_split": "dev", "select_queries": 1, "references": ["io", program], "seeds": [0]}
     path = _experiment_config(tmp_path, "d", split, rounds=1)
