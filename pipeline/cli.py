@@ -371,6 +371,9 @@ def experiment(
     only_seed: Annotated[list[int] | None, typer.Option(
         "--only-seed", help="Run only this seed of the plan, no reference (repeatable): seeds in parallel processes "
                             "on one store; a last run without it adds the references and the whole report.")] = None,
+    show_status: Annotated[bool, typer.Option(
+        "--status", help="Run nothing: print where the experiment stands in the store, run by run, and an estimate "
+                         "of the time left from the stages already done.")] = False,
 ) -> None:
     """Train S seeds x R rounds, evaluate the base model and every checkpoint on held-out queries, and print
     the paired difference with its bootstrap interval (results under <store>/experiments/<run_id>/)."""
@@ -378,8 +381,25 @@ def experiment(
 
     from pipeline.stages.rounds import direct_call
     from pipeline.stages.runner import RetryPolicy, StageError
-    from pipeline.studies.experiment import run_experiment
+    from pipeline.studies.experiment import plan, run_experiment, status, status_table, time_left
 
+    if show_status:
+        from pipeline.store import store_for
+
+        try:
+            cfg = load_config(config, sets or [])
+            cfg = cfg.model_copy(update={"run_id": run_id}) if run_id else cfg
+            order = [p.seed for p in plan(cfg, None if seeds is None else list(range(seeds)))]
+            rows = status(store_for(cfg.store), cfg, order)
+        except (ConfigError, ValueError) as e:
+            _fail(str(e))
+        _print_df(status_table(rows), len(rows))
+        left, unknown = time_left(rows)
+        todo = sum(not r["done"] for r in rows)
+        typer.echo(f"{todo} of {len(rows)} stages left" + (f": about {left / 60:.0f} min by the stages done so far"
+                                                           if todo else "")
+                   + (f", {unknown} of them without an estimate (none of their kind done yet)" if unknown else ""))
+        return
     command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     try:
         summary = run_experiment(config, direct_call(RetryPolicy(retries)), seeds, run_id, sets or [], command,

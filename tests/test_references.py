@@ -458,3 +458,40 @@ def test_experiment_runs_references_on_dev_and_names_the_best_fixed_workflow(tmp
     with pytest.raises(ConfigError, match="select_split dev shares queries with benchmark.train_split validate"):
         run_experiment(tmp_path / "f.yaml", direct_call(RetryPolicy(delay_s=0)))
     assert not (tmp_path / "runs" / "e-s0").exists() and not (tmp_path / "runs" / "f-s0").exists()
+
+
+def test_status_reads_where_an_experiment_stands_and_estimates_the_rest(tmp_path, fake_stages):
+    """Seed 0 of two run (as `--only-seed 0` would): its runs are done, seed 1's and the references' are not; the
+    CLI prints the same without running anything."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from pipeline.studies.experiment import run_experiment, status, status_table
+
+    path = _experiment_config(tmp_path, "t", {"references": ["io"]}, rounds=1)
+    run_experiment(path, direct_call(RetryPolicy(delay_s=0)), only_seeds=[0])
+    cfg = load_config(path)
+    rows = status(Store(tmp_path / "runs"), cfg, [0, 1])
+    table = status_table(rows)
+    assert table.select("part", "run_id", "stages_done").rows() == [
+        ("train", "t-s0", "4/4"), ("evaluate", "t-s0-eval-base", "2/2"), ("evaluate", "t-s0-eval-r0", "2/2"),
+        ("train", "t-s1", "0/4"), ("evaluate", "t-s1-eval-base", "0/2"), ("evaluate", "t-s1-eval-r0", "0/2"),
+        ("reference", "t-baseline-io", "0/2")]
+    assert all(r["wall_s"] is not None for r in rows if r["done"])  # the runner timed every stage it ran
+    calls = list(fake_stages)
+    out = CliRunner().invoke(app, ["experiment", str(path), "--status"])
+    assert out.exit_code == 0 and "10 of 18 stages left" in out.output and "t-baseline-io" in out.output
+    assert fake_stages == calls  # nothing ran
+
+
+def test_time_left_is_the_mean_of_the_stages_of_a_kind_already_done():
+    from pipeline.studies.experiment import time_left
+
+    def row(part, stage, done, wall):
+        return {"part": part, "run_id": "r", "round": 0, "stage": stage, "done": done, "wall_s": wall}
+
+    rows = [row("evaluate", "score", True, 600.0), row("evaluate", "score", True, 300.0),
+            row("evaluate", "rollout", True, None),  # done without a timing (a fixed program's rollout): 0 s
+            row("evaluate", "score", False, None), row("evaluate", "rollout", False, None),
+            row("train", "train", False, None)]  # no train stage done yet: no estimate
+    assert time_left(rows) == (450.0, 1)

@@ -50,12 +50,13 @@ import polars as pl
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
 from pipeline.engines.servers import sharing
+from pipeline.stages import ROUND_STAGES
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
 from pipeline.store.views import flagged_rewarded
 from pipeline.studies.baselines import baseline_changes, baseline_run_id, check_method, method_tag, run_baseline
 from pipeline.studies.evaluate import derived_run_sets, eval_run_id, eval_sets, eval_summary
-from pipeline.studies.report import build_experiment_report, span
+from pipeline.studies.report import build_experiment_report, span, stage_timings
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
 
 BASE = -1  # the round index of the base model in evaluations
@@ -272,6 +273,54 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
             "paired": paired, "curve": curve(cfg, seeds, per_query), "references": refs,
             "paired_references": against, "selection": selection(store, cfg, arms, refs), "per_query": per_query,
             "flagged_rewarded": flagged}
+
+
+EVAL_STAGES = ("rollout", "score")  # what an evaluation or a fixed program's run does
+
+
+def status(store: Store, cfg: RunConfig, seeds: list[int]) -> list[dict]:
+    """Where the experiment stands, read from the store (nothing runs): per stage of every run of the plan (the
+    seeds' rounds, their evaluations, the references on the held-out split and on `select_split`), whether it is
+    done (its manifest) and its wall seconds (the last run that did work, `stage_timings`)."""
+    split, ex = cfg.experiment.eval_split, cfg.experiment
+    runs = []
+    for s in seeds:
+        runs.append(("train", seed_run_id(cfg.run_id, s), cfg.rounds, ROUND_STAGES))
+        runs += [("evaluate", eval_run_id(seed_run_id(cfg.run_id, s), k, split), 1, EVAL_STAGES)
+                 for k in seed_rounds(cfg, s, seeds)]
+    runs += [("reference", rid, 1, EVAL_STAGES) for rid in reference_runs(cfg).values()]
+    if ex.select_split is not None:
+        runs += [(f"reference on {ex.select_split}", rid, 1, EVAL_STAGES)
+                 for rid in reference_runs(cfg, ex.select_split).values()]
+    rows = []
+    for part, rid, rounds, stages in runs:
+        walls = {(r["round"], r["stage"]): r["wall_s"] for r in stage_timings(store, rid).iter_rows(named=True)}
+        rows += [{"part": part, "run_id": rid, "round": k, "stage": st,
+                  "done": store.manifest(rid, k, st) is not None, "wall_s": walls.get((k, st))}
+                 for k in range(rounds) for st in stages]
+    return rows
+
+
+def time_left(rows: list[dict]) -> tuple[float, int]:
+    """(seconds, stages without an estimate) for the stages of `status` not done: each the mean wall time of the
+    done stages of the same part and stage name (e.g. every evaluation's score stage). A done stage without a
+    timing counts 0 s: a fixed program's rollout writes its programs in the command, not as a timed stage."""
+    seen: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if r["done"]:
+            seen.setdefault((r["part"], r["stage"]), []).append(r["wall_s"] or 0.0)
+    left = [r for r in rows if not r["done"]]
+    known = [mean_or_none(seen[key]) for r in left if (key := (r["part"], r["stage"])) in seen]
+    return sum(known), len(left) - len(known)
+
+
+def status_table(rows: list[dict]) -> pl.DataFrame:
+    """`status` one line a run, in plan order: its part, stages done of all, and wall minutes spent (done stages)."""
+    df = pl.DataFrame(rows, schema={"part": pl.String, "run_id": pl.String, "round": pl.Int64, "stage": pl.String,
+                                    "done": pl.Boolean, "wall_s": pl.Float64})
+    return (df.group_by("part", "run_id", maintain_order=True)
+            .agg(stages_done=pl.format("{}/{}", pl.col("done").sum(), pl.len()),
+                 minutes=(pl.col("wall_s").filter(pl.col("done")).sum() / 60).round(1)))
 
 
 def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], ex) -> dict:
