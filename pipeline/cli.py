@@ -180,7 +180,9 @@ def _print_df(df, limit: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(*df.columns, caption=f"{df.height} rows")
+    table = Table(caption=f"{df.height} rows")
+    for name in df.columns:  # folded, not cut with an ellipsis: run ids and numbers stay readable whole
+        table.add_column(name, overflow="fold")
     for row in df.head(limit).iter_rows():
         table.add_row(*("" if v is None else str(v)[:80] for v in row))
     Console().print(table)
