@@ -55,7 +55,7 @@ from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
 from pipeline.store.views import flagged_rewarded
 from pipeline.studies.baselines import baseline_changes, baseline_run_id, check_method, method_tag, run_baseline
-from pipeline.studies.evaluate import derived_run_sets, eval_run_id, eval_sets, eval_summary
+from pipeline.studies.evaluate import EVAL_STAGES, derived_run_sets, eval_run_id, eval_sets, eval_summary
 from pipeline.studies.report import build_experiment_report, span, stage_timings
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
 
@@ -273,9 +273,6 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
             "paired": paired, "curve": curve(cfg, seeds, per_query), "references": refs,
             "paired_references": against, "selection": selection(store, cfg, arms, refs), "per_query": per_query,
             "flagged_rewarded": flagged}
-
-
-EVAL_STAGES = ("rollout", "score")  # what an evaluation or a fixed program's run does
 
 
 def status(store: Store, cfg: RunConfig, seeds: list[int]) -> list[dict]:
