@@ -449,6 +449,19 @@ def test_experiment_runs_references_on_dev_and_names_the_best_fixed_workflow(tmp
     page = (tmp_path / "runs" / "experiments" / "d" / "report.html").read_text()
     assert "<h2>The best fixed workflow, chosen on dev</h2>" in page and "d-baseline-dev-io" in page
 
+    # another experiment borrowing d's references borrows its dev runs too, checked like the others: dev runs of
+    # another query count would not be the same choice
+    fake_stages.clear()
+    borrow = dict(cfg, run_id="b", experiment=dict(cfg["experiment"], references_from="d"))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(borrow))
+    theirs = run_experiment(tmp_path / "b.yaml", direct_call(RetryPolicy(delay_s=0)))
+    assert not any("-baseline-" in r for r, _ in fake_stages)
+    assert [c["run_id"] for c in theirs["selection"]["candidates"]] == ["d-baseline-dev-io", f"d-baseline-dev-{tag}"]
+    other = dict(borrow, run_id="c", experiment=dict(borrow["experiment"], select_queries=2))
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(other))
+    with pytest.raises(ConfigError, match="run d-baseline-dev-io has another benchmark section .*max_queries"):
+        run_experiment(tmp_path / "c.yaml", direct_call(RetryPolicy(delay_s=0)))
+
     bad = dict(cfg, run_id="e", experiment=dict(cfg["experiment"], eval_split="dev"))
     (tmp_path / "e.yaml").write_text(yaml.safe_dump(bad))
     with pytest.raises(ConfigError, match="select_split dev shares queries with experiment.eval_split dev"):

@@ -174,23 +174,37 @@ def reference_runs(cfg: RunConfig, split: str | None = None) -> dict[str, str]:
             for m in cfg.experiment.references}
 
 
+NOT_COMPUTED = ("executor.serve.port",)  # where a run's executor listened, not what it computed
+
+
 def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[str]) -> None:
     """References of another experiment (`references_from`) pair with this one's evaluations only where this
     experiment's CONFIG would make the same baseline runs (pipeline.studies.baselines.baseline_changes): a
-    ConfigError naming the run and the fields otherwise, or a missing run with the command that makes it."""
-    wanted = load_config(config, derived_run_sets(cfg.experiment.eval_split, cfg) + eval_sets(cfg) + sets)
-    for m, rid in reference_runs(cfg).items():
-        if not (store.run_dir(rid) / "config.yaml").is_file():
-            raise ConfigError(f"reference run {rid} not found under {store.root}: make it with `pipeline baseline "
-                              f"CONFIG --run-id {cfg.experiment.references_from} --method {m}`")
-        # this experiment's plan (seeds, rounds evaluated) is its own; L and the queries are in rollout and benchmark
-        changed = [p for p in baseline_changes(load_config(store.run_dir(rid) / "config.yaml"), wanted)
-                   if not p.startswith("experiment.")]
-        if changed:
-            sections = "/".join(dict.fromkeys(p.split(".")[0] for p in changed))
-            raise ConfigError(f"reference run {rid} has another {sections} section than this experiment "
-                              f"({', '.join(changed)}): its numbers would not pair with these evaluations; drop "
-                              "experiment.references_from")
+    ConfigError naming the run and the fields otherwise, or a missing run with the command that makes it. The same
+    for its runs on `select_split` that exist (a missing one is listed by `selection`, never chosen)."""
+    ex = cfg.experiment
+    checks = [(ex.eval_split, sets, True)]
+    if ex.select_split is not None:
+        n = "null" if ex.select_queries is None else ex.select_queries
+        checks.append((ex.select_split, sets + [f"experiment.eval_queries={n}"], False))
+    for split, extra, required in checks:
+        mine = load_config(config, extra)
+        wanted = load_config(config, derived_run_sets(split, mine) + eval_sets(mine) + extra)
+        for m, rid in reference_runs(cfg, split).items():
+            if not (store.run_dir(rid) / "config.yaml").is_file():
+                if not required:
+                    continue
+                raise ConfigError(f"reference run {rid} not found under {store.root}: make it with `pipeline "
+                                  f"baseline CONFIG --run-id {ex.references_from} --method {m}`")
+            # this experiment's plan (seeds, rounds evaluated) is its own; L and the queries are in rollout and
+            # benchmark
+            changed = [p for p in baseline_changes(load_config(store.run_dir(rid) / "config.yaml"), wanted)
+                       if not p.startswith("experiment.") and p not in NOT_COMPUTED]
+            if changed:
+                sections = "/".join(dict.fromkeys(p.split(".")[0] for p in changed))
+                raise ConfigError(f"reference run {rid} has another {sections} section than this experiment "
+                                  f"({', '.join(changed)}): its numbers would not pair with these evaluations; drop "
+                                  "experiment.references_from")
 
 
 def references(store: Store, cfg: RunConfig, split: str | None = None) -> list[dict]:
