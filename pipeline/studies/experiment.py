@@ -177,6 +177,12 @@ def reference_runs(cfg: RunConfig, split: str | None = None) -> dict[str, str]:
 NOT_COMPUTED = ("executor.serve.port",)  # where a run's executor listened, not what it computed
 
 
+def select_sets(cfg: RunConfig) -> list[str]:
+    """The override that makes a reference run on `select_split` hold its first `select_queries` queries."""
+    n = cfg.experiment.select_queries
+    return [f"experiment.eval_queries={'null' if n is None else n}"]
+
+
 def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[str]) -> None:
     """References of another experiment (`references_from`) pair with this one's evaluations only where this
     experiment's CONFIG would make the same baseline runs (pipeline.studies.baselines.baseline_changes): a
@@ -185,8 +191,7 @@ def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[
     ex = cfg.experiment
     checks = [(ex.eval_split, sets, True)]
     if ex.select_split is not None:
-        n = "null" if ex.select_queries is None else ex.select_queries
-        checks.append((ex.select_split, sets + [f"experiment.eval_queries={n}"], False))
+        checks.append((ex.select_split, sets + select_sets(cfg), False))
     for split, extra, required in checks:
         mine = load_config(config, extra)
         wanted = load_config(config, derived_run_sets(split, mine) + eval_sets(mine) + extra)
@@ -477,11 +482,9 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 log.info("reference %s on %s", method, cfg.experiment.eval_split)
                 run_baseline(str(path), method, call, cfg.run_id, cfg.experiment.eval_split, sets)
             if (chooser := cfg.experiment.select_split) and not cfg.experiment.references_from:
-                n = cfg.experiment.select_queries
                 for method in cfg.experiment.references:
                     log.info("reference %s on %s (the best fixed workflow is chosen there)", method, chooser)
-                    run_baseline(str(path), method, call, cfg.run_id, chooser,
-                                 sets + [f"experiment.eval_queries={'null' if n is None else n}"])
+                    run_baseline(str(path), method, call, cfg.run_id, chooser, sets + select_sets(cfg))
             extra["references_wall_s"] = round(time.perf_counter() - t_refs, 1)
             summary, out = publish("after the references")
     summary["results"] = str(out)
