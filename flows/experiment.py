@@ -14,16 +14,17 @@ from pipeline.studies.experiment import headline, run_experiment
 @flow(name="experiment", flow_run_name="experiment {config}", log_prints=True)
 def experiment(config: str = "configs/learn.yaml", seeds: int | None = None, run_id: str | None = None,
                sets: list[str] | None = None, retries: int = 2, retry_delay_s: float = 20.0,
-               only_seeds: list[int] | None = None) -> dict:
+               only_seeds: list[int] | None = None, only_references: bool = False) -> dict:
     """S seeds x R rounds of CONFIG, the base model and every checkpoint on the held-out split, and the paired
     comparison with bootstrap intervals (written under <store>/experiments/<run_id>/). `only_seeds`: run just these
-    seeds and no reference, beside other runs of the same experiment."""
+    seeds and no reference, beside other runs of the same experiment; `only_references`: no seed, only the
+    references."""
     # artifacts as it goes (an experiment takes hours): each round's figures, then after each seed the paired
     # differences so far and the report (flows/artifacts.py)
     summary = run_experiment(config, submitting_call(RetryPolicy(retries, retry_delay_s)), seeds, run_id, sets,
                              command=f"prefect flow experiment {config}", after_round=publish_round,
                              after_seed=lambda s, out: publish_experiment(s, f"{out}/report.html"),
-                             only_seeds=only_seeds)
+                             only_seeds=only_seeds, only_references=only_references)
     for line in headline(summary):
         print(line)
     print(f"results: {summary['results']}")

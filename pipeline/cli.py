@@ -373,6 +373,10 @@ def experiment(
     only_seed: Annotated[list[int] | None, typer.Option(
         "--only-seed", help="Run only this seed of the plan, no reference (repeatable): seeds in parallel processes "
                             "on one store; a last run without it adds the references and the whole report.")] = None,
+    only_references: Annotated[bool, typer.Option(
+        "--only-references", help="Run no seed, only the references (on the held-out split and on "
+                                  "experiment.select_split); the report holds the seeds already in the store.")
+    ] = False,
     show_status: Annotated[bool, typer.Option(
         "--status", help="Run nothing: print where the experiment stands in the store, run by run, and an estimate "
                          "of the time left from the stages already done.")] = False,
@@ -405,7 +409,7 @@ def experiment(
     command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     try:
         summary = run_experiment(config, direct_call(RetryPolicy(retries)), seeds, run_id, sets or [], command,
-                                 only_seeds=only_seed)
+                                 only_seeds=only_seed, only_references=only_references)
     except (ConfigError, StageError, ValueError) as e:
         _fail(str(e))
     _echo_experiment(summary)

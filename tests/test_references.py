@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -351,6 +352,54 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
     with pytest.raises(ConfigError, match="baseline run 'x-baseline-io' was made with other settings "
                                           "\\(executor.max_tokens\\)"):
         run_baseline(str(x), "io", direct_call(RetryPolicy(delay_s=0)))
+
+
+def test_a_finished_seed_is_not_re_entered_when_its_checkpoints_are_gone(tmp_path, fake_stages, monkeypatch):
+    """A seed with every evaluation in the store is done: the store kept in git without its checkpoints (on another
+    machine) neither trains it again nor loses it from the summary. The train stage here checks its checkpoint, as
+    the real one does, so without that rule the missing adapter would re-run round 0's training."""
+    from pipeline.store import ADAPTER_FILES
+    from pipeline.studies.experiment import run_experiment
+
+    fake = stages.STAGES["train"].fn
+
+    def train(ctx, only_failed=False):
+        out = fake(ctx)
+        for f in ADAPTER_FILES:
+            (ctx.store.checkpoint_dir(ctx.run_id, ctx.round) / f).write_text("{}")
+        return out
+    monkeypatch.setitem(stages.STAGES, "train", dataclasses.replace(stages.STAGES["train"], fn=train,
+                                                                    checkpoint=True))
+    path = _experiment_config(tmp_path, "p", {"seeds": [0]}, rounds=1)
+    first = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
+    assert ("p-s0", "train") in fake_stages
+    store = Store(tmp_path / "runs")
+    shutil.rmtree(store.checkpoint_dir("p-s0", 0))
+    fake_stages.clear()
+    again = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
+    assert fake_stages == []
+    assert [(a["seed"], a["round"], a["mean_at_l"]) for a in again["arms"]] == [(0, -1, 0.5), (0, 0, 1.0)]
+    assert again["paired"] == first["paired"]
+
+
+def test_only_references_runs_the_references_and_no_seed(tmp_path, fake_stages):
+    """`--only-references` (references while the seeds wait for another session): the derived runs only; the summary
+    pairs them with the seeds already in the store."""
+    from pipeline.studies.experiment import run_experiment
+
+    path = _experiment_config(tmp_path, "r", {"references": ["io"]}, rounds=1)
+    run_experiment(path, direct_call(RetryPolicy(delay_s=0)), only_seeds=[0])
+    fake_stages.clear()
+    out = run_experiment(path, direct_call(RetryPolicy(delay_s=0)), only_references=True)
+    assert {r for r, _ in fake_stages} == {"r-baseline-io"}
+    assert out["seeds"] == [0] and [(r["label"], r["mean_at_l"]) for r in out["references"]] == [("io", 0.25)]
+    assert [(p["round"], p["trained"], p["mean"]) for p in out["paired_references"]
+            if p["metric"] == "mean_at_l"] == [(-1, 0.5, 0.25), (0, 1.0, 0.75)]
+    with pytest.raises(ValueError, match="--only-references: not with --only-seed"):
+        run_experiment(path, direct_call(RetryPolicy(delay_s=0)), only_seeds=[1], only_references=True)
+    bare = _experiment_config(tmp_path, "b", {}, rounds=1)
+    with pytest.raises(ValueError, match="--only-references: the config's experiment.references is empty"):
+        run_experiment(bare, direct_call(RetryPolicy(delay_s=0)), only_references=True)
 
 
 def test_an_unknown_reference_fails_before_any_training(tmp_path):

@@ -420,11 +420,12 @@ def fmt(x: float | None, digits: int = 3) -> str:
 
 def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: str | None = None,
                    sets: list[str] | None = None, command: str | None = None, after_round=None,
-                   after_seed=None, only_seeds: list[int] | None = None) -> dict:
+                   after_seed=None, only_seeds: list[int] | None = None, only_references: bool = False) -> dict:
     """Train and evaluate every seed through `call` (a stage caller), then write the summary; returns it.
     `after_round(run_id, store_root, k)` runs after each round of a seed run, `after_seed(summary, results folder)`
     after each seed's summary is written and after the references' (the experiment flow publishes both as Prefect
-    artifacts)."""
+    artifacts). `only_references`: no seed runs, only the references (the summary holds the seeds already in the
+    store)."""
     from pipeline.stages.rounds import resolve_config, run_rounds
 
     path = resolve_config(config)
@@ -438,6 +439,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     t0 = time.perf_counter()
     extra: dict = {"command": command, "seed_wall_s": {}, "config": str(path), "sets": sets}
     done: list[int] = []
+    out: Path | None = None
 
     plans = plan(cfg, list(range(seeds)) if seeds is not None else None)
     order = [p.seed for p in plans]
@@ -445,7 +447,10 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
         raise ValueError(f"--only-seed {unknown}: not among the experiment's seeds {order}")
     if only_seeds is not None and not only_seeds:
         raise ValueError("--only-seed: no seed given")
-    mine = [p for p in plans if only_seeds is None or p.seed in only_seeds]
+    if only_references and (only_seeds is not None or not cfg.experiment.references):
+        raise ValueError("--only-references: " + ("not with --only-seed" if only_seeds is not None
+                                                   else "the config's experiment.references is empty"))
+    mine = [] if only_references else [p for p in plans if only_seeds is None or p.seed in only_seeds]
 
     def publish(when: str) -> tuple[dict, Path]:
         ready = [s for s in order if s in done or evaluated(store, cfg, s, order)]  # in plan order: shared_base
@@ -464,6 +469,12 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
         logs = logs / ("seed-" + "-".join(map(str, sorted(only_seeds))))
     with sharing(cfg, logs):
         for sp in mine:
+            if evaluated(store, cfg, sp.seed, order):
+                # finished: its checkpoints may be pruned (docs/learning.md keeps a store without them in git),
+                # and re-entering its rounds would then train them again
+                log.info("seed %d: every evaluation is in the store; not re-entered", sp.seed)
+                done.append(sp.seed)
+                continue
             t_seed = time.perf_counter()
             log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
             run_rounds(path, cfg.rounds, sp.run_id, call, after_round, sets=sets + sp.sets, observer=TRACKERS)
@@ -487,6 +498,8 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                     run_baseline(str(path), method, call, cfg.run_id, chooser, sets + select_sets(cfg))
             extra["references_wall_s"] = round(time.perf_counter() - t_refs, 1)
             summary, out = publish("after the references")
+    if out is None:  # every seed of the plan was finished already, and no reference to run
+        summary, out = publish("from the store")
     summary["results"] = str(out)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
     return summary
