@@ -247,6 +247,26 @@ def test_concurrency_limit_and_endpoint_spreading():
         b.close()
 
 
+def test_a_request_for_n_samples_takes_n_of_the_concurrency_slots():
+    """executor.concurrency counts sequences on the server: with 4 slots, requests for 2 samples go 2 at a time
+    (counted as one each, 4 would be in flight: 8 sequences)."""
+    gauge = InFlight(target=2, wait_s=2.0)
+    server = FaultServer(default="hold", gauge=gauge)
+    try:
+        ex = executor(server.url, timeout_s=20, concurrency=4)
+
+        async def go():
+            try:
+                return await asyncio.gather(*(ex.complete(MSG, temperature=0.7, n=2) for _ in range(6)))
+            finally:
+                await ex.aclose()
+        assert [c.texts for c in asyncio.run(go())] == [["echo 0: hi", "echo 1: hi"]] * 6
+        assert [r["body"]["n"] for r in server.requests] == [2] * 6
+        assert gauge.max == 2  # two requests of 2 fill the 4 slots; a third never joins them
+    finally:
+        server.close()
+
+
 def test_backoff_and_retry_after_parsing(monkeypatch):
     import random
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import itertools
 import os
@@ -113,13 +114,14 @@ class OpenAIExecutor(Executor):
                         for u in urls]
         self._next = itertools.cycle(range(len(urls)))
         self._sem: asyncio.Semaphore | None = None
+        self._taking: asyncio.Lock | None = None
 
     async def _once(self, messages: list[dict], temperature: float, n: int, asked: int,
                     max_tokens: int | None) -> ExecutorReply:
         cfg = self.cfg
         client = self.clients[next(self._next)]  # each attempt goes to the next endpoint
         try:
-            async with self._sem:
+            async with self._slots(asked):
                 resp = await asyncio.wait_for(client.chat.completions.create(
                     model=cfg.model, messages=messages, temperature=temperature, n=asked,
                     max_tokens=max_tokens or cfg.max_tokens), cfg.timeout_s)
@@ -135,13 +137,29 @@ class OpenAIExecutor(Executor):
         tout = int(getattr(usage, "completion_tokens", 0) or 0)
         return ExecutorReply(texts, tin, tout, cost_usd(cfg.prices, tin, tout))
 
+    @contextlib.asynccontextmanager
+    async def _slots(self, n: int):
+        """Hold one of `executor.concurrency` slots per sequence the server will decode: a request for n samples is
+        n sequences on the server, and counting it as one let 32 CoT-SC calls (n = 5) put 160 sequences in flight,
+        each so slow that it met the call timeout, was retried, and met it again. One caller takes its slots at a
+        time (`_taking`), so two large requests never each hold half of what both need."""
+        k = min(n, self.cfg.concurrency)
+        async with self._taking:
+            for _ in range(k):
+                await self._sem.acquire()
+        try:
+            yield
+        finally:
+            for _ in range(k):
+                self._sem.release()
+
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
                        max_tokens: int | None = None) -> ExecutorReply:
         import tenacity
 
         cfg = self.cfg
         if self._sem is None:
-            self._sem = asyncio.Semaphore(cfg.concurrency)
+            self._sem, self._taking = asyncio.Semaphore(cfg.concurrency), asyncio.Lock()
         temperature = cfg.temperature if temperature is None else temperature
         # Greedy answers are identical: ask once (vLLM refuses n > 1 at temperature 0) and repeat.
         asked = 1 if temperature == 0 else n
