@@ -470,10 +470,9 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     with sharing(cfg, logs):
         for sp in mine:
             if evaluated(store, cfg, sp.seed, order):
-                # finished: its checkpoints may be pruned (docs/learning.md keeps a store without them in git),
-                # and re-entering its rounds would then train them again
+                # finished (`publish` counts it): its checkpoints may be pruned (data/README.md keeps stores without
+                # them in git), and re-entering its rounds would then train them again
                 log.info("seed %d: every evaluation is in the store; not re-entered", sp.seed)
-                done.append(sp.seed)
                 continue
             t_seed = time.perf_counter()
             log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
