@@ -211,7 +211,8 @@ def plot_curve(summary: dict, out: Path):
     ax.set_xlabel("rounds of training (base: the base model)")
     ax.set_ylabel(f"held-out Mean@L (L = {summary.get('eval_l')})")
     ax.set_title(f"experiment {summary.get('experiment')}: {summary.get('split')} split", fontsize="medium")
-    ax.legend(fontsize="small", loc="best")
+    # beside the axes, not on them: the lines cluster where the legend would otherwise go
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     return fig
