@@ -4,7 +4,7 @@ both estimates per sequence: the loss's k3(π_θ, π_ref) and KL(π_ref‖π_θ)
 
     python scripts/kl_tokens.py --store data/runs --run-id he-learn-lr1e-4-s0 --round 1 --limit 8
 
-(docs/learning.md: one decision token pushed from log p -1.4 to -31 makes the loss's k3 read 8e12.)
+(docs/learning-log.md: one decision token pushed from log p -1.4 to -31 makes the loss's k3 read 8e12.)
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def _case(requires_grad: bool = False):
 
 def test_k3_estimates_kl_of_the_sampling_distribution_and_its_roles_matter():
     """k3(q, p) = p/q - 1 - log(p/q) on a token sampled from q. Hand values: q = 1/4, p = 1/2 gives 2 - 1 - ln 2;
-    swapped, 1/2 - 1 + ln 2. The case of docs/learning.md: the reference sampled a token at log p = -1.43 that
+    swapped, 1/2 - 1 + ln 2. The case of docs/learning-log.md: the reference sampled a token at log p = -1.43 that
     training pushed to -31.16. The loss's k3(π_θ, π_ref) is e^29.73 - 29.73 - 1 ≈ 8.16e12, while KL(π_ref‖π_θ) on
     the reference's sample, k3(π_ref, π_θ), is e^-29.73 + 29.73 - 1 ≈ 28.73."""
     q, p = torch.tensor([math.log(0.25)], dtype=torch.float64), torch.tensor([math.log(0.5)], dtype=torch.float64)

@@ -260,6 +260,22 @@ def test_bad_roots_are_refused_clearly():
         Store("s3://")
 
 
+def test_rounds_of_lost_weights_on_s3_are_an_error_naming_what_to_move(bucket):
+    """Round 0 trained but its checkpoint gone, round 1 begun: the stale round is listed from the bucket and not moved
+    (an s3 move is a copy and a delete per key): the error says what to move where, and nothing is touched."""
+    from pipeline.stages.rounds import lost_weights, set_aside_stale_rounds
+
+    st = Store(f"s3://{bucket}/pre")
+    st.write_manifest("r", 0, "train", "h")
+    st.write("generations", [{"gen_id": "g", "kind": "workflow", "query_id": "q"}], "r", 1)
+    assert st.rounds_written("r") == [0, 1] and lost_weights(st, "r") == 0
+    before = _keys(bucket)
+    with pytest.raises(StoreError, match=rf"round 0's checkpoint is gone.*by hand.*s3://{bucket}/pre/r/round=1 -> "
+                                         rf"s3://{bucket}/pre/r/stale/\d{{8}}T\d{{6}}Z/round=1"):
+        set_aside_stale_rounds(st, "r", 2)
+    assert _keys(bucket) == before
+
+
 # ---- rounds on an s3:// store through the stage runner ----------------------------------------------------
 
 

@@ -121,6 +121,8 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     `shards`: the score stage as that many shards (`call_stage`); not part of the config, as the store's result
     is the same for any count. `observer` (e.g. the experiment trackers, pipeline.studies.tracking.TRACKERS) checks the
     run's config before any work and hears of each finished round.
+    A round whose checkpoint was lost after its train stage finished (a store cloned from git without its weights)
+    trains again; the later rounds made from the lost weights are first moved aside (`set_aside_stale_rounds`).
     """
     ctx = open_run(resolve_config(config), run_id, 0, sets)
     check_served(ctx.cfg)  # vLLM missing, model missing, port taken: an error now, not after round 0's rollout
@@ -128,6 +130,7 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     rounds = rounds or ctx.cfg.rounds
     if observer is not None:
         observer.check(ctx.cfg)  # e.g. a missing tracker package fails before any work
+    set_aside_stale_rounds(ctx.store, run_id, rounds)
     walls: dict[int, dict[str, float]] = {}
     with shared_executor(ctx, rounds, sets):
         for k in range(rounds):
@@ -145,6 +148,34 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
         for r in stats.iter_rows(named=True) if r["round"] < rounds
     ]
     return {"run_id": run_id, "store": store_root, "rounds": per_round}
+
+
+def lost_weights(store: Store, run_id: str) -> int | None:
+    """The first round whose checkpoint-making stage (train) finished, by its manifest, but whose checkpoint is no
+    longer complete (a store cloned from git, which keeps no weights; a pruned folder): that stage counts as
+    unfinished and trains other weights than the ones the later rounds sampled and trained with. None: no such
+    round."""
+    makers = [name for name in ROUND_STAGES if get_stage(name).checkpoint]
+    for k in store.rounds_written(run_id):
+        if any(store.manifest(run_id, k, m) is not None for m in makers) and not store.checkpoint_complete(run_id, k):
+            return k
+    return None
+
+
+def set_aside_stale_rounds(store: Store, run_id: str, rounds: int) -> list[int]:
+    """Before a lost round (`lost_weights`) below `rounds` trains again: every later round with anything in the store
+    was drawn from (or trained against) the lost weights, so skipping its finished stages would train on samples the
+    new policy never drew. They are moved intact to `<run>/stale/<UTC stamp>/` (Store.set_aside: no view reads them)
+    and run again; returns them. An s3:// store: a StoreError naming what to move by hand."""
+    lost = lost_weights(store, run_id)
+    later = [] if lost is None or lost >= rounds else [j for j in store.rounds_written(run_id) if j > lost]
+    if not later:
+        return []
+    why = f"run {run_id}: round {lost}'s checkpoint is gone and trains again, so rounds {later} are stale"
+    where = store.set_aside(run_id, [store.round_dir(run_id, j) for j in later], why)
+    log.warning("run %s: round %d's train stage finished but its checkpoint is gone, so it trains again; rounds %s "
+                "were made from the lost weights: moved, intact, to %s, and run again", run_id, lost, later, where)
+    return later
 
 
 def shared_executor(ctx, rounds: int, sets: list[str] | None) -> contextlib.AbstractContextManager:

@@ -5,6 +5,7 @@ Layout (docs/design.md, The store):
     <root>/<run_id>/round=<k>/<table>/part-<uuid>.parquet     one file per write, never rewritten
     <root>/<run_id>/round=<k>/_done/<stage>.json              stage manifests
     <root>/<run_id>/round=<k>/checkpoint/                     the round's LoRA adapter
+    <root>/<run_id>/stale/<stamp>/                            rounds and derived runs set aside (Store.set_aside)
     <root>/catalog.duckdb                                     views only, rebuilt atomically
 
 Derived views (one definition each, used by every stage, the report and evaluation):
@@ -228,6 +229,36 @@ class Store:
 
     def checkpoint_dir(self, run_id: str, round: int) -> Path:
         return self.round_dir(run_id, round) / "checkpoint"
+
+    def rounds_written(self, run_id: str) -> list[int]:
+        """The rounds of a run with anything in the store (a manifest, a part, a checkpoint, a train stage's
+        progress), in order."""
+        base = self.run_dir(run_id)
+        if self.remote:  # a prefix exists on object storage only while a key is under it
+            names = [k.rsplit("/", 1)[-1] for k in self.fs.glob(f"{self.url(base)}/round=*")]
+        else:
+            names = [d.name for d in base.glob("round=*") if any(f.is_file() for f in d.rglob("*"))]
+        return sorted(int(n.split("=", 1)[1]) for n in names if n.split("=", 1)[1].isdigit())
+
+    def set_aside(self, run_id: str, paths: list[Path], why: str) -> Path:
+        """Move folders of the store (rounds, derived runs) intact to `<run_id>/stale/<UTC stamp>/<name>`, out of
+        every view (`<run>/round=*` only) and stage, so that what replaces them starts clean and nothing is lost;
+        returns that folder. `why` says in the error what made them stale. Local stores only: on object storage a
+        move is a copy and a delete per key, left to the operator."""
+        dest = self.run_dir(run_id) / "stale" / utcnow().strftime("%Y%m%dT%H%M%SZ")
+        if self.remote:
+            moves = "; ".join(f"{p} -> {dest / p.name}" for p in paths)
+            raise StoreError(f"{why}; an s3:// store's folders are not moved for you: move them by hand (e.g. "
+                             f"`aws s3 mv --recursive`), then run again: {moves}")
+        taken = [p.name for p in paths if (dest / p.name).exists()]
+        if taken:
+            raise StoreError(f"{why}; {dest} already holds {', '.join(taken)}: run again in a second")
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in paths:
+            os.rename(p, dest / p.name)  # one rename, so a folder is either here or there, whole
+            fsync_dir(p.parent)
+        fsync_dir(dest)
+        return dest
 
     def url(self, path: Any) -> str:
         """The filesystem's name for a store path: a local path, or `bucket/key` for `store.fs` on S3."""

@@ -30,11 +30,13 @@ The summary is written to `<store>/experiments/<run_id>/` as experiment.json (ev
 report.html and curve.png.
 `run_experiment` runs it through a stage caller (pipeline.stages.rounds: without Prefect, or flows/experiment.py's).
 Re-running with the same run id resumes: finished stages are skipped by their manifests, in the seed runs and in
-the evaluation runs alike. The summary is rewritten after every seed and after the references, so a stopped
-experiment still leaves its results so far. `only_seeds` (`--only-seed`) runs some seeds of the plan and no
-reference, so that seeds can run in separate processes or machines on one store; every summary covers the seeds run
-here and every other seed whose evaluations are all scored in the store, and a last run without it (everything
-skipped) adds the references and writes the whole report.
+the evaluation runs alike; a re-entered seed whose checkpoint was lost after training (a store cloned from git)
+first sets aside the rounds and evaluations made from the lost weights (`set_aside_evaluations`), which run again.
+The summary is rewritten after every seed and after the references, so a stopped experiment still leaves its
+results so far. `only_seeds` (`--only-seed`) runs some seeds of the plan and no reference, so that seeds can run in
+separate processes or machines on one store; every summary covers the seeds run here and every other seed whose
+evaluations are all scored in the store, and a last run without it (everything skipped) adds the references and
+writes the whole report.
 """
 
 from __future__ import annotations
@@ -263,6 +265,25 @@ def evaluated(store: Store, cfg: RunConfig, seed: int, seeds: list[int]) -> bool
                is not None for k in seed_rounds(cfg, seed, seeds))
 
 
+def set_aside_evaluations(store: Store, cfg: RunConfig, sp: SeedPlan, seeds: list[int], lost: int | None) -> list[str]:
+    """The evaluation runs of seed `sp`'s checkpoints from round `lost` on, when its rounds are about to train
+    them again (`lost`: pipeline.stages.rounds.lost_weights, a checkpoint gone after its train stage finished):
+    moved intact under the seed run's `stale/` folder (Store.set_aside), where no view reads them, so that they
+    sample again with the new weights instead of being reused. Returns their ids."""
+    if lost is None:
+        return []
+    split = cfg.experiment.eval_split
+    stale = [eid for k in seed_rounds(cfg, sp.seed, seeds)
+             if k >= lost and store.run_dir(eid := eval_run_id(sp.run_id, k, split)).exists()]
+    if stale:
+        why = f"run {sp.run_id}: round {lost}'s checkpoint is gone and trains again, so evaluations {stale} are stale"
+        where = store.set_aside(sp.run_id, [store.run_dir(e) for e in stale], why)
+        log.warning("seed %d: round %d's checkpoint is gone and trains again; the evaluations of its checkpoints "
+                    "from round %d on (%s) are moved, intact, to %s, and run again", sp.seed, lost, lost,
+                    ", ".join(stale), where)
+    return stale
+
+
 def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
     """Per (seed, evaluated round): the eval run's summary; per round k >= 0 and metric: the pooled paired
     difference to the base model with its bootstrap interval (the first seed's base for every seed when
@@ -425,8 +446,9 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     `after_round(run_id, store_root, k)` runs after each round of a seed run, `after_seed(summary, results folder)`
     after each seed's summary is written and after the references' (the experiment flow publishes both as Prefect
     artifacts). `only_references`: no seed runs, only the references (the summary holds the seeds already in the
-    store)."""
-    from pipeline.stages.rounds import resolve_config, run_rounds
+    store). A seed with every evaluation in the store is not re-entered; one that is first sets aside the evaluations
+    of checkpoints that its rounds train again (`set_aside_evaluations`)."""
+    from pipeline.stages.rounds import lost_weights, resolve_config, run_rounds
 
     path = resolve_config(config)
     sets = list(sets or [])
@@ -476,6 +498,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 continue
             t_seed = time.perf_counter()
             log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
+            set_aside_evaluations(store, cfg, sp, order, lost_weights(store, sp.run_id))
             run_rounds(path, cfg.rounds, sp.run_id, call, after_round, sets=sets + sp.sets, observer=TRACKERS)
             for k in seed_rounds(cfg, sp.seed, order):
                 log.info("seed %d: evaluating %s on %s", sp.seed, "the base model" if k < 0 else f"round {k}",

@@ -1,0 +1,174 @@
+"""Lost weights: a store cloned from git keeps the manifests and tables but no checkpoints, so a round whose train
+stage had finished trains again with new weights. The rounds and evaluations made from the lost weights are then
+moved aside (`<run>/stale/<stamp>/`, out of every view) and run again, instead of being reused: training round k+1
+on samples the new checkpoint k never drew would make its importance ratios and KL wrong. Fake stages, no model:
+each checkpoint holds a token, and rollout writes the token of the weights it sampled with."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import stages
+from pipeline.engines.benchmarks import load_benchmark
+from pipeline.stages.rounds import direct_call, run_rounds
+from pipeline.stages.runner import RetryPolicy
+from pipeline.store import ADAPTER_FILES, Store, StoreError, round_stats
+
+WEIGHTS = "adapter_model.safetensors"  # the fake checkpoint's token is this file's text
+
+
+def policy(ctx) -> str:
+    """The token of the weights this rollout samples with: checkpoint k-1 in a training run, the adapter in an
+    evaluation run, else the base model."""
+    if ctx.cfg.generator.adapter:
+        return (Path(ctx.cfg.generator.adapter) / WEIGHTS).read_text()
+    if ctx.round > 0:
+        return (ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1) / WEIGHTS).read_text()
+    return "base"
+
+
+def make_stage(calls: list, stage: str):
+    def fn(ctx, only_failed=False):
+        calls.append((ctx.run_id, stage, ctx.round))
+        if stage == "rollout":
+            items = load_benchmark(ctx.cfg.benchmark).items()[:2]
+            ctx.store.write("generations", [{"gen_id": f"g{i}", "kind": "workflow", "query_id": it.id, "slot": 0,
+                                             "valid": True, "text": policy(ctx)} for i, it in enumerate(items)],
+                            ctx.run_id, ctx.round)
+        if stage == "score":
+            gens = ctx.store.read("generations", ctx.run_id, ctx.round)
+            ctx.store.write("scores", [{"gen_id": g, "query_id": q, "rep": 0, "attempt": 0, "status": "ok",
+                                        "score": 1.0, "answer": "1"}
+                                       for g, q in zip(gens["gen_id"], gens["query_id"], strict=True)],
+                            ctx.run_id, ctx.round)
+        if stage == "train":  # a complete checkpoint, as Stage.done checks for the real one
+            ckpt = ctx.store.checkpoint_dir(ctx.run_id, ctx.round)
+            ckpt.mkdir(parents=True)
+            for f in ADAPTER_FILES:
+                (ckpt / f).write_text(uuid.uuid4().hex if f == WEIGHTS else "{}")
+        ctx.finish(stage, rows=1)
+        return {"rows": 1}
+    return fn
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list:
+    """Every stage faked in process (train keeps its checkpoint check); returns the (run, stage, round) calls."""
+    made: list = []
+    for name, st in list(stages.STAGES.items()):
+        monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(st, fn=make_stage(made, name), isolated=False,
+                                                                     checkpoint=name == "train"))
+    return made
+
+
+def write_config(tmp_path: Path, run_id: str, rounds: int = 2) -> Path:
+    cfg = {"run_id": run_id, "rounds": rounds, "store": {"root": str(tmp_path / "runs")}, "tracking": [],
+           "benchmark": {"name": "procedural", "tasks": ["chain_sum"], "size": 20},
+           "experiment": {"seeds": [0], "eval_queries": 2, "eval_l": 1, "bootstrap": 50}}
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def token(store: Store, run_id: str, round: int) -> str:
+    return (store.checkpoint_dir(run_id, round) / WEIGHTS).read_text()
+
+
+def texts(store: Store, run_id: str, round: int) -> list[str]:
+    """What the views show of a round's samples: the token of each generation's weights."""
+    df = store.sql("SELECT text FROM generations WHERE run_id = $run AND round = $round ORDER BY gen_id",
+                   {"run": run_id, "round": round})
+    return df["text"].to_list()
+
+
+def stale(store: Store, run_id: str) -> list[str]:
+    """What was set aside under the run, as `<name>` of each `stale/<stamp>/<name>`."""
+    return sorted(p.name for p in store.run_dir(run_id).glob("stale/*/*"))
+
+
+def test_rounds_made_from_lost_weights_are_set_aside_and_run_again(tmp_path, calls):
+    """Round 0 trained, round 1's rollout done, then checkpoint 0 lost (a fresh clone): round 0 trains again, and
+    round 1 samples again with the new weights instead of keeping samples of the lost ones."""
+    path, call = write_config(tmp_path, "r"), direct_call(RetryPolicy(delay_s=0))
+    store = Store(tmp_path / "runs")
+    run_rounds(path, 1, "r", call)
+    call(stage="rollout", run_id="r", round=1, store_root=str(store.root))
+    old = token(store, "r", 0)
+    assert texts(store, "r", 1) == [old, old]
+    shutil.rmtree(store.checkpoint_dir("r", 0))
+    calls.clear()
+
+    run_rounds(path, 2, "r", call)
+    assert [(s, k) for _, s, k in calls] == [("train", 0), ("rollout", 1), ("score", 1), ("curate", 1), ("train", 1)]
+    new = token(store, "r", 0)
+    assert new != old and texts(store, "r", 1) == [new, new], "round 1 sampled with the new checkpoint 0"
+    # the old round 1 is kept whole, where no view reads it
+    (moved,) = store.run_dir("r").glob("stale/*/round=1")
+    assert (moved / "_done" / "rollout.json").is_file() and list((moved / "generations").glob("*.parquet"))
+    assert store.sql("SELECT count(*) AS n FROM generations WHERE run_id = 'r'")["n"][0] == 4
+    assert round_stats(store, "r")["workflows"].to_list() == [2, 2]
+
+    # the last round's weights lost: it trains again, nothing after it to set aside
+    shutil.rmtree(store.checkpoint_dir("r", 1))
+    calls.clear()
+    run_rounds(path, 2, "r", call)
+    assert [(s, k) for _, s, k in calls] == [("train", 1)] and stale(store, "r") == ["round=1"]
+    # weights intact: every stage skipped, nothing moved
+    calls.clear()
+    run_rounds(path, 2, "r", call)
+    assert calls == [] and stale(store, "r") == ["round=1"]
+
+
+def test_a_lost_round_not_run_now_moves_nothing(tmp_path, calls):
+    """`--rounds 1` over a run whose round 1 lost its weights: round 1 is not trained again here, so round 2 stays."""
+    path, call = write_config(tmp_path, "n", rounds=3), direct_call(RetryPolicy(delay_s=0))
+    store = Store(tmp_path / "runs")
+    run_rounds(path, 3, "n", call)
+    shutil.rmtree(store.checkpoint_dir("n", 1))
+    calls.clear()
+    run_rounds(path, 1, "n", call)
+    assert calls == [] and stale(store, "n") == []
+
+
+def test_an_s3_store_asks_for_the_move_by_hand():
+    st = Store("s3://bucket/pre")
+    with pytest.raises(StoreError, match=r"run r: lost; .*by hand.*s3://bucket/pre/r/round=1 -> "
+                                         r"s3://bucket/pre/r/stale/\d{8}T\d{6}Z/round=1"):
+        st.set_aside("r", [st.round_dir("r", 1)], "run r: lost")
+
+
+def test_a_re_entered_seed_sets_aside_the_evaluations_of_its_lost_checkpoints(tmp_path, calls):
+    """A seed cut short during its last evaluation, resumed on a fresh clone: its rounds retrain from round 0, and
+    the evaluations of checkpoints 0 and 1 run again with the new weights; the base model's is kept. A seed whose
+    every evaluation is in the store is still not re-entered without its weights."""
+    from pipeline.studies.experiment import run_experiment
+
+    path, call = write_config(tmp_path, "e"), direct_call(RetryPolicy(delay_s=0))
+    store = Store(tmp_path / "runs")
+    run_experiment(path, call)
+    store.clear_manifest("e-s0-eval-r1", 0, "score")  # killed before its last evaluation finished
+    for k in (0, 1):
+        shutil.rmtree(store.checkpoint_dir("e-s0", k))
+    calls.clear()
+
+    out = run_experiment(path, call)
+    assert sorted({(r, s, k) for r, s, k in calls}) == sorted(
+        [("e-s0", "train", 0)] + [("e-s0", s, 1) for s in ("rollout", "score", "curate", "train")]
+        + [(f"e-s0-eval-r{k}", s, 0) for k in (0, 1) for s in ("rollout", "score")])
+    assert stale(store, "e-s0") == ["e-s0-eval-r0", "e-s0-eval-r1", "round=1"]
+    assert texts(store, "e-s0-eval-r0", 0) == [token(store, "e-s0", 0)] * 2
+    assert texts(store, "e-s0-eval-r1", 0) == [token(store, "e-s0", 1)] * 2
+    assert [(a["round"], a["queries"]) for a in out["arms"]] == [(-1, 2), (0, 2), (1, 2)]
+
+    # finished now: without its weights again, not re-entered, nothing moved
+    for k in (0, 1):
+        shutil.rmtree(store.checkpoint_dir("e-s0", k))
+    calls.clear()
+    run_experiment(path, call)
+    assert calls == [] and stale(store, "e-s0") == ["e-s0-eval-r0", "e-s0-eval-r1", "round=1"]
