@@ -66,7 +66,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("layout", ["split", "packed"])
 def test_shared_prompt_forward_equals_one_forward_per_sequence(lora_smol, layout):
-    """fp32, the embedded model: per-token log-probs within 1e-5 on average and 3e-5 at most, every LoRA gradient
+    """fp32, the embedded model: per-token log-probs within 1e-5 on average and 1e-4 at most, every LoRA gradient
     within 1e-4 relative, with and without gradient checkpointing. The 1e-5 bound does not hold token by token in
     fp32 for any two layouts: today's own batched path differs from one unpadded forward by up to 2.0e-5 on these
     tokens (measured; the shared pass: 2.6e-5 max, 4e-6 mean). In float64 the two agree to 1e-10 (next test): the
@@ -94,7 +94,9 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(lora_smol, layout
         got = completion_logprobs(model, batch)
         sum((got[b, : len(s.completion_ids)] * w[b]).sum() for b, s in enumerate(seqs)).backward()
         diff = torch.cat([(got[b, : len(s.completion_ids)] - want[b]).detach().abs() for b, s in enumerate(seqs)])
-        assert float(diff.mean()) < 1e-5 and float(diff.max()) < 3e-5, (float(diff.mean()), float(diff.max()))
+        # the max is 1e-4, not 3e-5: fp32 rounding follows the CPU's kernels (2.6e-5 where it was written, 4.1e-5 on
+        # an AVX-512/AMX one); giving one sequence the other prompt's row moves them by 4.3 at most, 0.18 on average
+        assert float(diff.mean()) < 1e-5 and float(diff.max()) < 1e-4, (float(diff.mean()), float(diff.max()))
         assert all(torch.all(got[b, len(s.completion_ids):] == 0) for b, s in enumerate(seqs))
         got_g = _grads(model)
         assert got_g.keys() == want_g.keys() and len(got_g) == 4 * 2 * 30  # A and B of 4 modules x 30 layers
