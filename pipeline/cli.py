@@ -243,6 +243,23 @@ def bench_store(
     main(rows, root)
 
 
+@bench_app.command("dtype")
+def bench_dtype(
+    refresh: Annotated[bool, typer.Option(help="Measure again instead of reading this machine's cached verdict.")]
+    = True,
+) -> None:
+    """fp32 and bf16 matrix-product rates on this machine and the dtype `auto` picks (pipeline.engines.hardware)."""
+    from pipeline.engines.hardware import PROBE_SHAPE, local_device, probe
+
+    p = probe(local_device(), refresh=refresh)
+    m, k, n = PROBE_SHAPE
+    typer.echo(f"device: {p.device} ({p.machine}); probe: {m}x{k} @ {k}x{n}, one thread")
+    if p.fp32_gflops is not None:
+        typer.echo(f"fp32 {p.fp32_gflops:.1f} GFLOP/s, bf16 {p.bf16_gflops:.1f} GFLOP/s (bf16/fp32 = "
+                   f"{p.bf16_gflops / p.fp32_gflops:.2f})")
+    typer.echo(f"auto -> {'bfloat16' if p.native_bf16 else 'float32'}: {p.reason}")
+
+
 @bench_app.command("sandbox")
 def bench_sandbox() -> None:
     """Per-workflow sandbox overhead vs a bare `python -c pass`, and throughput at concurrency 2."""

@@ -62,7 +62,9 @@ class ServeConfig(_Strict):
     model: str | None = Field(
         None, description="Model ref to load (embedded:..., a local HF folder, a hub id); null: the section's `model`.",
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("bfloat16", description="Served weights dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Served weights dtype; auto: bf16 where the device computes it natively, else fp32 "
+        "(pipeline.engines.hardware).")
     max_model_len: int = Field(2048, gt=0, description="Context length (prompt + completion) of each request.")
     kv_cache_gb: int = Field(1, gt=0, description="GiB of KV cache (CPU tier: VLLM_CPU_KVCACHE_SPACE).")
     host: str = Field("127.0.0.1", description="Address the server binds to and the pipeline calls.")
@@ -85,8 +87,9 @@ class GeneratorConfig(_Strict):
     backend: Literal["transformers", "vllm", "openai"] = Field(
         "transformers", description="Generation backend: transformers (CPU default), vllm (offline), openai."
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights dtype; float32 keeps logprobs comparable across backends."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights dtype; auto: bf16 where the device computes it natively, else fp32 "
+        "(pipeline.engines.hardware). Training recomputes π_old itself, so this only sets sampling speed.",
     )
     base_url: str | None = Field(None, description="openai backend: the OpenAI-compatible server's URL.")
     endpoints: list[str] = Field(
@@ -472,8 +475,9 @@ class TrainingConfig(_Strict):
     loss_norm: Literal["sequence", "token"] = Field(
         "sequence", description="Mean per sequence then over sequences, or over all tokens of the batch."
     )
-    bf16: bool = Field(False, description="bf16 autocast of the policy forward passes, frozen weights kept in bf16 "
-                                          "(GPU; CPUs with AVX512-BF16).")
+    bf16: bool | Literal["auto"] = Field(
+        "auto", description="bf16 autocast of the policy forward passes, frozen weights kept in bf16; auto: where "
+        "the device computes bf16 natively (a CUDA GPU with bf16, a CPU with AMX/AVX512-BF16), else fp32.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
     max_seq_len: int = Field(2048, gt=0, description="Prompt+completion tokens kept per sequence.")
     seed: int = Field(0, description="Training seed.")
@@ -616,19 +620,31 @@ class RunConfig(_Strict):
 
 # Fields whose default changed after runs were frozen, with the default they had: hashed against it, so the
 # finished stages of those runs stay finished (a saved config holds every field, the old default included).
-_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05, ("executor", "concurrency"): 8, ("scoring", "concurrency"): 2}
+_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05, ("executor", "concurrency"): 8, ("scoring", "concurrency"): 2,
+                    ("generator", "dtype"): "float32", ("training", "bf16"): False,
+                    ("generator", "serve", "dtype"): "bfloat16", ("executor", "serve", "dtype"): "bfloat16"}
 
 
 def _legacy_hash_form(cfg: RunConfig, body: dict) -> dict:
     """`body` (the non-default fields) as the config hash saw it before the changes above."""
-    for (section, key), former in _FORMER_DEFAULTS.items():
-        value, part = getattr(getattr(cfg, section), key), body.setdefault(section, {})
+    for (*parents, key), former in _FORMER_DEFAULTS.items():
+        owners: list[Any] = [cfg]
+        for name in parents:
+            owners.append(getattr(owners[-1], name))
+        if owners[-1] is None:  # an optional section (serve) that is not set
+            continue
+        value, chain = getattr(owners[-1], key), [body]
+        for name in parents:
+            chain.append(chain[-1].setdefault(name, {}))
         if value == former:
-            part.pop(key, None)
+            chain[-1].pop(key, None)
         else:
-            part[key] = value
-        if not part:
-            del body[section]
+            chain[-1][key] = value
+        # a section left at its defaults was not in the dump then; an optional one that is set (`serve: {}`) was
+        for i in range(len(parents) - 1, -1, -1):
+            optional = type(owners[i]).model_fields[parents[i]].default is None
+            if not chain[i][parents[i]] and not optional:
+                del chain[i][parents[i]]
     if body.get("rollout", {}).get("exemplars") == "none":
         body["rollout"]["exemplars"] = False  # the field was a bool: `false` then
     return body

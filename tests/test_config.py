@@ -68,10 +68,11 @@ def test_exemplars_names_and_legacy_booleans(tmp_path):
     p.write_text("rollout:\n  exemplars: random\n")
     with pytest.raises(ConfigError, match=r"rollout\.exemplars: .*'none' or 'buckets'.*'random'"):
         load_config(p)
-    # a run frozen with `exemplars: false` (and the then default lora_dropout 0.05, saved with every field) keeps
-    # its config hash: sha256 of its one non-default field, as before
+    # a run frozen with `exemplars: false` (and the then defaults, saved with every field: lora_dropout 0.05, fp32
+    # weights, no bf16 autocast) keeps its config hash: sha256 of its one non-default field, as before
     legacy = hashlib.sha256(json.dumps({"rollout": {"exemplars": False}}, sort_keys=True).encode()).hexdigest()[:16]
-    frozen = {"rollout": {"exemplars": False}, "training": {"lora_dropout": 0.05}, "executor": {"concurrency": 8}}
+    frozen = {"rollout": {"exemplars": False}, "training": {"lora_dropout": 0.05, "bf16": False},
+              "executor": {"concurrency": 8}, "generator": {"dtype": "float32"}}
     assert RunConfig.model_validate(frozen).config_hash() == legacy
 
 
@@ -81,13 +82,22 @@ def test_config_hash_of_runs_frozen_before_the_lora_dropout_default_changed():
     def sha(body: dict) -> str:
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
-    # a frozen config holds every field: executor.concurrency at its default of then, 8 (moved to 32 later)
-    then = {"executor": {"concurrency": 8}}
-    assert RunConfig.model_validate({"training": {"lora_dropout": 0.05}, **then}).config_hash() == sha({})
-    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0}, **then}).config_hash() == sha(
+    # a frozen config holds every field: executor.concurrency at its default of then, 8 (moved to 32 later), fp32
+    # weights and no bf16 autocast (both `auto` later)
+    then = {"executor": {"concurrency": 8}, "generator": {"dtype": "float32"}}
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.05, "bf16": False}, **then}).config_hash() == sha({})
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0, "bf16": False}, **then}).config_hash() == sha(
         {"training": {"lora_dropout": 0.0}})
-    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0, "lr": 0.1}, **then}).config_hash() == sha(
-        {"training": {"lora_dropout": 0.0, "lr": 0.1}})
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.0, "lr": 0.1, "bf16": False},
+                                     **then}).config_hash() == sha({"training": {"lora_dropout": 0.0, "lr": 0.1}})
+    # a served executor frozen at the then default bf16 hashes without it; `auto`, now the default, is a change
+    served = {"kind": "openai", "model": "m", "concurrency": 8}
+    old = {"training": {"lora_dropout": 0.05, "bf16": False}, "generator": {"dtype": "float32"},
+           "scoring": {"concurrency": 2}}
+    assert RunConfig.model_validate({**old, "executor": {**served, "serve": {"dtype": "bfloat16"}}}).config_hash() \
+        == sha({"executor": {"kind": "openai", "model": "m", "serve": {}}})
+    assert RunConfig.model_validate({**old, "executor": {**served, "serve": {"dtype": "auto"}}}).config_hash() \
+        == sha({"executor": {"kind": "openai", "model": "m", "serve": {"dtype": "auto"}}})
 
 
 def test_demo_and_smoke_are_embedded():
@@ -225,12 +235,13 @@ def test_concurrency_defaults_follow_the_executor_and_keep_the_hash_of_runs_save
     assert config_from_dict({"executor": served}).scoring.concurrency == 32  # as many workflows as requests
     assert config_from_dict({}).scoring.concurrency == 2  # the in-process executor
     assert config_from_dict({"executor": served, "scoring": {"concurrency": 5}}).scoring.concurrency == 5
-    # a config saved before the defaults moved holds the old ones (executor 8, scoring 2): its hash, by the code
-    # of commit c668463, must not move, or every finished stage of that run would run again
-    old = {"executor": {"concurrency": 8}, "scoring": {"concurrency": 2}}
+    # a config saved before the defaults moved holds the old ones (executor 8, scoring 2; fp32 weights and no bf16
+    # autocast before `auto`): its hash, by the code of commit c668463, must not move, or every finished stage of
+    # that run would run again
+    old = {"executor": {"concurrency": 8}, "scoring": {"concurrency": 2}, "generator": {"dtype": "float32"},
+           "training": {"bf16": False}}
     assert config_from_dict(old).config_hash() == "3f5ee1602261f17c"
-    assert config_from_dict({"executor": {**served, **old["executor"]}, "scoring": old["scoring"]}).config_hash() \
-        == "e269505f6e2a1030"
+    assert config_from_dict({**old, "executor": {**served, **old["executor"]}}).config_hash() == "e269505f6e2a1030"
 
 
 def test_rollout_old_logprobs_need_the_models_own_distribution(tmp_path):

@@ -98,7 +98,9 @@ def spec_for(cfg: RunConfig, section: str) -> ServerSpec:
     s = part.serve
     if s is None:
         raise ValueError(f"{section}.serve is not set")
-    common = {"dtype": s.dtype, "max_model_len": s.max_model_len, "kv_cache_gb": s.kv_cache_gb, "host": s.host,
+    from pipeline.engines.hardware import resolve_dtype
+
+    common = {"dtype": resolve_dtype(s.dtype, what=f"{section} server"), "max_model_len": s.max_model_len, "kv_cache_gb": s.kv_cache_gb, "host": s.host,
               "port": s.port, "enforce_eager": s.enforce_eager, "start_timeout_s": s.start_timeout_s}
     if section == "executor":
         return ServerSpec(s.model or part.model, part.model, extra_args=tuple(s.extra_args), **common)

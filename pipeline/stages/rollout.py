@@ -204,12 +204,13 @@ def start_generator(ctx: RunContext, ro: Sampler, stack: contextlib.ExitStack) -
     merge = g.merge_adapter == "always" or (g.merge_adapter == "auto" and not cuda_available())
     if ro.adapter is None or g.backend != "vllm" or not merge:
         return make_generator(g, enable_lora=ro.adapter is not None)
+    from pipeline.engines.hardware import resolve_dtype
     from pipeline.engines.models import cache_dir, merge_adapter
 
     (cache_dir() / "merged").mkdir(parents=True, exist_ok=True)
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="merged-", dir=cache_dir() / "merged"))
     t0 = time.perf_counter()
-    folder = merge_adapter(g.model, ro.adapter, Path(tmp) / "model", g.dtype)
+    folder = merge_adapter(g.model, ro.adapter, Path(tmp) / "model", resolve_dtype(g.dtype, what="generator"))
     log.info("adapter %s merged into %s in %.1fs (vLLM on CPU: no LoRA kernels)", ro.adapter, folder,
              time.perf_counter() - t0)
     ro.sample_adapter = None

@@ -613,6 +613,7 @@ class TrainSetup:
     policy: torch.nn.Module  # the same, as DDP sees it (`LogprobModule`)
     pad_id: int
     steps: list[PlannedStep]
+    bf16: bool  # training.bf16 resolved for this device (auto: native bf16 only)
 
     @property
     def shard(self) -> tuple[int, int]:
@@ -636,6 +637,7 @@ def _check_objective(ctx):
 def load_stage(ctx, obj, accel) -> TrainSetup:
     """Step 1: the round's rows, the policy (the same fresh LoRA on every rank), the step plan; DDP wraps the
     policy (and broadcasts rank 0's weights, so π_old / reference come from the weights every rank trains)."""
+    from pipeline.engines.hardware import resolve_bf16
     from pipeline.engines.models import load_tokenizer
     from pipeline.run import derived_seed
     from pipeline.stages.parallel import LogprobModule
@@ -647,14 +649,15 @@ def load_stage(ctx, obj, accel) -> TrainSetup:
         log.warning("round %d has no kept %s rows: the checkpoint is the unchanged adapter", ctx.round, obj.kind)
     pad_id = load_tokenizer(ctx.cfg.generator.model).pad_token_id or 0
     model = load_policy(ctx, accel.device)
-    if tc.bf16:
+    bf16 = resolve_bf16(tc.bf16, accel.device.type)
+    if bf16:
         frozen_linears_bf16(model)
     if tc.gradient_checkpointing:
         model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     rng = np.random.default_rng(derived_seed(tc.seed, "steps", ctx.round))
     steps = plan_passes(seqs, tc, rng, obj.paired) if seqs else []
     policy = accel.prepare(LogprobModule(model, completion_logprobs))
-    return TrainSetup(ctx, obj, accel, seqs, info, model, policy, pad_id, steps)
+    return TrainSetup(ctx, obj, accel, seqs, info, model, policy, pad_id, steps, bf16)
 
 
 def old_logprobs(s: TrainSetup, chunks: list[Chunk], args: dict) -> dict[str, torch.Tensor]:
@@ -676,7 +679,7 @@ def reference_passes(s: TrainSetup) -> tuple[dict | None, dict | None]:
     """Step 2: π_old and reference log-probs per gen_id, before any update (`reference_logprobs`)."""
     tc = s.ctx.cfg.training
     chunks = logprob_chunks(s.steps[0].passes if s.steps else [], row_shapes(s.seqs), pass_budget(tc))
-    args = {"pad_id": s.pad_id, "device": s.accel.device, "bf16": tc.bf16, "shard": s.shard, "layout": tc.prompt_layout}
+    args = {"pad_id": s.pad_id, "device": s.accel.device, "bf16": s.bf16, "shard": s.shard, "layout": tc.prompt_layout}
     old = old_logprobs(s, chunks, args) if s.obj.needs_old else None
     if not s.obj.uses_ref or tc.reference == "none":
         return old, None
@@ -700,7 +703,7 @@ def train_pass(s: TrainSetup, chunk: Chunk, step_rows: list[int], real: bool, pa
     tc, device, n_ranks = s.ctx.cfg.training, s.accel.device, s.accel.num_processes
     old, ref = passes
     batch = pass_batch([s.seqs[i] for i in chunk.uniq], s.pad_id, device, tc.prompt_layout)
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.bf16):
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=s.bf16):
         logp = s.policy(batch)
     weights = step_weights(s.seqs, step_rows, tc)
     inp = chunk_loss_input(s.seqs, chunk, logp, batch, tc, old, ref, weights, device)

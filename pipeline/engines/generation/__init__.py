@@ -14,15 +14,17 @@ BACKENDS = ("transformers", "vllm", "openai")
 
 def make_generator(cfg: GeneratorConfig, *, enable_lora: bool = False, max_model_len: int | None = None) -> Generator:
     """Load the configured backend. `enable_lora`: the vLLM engine must accept adapters (decided at start)."""
+    from pipeline.engines.hardware import resolve_dtype
+
     if cfg.backend == "transformers":
         from pipeline.engines.generation.hf import TransformersGenerator
 
-        return TransformersGenerator(cfg.model, dtype=cfg.dtype)
+        return TransformersGenerator(cfg.model, dtype=resolve_dtype(cfg.dtype, what="generator"))
     if cfg.backend == "vllm":
         from pipeline.engines.generation.vllm_offline import VLLMGenerator
 
         return VLLMGenerator(
-            cfg.model, dtype=cfg.dtype, enable_lora=enable_lora, max_lora_rank=cfg.max_lora_rank,
+            cfg.model, dtype=resolve_dtype(cfg.dtype, what="generator"), enable_lora=enable_lora, max_lora_rank=cfg.max_lora_rank,
             max_model_len=max_model_len or cfg.max_model_len, enforce_eager=cfg.enforce_eager,
             gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
             seed=cfg.seed,
