@@ -512,7 +512,9 @@ class ExperimentConfig(_Strict):
         None, ge=0, description="Generator temperature of the evaluations (base and checkpoints alike); null: "
         "generator.temperature, the rollout's.",
     )
-    eval_rounds: Literal["all", "last"] = Field("all", description="Checkpoints evaluated besides the base model.")
+    eval_rounds: Literal["all", "last"] = Field(
+        "last", description="Checkpoints evaluated besides the base model: the last (what the comparison uses), or "
+        "all (the per-round curve; each adds an evaluation's executor cost).")
     bootstrap: int = Field(10000, gt=0, description="Bootstrap resamples of the paired differences.")
     ci_level: float = Field(0.95, gt=0, lt=1, description="Level of the bootstrap interval.")
     references: list[str] = Field(

@@ -469,7 +469,7 @@ def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness
     install_stages(monkeypatch, make)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"run_id: x\nrounds: 2\nstore:\n  root: {tmp_path / 'runs'}\n"
-                   "experiment:\n  seeds: [3, 4]\n  eval_queries: 5\n  eval_l: 2\n")
+                   "experiment:\n  seeds: [3, 4]\n  eval_queries: 5\n  eval_l: 2\n  eval_rounds: all\n")
     out = run_experiment(cfg, direct_call(RetryPolicy(delay_s=0)))
     train = ["rollout", "score", "curate", "train"] * 2
     ev = ["rollout", "score"] * 3  # base, round 0, round 1

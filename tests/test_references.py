@@ -237,7 +237,8 @@ def _fake(calls: list):
 def _experiment_config(tmp_path: Path, run_id: str, experiment: dict, rounds: int = 2) -> Path:
     cfg = {"run_id": run_id, "rounds": rounds, "store": {"root": str(tmp_path / "runs")}, "tracking": [],
            "benchmark": {"name": "procedural", "tasks": ["chain_sum"], "size": 20},
-           "experiment": {"seeds": [0, 1], "eval_queries": 2, "eval_l": 2, "bootstrap": 200, **experiment}}
+           "experiment": {"seeds": [0, 1], "eval_queries": 2, "eval_l": 2, "bootstrap": 200, "eval_rounds": "all",
+                          **experiment}}
     path = tmp_path / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -252,6 +253,21 @@ def fake_stages(monkeypatch) -> list:
         monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(st, fn=make(name), isolated=False,
                                                                      checkpoint=False))
     return calls
+
+
+def test_an_experiment_evaluates_the_base_model_and_the_last_round_unless_the_curve_is_asked_for(tmp_path,
+                                                                                                  fake_stages):
+    from pipeline.studies.experiment import run_experiment
+
+    calls = fake_stages
+    path = _experiment_config(tmp_path, "z", {"seeds": [0]}, rounds=3)
+    path.write_text(path.read_text().replace("eval_rounds: all", "eval_rounds: last"))
+    default = _experiment_config(tmp_path, "d", {"seeds": [0]}, rounds=3)
+    default.write_text(default.read_text().replace("  eval_rounds: all\n", ""))
+    for config, run in ((path, "z"), (default, "d")):
+        out = run_experiment(config, direct_call(RetryPolicy(delay_s=0)))
+        assert {r for r, _ in calls if r.startswith(run)} == {f"{run}-s0", f"{run}-s0-eval-base", f"{run}-s0-eval-r2"}
+        assert [p["round"] for p in out["paired"] if p["metric"] == "mean_at_l"] == [2]
 
 
 def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fake_stages):

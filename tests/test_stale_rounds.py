@@ -70,7 +70,8 @@ def calls(monkeypatch) -> list:
 def write_config(tmp_path: Path, run_id: str, rounds: int = 2) -> Path:
     cfg = {"run_id": run_id, "rounds": rounds, "store": {"root": str(tmp_path / "runs")}, "tracking": [],
            "benchmark": {"name": "procedural", "tasks": ["chain_sum"], "size": 20},
-           "experiment": {"seeds": [0], "eval_queries": 2, "eval_l": 1, "bootstrap": 50}}
+           "experiment": {"seeds": [0], "eval_queries": 2, "eval_l": 1, "bootstrap": 50,
+                          "eval_rounds": "all"}}
     path = tmp_path / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
