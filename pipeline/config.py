@@ -181,6 +181,18 @@ class ExecutorConfig(_Strict):
         None, description="The stages that call the executor serve `model` themselves (vLLM) and stop it after "
         "(pipeline.engines.servers); needs kind: openai and no base_url/endpoints.",
     )
+    common_random_numbers: bool = Field(
+        False, description="Seed each sampled executor call from executor.seed, the query, the workflow's sample slot, "
+        "the rep and the call itself (messages, parameters, identical calls made before), so that two arms making "
+        "the same call on the same query and slot get the same sample. Evaluation and reference runs turn it on "
+        "(experiment.common_random_numbers); off: training rollouts draw fresh samples.",
+    )
+    seed: int = Field(0, description="The executor's common random numbers' seed, shared by every arm they pair.")
+    cache: Literal["auto", "on", "off"] = Field(
+        "auto", description="Replies computed once, kept in <store>/cache/executor/ (pipeline.engines.cache): greedy "
+        "and seeded calls. auto: for the local executor and a served one (their model and settings are known); on: "
+        "also for an endpoint the pipeline does not start (you vouch that its model never changes); off: never.",
+    )
 
     @model_validator(mode="after")
     def _served(self) -> ExecutorConfig:
@@ -359,6 +371,10 @@ class ScoringConfig(_Strict):
     test_timeout_s: float = Field(5.0, gt=0, description="Per-test timeout of code metrics.")
     retry_timeouts: bool = Field(False, description="Treat `timeout` as transient for --only-failed.")
     batch_size: int = Field(16, gt=0, description="Score rows per Parquet part.")
+    cache_verdicts: bool = Field(
+        True, description="A code grader's verdict on an identical (benchmark, item, answer) computed once, kept in "
+        "<store>/cache/grader/ (timeouts excepted).",
+    )
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Multi-purpose reward weights.")
 
 
@@ -539,6 +555,10 @@ class ExperimentConfig(_Strict):
         False, description="Evaluate the base model once (the first seed's run and sampling seed) and pair every seed "
         "with it: one evaluation less per extra seed, but the base's sampling noise is not resampled across seeds.",
     )
+    common_random_numbers: bool = Field(
+        True, description="Evaluation and reference runs seed their executor calls (executor.common_random_numbers), "
+        "so paired arms share the executor's noise; false: unseeded, to measure what that buys.",
+    )
 
 
 class SMCConfig(_Strict):
@@ -610,10 +630,11 @@ class RunConfig(_Strict):
         """Fingerprint of what the stages compute, kept in every stage manifest. Fields at their default value
         are left out, so a field added to the schema later (at its default) keeps existing runs' manifests valid
         instead of re-running every finished stage; `experiment` only plans evaluations, `tracking` only copies
-        figures out of the store and `training.save_steps` only saves progress, so they are left out too."""
+        figures out of the store, `training.save_steps` only saves progress and DRAW_ONLY fields only pick which
+        draw a row is or reuse one, so they are left out too."""
         body = _legacy_hash_form(self, self.model_dump(mode="json", exclude_defaults=True,
                                                        exclude={"experiment": True, "tracking": True,
-                                                                "training": {"save_steps"}}))
+                                                                "training": {"save_steps"}, **_DRAW_ONLY_EXCLUDE}))
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
@@ -722,19 +743,27 @@ def load_config(path: str | Path, sets: list[str] | None = None) -> RunConfig:
 # can gain references after its seeds ran).
 PLAN_ONLY = frozenset({"experiment.references", "experiment.references_from", "experiment.shared_base",
                        "experiment.select_split", "experiment.select_queries", "experiment.budget_slack",
-                       "training.save_steps"})
+                       "experiment.common_random_numbers", "training.save_steps"})
+
+
+# Options that pick which draw of the same distribution a row is, or reuse a computed one (issue 38): a row scored
+# with or without common random numbers or the cache is a sample of the same thing, so a run resumed with another
+# value of them is not refused and its finished stages stay finished.
+DRAW_ONLY = frozenset({"executor.common_random_numbers", "executor.seed", "executor.cache", "scoring.cache_verdicts"})
+_DRAW_ONLY_EXCLUDE = {section: {p.split(".")[1] for p in DRAW_ONLY if p.split(".")[0] == section}
+                      for section in {p.split(".")[0] for p in DRAW_ONLY}}  # as model_dump's `exclude`
 
 
 def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
-    """Dotted paths whose values differ, PLAN_ONLY left out (used to refuse silently resuming a run with another
-    config)."""
+    """Dotted paths whose values differ, PLAN_ONLY and DRAW_ONLY left out (used to refuse silently resuming a run
+    with another config)."""
     out: list[str] = []
 
     def walk(x: Any, y: Any, prefix: str) -> None:
         if isinstance(x, dict) and isinstance(y, dict):
             for k in sorted(set(x) | set(y)):
                 walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
-        elif x != y and prefix not in PLAN_ONLY:
+        elif x != y and prefix not in PLAN_ONLY and prefix not in DRAW_ONLY:
             out.append(prefix)
 
     walk(json.loads(a.model_dump_json()), json.loads(b.model_dump_json()), "")

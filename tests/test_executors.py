@@ -66,6 +66,7 @@ class FaultServer:
         self.script: list[str] = []
         self.default, self.slow_s, self.gauge = default, slow_s, gauge
         self.reply: str | None = None  # fixed completion text instead of the echo
+        self.finish_reason = "stop"  # "length": every choice stopped at the token cap
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         outer = self
@@ -121,11 +122,14 @@ class FaultServer:
         if mode == "malformed":
             return send(200, b'{"choices": [ this is not json')
         last = body["messages"][-1]["content"]
-        n = body.get("n") or 1
+        n, seed = body.get("n") or 1, body.get("seed")
+
+        def text(i: int) -> str:  # a seeded request says which seed sample i drew (vLLM: seed + i)
+            return self.reply or f"echo {i}: {last}" + ("" if seed is None else f" (seed {seed + i})")
+
         out = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-               "choices": [{"index": i, "message": {"role": "assistant",
-                                                    "content": self.reply or f"echo {i}: {last}"},
-                            "finish_reason": "stop"} for i in range(n)],
+               "choices": [{"index": i, "message": {"role": "assistant", "content": text(i)},
+                            "finish_reason": self.finish_reason} for i in range(n)],
                "usage": {"prompt_tokens": 7, "completion_tokens": 3 * n, "total_tokens": 7 + 3 * n}}
         send(200, json.dumps(out).encode())
 

@@ -27,7 +27,7 @@ class FakeExecutor:
     def __init__(self, fail: bool = False):
         self.fail, self.calls = fail, []
 
-    async def complete(self, messages, temperature=None, n=1, max_tokens=None):
+    async def complete(self, messages, temperature=None, n=1, max_tokens=None, seed=None):
         self.calls.append({"messages": messages, "temperature": temperature, "n": n})
         if self.fail:
             raise ConnectionError("endpoint down")
@@ -84,7 +84,7 @@ class SlowExecutor(FakeExecutor):
         super().__init__()
         self.delay_s = delay_s
 
-    async def complete(self, messages, temperature=None, n=1, max_tokens=None):
+    async def complete(self, messages, temperature=None, n=1, max_tokens=None, seed=None):
         await asyncio.sleep(self.delay_s)
         return await super().complete(messages, temperature, n, max_tokens)
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.config import RunConfig
 from pipeline.engines.benchmarks.base import Item
-from pipeline.engines.sandbox import Limits, run_workflow
+from pipeline.engines.sandbox import Limits, SandboxResult, run_workflow
 from pipeline.engines.workflow import check_workflow
 
 MAX_CHARS = 4000  # of an answer or an error kept in a checks row
@@ -48,7 +49,7 @@ def static_row(job: CheckJob, purpose: str, max_chars: int) -> dict:
     reason = check_workflow(job.code, max_chars)
     return {"gen_id": job.gen_id, "query_id": job.item.id, "purpose": purpose,
             "status": "ok" if reason is None else "invalid", "answer": None if reason else "(not run)",
-            "error": reason, "llm_calls": 0, "tokens_in": 0, "tokens_out": 0, "cost_usd": 0.0, "wall_s": 0.0}
+            "error": reason, **SandboxResult("ok").usage()}
 
 
 async def _run(cfg: RunConfig, jobs: Sequence[CheckJob], purpose: str, executor) -> list[dict]:
@@ -61,23 +62,23 @@ async def _run(cfg: RunConfig, jobs: Sequence[CheckJob], purpose: str, executor)
                                      max_chars=cfg.rollout.max_workflow_chars)
         return {"gen_id": job.gen_id, "query_id": job.item.id, "purpose": purpose, "status": res.status,
                 "answer": None if res.answer is None else res.answer[:MAX_CHARS],
-                "error": None if res.error is None else res.error[:MAX_CHARS], "llm_calls": res.llm_calls,
-                "tokens_in": res.tokens_in, "tokens_out": res.tokens_out, "cost_usd": res.cost_usd,
-                "wall_s": res.wall_s}
+                "error": None if res.error is None else res.error[:MAX_CHARS], **res.usage()}
 
     return list(await asyncio.gather(*(one(j) for j in jobs)))
 
 
-def run_checks(cfg: RunConfig, jobs: Sequence[CheckJob], purpose: str, executor=None) -> list[dict]:
+def run_checks(cfg: RunConfig, jobs: Sequence[CheckJob], purpose: str, executor=None,
+               cache_dir: Path | None = None) -> list[dict]:
     """One `checks` row per job (not written), in job order. `executor`: an Executor to reuse (else the run's own,
-    made and closed here; a local model loads only if a workflow calls `llm`)."""
+    made and closed here, through the reply cache under `cache_dir`; a local model loads only if a workflow calls
+    `llm`). A check has no sample slot: its sampled calls are unseeded (greedy ones still meet the cache)."""
     if not jobs:
         return []
 
     async def go() -> list[dict]:
-        from pipeline.engines.executors import make_executor
+        from pipeline.engines.cache import make_cached_executor
 
-        ex = executor or make_executor(cfg.executor)
+        ex = executor or make_cached_executor(cfg.executor, cache_dir)
         try:
             return await _run(cfg, jobs, purpose, ex)
         finally:

@@ -4,7 +4,13 @@
   concurrency limit, a per-call timeout and retries by tenacity (exponential backoff with full jitter,
   Retry-After as a floor) on 429 / 5xx / timeouts / connection errors / malformed responses.
 - `local`: the embedded model in-process (transformers); concurrent requests are batched into one
-  `generate` call; greedy at temperature 0 (the paper's setting).
+  `generate` call; greedy at temperature 0 (the paper's setting); sampled rows each draw from their own
+  torch.Generator, so a seeded request gets the same sample whatever else is in its batch.
+
+Common random numbers (issue 38): a sampled call may carry a `seed`. `CallSeeds` derives it on the trusted side of
+the sandbox from where the workflow run sits (`SampleSlot`: executor.seed, query, sample slot, rep) and the call
+itself (messages, parameters, and how many identical calls the run made before), so two arms that make the same call
+on the same query in the same slot get the same sample, while repeated calls and reps get fresh ones.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import hashlib
 import itertools
+import json
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -34,6 +42,52 @@ class ExecutorReply:
     tokens_in: int
     tokens_out: int
     cost_usd: float = 0.0
+    truncated: int = 0  # texts that stopped at the token cap (finish_reason "length")
+    cached: bool = False  # answered from the reply cache (pipeline.engines.cache): nothing was computed for it
+
+
+# ---- common random numbers ----------------------------------------------------------------------------------------
+
+SEED_RANGE = 2**31  # vLLM adds the sample index to a request's seed (n > 1); OpenAI's API takes a 32-bit int
+
+
+def call_signature(messages: list[dict], temperature: float, n: int, max_tokens: int | None) -> str:
+    """What makes two calls of one workflow run identical: the messages and the sampling parameters."""
+    body = json.dumps([messages, float(temperature), int(n), max_tokens], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class SampleSlot:
+    """Where one workflow run sits, which is what common random numbers pair across arms: the experiment's executor
+    seed, the query, the workflow's sample slot within its query (`generations.slot`) and the rep."""
+
+    seed: int
+    query_id: str
+    slot: int
+    rep: int
+
+
+class CallSeeds:
+    """The seed of each executor call of one workflow run; lives in the trusted parent (the sandbox's helper
+    server), so untrusted code neither chooses nor sees a seed: it only chooses its messages, as any call does.
+    None for a greedy call (temperature 0 needs none) or a run without a slot (common random numbers off)."""
+
+    def __init__(self, where: SampleSlot | None, default_temperature: float = 0.0):
+        """`default_temperature`: what a call without a temperature samples at (executor.temperature)."""
+        self.where, self.default_temperature = where, default_temperature
+        self._made: dict[str, int] = {}  # call signature -> identical calls made so far
+
+    def seed(self, messages: list[dict], temperature: float | None, n: int, max_tokens: int | None) -> int | None:
+        temperature = self.default_temperature if temperature is None else temperature
+        if self.where is None or temperature == 0:
+            return None
+        sig = call_signature(messages, temperature, n, max_tokens)
+        k = self._made.get(sig, 0)  # a vote of three identical calls: k = 0, 1, 2, three samples
+        self._made[sig] = k + 1
+        w = self.where
+        body = json.dumps([w.seed, w.query_id, w.slot, w.rep, sig, k])
+        return int.from_bytes(hashlib.sha256(body.encode()).digest()[:8], "big") % SEED_RANGE
 
 
 def cost_usd(prices: PriceConfig, tokens_in: int, tokens_out: int) -> float:
@@ -90,7 +144,8 @@ def retryable(e: BaseException) -> bool:
 
 class Executor:
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
-                       max_tokens: int | None = None) -> ExecutorReply:
+                       max_tokens: int | None = None, seed: int | None = None) -> ExecutorReply:
+        """`seed`: the sample's seed (a sampled call; ignored at temperature 0); None: a fresh draw."""
         raise NotImplementedError
 
     async def start(self) -> None:
@@ -117,14 +172,17 @@ class OpenAIExecutor(Executor):
         self._taking: asyncio.Lock | None = None
 
     async def _once(self, messages: list[dict], temperature: float, n: int, asked: int,
-                    max_tokens: int | None) -> ExecutorReply:
+                    max_tokens: int | None, seed: int | None) -> ExecutorReply:
         cfg = self.cfg
         client = self.clients[next(self._next)]  # each attempt goes to the next endpoint
+        # vLLM's server seeds the request's sampler with it (sample j of n with seed + j); a remote API's seed is
+        # best effort, which the reply cache makes exact
+        extra = {} if seed is None else {"seed": seed}
         try:
             async with self._slots(asked):
                 resp = await asyncio.wait_for(client.chat.completions.create(
                     model=cfg.model, messages=messages, temperature=temperature, n=asked,
-                    max_tokens=max_tokens or cfg.max_tokens), cfg.timeout_s)
+                    max_tokens=max_tokens or cfg.max_tokens, **extra), cfg.timeout_s)
             if not getattr(resp, "choices", None):
                 raise ValueError(f"malformed response: no choices ({str(resp)[:200]})")
         except Exception as e:
@@ -132,10 +190,11 @@ class OpenAIExecutor(Executor):
                 raise ExecutorError(f"{client.base_url}: {type(e).__name__}: {e}") from e
             raise
         texts = [(c.message.content or "") for c in resp.choices] * (n // asked)
+        truncated = sum(getattr(c, "finish_reason", None) == "length" for c in resp.choices) * (n // asked)
         usage = getattr(resp, "usage", None)
         tin = int(getattr(usage, "prompt_tokens", 0) or 0)
         tout = int(getattr(usage, "completion_tokens", 0) or 0)
-        return ExecutorReply(texts, tin, tout, cost_usd(cfg.prices, tin, tout))
+        return ExecutorReply(texts, tin, tout, cost_usd(cfg.prices, tin, tout), truncated)
 
     @contextlib.asynccontextmanager
     async def _slots(self, n: int):
@@ -154,7 +213,7 @@ class OpenAIExecutor(Executor):
                 self._sem.release()
 
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
-                       max_tokens: int | None = None) -> ExecutorReply:
+                       max_tokens: int | None = None, seed: int | None = None) -> ExecutorReply:
         import tenacity
 
         cfg = self.cfg
@@ -163,11 +222,12 @@ class OpenAIExecutor(Executor):
         temperature = cfg.temperature if temperature is None else temperature
         # Greedy answers are identical: ask once (vLLM refuses n > 1 at temperature 0) and repeat.
         asked = 1 if temperature == 0 else n
+        seed = None if temperature == 0 else seed
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(cfg.max_retries + 1), wait=RetryAfterWait(), sleep=self._sleep,
             retry=tenacity.retry_if_exception(lambda e: not isinstance(e, ExecutorError)))
         try:
-            return await retrying(self._once, messages, temperature, n, asked, max_tokens)
+            return await retrying(self._once, messages, temperature, n, asked, max_tokens, seed)
         except tenacity.RetryError as e:
             last = e.last_attempt.exception()
             raise ExecutorError(f"gave up after {cfg.max_retries + 1} attempts: {type(last).__name__}: {last}") \
@@ -201,10 +261,11 @@ class LocalExecutor(Executor):
         await asyncio.to_thread(self._load)
 
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
-                       max_tokens: int | None = None) -> ExecutorReply:
+                       max_tokens: int | None = None, seed: int | None = None) -> ExecutorReply:
         temperature = self.cfg.temperature if temperature is None else temperature
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(messages, float(temperature), n, max_tokens or self.cfg.max_tokens, fut))
+        self._pending.append(_Request(messages, float(temperature), n, max_tokens or self.cfg.max_tokens, fut,
+                                      None if temperature == 0 else seed))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._work())
         return await fut
@@ -238,9 +299,10 @@ class LocalExecutor(Executor):
         prompts = [tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False) for r in batch]
         rows = [p for p, k in zip(prompts, reps, strict=True) for _ in range(k)]
         enc = tok(rows, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        kw: dict[str, Any] = {"do_sample": not greedy, "max_new_tokens": max_tokens, "pad_token_id": tok.pad_token_id}
-        if not greedy:
-            kw["temperature"] = temperature
+        kw: dict[str, Any] = {"do_sample": False, "max_new_tokens": max_tokens, "pad_token_id": tok.pad_token_id}
+        if not greedy:  # sample j of a request seeded s draws with seed s + j, as vLLM's server does
+            seeds = [None if r.seed is None else r.seed + j for r, k in zip(batch, reps, strict=True) for j in range(k)]
+            kw["logits_processor"] = [_RowSampler(seeds, temperature)]
         with torch.inference_mode():
             out = model.generate(**enc, **kw)
         self.generate_calls += 1
@@ -248,15 +310,45 @@ class LocalExecutor(Executor):
         stop = {tok.eos_token_id, tok.pad_token_id}
         results, i = [], 0
         for r, k in zip(batch, reps, strict=True):
-            texts, tout = [], 0
+            texts, tout, truncated = [], 0, 0
             for ids in gen[i: i + k]:
                 cut = next((j for j, t in enumerate(ids) if t in stop), len(ids))
                 texts.append(tok.decode(ids[:cut], skip_special_tokens=True).strip())
                 tout += cut  # tokens actually generated (greedy: once for all n answers)
+                truncated += cut == len(ids)  # no stop token before the cap
             tin = int(enc["attention_mask"][i].sum())
             i += k
-            results.append(ExecutorReply(texts * r.n if greedy else texts, tin, tout))
+            results.append(ExecutorReply(texts * r.n if greedy else texts, tin, tout,
+                                         truncated=truncated * r.n if greedy else truncated))
         return results
+
+
+class _RowSampler:
+    """A logits processor that samples each row from its own torch.Generator at `temperature` (the full
+    distribution: no top-k or top-p) and leaves only the drawn token, which greedy decoding then picks. transformers
+    samples a batch from the one global generator, so a row's sample would depend on what else is in its batch; here
+    it depends on its seed alone (a fresh random one when None)."""
+
+    def __init__(self, seeds: list[int | None], temperature: float):
+        import torch
+
+        self.temperature = temperature
+        self.gens = []
+        for s in seeds:
+            g = torch.Generator()
+            if s is None:
+                g.seed()
+            else:
+                g.manual_seed(s)
+            self.gens.append(g)
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1).cpu()
+        drawn = torch.stack([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.gens, strict=True)])
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, drawn.to(scores.device), 0.0)
 
 
 @dataclass
@@ -266,6 +358,7 @@ class _Request:
     n: int
     max_tokens: int
     fut: asyncio.Future
+    seed: int | None = None
 
     @property
     def key(self) -> tuple[float, int]:  # requests sharing it can go into one generate call

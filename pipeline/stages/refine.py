@@ -240,7 +240,7 @@ class Refine:
         items = {j.item.id: j.item for j in jobs}
         size, transient = max(self.ctx.cfg.scoring.batch_size, self.ctx.cfg.scoring.concurrency), 0
         for i in range(0, len(jobs), size):
-            rows = run_checks(self.ctx.cfg, jobs[i:i + size], "refine", self.executor)
+            rows = run_checks(self.ctx.cfg, jobs[i:i + size], "refine", self.executor, self.ctx.store.cache_dir())
             for r in rows:
                 r["reward"] = _metric(self.bench, items[r["query_id"]], r)
                 transient += _transient(r["status"])
@@ -361,14 +361,14 @@ class Refine:
                 "advanced": int(turns["advanced"].sum())} | self.counts
 
 
-def _shared_executor(cfg):
+def _shared_executor(ctx):
     """A local executor is shared by every check of the stage (its model loads once); a client of a server is made
     per call (its connections belong to that call's event loop)."""
-    if cfg.executor.kind != "local":
+    if ctx.cfg.executor.kind != "local":
         return None
-    from pipeline.engines.executors import make_executor
+    from pipeline.engines.cache import make_cached_executor
 
-    return make_executor(cfg.executor)
+    return make_cached_executor(ctx.cfg.executor, ctx.store.cache_dir())
 
 
 def run_refine(ctx, ro, bench) -> dict:
@@ -384,7 +384,7 @@ def run_refine(ctx, ro, bench) -> dict:
             return gen
 
         write_queries(ctx, ro.items)
-        refine = Refine(ctx, ro, bench, engine, _shared_executor(ctx.cfg))
+        refine = Refine(ctx, ro, bench, engine, _shared_executor(ctx))
         counts = refine.run()
     counts = {"queries": len(ro.items), **rollout_counts(ctx, counts.pop("sampled")), **counts}
     ctx.finish("rollout", mode="refine", **counts)

@@ -63,7 +63,7 @@ def _check(ctx, ends: pl.DataFrame, items: dict, checked: dict[str, dict], execu
     if ctx.cfg.rollout.repair_check == "static":
         rows = [static_row(j, "repair", ctx.cfg.rollout.max_workflow_chars) for j in todo]
     else:
-        rows = run_checks(ctx.cfg, todo, "repair", executor)
+        rows = run_checks(ctx.cfg, todo, "repair", executor, ctx.store.cache_dir())
     ctx.store.write("checks", rows, ctx.run_id, ctx.round)
     checked.update({r["gen_id"]: r for r in rows})
     return len(rows)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from pipeline.core.reward import diversity_terms, reward
 from pipeline.core.tamper import flags
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
-from pipeline.engines.sandbox import Limits, default_sandbox, run_workflow
+from pipeline.engines.sandbox import Limits, SandboxResult, default_sandbox, run_workflow
 from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext
 from pipeline.stages import Shard
@@ -82,27 +82,55 @@ class _Scorer:
     """Per-invocation state: benchmark, executor, judge, limits; `score(job)` -> one `scores` row."""
 
     def __init__(self, ctx: RunContext, bench: Benchmark, texts: dict[str, str], items: dict[str, Item],
-                 diversity: dict[str, float] | None = None):
+                 diversity: dict[str, float] | None = None, slots: dict[str, int] | None = None):
+        """`slots`: gen_id -> its sample slot (`generations.slot`), where common random numbers pair arms."""
         cfg = ctx.cfg
         self.cfg, self.bench, self.texts, self.items = cfg, bench, texts, items
-        self.diversity = diversity or {}
+        self.diversity, self.slots = diversity or {}, slots or {}
         self.limits = Limits.from_config(cfg.scoring)
-        self._executor = self._judge = None
+        self.cache_dir = ctx.store.cache_dir()
+        self._executor = self._judge = self._verdicts = None
 
     @property
     def executor(self):
         if self._executor is None:
-            from pipeline.engines.executors import make_executor
+            from pipeline.engines.cache import make_cached_executor
 
-            self._executor = make_executor(self.cfg.executor)
+            self._executor = make_cached_executor(self.cfg.executor, self.cache_dir)
         return self._executor
 
-    async def _metric(self, item: Item, answer: str) -> tuple[float, dict]:
-        if hasattr(self.bench, "ascore"):
-            m = await self.bench.ascore(item, answer)
-        else:  # the other benchmarks' metrics are sync and pure
+    def seeds(self, job: Job):
+        """The run's executor-call seeds: common random numbers where configured and the slot is known."""
+        from pipeline.engines.executors import CallSeeds, SampleSlot
+
+        ex = self.cfg.executor
+        slot = self.slots.get(job.gen_id)
+        where = SampleSlot(ex.seed, job.query_id, slot, job.rep) if ex.common_random_numbers and slot is not None \
+            else None
+        return CallSeeds(where, ex.temperature)
+
+    async def _grade(self, item: Item, answer: str) -> tuple[float, dict]:
+        """A code benchmark's verdict (through the verdict cache when kept), else the metric (sync and pure)."""
+        if not hasattr(self.bench, "ascore"):
             m = await asyncio.to_thread(self.bench.score, item, answer)
-        details = {"metric": m.details}
+            return m.score, m.details
+
+        async def grade() -> tuple[float, dict]:
+            m = await self.bench.ascore(item, answer)
+            return m.score, m.details
+
+        if not self.cfg.scoring.cache_verdicts or self.cache_dir is None:
+            return await grade()
+        if self._verdicts is None:
+            from pipeline.engines.cache import VerdictCache
+
+            self._verdicts = VerdictCache(self.cfg, self.cache_dir)
+        score, details, _ = await self._verdicts.verdict(item.id, item.reference, answer, grade)
+        return score, details
+
+    async def _metric(self, item: Item, answer: str) -> tuple[float, dict]:
+        score, metric_details = await self._grade(item, answer)
+        details = {"metric": metric_details}
         judge_cfg = self.cfg.scoring.reward.judge
         if judge_cfg is not None and self.bench.family != "code":
             if self._judge is None:
@@ -110,16 +138,15 @@ class _Scorer:
 
                 self._judge = Judge(judge_cfg)
             j = await self._judge.grade(item.prompt, item.gold_text(), answer)
-            details.update(benchmark_metric=m.score, judge=j.details)
+            details.update(benchmark_metric=score, judge=j.details)
             return j.score, details
-        return m.score, details
+        return score, details
 
     async def score(self, job: Job) -> dict:
         item = self.items[job.query_id]
         code = extract_code(self.texts[job.gen_id] or "")
         row: dict[str, Any] = {"gen_id": job.gen_id, "query_id": job.query_id, "rep": job.rep,
-                               "attempt": job.attempt, "metric": 0.0, "llm_calls": 0, "tokens_in": 0,
-                               "tokens_out": 0, "cost_usd": 0.0, "wall_s": 0.0}
+                               "attempt": job.attempt, "metric": 0.0, **SandboxResult("invalid").usage()}
         details: dict[str, Any] = {}
         reason = check_workflow(code, self.cfg.rollout.max_workflow_chars)
         if reason is not None:
@@ -131,9 +158,8 @@ class _Scorer:
                           "timeout_s": self.cfg.scoring.test_timeout_s}
             res = await run_workflow(code, item.prompt, executor=self.executor,
                                      limits=self.limits, public_tests=public,
-                                     max_chars=self.cfg.rollout.max_workflow_chars)
-            row.update(status=res.status, error=res.error, llm_calls=res.llm_calls, tokens_in=res.tokens_in,
-                       tokens_out=res.tokens_out, cost_usd=res.cost_usd, wall_s=res.wall_s,
+                                     max_chars=self.cfg.rollout.max_workflow_chars, seeds=self.seeds(job))
+            row.update(status=res.status, error=res.error, **res.usage(),
                        answer=None if res.answer is None else res.answer[:MAX_ANSWER_CHARS])
             details["sandbox"] = res.details
             if res.status == "ok":
@@ -166,6 +192,8 @@ class _Scorer:
         return "llm" in (self.texts[job.gen_id] or "")  # a cheap guess: only to decide on warm-up
 
     async def aclose(self) -> None:
+        if self._verdicts is not None:
+            self._verdicts.close()
         for x in (self._executor, self._judge):
             if x is not None:
                 await x.aclose()
@@ -215,14 +243,14 @@ def group_diversity(gens: pl.DataFrame) -> dict[str, float]:
 
 
 def _make_scorer(ctx: RunContext, items: dict[str, Item], texts: dict[str, str],
-                 diversity: dict[str, float]) -> _Scorer:
+                 diversity: dict[str, float], slots: dict[str, int] | None = None) -> _Scorer:
     bench = load_benchmark(ctx.cfg.benchmark)
     if hasattr(bench, "test_timeout_s"):
         bench.test_timeout_s = ctx.cfg.scoring.test_timeout_s
     iso = default_sandbox().ensure_started()
     for note in iso.get("notes", []):
         log.warning("sandbox: %s", note)
-    return _Scorer(ctx, bench, texts, items, diversity)
+    return _Scorer(ctx, bench, texts, items, diversity, slots)
 
 
 async def _score_passes(ctx: RunContext, passes: list[bool], plan_jobs: Callable[[bool], list[Job]],
@@ -301,6 +329,7 @@ def score_workflows(ctx: RunContext, only_failed: bool = False, shard: Shard | N
     pairs = list(zip(gens["gen_id"], gens["query_id"], strict=True))
     texts = dict(zip(gens["gen_id"], gens["text"], strict=True))
     diversity = group_diversity(gens)  # groups are (query, parent): a shard holds whole groups
+    slots = {g: s for g, s in zip(gens["gen_id"], gens["slot"], strict=True) if s is not None}
 
     def plan_jobs(retry_pass: bool) -> list[Job]:
         return plan(pairs, latest_attempts(store, ctx.run_id, ctx.round), cfg.scoring.reps, retry_pass, transient)
@@ -309,7 +338,7 @@ def score_workflows(ctx: RunContext, only_failed: bool = False, shard: Shard | N
     # retried stage heals a short outage by itself; --only-failed does the second pass alone
     desc = f"score round {ctx.round}" + (f" shard {shard}" if shard is not None else "")
     ran, counts = asyncio.run(_score_passes(ctx, [True] if only_failed else [False, True], plan_jobs,
-                                            lambda: _make_scorer(ctx, items, texts, diversity), desc))
+                                            lambda: _make_scorer(ctx, items, texts, diversity, slots), desc))
     manifest = "score" if shard is None else shard.manifest("score")
     return {"ran": ran, "ran_by_status": counts, **_tally(ctx, set(texts), manifest)}
 

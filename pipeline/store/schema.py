@@ -32,6 +32,13 @@ _RUN_USAGE = [
     ("cost_usd", pa.float64()),
     ("wall_s", pa.float64()),
     ("created_at", _ts),
+    # added with issue 38 (nullable: parts written before read them as null). tokens_in / tokens_out are what the
+    # workflow used (a cache hit counts its reply's tokens: budgets compare them); computed_* what the executor
+    # computed for the run (hits excluded: what it cost); null in older parts, where every token was computed
+    ("truncated_calls", pa.int32()),  # calls whose reply stopped at the token cap (finish_reason "length")
+    ("cached_calls", pa.int32()),  # calls answered from the reply cache (pipeline.engines.cache)
+    ("computed_tokens_in", pa.int64()),
+    ("computed_tokens_out", pa.int64()),
 ]
 
 TABLES: dict[str, pa.Schema] = {

@@ -7,11 +7,13 @@ Layout (docs/design.md, The store):
     <root>/<run_id>/round=<k>/checkpoint/                     the round's LoRA adapter
     <root>/<run_id>/stale/<stamp>/                            rounds and derived runs set aside (Store.set_aside)
     <root>/catalog.duckdb                                     views only, rebuilt atomically
+    <root>/cache/{executor,grader}/*.jsonl                    replies and verdicts computed once (engines.cache)
 
 Derived views (one definition each, used by every stage, the report and evaluation):
     latest_scores      the latest attempt of each (generation, rep)
     generation_scores  one row per generation: its score over reps (see GENERATION_SCORES_SQL)
     query_usage        one row per (run, round, query): generator and executor tokens and cost (QUERY_USAGE_SQL)
+    executor_cache     the executor replies computed once; grader_cache: the grader verdicts (CACHE_VIEWS)
 
 Writers never touch catalog.duckdb while working; it is rebuilt into a temp file and renamed, so a
 user holding it open in the `duckdb` CLI keeps a consistent (older) copy.
@@ -47,7 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.store.schema import TABLES, schema
-from pipeline.store.views import VIEWS
+from pipeline.store.views import CACHE_VIEWS, VIEWS
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +199,7 @@ class Store:
         self.remote = is_remote(root)
         self._footer_ok: dict[tuple[str, int, Any], bool] = {}
         self._listed: dict[str, tuple[int, Any]] = {}  # remote part -> (size, ETag) from its listing
+        self._cache_warned = False
         if self.remote:
             self.root = self._remote_root(str(root))
             self.fs = self.root.fs
@@ -259,6 +262,18 @@ class Store:
             fsync_dir(p.parent)
         fsync_dir(dest)
         return dest
+
+    def cache_dir(self) -> Path | None:
+        """`<root>/cache/`: executor replies and grader verdicts computed once (pipeline.engines.cache), shared by
+        every run of the store. None for an s3:// store: the cache's files are appended to, which object storage
+        cannot do; its stages compute every call (logged once)."""
+        if self.remote:
+            if not self._cache_warned:
+                log.warning("store %s: no executor or verdict cache on object storage (its shard files are appended "
+                            "to); every call is computed", self.root)
+                self._cache_warned = True
+            return None
+        return self.root / "cache"
 
     def url(self, path: Any) -> str:
         """The filesystem's name for a store path: a local path, or `bucket/key` for `store.fs` on S3."""
@@ -430,11 +445,23 @@ class Store:
         # written before a column was added), and BY NAME never duplicates one a newer part has
         return f"{empty} UNION ALL BY NAME SELECT * FROM read_parquet({src}, {opts})"
 
+    def _cache_view_sql(self, kind: str) -> str:
+        """The `<kind>_cache` view: the cache's shard files (an empty typed relation without any, or on S3)."""
+        cols = CACHE_VIEWS[kind]
+        folder = None if self.remote else self.root / "cache" / kind
+        if folder is None or not any(folder.glob("*.jsonl")):
+            return "SELECT " + ", ".join(f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items()) + " WHERE false"
+        spec = ", ".join(f"{_sql_str(c)}: {_sql_str(t)}" for c, t in cols.items())
+        return (f"SELECT * FROM read_json({_sql_str(str(folder / '*.jsonl'))}, format = 'newline_delimited', "
+                f"ignore_errors = true, columns = {{{spec}}}) WHERE key IS NOT NULL")
+
     def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
         for t in TABLES:
             con.execute(f"CREATE OR REPLACE VIEW {t} AS {self._view_sql(t)}")
         for name, sql in VIEWS.items():  # in dependency order
             con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
+        for kind in CACHE_VIEWS:
+            con.execute(f"CREATE OR REPLACE VIEW {kind}_cache AS {self._cache_view_sql(kind)}")
 
     def _attach_s3(self, con: duckdb.DuckDBPyConnection) -> None:
         """httpfs plus a temporary (in-memory, never persisted) S3 secret for this connection."""

@@ -10,6 +10,13 @@ import polars as pl
 
 from pipeline.store.schema import TRANSIENT_STATUSES
 
+# A set of workflow runs' usage (`scores` or `checks` rows), summed: used tokens, computed tokens (a row written
+# before issue 38 computed all it used), cache hits and truncated replies.
+RUN_USAGE_SUMS = """sum(llm_calls)::BIGINT AS calls, sum(tokens_in)::BIGINT AS tin, sum(tokens_out)::BIGINT AS tout,
+    sum(cost_usd) AS cost, sum(coalesce(computed_tokens_in, tokens_in))::BIGINT AS computed_in,
+    sum(coalesce(computed_tokens_out, tokens_out))::BIGINT AS computed_out,
+    sum(coalesce(cached_calls, 0))::BIGINT AS cached, sum(truncated_calls)::BIGINT AS truncated"""
+
 # The latest attempt of each (generation, rep): a re-score appends attempts, nothing is rewritten.
 LATEST_SCORES_SQL = """SELECT * FROM scores
 QUALIFY row_number() OVER (PARTITION BY run_id, round, gen_id, rep ORDER BY attempt DESC, created_at DESC) = 1"""
@@ -44,7 +51,9 @@ FROM g LEFT JOIN s USING (run_id, round, gen_id) LEFT JOIN repaired r USING (run
 # of every generation of the query (any kind: plans, workflows, repairs, SMC rollouts; the prompt counted once per
 # sample, as n separate requests would be billed), and executor tokens of its scoring runs (latest attempts, all
 # reps) plus its generation-time runs (`checks`: self-repair's self-checks, SMC's look-ahead scoring).
-QUERY_USAGE_SQL = """
+# exec_tokens_* are the tokens the workflows used (what budgets compare); exec_computed_tokens_* those the executor
+# computed (cache hits left out; a row written before the cache existed computed all of its tokens).
+QUERY_USAGE_SQL = f"""
 WITH g AS (
     SELECT run_id, round, gen_id, any_value(query_id) AS query_id, any_value(kind) AS kind,
            any_value(coalesce(len(prompt_token_ids), 0)) AS tin, any_value(coalesce(len(token_ids), 0)) AS tout,
@@ -55,19 +64,23 @@ gq AS (
            sum(tin)::BIGINT AS gen_tokens_in, sum(tout)::BIGINT AS gen_tokens_out, sum(cost) AS gen_cost_usd
     FROM g GROUP BY run_id, round, query_id),
 sq AS (
-    SELECT run_id, round, query_id, sum(llm_calls)::BIGINT AS calls, sum(tokens_in)::BIGINT AS tin,
-           sum(tokens_out)::BIGINT AS tout, sum(cost_usd) AS cost
+    SELECT run_id, round, query_id, {RUN_USAGE_SUMS}
     FROM latest_scores GROUP BY run_id, round, query_id),
 cq AS (
-    SELECT run_id, round, query_id, count(*) AS checks, sum(llm_calls)::BIGINT AS calls,
-           sum(tokens_in)::BIGINT AS tin, sum(tokens_out)::BIGINT AS tout, sum(cost_usd) AS cost
+    SELECT run_id, round, query_id, count(*) AS checks, {RUN_USAGE_SUMS}
     FROM checks GROUP BY run_id, round, query_id)
 SELECT gq.run_id, gq.round, gq.query_id, gq.workflows, gq.generations, coalesce(cq.checks, 0) AS checks,
        gq.gen_tokens_in, gq.gen_tokens_out, gq.gen_cost_usd,
        coalesce(sq.calls, 0) + coalesce(cq.calls, 0) AS exec_calls,
        coalesce(sq.tin, 0) + coalesce(cq.tin, 0) AS exec_tokens_in,
        coalesce(sq.tout, 0) + coalesce(cq.tout, 0) AS exec_tokens_out,
-       coalesce(sq.cost, 0) + coalesce(cq.cost, 0) AS exec_cost_usd
+       coalesce(sq.cost, 0) + coalesce(cq.cost, 0) AS exec_cost_usd,
+       coalesce(sq.computed_in, 0) + coalesce(cq.computed_in, 0) AS exec_computed_tokens_in,
+       coalesce(sq.computed_out, 0) + coalesce(cq.computed_out, 0) AS exec_computed_tokens_out,
+       coalesce(sq.cached, 0) + coalesce(cq.cached, 0) AS exec_cached_calls,
+       -- null where no run of the query recorded it (written before issue 38)
+       CASE WHEN sq.truncated IS NULL AND cq.truncated IS NULL THEN NULL
+            ELSE coalesce(sq.truncated, 0) + coalesce(cq.truncated, 0) END AS exec_truncated_calls
 FROM gq LEFT JOIN sq USING (run_id, round, query_id) LEFT JOIN cq USING (run_id, round, query_id)
 """
 
@@ -109,9 +122,7 @@ s AS (
   SELECT round, count(*) AS scored, avg(score) AS mean_score, max(score) AS best_score FROM generation_scores
   WHERE run_id = $run AND kind = 'workflow' AND score IS NOT NULL GROUP BY round),
 u AS (
-  SELECT round, sum(llm_calls)::BIGINT AS llm_calls, sum(tokens_in)::BIGINT AS tokens_in,
-         sum(tokens_out)::BIGINT AS tokens_out,
-         sum(cost_usd) AS cost_usd,
+  SELECT round, {RUN_USAGE_SUMS},
          -- runs whose code touches the harness's surface (scores.flags) and whose metric rewarded them anyway
          count(*) FILTER (WHERE {FLAGGED_REWARDED_SQL}) AS flagged_rewarded
   FROM latest_scores WHERE run_id = $run GROUP BY round),
@@ -126,9 +137,11 @@ t AS (
          sum(tokens)::BIGINT AS train_tokens
   FROM train_metrics WHERE run_id = $run GROUP BY round),
 r AS (SELECT round FROM g UNION SELECT round FROM s UNION SELECT round FROM c UNION SELECT round FROM t)
-SELECT r.round, workflows, valid_share, scored, mean_score, best_score, flagged_rewarded, llm_calls, tokens_in,
-       tokens_out, cost_usd, gen_tokens_per_query, exec_tokens_per_query, groups_kept, steps, loss, kl, kl_old,
-       clip_frac, train_tokens
+SELECT r.round, workflows, valid_share, scored, mean_score, best_score, flagged_rewarded, u.calls AS llm_calls,
+       u.tin AS tokens_in, u.tout AS tokens_out, u.cost AS cost_usd, u.computed_in AS computed_tokens_in,
+       u.computed_out AS computed_tokens_out, u.cached AS cached_calls,
+       u.cached / nullif(u.calls, 0) AS cache_hit_rate, u.truncated AS truncated_calls, gen_tokens_per_query,
+       exec_tokens_per_query, groups_kept, steps, loss, kl, kl_old, clip_frac, train_tokens
 FROM r LEFT JOIN g USING (round) LEFT JOIN s USING (round) LEFT JOIN u USING (round) LEFT JOIN q USING (round)
        LEFT JOIN c USING (round) LEFT JOIN t USING (round)
 ORDER BY r.round
@@ -142,3 +155,14 @@ def round_stats(store: Any, run_id: str) -> pl.DataFrame:
 
 
 VIEWS = {"latest_scores": LATEST_SCORES_SQL, "generation_scores": GENERATION_SCORES_SQL, "query_usage": QUERY_USAGE_SQL}
+
+# The caches beside the store (pipeline.engines.cache): `<root>/cache/<kind>/*.jsonl`, one entry a line; a line torn
+# by a killed writer reads as nulls and is left out. kind -> its view's columns.
+CACHE_VIEWS = {
+    "executor": {"key": "VARCHAR", "identity": "VARCHAR", "model": "VARCHAR", "messages": "VARCHAR",
+                 "temperature": "DOUBLE", "n": "INTEGER", "max_tokens": "INTEGER", "seed": "BIGINT",
+                 "texts": "VARCHAR[]", "tokens_in": "BIGINT", "tokens_out": "BIGINT", "truncated": "INTEGER",
+                 "created_at": "TIMESTAMPTZ"},
+    "grader": {"key": "VARCHAR", "scope": "VARCHAR", "item": "VARCHAR", "score": "DOUBLE", "details": "JSON",
+               "created_at": "TIMESTAMPTZ"},
+}

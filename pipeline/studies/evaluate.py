@@ -60,15 +60,17 @@ def derived_run_sets(split: str, cfg=None) -> list[str]:
 
 
 def eval_sets(cfg: RunConfig) -> list[str]:
-    """Overrides of an evaluation run: the held-out query count, L (flat: L samples per query) and the sampling
-    temperature when it is not the rollout's (explore while training, sample as chosen on dev when evaluating)."""
+    """Overrides of an evaluation run: the held-out query count, L (flat: L samples per query), the sampling
+    temperature when it is not the rollout's (explore while training, sample as chosen on dev when evaluating) and
+    common random numbers for the executor (`experiment.common_random_numbers`)."""
     ex = cfg.experiment
     sets = [f"benchmark.max_queries={'null' if ex.eval_queries is None else ex.eval_queries}"]
     if ex.eval_temperature is not None:
         sets.append(f"generator.temperature={ex.eval_temperature}")
     if get_mode(cfg.rollout.mode).evaluated_as == "flat":  # L samples per query (refine runs are evaluated flat)
         sets.append(f"rollout.m={ex.eval_l}")
-    return sets
+    # the arms an experiment pairs share the executor's noise: the same call on the same query and slot, one sample
+    return sets + [f"executor.common_random_numbers={str(ex.common_random_numbers).lower()}"]
 
 
 def _evaluated_as(mode: str) -> list[str]:
@@ -126,7 +128,7 @@ def generation_votes(store: Store, run_id: str, round: int, family: str) -> dict
 
 
 USAGE_KEYS = ("gen_tokens_in", "gen_tokens_out", "gen_cost_usd", "exec_calls", "exec_tokens_in", "exec_tokens_out",
-              "exec_cost_usd")
+              "exec_cost_usd", "exec_computed_tokens_in", "exec_computed_tokens_out", "exec_cached_calls")
 
 
 def query_usage(store: Store, run_id: str, round: int = 0) -> dict[str, dict]:
@@ -136,15 +138,20 @@ def query_usage(store: Store, run_id: str, round: int = 0) -> dict[str, dict]:
 
 
 def usage_summary(usage: list[dict]) -> dict:
-    """Means per query: generator tokens (in + out), executor tokens (in + out), executor calls, cost (both)."""
+    """Means per query: generator tokens (in + out), executor tokens (in + out) the workflows used and those the
+    executor computed (cache hits left out), executor calls, cost (both); and the share of calls the cache answered.
+    Budgets compare used tokens: what an arm computed depends on what ran before it."""
     if not usage:
-        return {"gen_tokens_per_query": None, "exec_tokens_per_query": None, "exec_calls_per_query": None,
-                "cost_usd_per_query": None}
-    n = len(usage)
+        return {"gen_tokens_per_query": None, "exec_tokens_per_query": None, "exec_computed_tokens_per_query": None,
+                "exec_calls_per_query": None, "cost_usd_per_query": None, "cache_hit_rate": None}
+    n, calls = len(usage), sum(u["exec_calls"] for u in usage)
     return {"gen_tokens_per_query": sum(u["gen_tokens_in"] + u["gen_tokens_out"] for u in usage) / n,
             "exec_tokens_per_query": sum(u["exec_tokens_in"] + u["exec_tokens_out"] for u in usage) / n,
-            "exec_calls_per_query": sum(u["exec_calls"] for u in usage) / n,
-            "cost_usd_per_query": sum(u["gen_cost_usd"] + u["exec_cost_usd"] for u in usage) / n}
+            "exec_computed_tokens_per_query":
+                sum(u["exec_computed_tokens_in"] + u["exec_computed_tokens_out"] for u in usage) / n,
+            "exec_calls_per_query": calls / n,
+            "cost_usd_per_query": sum(u["gen_cost_usd"] + u["exec_cost_usd"] for u in usage) / n,
+            "cache_hit_rate": sum(u["exec_cached_calls"] for u in usage) / calls if calls else None}
 
 
 def eval_summary(store: Store, eval_id: str) -> dict:

@@ -98,7 +98,7 @@ def _figures(store: Store, run_id: str, stats: pl.DataFrame) -> list[tuple[str, 
     figs.append(("Training: loss, KL, clip fraction", fig))
 
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    for name in ("tokens_in", "tokens_out", "train_tokens"):
+    for name in ("tokens_in", "tokens_out", "computed_tokens_in", "computed_tokens_out", "train_tokens"):
         fig.add_trace(go.Bar(x=rounds, y=stats[name].to_list(), name=name), secondary_y=False)
     fig.add_trace(go.Scatter(x=rounds, y=stats["cost_usd"].to_list(), name="executor cost (USD)",
                              mode="lines+markers"), secondary_y=True)

@@ -298,7 +298,9 @@ def sample_smc(ctx: RunContext) -> dict:
     with serving(ctx.cfg, SECTIONS, server_log_dir(ctx.store, ctx.run_id, "smc")) as cfg:
         gen = make_generator(cfg.generator)
         try:
-            smc = SMC(ctx, _sampler(ctx, gen), lambda jobs: run_checks(cfg, jobs, "smc"), _reward_fn(ctx, bench))
+            cache = ctx.store.cache_dir()
+            smc = SMC(ctx, _sampler(ctx, gen), lambda jobs: run_checks(cfg, jobs, "smc", cache_dir=cache),
+                      _reward_fn(ctx, bench))
             smc.sweep(queries) if s.resample else smc.draw(queries)
         finally:
             gen.close()

@@ -38,7 +38,7 @@ log = logging.getLogger("pipeline.studies.tracking")
 
 TRAIN_COLUMNS = ("loss", "pg_loss", "kl", "kl_old", "clip_frac", "ratio_dev", "grad_norm", "lr", "logp_mismatch")
 ROUND_COLUMNS = ("workflows", "valid_share", "mean_score", "best_score", "groups_kept", "gen_tokens_per_query",
-                 "exec_tokens_per_query")
+                 "exec_tokens_per_query", "cache_hit_rate")
 HELDOUT_COLUMNS = ("mean_at_l", "best_at_l", "majority_at_l", "select_at_l", "valid_share")
 TB_DIR = "tensorboard"
 

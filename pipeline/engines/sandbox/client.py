@@ -34,7 +34,7 @@ from pipeline.engines.workflow import check_workflow
 
 if TYPE_CHECKING:  # the executor module imports openai: only the parent that calls one loads it
     from pipeline.config import ScoringConfig
-    from pipeline.engines.executors import Executor
+    from pipeline.engines.executors import CallSeeds, Executor
 
 logger = logging.getLogger(__name__)
 NO_VIEW = "NO FILE VIEW: workflows can read every file this user can read (hidden tests, store, repository)"
@@ -82,11 +82,22 @@ class SandboxResult:
     answer: str | None = None
     error: str | None = None
     llm_calls: int = 0
-    tokens_in: int = 0
+    tokens_in: int = 0  # what the workflow used, cache hits included: what budgets and the cost reward compare
     tokens_out: int = 0
     cost_usd: float = 0.0
     wall_s: float = 0.0
     details: dict = field(default_factory=dict)  # exit, stdout head, budget/executor notes
+    truncated_calls: int = 0  # calls with a reply that stopped at the token cap
+    cached_calls: int = 0  # calls answered from the reply cache
+    computed_tokens_in: int = 0  # what the executor computed for this run (cache hits excluded): what it cost
+    computed_tokens_out: int = 0
+
+    def usage(self) -> dict:
+        """The run's usage columns of a `scores` or `checks` row (pipeline.store.schema: RUN_USAGE)."""
+        return {"llm_calls": self.llm_calls, "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
+                "cost_usd": self.cost_usd, "wall_s": self.wall_s, "truncated_calls": self.truncated_calls,
+                "cached_calls": self.cached_calls, "computed_tokens_in": self.computed_tokens_in,
+                "computed_tokens_out": self.computed_tokens_out}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -364,9 +375,11 @@ def _exit_reason(exit: dict | None) -> str:
 
 async def run_workflow(code: str, problem: str, *, executor: Executor | None = None, limits: Limits | None = None,
                        public_tests: dict | None = None, max_chars: int = 20000,
-                       sandbox: Sandbox | None = None) -> SandboxResult:
+                       sandbox: Sandbox | None = None, seeds: CallSeeds | None = None) -> SandboxResult:
     """Run `solve(problem)` of a workflow in the sandbox. `public_tests` ({entry_point, tests: [assert
-    snippets], timeout_s}) back the `run_tests` helper. Never raises for anything the workflow does."""
+    snippets], timeout_s}) back the `run_tests` helper. `seeds`: this run's executor-call seeds (common random
+    numbers; pipeline.engines.executors.CallSeeds), derived here, out of the workflow's reach. Never raises for
+    anything the workflow does."""
     limits = limits or Limits()
     reason = check_workflow(code, max_chars) or _compile_error(code)
     if reason is not None:
@@ -399,11 +412,12 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
             return await reply({"id": rid, "error": f"bad llm() call: {e}"})
         if executor is None:
             return await reply({"id": rid, "error": "no executor configured for llm()"})
+        seed = None if seeds is None else seeds.seed(msgs, t, n, None)
         if not waiting["calls"]:
             waiting["since"] = time.perf_counter()
         waiting["calls"] += 1
         try:
-            comp = await executor.complete(msgs, temperature=t, n=n)
+            comp = await executor.complete(msgs, temperature=t, n=n, seed=seed)
         except Exception as e:  # any executor failure (after its own retries) is transient, not the workflow's
             notes["executor_error"] = _truncate(f"{type(e).__name__}: {e}")
             return await reply({"id": rid, "error": "executor error"})
@@ -414,6 +428,12 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
         res.tokens_in += int(comp.tokens_in)
         res.tokens_out += int(comp.tokens_out)
         res.cost_usd += float(getattr(comp, "cost_usd", 0.0))
+        res.truncated_calls += bool(getattr(comp, "truncated", 0))
+        if getattr(comp, "cached", False):
+            res.cached_calls += 1
+        else:
+            res.computed_tokens_in += int(comp.tokens_in)
+            res.computed_tokens_out += int(comp.tokens_out)
         await reply({"id": rid, "texts": list(comp.texts)})
 
     payload = {"code": code, "problem": problem, "public_tests": public_tests, "output_chars": limits.output_chars}
