@@ -66,6 +66,7 @@ class FaultServer:
         self.script: list[str] = []
         self.default, self.slow_s, self.gauge = default, slow_s, gauge
         self.reply: str | None = None  # fixed completion text instead of the echo
+        self.finish_reason = "stop"  # "length": every choice reports it was cut at max_tokens
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         outer = self
@@ -125,7 +126,7 @@ class FaultServer:
         out = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                "choices": [{"index": i, "message": {"role": "assistant",
                                                     "content": self.reply or f"echo {i}: {last}"},
-                            "finish_reason": "stop"} for i in range(n)],
+                            "finish_reason": self.finish_reason} for i in range(n)],
                "usage": {"prompt_tokens": 7, "completion_tokens": 3 * n, "total_tokens": 7 + 3 * n}}
         send(200, json.dumps(out).encode())
 

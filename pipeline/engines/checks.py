@@ -48,7 +48,8 @@ def static_row(job: CheckJob, purpose: str, max_chars: int) -> dict:
     reason = check_workflow(job.code, max_chars)
     return {"gen_id": job.gen_id, "query_id": job.item.id, "purpose": purpose,
             "status": "ok" if reason is None else "invalid", "answer": None if reason else "(not run)",
-            "error": reason, "llm_calls": 0, "tokens_in": 0, "tokens_out": 0, "cost_usd": 0.0, "wall_s": 0.0}
+            "error": reason, "llm_calls": 0, "tokens_in": 0, "tokens_out": 0, "cost_usd": 0.0, "wall_s": 0.0,
+            "truncated_calls": 0}
 
 
 async def _run(cfg: RunConfig, jobs: Sequence[CheckJob], purpose: str, executor) -> list[dict]:
@@ -63,7 +64,7 @@ async def _run(cfg: RunConfig, jobs: Sequence[CheckJob], purpose: str, executor)
                 "answer": None if res.answer is None else res.answer[:MAX_CHARS],
                 "error": None if res.error is None else res.error[:MAX_CHARS], "llm_calls": res.llm_calls,
                 "tokens_in": res.tokens_in, "tokens_out": res.tokens_out, "cost_usd": res.cost_usd,
-                "wall_s": res.wall_s}
+                "wall_s": res.wall_s, "truncated_calls": res.truncated_calls}
 
     return list(await asyncio.gather(*(one(j) for j in jobs)))
 

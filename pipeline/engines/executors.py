@@ -34,6 +34,7 @@ class ExecutorReply:
     tokens_in: int
     tokens_out: int
     cost_usd: float = 0.0
+    truncated: int = 0  # of `texts`, how many ended at the token cap (finish_reason "length"), not at a stop
 
 
 def cost_usd(prices: PriceConfig, tokens_in: int, tokens_out: int) -> float:
@@ -132,10 +133,11 @@ class OpenAIExecutor(Executor):
                 raise ExecutorError(f"{client.base_url}: {type(e).__name__}: {e}") from e
             raise
         texts = [(c.message.content or "") for c in resp.choices] * (n // asked)
+        cut = sum(getattr(c, "finish_reason", None) == "length" for c in resp.choices) * (n // asked)
         usage = getattr(resp, "usage", None)
         tin = int(getattr(usage, "prompt_tokens", 0) or 0)
         tout = int(getattr(usage, "completion_tokens", 0) or 0)
-        return ExecutorReply(texts, tin, tout, cost_usd(cfg.prices, tin, tout))
+        return ExecutorReply(texts, tin, tout, cost_usd(cfg.prices, tin, tout), cut)
 
     @contextlib.asynccontextmanager
     async def _slots(self, n: int):
@@ -248,14 +250,16 @@ class LocalExecutor(Executor):
         stop = {tok.eos_token_id, tok.pad_token_id}
         results, i = [], 0
         for r, k in zip(batch, reps, strict=True):
-            texts, tout = [], 0
+            texts, tout, capped = [], 0, 0
             for ids in gen[i: i + k]:
                 cut = next((j for j, t in enumerate(ids) if t in stop), len(ids))
                 texts.append(tok.decode(ids[:cut], skip_special_tokens=True).strip())
                 tout += cut  # tokens actually generated (greedy: once for all n answers)
+                capped += cut == len(ids) == max_tokens  # no stop token before the cap: the answer was cut off
             tin = int(enc["attention_mask"][i].sum())
             i += k
-            results.append(ExecutorReply(texts * r.n if greedy else texts, tin, tout))
+            results.append(ExecutorReply(texts * r.n if greedy else texts, tin, tout,
+                                         truncated=capped * r.n if greedy else capped))
         return results
 
 

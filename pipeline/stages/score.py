@@ -119,7 +119,7 @@ class _Scorer:
         code = extract_code(self.texts[job.gen_id] or "")
         row: dict[str, Any] = {"gen_id": job.gen_id, "query_id": job.query_id, "rep": job.rep,
                                "attempt": job.attempt, "metric": 0.0, "llm_calls": 0, "tokens_in": 0,
-                               "tokens_out": 0, "cost_usd": 0.0, "wall_s": 0.0}
+                               "tokens_out": 0, "cost_usd": 0.0, "wall_s": 0.0, "truncated_calls": 0}
         details: dict[str, Any] = {}
         reason = check_workflow(code, self.cfg.rollout.max_workflow_chars)
         if reason is not None:
@@ -134,6 +134,7 @@ class _Scorer:
                                      max_chars=self.cfg.rollout.max_workflow_chars)
             row.update(status=res.status, error=res.error, llm_calls=res.llm_calls, tokens_in=res.tokens_in,
                        tokens_out=res.tokens_out, cost_usd=res.cost_usd, wall_s=res.wall_s,
+                       truncated_calls=res.truncated_calls,
                        answer=None if res.answer is None else res.answer[:MAX_ANSWER_CHARS])
             details["sandbox"] = res.details
             if res.status == "ok":
@@ -150,7 +151,7 @@ class _Scorer:
                                error=f"metric failed: {type(e).__name__}: {e}"[:4000])
         w = self.cfg.scoring.reward
         parts = reward(row["metric"], code, row["tokens_in"], row["tokens_out"], w.complexity_weight, w.cost_weight,
-                       self.diversity.get(job.gen_id, 1.0), w.diversity_weight)
+                       self.diversity.get(job.gen_id, 1.0), w.diversity_weight, w.token_budget)
         answer_code = extract_code(row["answer"]) if self.bench.family == "code" and row.get("answer") else None
         row["flags"] = flags(code, answer_code)
         zeroed = bool(row["flags"]) and w.zero_flagged and parts.score > 0  # reaching for the harness pays nothing
@@ -158,7 +159,8 @@ class _Scorer:
                    diversity=parts.diversity)
         details["reward"] = {"ast_nodes": parts.ast_nodes, "helper_calls": parts.helper_calls,
                              "complexity_weight": w.complexity_weight, "cost_weight": w.cost_weight,
-                             "diversity_weight": w.diversity_weight, "zeroed_by_flags": zeroed}
+                             "diversity_weight": w.diversity_weight, "token_budget": w.token_budget,
+                             "zeroed_by_flags": zeroed}
         row["details"] = json.dumps(details, default=str)
         return row
 

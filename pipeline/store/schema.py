@@ -32,6 +32,9 @@ _RUN_USAGE = [
     ("cost_usd", pa.float64()),
     ("wall_s", pa.float64()),
     ("created_at", _ts),
+    # added with issue 39 (nullable: parts written before read it as null): llm() calls of the run with at least one
+    # executor reply cut at the token cap (finish_reason "length")
+    ("truncated_calls", pa.int32()),
 ]
 
 TABLES: dict[str, pa.Schema] = {
@@ -75,6 +78,10 @@ TABLES: dict[str, pa.Schema] = {
             ("repair_of", pa.string()),  # self-repair: the gen_id this generation repairs, else null
             ("attempt", pa.int32()),  # self-repair: 0 = first sample, a = a-th repair; null = before repair existed
             ("turn", pa.int32()),  # refine rollouts: the refinement turn (0-based) it was sampled in, else null
+            # added with issue 39 (null: no example menu): the menu design the prompt showed as its example
+            # (rollout.example_menu), and the one the written workflow follows (pipeline.core.designs, `other`: none)
+            ("example", pa.string()),
+            ("design", pa.string()),
         ]
     ),
     "scores": pa.schema(

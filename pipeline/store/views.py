@@ -40,11 +40,19 @@ SELECT g.*, r.gen_id IS NULL AS final, coalesce(s.reps_scored, 0) AS reps_scored
 FROM g LEFT JOIN s USING (run_id, round, gen_id) LEFT JOIN repaired r USING (run_id, round, gen_id)
 """
 
+# Executor replies cut at the token cap: `truncated_calls` of the runs that recorded it (parts written before the
+# column read it as null, and their calls are left out of `known`, the share's denominator), so a store of either age
+# reads; the share is trunc / known (null when known = 0: nothing recorded).
+TRUNCATION = ("sum(truncated_calls)::BIGINT AS trunc, "
+              "coalesce(sum(llm_calls) FILTER (WHERE truncated_calls IS NOT NULL), 0)::BIGINT AS known")
+TRUNCATED_SHARE_SQL = "sum(truncated_calls) / nullif(sum(llm_calls) FILTER (WHERE truncated_calls IS NOT NULL), 0)"
+
+
 # What answering one query cost, the one definition (evaluation summaries, baselines, the report): generator tokens
 # of every generation of the query (any kind: plans, workflows, repairs, SMC rollouts; the prompt counted once per
 # sample, as n separate requests would be billed), and executor tokens of its scoring runs (latest attempts, all
 # reps) plus its generation-time runs (`checks`: self-repair's self-checks, SMC's look-ahead scoring).
-QUERY_USAGE_SQL = """
+QUERY_USAGE_SQL = f"""
 WITH g AS (
     SELECT run_id, round, gen_id, any_value(query_id) AS query_id, any_value(kind) AS kind,
            any_value(coalesce(len(prompt_token_ids), 0)) AS tin, any_value(coalesce(len(token_ids), 0)) AS tout,
@@ -56,18 +64,20 @@ gq AS (
     FROM g GROUP BY run_id, round, query_id),
 sq AS (
     SELECT run_id, round, query_id, sum(llm_calls)::BIGINT AS calls, sum(tokens_in)::BIGINT AS tin,
-           sum(tokens_out)::BIGINT AS tout, sum(cost_usd) AS cost
+           sum(tokens_out)::BIGINT AS tout, sum(cost_usd) AS cost, {TRUNCATION}
     FROM latest_scores GROUP BY run_id, round, query_id),
 cq AS (
     SELECT run_id, round, query_id, count(*) AS checks, sum(llm_calls)::BIGINT AS calls,
-           sum(tokens_in)::BIGINT AS tin, sum(tokens_out)::BIGINT AS tout, sum(cost_usd) AS cost
+           sum(tokens_in)::BIGINT AS tin, sum(tokens_out)::BIGINT AS tout, sum(cost_usd) AS cost, {TRUNCATION}
     FROM checks GROUP BY run_id, round, query_id)
 SELECT gq.run_id, gq.round, gq.query_id, gq.workflows, gq.generations, coalesce(cq.checks, 0) AS checks,
        gq.gen_tokens_in, gq.gen_tokens_out, gq.gen_cost_usd,
        coalesce(sq.calls, 0) + coalesce(cq.calls, 0) AS exec_calls,
        coalesce(sq.tin, 0) + coalesce(cq.tin, 0) AS exec_tokens_in,
        coalesce(sq.tout, 0) + coalesce(cq.tout, 0) AS exec_tokens_out,
-       coalesce(sq.cost, 0) + coalesce(cq.cost, 0) AS exec_cost_usd
+       coalesce(sq.cost, 0) + coalesce(cq.cost, 0) AS exec_cost_usd,
+       coalesce(sq.trunc, 0) + coalesce(cq.trunc, 0) AS exec_truncated_calls,
+       coalesce(sq.known, 0) + coalesce(cq.known, 0) AS exec_known_calls
 FROM gq LEFT JOIN sq USING (run_id, round, query_id) LEFT JOIN cq USING (run_id, round, query_id)
 """
 
@@ -112,6 +122,8 @@ u AS (
   SELECT round, sum(llm_calls)::BIGINT AS llm_calls, sum(tokens_in)::BIGINT AS tokens_in,
          sum(tokens_out)::BIGINT AS tokens_out,
          sum(cost_usd) AS cost_usd,
+         -- the share of the round's executor calls with a reply cut at the token cap (null: not recorded)
+         {TRUNCATED_SHARE_SQL} AS truncated_share,
          -- runs whose code touches the harness's surface (scores.flags) and whose metric rewarded them anyway
          count(*) FILTER (WHERE {FLAGGED_REWARDED_SQL}) AS flagged_rewarded
   FROM latest_scores WHERE run_id = $run GROUP BY round),
@@ -126,8 +138,8 @@ t AS (
          sum(tokens)::BIGINT AS train_tokens
   FROM train_metrics WHERE run_id = $run GROUP BY round),
 r AS (SELECT round FROM g UNION SELECT round FROM s UNION SELECT round FROM c UNION SELECT round FROM t)
-SELECT r.round, workflows, valid_share, scored, mean_score, best_score, flagged_rewarded, llm_calls, tokens_in,
-       tokens_out, cost_usd, gen_tokens_per_query, exec_tokens_per_query, groups_kept, steps, loss, kl, kl_old,
+SELECT r.round, workflows, valid_share, scored, mean_score, best_score, flagged_rewarded, llm_calls,
+       truncated_share, tokens_in, tokens_out, cost_usd, gen_tokens_per_query, exec_tokens_per_query, groups_kept, steps, loss, kl, kl_old,
        clip_frac, train_tokens
 FROM r LEFT JOIN g USING (round) LEFT JOIN s USING (round) LEFT JOIN u USING (round) LEFT JOIN q USING (round)
        LEFT JOIN c USING (round) LEFT JOIN t USING (round)
@@ -137,8 +149,40 @@ ORDER BY r.round
 
 def round_stats(store: Any, run_id: str) -> pl.DataFrame:
     """One row per round: workflows, valid_share, scored, mean_score, best_score, flagged_rewarded (runs whose code
-    touches the harness's surface yet passed: see docs/sandbox.md), usage, tokens per query, groups, training."""
+    touches the harness's surface yet passed: see docs/sandbox.md), usage (truncated_share: of the scoring runs'
+    executor calls, those with a reply cut at the token cap), tokens per query, groups, training."""
     return store.sql(ROUND_SQL, {"run": run_id})
+
+
+# Issue 39: do a round's groups span designs? Per round of a run, of its queries (a GRPO group is a query's workflows),
+# the share whose workflows follow at least two designs of the menu (`generations.design`, pipeline.core.designs;
+# `other` counts as one design), and the mean number of designs per query. Null designs (no menu) count as none.
+DESIGN_SPAN_SQL = """
+WITH q AS (SELECT round, query_id, count(DISTINCT design) AS designs FROM generations
+           WHERE run_id = $run AND kind = 'workflow' GROUP BY round, query_id)
+SELECT round, count(*) AS queries, avg(CASE WHEN designs >= 2 THEN 1.0 ELSE 0.0 END) AS spanning_share,
+       avg(designs) AS designs_per_query
+FROM q GROUP BY round ORDER BY round
+"""
+
+# Per round, each design's share of the run's workflows: written (`design`) beside shown (`example`), so a generator
+# that copies its example keeps the two alike and one that converges on a design moves the written shares.
+DESIGN_SHARES_SQL = """
+WITH w AS (SELECT round, design, example FROM generations WHERE run_id = $run AND kind = 'workflow'),
+written AS (SELECT round, design AS name, count(*) AS n FROM w GROUP BY ALL),
+shown AS (SELECT round, example AS name, count(*) AS n FROM w GROUP BY ALL),
+total AS (SELECT round, count(*) AS n FROM w GROUP BY round)
+SELECT coalesce(a.round, b.round) AS round, coalesce(a.name, b.name) AS design,
+       coalesce(a.n, 0) / t.n AS written_share, coalesce(b.n, 0) / t.n AS shown_share
+FROM written a FULL JOIN shown b ON a.round = b.round AND a.name IS NOT DISTINCT FROM b.name
+JOIN total t ON t.round = coalesce(a.round, b.round)
+ORDER BY round, written_share DESC, design
+"""
+
+
+def design_spread(store: Any, run_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(DESIGN_SPAN_SQL, DESIGN_SHARES_SQL) of one run."""
+    return store.sql(DESIGN_SPAN_SQL, {"run": run_id}), store.sql(DESIGN_SHARES_SQL, {"run": run_id})
 
 
 VIEWS = {"latest_scores": LATEST_SCORES_SQL, "generation_scores": GENERATION_SCORES_SQL, "query_usage": QUERY_USAGE_SQL}

@@ -126,7 +126,7 @@ def generation_votes(store: Store, run_id: str, round: int, family: str) -> dict
 
 
 USAGE_KEYS = ("gen_tokens_in", "gen_tokens_out", "gen_cost_usd", "exec_calls", "exec_tokens_in", "exec_tokens_out",
-              "exec_cost_usd")
+              "exec_cost_usd", "exec_truncated_calls", "exec_known_calls")
 
 
 def query_usage(store: Store, run_id: str, round: int = 0) -> dict[str, dict]:
@@ -136,15 +136,19 @@ def query_usage(store: Store, run_id: str, round: int = 0) -> dict[str, dict]:
 
 
 def usage_summary(usage: list[dict]) -> dict:
-    """Means per query: generator tokens (in + out), executor tokens (in + out), executor calls, cost (both)."""
+    """Means per query: generator tokens (in + out), executor tokens (in + out), executor calls, cost (both); and
+    `truncated_share`, of the executor calls whose truncation was recorded, those with a reply cut at the token cap
+    (None when none was recorded: a store written before `truncated_calls`)."""
     if not usage:
         return {"gen_tokens_per_query": None, "exec_tokens_per_query": None, "exec_calls_per_query": None,
-                "cost_usd_per_query": None}
+                "cost_usd_per_query": None, "truncated_share": None}
     n = len(usage)
+    known = sum(u.get("exec_known_calls") or 0 for u in usage)
     return {"gen_tokens_per_query": sum(u["gen_tokens_in"] + u["gen_tokens_out"] for u in usage) / n,
             "exec_tokens_per_query": sum(u["exec_tokens_in"] + u["exec_tokens_out"] for u in usage) / n,
             "exec_calls_per_query": sum(u["exec_calls"] for u in usage) / n,
-            "cost_usd_per_query": sum(u["gen_cost_usd"] + u["exec_cost_usd"] for u in usage) / n}
+            "cost_usd_per_query": sum(u["gen_cost_usd"] + u["exec_cost_usd"] for u in usage) / n,
+            "truncated_share": sum(u.get("exec_truncated_calls") or 0 for u in usage) / known if known else None}
 
 
 def eval_summary(store: Store, eval_id: str) -> dict:

@@ -86,6 +86,7 @@ class SandboxResult:
     tokens_out: int = 0
     cost_usd: float = 0.0
     wall_s: float = 0.0
+    truncated_calls: int = 0  # llm() calls with at least one reply cut at the executor's token cap
     details: dict = field(default_factory=dict)  # exit, stdout head, budget/executor notes
 
     def to_dict(self) -> dict:
@@ -414,6 +415,8 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
         res.tokens_in += int(comp.tokens_in)
         res.tokens_out += int(comp.tokens_out)
         res.cost_usd += float(getattr(comp, "cost_usd", 0.0))
+        # a call, not a reply, so that truncated_calls / llm_calls is a share even for n > 1 samples
+        res.truncated_calls += int(getattr(comp, "truncated", 0) > 0)
         await reply({"id": rid, "texts": list(comp.texts)})
 
     payload = {"code": code, "problem": problem, "public_tests": public_tests, "output_chars": limits.output_chars}
