@@ -279,7 +279,8 @@ def test_design_file_parsing_and_prompt(tmp_path):
     d = load_design(str(f))
     assert d.name == "vote" and d.note == "sample and vote"
     assert d.code == "import re\n\n\nasync def solve(problem):\n    r = await llm(problem, n=3)\n    return r[0]"
-    assert design_prefix(d, 1) == "```python\nimport re\n\n\nasync def solve(problem):\n    r = await llm(problem, n=3)\n"
+    assert design_prefix(d, 1) == \
+        "```python\nimport re\n\n\nasync def solve(problem):\n    r = await llm(problem, n=3)\n"
     assert design_prefix(d, 0).endswith("async def solve(problem):\n")
     assert menu_listing([d, d]) == "- vote: sample and vote\n- vote: sample and vote"
     prompt = workflow_prompt("What is 2+2?", "procedural", design=d, menu=[d],

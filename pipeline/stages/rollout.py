@@ -22,13 +22,21 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from pipeline.core.designs import nearest_design
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.engines.executors import cost_usd
 from pipeline.engines.generation import BACKENDS, Completion, Generator, Sampling, make_generator
 from pipeline.engines.models import load_tokenizer
-from pipeline.core.designs import nearest_design
-from pipeline.engines.prompting import (Design, PromptError, agent_prompt, design_prefix, load_design, render, require_chat_template,
-                                        workflow_prompt)
+from pipeline.engines.prompting import (
+    Design,
+    PromptError,
+    agent_prompt,
+    design_prefix,
+    load_design,
+    render,
+    require_chat_template,
+    workflow_prompt,
+)
 from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext, derived_seed
 from pipeline.stages.exemplars import Pools, load_pools, pick_exemplars, tau_at

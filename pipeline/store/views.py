@@ -139,8 +139,8 @@ t AS (
   FROM train_metrics WHERE run_id = $run GROUP BY round),
 r AS (SELECT round FROM g UNION SELECT round FROM s UNION SELECT round FROM c UNION SELECT round FROM t)
 SELECT r.round, workflows, valid_share, scored, mean_score, best_score, flagged_rewarded, llm_calls,
-       truncated_share, tokens_in, tokens_out, cost_usd, gen_tokens_per_query, exec_tokens_per_query, groups_kept, steps, loss, kl, kl_old,
-       clip_frac, train_tokens
+       truncated_share, tokens_in, tokens_out, cost_usd, gen_tokens_per_query, exec_tokens_per_query, groups_kept,
+       steps, loss, kl, kl_old, clip_frac, train_tokens
 FROM r LEFT JOIN g USING (round) LEFT JOIN s USING (round) LEFT JOIN u USING (round) LEFT JOIN q USING (round)
        LEFT JOIN c USING (round) LEFT JOIN t USING (round)
 ORDER BY r.round

@@ -213,7 +213,8 @@ def plot_frontier(summary: dict, out: Path):
     ax.set_ylabel(f"score (mean over {summary['queries']} {summary['split']} queries x {summary['reps']} runs)")
     ax.set_title(f"headroom {summary['run_id']}: gain {summary['gain']:+.3f}, gate {summary['gate']:.2f} "
                  f"{'passed' if summary['passes'] else 'not passed'}", fontsize="medium")
-    ax.legend(fontsize="x-small", loc="lower right")
+    # beside the axes: inside, it hides the designs' labels
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     return fig
