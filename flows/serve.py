@@ -6,8 +6,9 @@ model), experiment/learn (configs/learn.yaml, 3 seeds: docs/learning.md), experi
 config=PATH), iterate/smoke (the whole loop in minutes, configs/smoke.yaml), iterate/default (--param
 config=PATH), score/rescore (re-score failed rows of a round), evaluate/default (a round's checkpoint on the
 test split), ablate/objectives (docs/objectives.md: one round's data trained with every objective),
-compare-methods/default (--param config=PATH) and compare-methods/gsm (docs/methods.md: every method on
-configs/gsm-learn.yaml, 3 seeds). Then:
+compare-methods/default (--param config=PATH), compare-methods/gsm (docs/methods.md: every method on
+configs/gsm-learn.yaml, 3 seeds), and headroom/default (--param config=PATH), headroom/gsm, headroom/humaneval and
+headroom/mixed (docs/learning.md, Room to learn: the gate before training). Then:
 `prefect deployment run experiment/demo [--param run_id=R] [--watch]`.
 With `--task-runner dask:tcp://HOST:8786`, `--param shards=N` on iterate or score spreads each round's scoring
 over the Dask workers (docs/scale-out.md, Sharded scoring).
@@ -29,6 +30,7 @@ from prefect.runner import Runner
 from flows.ablate import ablate as ablate_flow
 from flows.evaluate import evaluate as evaluate_flow
 from flows.experiment import experiment as experiment_flow
+from flows.headroom import headroom as headroom_flow
 from flows.iterate import SMOKE_CONFIG
 from flows.iterate import iterate as iterate_flow
 from flows.methods import compare_methods as methods_flow
@@ -39,9 +41,9 @@ from pipeline.stages.runner import REPO
 
 def deployments(task_runner: str = "thread") -> list[RunnerDeployment]:
     runner = task_runner_from_spec(task_runner)
-    iterate, score, evaluate, experiment, ablate, methods = (f.with_options(task_runner=runner) for f in
-                                                             (iterate_flow, score_flow, evaluate_flow, experiment_flow,
-                                                              ablate_flow, methods_flow))
+    iterate, score, evaluate, experiment, ablate, methods, headroom = (
+        f.with_options(task_runner=runner) for f in (iterate_flow, score_flow, evaluate_flow, experiment_flow,
+                                                      ablate_flow, methods_flow, headroom_flow))
     return [
         experiment.to_deployment("demo", parameters={"config": "configs/demo.yaml"},
                                  description="The README's demo: one seed of SPOGW on Qwen2.5-Coder-0.5B, held-out "
@@ -66,6 +68,15 @@ def deployments(task_runner: str = "thread") -> list[RunnerDeployment]:
         ablate.to_deployment("objectives", parameters={"config": "configs/learn.yaml"},
                              description="docs/objectives.md: round 0 of configs/learn.yaml trained with each "
                                          "objective, held-out Mean@L / Best@L with paired intervals."),
+        headroom.to_deployment("default", description="docs/learning.md, Room to learn: every design of a config's "
+                                                      "menu on dev, the cross-fitted per-query oracle against the "
+                                                      "best single design, the gate: --param config=PATH."),
+        headroom.to_deployment("gsm", parameters={"config": "configs/gsm-menu.yaml"},
+                               description="The headroom study on word problems (configs/gsm-menu.yaml)."),
+        headroom.to_deployment("humaneval", parameters={"config": "configs/humaneval-menu.yaml"},
+                               description="The headroom study on HumanEval (configs/humaneval-menu.yaml)."),
+        headroom.to_deployment("mixed", parameters={"config": "configs/mixed-learn.yaml"},
+                               description="The headroom study on the mixed task (configs/mixed-learn.yaml)."),
         methods.to_deployment("default", description="Every method (docs/methods.md) on any config: --param "
                                                      "config=PATH [--param seeds=N] [--param lr_sweep=[...]]."),
         methods.to_deployment("gsm", parameters={"config": "configs/gsm-learn.yaml", "seeds": 3},

@@ -652,6 +652,34 @@ def _selection_run(config: Path, run_id: str | None, sets: list[str] | None) -> 
 
 
 @app.command()
+def headroom(
+    config: Annotated[Path, typer.Argument(help="Run config YAML: its menu (rollout.example_menu or "
+                                           "headroom.designs), benchmark, executor and headroom section.")],
+    split: Annotated[str, typer.Option("--split", help="Where the designs run: dev (default), train, validate.")]
+    = "dev",
+    reps: Annotated[int | None, typer.Option("--reps", help="Runs per design and query (default headroom.reps, 2).")]
+    = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the study and its runs after this run "
+                                               "(default: the config's run_id).")] = None,
+    sets: SetOpt = None,
+) -> None:
+    """Headroom before training (issue 39): every design of the menu as a fixed program on dev, the best single
+    design against the cross-fitted per-query oracle at its executor budget, the frontier; writes
+    <store>/headroom/<run_id>/ (headroom.json, designs.csv, per_query.csv, frontier.png) and prints the gate."""
+    from pipeline.engines.servers import ServeError
+    from pipeline.stages.runner import StageError
+    from pipeline.studies.headroom import markdown, run_headroom
+
+    try:
+        summ = run_headroom(config, None, run_id, split, reps, sets or [])
+    except (ConfigError, StageError, ServeError) as e:
+        _fail(str(e))
+    for line in markdown(summ):
+        typer.echo(line)
+    typer.echo(f"results: {summ['results']}")
+
+
+@app.command()
 def smc(
     config: Annotated[Path, typer.Argument(help="Run config YAML: generator, executor, smc, experiment.")],
     run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived run <run_id>-smc "

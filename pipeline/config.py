@@ -308,6 +308,20 @@ class RolloutConfig(_Strict):
         "and of the stored `text`.",
     )
     max_workflow_chars: int = Field(20000, gt=0, description="Static check: larger workflows are invalid.")
+    example_menu: list[str] = Field(
+        default_factory=list, description="A menu of designs (issue 39): workflow program files (configs/programs/"
+        "*.py, each also a fixed program and a reference). Each workflow sample's prompt shows one of them as its "
+        "example (`$example`, its code without the header comments), drawn by a seeded hash of (query, slot, "
+        "menu_seed), so the base model and every trained round see the same draws; `$design` is that design's "
+        "`# design:` line and `$menu` the list of all of them. Empty: the prompt folder's one example, as before.",
+    )
+    menu_seed: int = Field(0, description="Seed of the example menu's draws (not the generator's: every seed of an "
+                           "experiment draws alike).")
+    menu_prefix_lines: int | None = Field(
+        None, ge=0, description="With an example menu: the assistant turn opens with a ```python fence and the "
+        "drawn design's code through its `async def solve` line plus this many lines of its body (what "
+        "workflow_prefix holds for a single example); null: workflow_prefix as it is.",
+    )
     exemplars: Literal["none", "buckets"] = Field(
         "buckets", description="Scored exemplars of earlier rounds in prompts from round 1 on: none (SPOGW has none) "
         "or buckets (the two-level proposal's contrastive F/M/S pick, flat prompts too); legacy true/false = "
@@ -343,6 +357,12 @@ class RolloutConfig(_Strict):
 class RewardConfig(_Strict):
     complexity_weight: float = Field(0.0, ge=0, description="Weight of the complexity penalty (AST/calls).")
     cost_weight: float = Field(0.0, ge=0, description="Weight of the executor-token cost penalty.")
+    token_budget: int | None = Field(
+        None, gt=0, description="The cost term's unit: a run's cost is min(1, executor tokens / token_budget) "
+        "(pipeline.core.reward). Set it to about the dearest design's executor tokens per run, so the term ranks "
+        "the designs a task's runs spend; null: the legacy 20,000 tokens, at which a run of these tasks costs "
+        "almost nothing.",
+    )
     diversity_weight: float = Field(
         0.0, ge=0,
         description="Weight of FlowReasoner's diversity term, a penalty on 1 - diversity (pipeline.core.reward).",
@@ -507,9 +527,14 @@ class TrainingConfig(_Strict):
         # imported here, not at the top: the registry imports torch, which `pipeline validate` need not load
         from pipeline.core.objectives import OBJECTIVES
 
-        if v not in OBJECTIVES:
-            raise ValueError(f"unknown objective {v!r}; registered: {', '.join(OBJECTIVES)}")
-        return v
+        return registered(v, OBJECTIVES, "objective")
+
+
+def registered(name: str, registry: dict, what: str) -> str:
+    """`name` when a registry of pure functions holds it, else a ValueError naming what is registered."""
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}; registered: {', '.join(registry)}")
+    return name
 
 
 class ExperimentConfig(_Strict):
@@ -579,6 +604,33 @@ class SMCConfig(_Strict):
     )
 
 
+class HeadroomConfig(_Strict):
+    """`pipeline headroom`: every design of the menu as a fixed program on dev, the best single design against the
+    cross-fitted per-query oracle over designs at its executor budget (pipeline.studies.headroom)."""
+
+    designs: list[str] = Field(
+        default_factory=list, description="The designs: baseline methods (io, cot, ..., program:<file>); empty: "
+        "rollout.example_menu, each as program:<file>.",
+    )
+    queries: int | None = Field(None, gt=0, description="The first N queries of the split; null: all of them.")
+    reps: int = Field(2, ge=2, description="Runs of every design on every query (the oracle is chosen on one run and "
+                      "scored on another, so at least 2).")
+    gate: float = Field(0.05, ge=0, description="A task goes on to training only where the cross-fitted oracle "
+                        "beats the best single design by at least this much at its budget.")
+    budget_rule: str = Field(
+        "greedy", description="How the oracle keeps to the best design's executor budget "
+        "(pipeline.core.headroom.BUDGET_RULES): greedy (the best per-query picks, then the cheapest trades until "
+        "the mean fits) or per_query (per query only designs no dearer than the best design there).",
+    )
+
+    @field_validator("budget_rule")
+    @classmethod
+    def _known_rule(cls, v: str) -> str:
+        from pipeline.core.headroom import BUDGET_RULES
+
+        return registered(v, BUDGET_RULES, "budget rule")
+
+
 class RunConfig(_Strict):
     run_id: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Run name (a folder).")
     rounds: int = Field(3, gt=0, description="Rounds of rollout -> score -> curate -> train.")
@@ -592,6 +644,7 @@ class RunConfig(_Strict):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
     smc: SMCConfig = Field(default_factory=SMCConfig)
+    headroom: HeadroomConfig = Field(default_factory=HeadroomConfig)
     tracking: list[Literal["tensorboard", "mlflow"]] = Field(
         default_factory=lambda: ["tensorboard"],
         description="Experiment trackers the run's figures also go to (TRL's `report_to` names; [] or none: only "
@@ -630,10 +683,10 @@ class RunConfig(_Strict):
         """Fingerprint of what the stages compute, kept in every stage manifest. Fields at their default value
         are left out, so a field added to the schema later (at its default) keeps existing runs' manifests valid
         instead of re-running every finished stage; `experiment` only plans evaluations, `tracking` only copies
-        figures out of the store, `training.save_steps` only saves progress and DRAW_ONLY fields only pick which
-        draw a row is or reuse one, so they are left out too."""
+        figures out of the store, `headroom` only plans a study, `training.save_steps` only saves progress and
+        DRAW_ONLY fields only pick which draw a row is or reuse one, so they are left out too."""
         body = _legacy_hash_form(self, self.model_dump(mode="json", exclude_defaults=True,
-                                                       exclude={"experiment": True, "tracking": True,
+                                                       exclude={"experiment": True, "tracking": True, "headroom": True,
                                                                 "training": {"save_steps"}, **_DRAW_ONLY_EXCLUDE}))
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -743,12 +796,13 @@ def load_config(path: str | Path, sets: list[str] | None = None) -> RunConfig:
 # can gain references after its seeds ran).
 PLAN_ONLY = frozenset({"experiment.references", "experiment.references_from", "experiment.shared_base",
                        "experiment.select_split", "experiment.select_queries", "experiment.budget_slack",
-                       "experiment.common_random_numbers", "training.save_steps"})
+                       "experiment.common_random_numbers", "training.save_steps", "headroom.designs",
+                       "headroom.queries", "headroom.reps", "headroom.gate", "headroom.budget_rule"})
 
 
-# Options that pick which draw of the same distribution a row is, or reuse a computed one (issue 38): a row scored
-# with or without common random numbers or the cache is a sample of the same thing, so a run resumed with another
-# value of them is not refused and its finished stages stay finished.
+# Options that pick which draw of the same distribution a row is, or reuse a computed one: a row scored with or
+# without common random numbers or the cache is a sample of the same thing, so a run resumed with another value of
+# them is not refused and its finished stages stay finished.
 DRAW_ONLY = frozenset({"executor.common_random_numbers", "executor.seed", "executor.cache", "scoring.cache_verdicts"})
 _DRAW_ONLY_EXCLUDE = {section: {p.split(".")[1] for p in DRAW_ONLY if p.split(".")[0] == section}
                       for section in {p.split(".")[0] for p in DRAW_ONLY}}  # as model_dump's `exclude`

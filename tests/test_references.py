@@ -307,7 +307,7 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
     assert curve == [(-1, 2, 0.5, [0]), (0, 4, 1.0, [0, 1]), (1, 4, 1.0, [0, 1])]
     lines = headline(out)
     assert "reference io (x-baseline-io): held-out Mean@L 0.250, Best@L 0.250, Majority@L 0.250, tokens/query " \
-           "generator 0 executor 0" in lines
+           "generator 0 executor 0, executor calls cut at the token cap n/a" in lines
     assert "round 1 vs io, held-out Mean@L: 1.000 vs 0.250, paired difference +0.750 [+0.750, +0.750] (seeds, then " \
            "queries; 4 pairs)" in lines
     folder = experiment_dir(Store(tmp_path / "runs"), "x")
@@ -573,3 +573,89 @@ def test_time_left_is_the_mean_of_the_stages_of_a_kind_already_done():
             row("evaluate", "score", False, None), row("evaluate", "rollout", False, None),
             row("train", "train", False, None)]  # no train stage done yet: no estimate
     assert time_left(rows) == (450.0, 1)
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_resample_on_failure_samples_fresh_answers_not_a_repair(tmp_path, scripted):
+    """Issue 39's missing HumanEval design. HumanEval/0: the greedy answer fails the public tests, then 2 fresh
+    samples at 0.7: the second (the canonical solution) passes and is the answer. HumanEval/1: the greedy answer
+    passes: one call. No request ever shows a failure to the executor (every request is the plain ask)."""
+    items, right = _humaneval(tmp_path)
+    first = items[0].meta["entry_point"]
+
+    def texts(body, n):
+        ep = _entry_point(body, items)
+        if ep != first:
+            return [right[ep]] * n
+        return [_wrong(ep, 0)] * n if not body.get("temperature") else [_wrong(ep, 1), right[ep]]
+
+    srv = scripted(texts)
+    s = run_baseline(str(_config(tmp_path, srv.url, HUMANEVAL)), f"program:{PROGRAMS / 'code_resample.py'}",
+                     in_process)
+    assert (s["mean_at_l"], s["exec_calls_per_query"]) == (1.0, 1.5)
+    assert sorted((r["body"].get("n") or 1, r["body"].get("temperature")) for r in srv.requests) == \
+        [(1, 0.0), (1, 0.0), (2, 0.7)]
+    assert all(len(r["body"]["messages"]) == 1 for r in srv.requests)
+    assert _answers(Store(tmp_path / "store"), s["eval_run_id"])["HumanEval/0"] == right[first]
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_word_steps_check_resamples_only_on_disagreement(tmp_path, scripted):
+    """word_steps_check on gsm_symbolic: on the first query the reasoned answer and the expression agree (2 calls);
+    on the second they differ (gold + 1 against gold), 3 samples at 0.7 say gold, gold, 5: the vote of all five is
+    gold. Both right: Mean@1 1.0 at 2.5 calls a query."""
+    bench = {"name": "procedural", "tasks": ["gsm_symbolic"], "size": 20, "train_split": "train"}
+    held_out = load_config(_config(tmp_path, "http://127.0.0.1:9/v1", bench),
+                           ["benchmark.train_split=test", "benchmark.max_queries=2"]).benchmark
+    items = load_benchmark(held_out).items()
+    gold = [int(it.reference["answer"]) for it in items]
+
+    def texts(body, n):
+        asked = body["messages"][-1]["content"]
+        q = next(i for i, it in enumerate(items) if asked.startswith(it.prompt))
+        g = gold[q]
+        if "Python expression" in asked:
+            return [f"{g - 3} + 3"]
+        if n == 3:
+            return [f"Step.\nAnswer: {g:,}", f"Answer: {g}.", "Answer: 5"]
+        return [f"Some steps.\nAnswer: {g if q == 0 else g + 1}"]
+
+    srv = scripted(texts)
+    s = run_baseline(str(_config(tmp_path, srv.url, bench)), f"program:{PROGRAMS / 'word_steps_check.py'}",
+                     in_process)
+    assert (s["mean_at_l"], s["exec_calls_per_query"]) == (1.0, 2.5)
+    assert _answers(Store(tmp_path / "store"), s["eval_run_id"]) == {items[0].id: str(gold[0]),
+                                                                      items[1].id: str(gold[1])}
+
+
+def _program(name: str, replies):
+    """The program file's `solve` with `llm` answering `replies(prompt, temperature, n)`; returns (solve, calls)."""
+    calls = []
+
+    async def llm(messages, temperature=0.0, n=1, **_):
+        prompt = messages if isinstance(messages, str) else messages[-1]["content"]
+        calls.append((prompt, temperature, n))
+        return replies(prompt, temperature, n)
+
+    scope = {"llm": llm}
+    exec(compile((PROGRAMS / name).read_text(), name, "exec"), scope)
+    return scope["solve"], calls
+
+
+def test_the_hand_written_router_routes_by_the_querys_wording():
+    """mixed_router: a multiplication is computed in Python (no executor call), a kinship question gets one greedy
+    step-by-step answer, a word problem 5 samples and a vote on the final number."""
+    import asyncio
+
+    def replies(prompt, temperature, n):
+        if "relationship" in prompt:
+            return ["Sarah married Edward...\nAnswer: mother-in-law."]
+        return ["Answer: 1,200", "so Answer: 1200.", "Answer: 7", "no answer here", "Answer: 1200"][:n]
+
+    solve, calls = _program("mixed_router.py", replies)
+    assert asyncio.run(solve("Solve the following multiplication: 361 * 220. Give only the result.")) == "79420"
+    assert calls == []
+    kin = "Jayden is married to Elizabeth.\n\nWhat is Sarah to Elizabeth? Respond only with the word that describes " \
+          "their relationship."
+    assert asyncio.run(solve(kin)) == "mother-in-law" and calls[-1][1:] == (0.0, 1)
+    assert asyncio.run(solve("Tom has 3 boxes of 400 pens. How many pens?")) == "1200" and calls[-1][1:] == (0.7, 5)

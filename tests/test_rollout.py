@@ -451,3 +451,42 @@ def test_nearby_seeds_share_no_sample_streams(tmp_path, fake):
         ranges.append(range(sampling.seed, sampling.seed + len(prompts) * sampling.n))
     assert not set(ranges[0]) & set(ranges[1])
     assert derived_seed(1, "train", 0) != derived_seed(0, "train", 1)  # additive seeds collide: 1 + 0 == 0 + 1
+
+
+def test_example_menu_draws_one_design_per_slot(tmp_path, fake, monkeypatch):
+    """Issue 39: with rollout.example_menu each slot's prompt shows the design drawn for (query, slot, menu_seed) as
+    its example and opens the assistant turn with its first lines; the rows name the design shown (`example`) and the
+    one written (`design`: FakeGen writes WORKFLOW, which is design `io` token for token)."""
+    from pipeline.stages.sampling import draw_design
+
+    io = tmp_path / "io.py"
+    io.write_text("# design: answer directly\nasync def solve(problem):\n    return (await llm([{'role': 'user', "
+                  "'content': problem}]))[0]  # noqa: F821\n")
+    vote = tmp_path / "vote.py"
+    vote.write_text("# design: sample and vote\nasync def solve(problem):\n    r = await llm(problem, n=5)\n"
+                    "    return max(r, key=r.count)\n")
+    gens = fake()
+    body = "    return (await llm([{'role': 'user', 'content': problem}]))[0]\n```\n"  # completes the opened solve
+    monkeypatch.setattr(FakeGen, "_generate", lambda self, prompts, smp, a: self.calls.append((prompts, smp, a)) or [
+        [Completion(body, [1], [3], [-1.0], "stop")] * smp.n for _ in prompts])
+    ctx = make_ctx(tmp_path, rollout={"m": 6, "example_menu": [str(io), str(vote)], "menu_prefix_lines": 0})
+    run_rollout(ctx)
+    df = ctx.store.read("generations", "t", 0).sort("gen_id")
+    names = ["io", "vote"]
+    for r in df.iter_rows(named=True):
+        drawn = names[draw_design(0, r["query_id"], r["slot"], 2)]
+        assert r["example"] == drawn and r["design"] == "io"
+        shown = "r = await llm(problem, n=5)" if drawn == "vote" else "return (await llm([{'role'"
+        assert shown in r["prompt_text"] and r["prompt_text"].endswith("```python\nasync def solve(problem):\n")
+        assert r["text"].startswith("```python\nasync def solve(problem):\n")
+    # one prompt per (query, drawn design): as many generation requests as distinct draws
+    distinct = {(q, draw_design(0, q, s, 2)) for q in ("q0", "q1") for s in range(6)}
+    assert sum(len(c[0]) for c in gens[0].calls) == len(distinct) and len(distinct) >= 3
+
+
+def test_example_menu_file_missing_writes_nothing(tmp_path, fake):
+    fake()
+    ctx = make_ctx(tmp_path, rollout={"example_menu": [str(tmp_path / "nope.py")]})
+    with pytest.raises(RolloutError, match="nope.py is not a file"):
+        run_rollout(ctx)
+    assert ctx.store.read("generations", "t", 0).height == 0

@@ -66,6 +66,21 @@ def test_reward_maths():
     assert parts.helper_calls == 2 and parts.complexity == pytest.approx(0.106)  # 0.5 * 24/2000 + 0.5 * 2/10
 
 
+def test_cost_term_in_the_task_budget():
+    # issue 39: the legacy scale (no budget) leaves an 800-token run at 800 / 20,000 = 0.04, so a 0.1 weight costs 0.004
+    assert cost_term(600, 200) == pytest.approx(0.04)
+    # with a budget of 1,600 tokens a run: 800 tokens is half of it, 2,400 is past it (capped at 1)
+    assert cost_term(600, 200, token_budget=1600) == pytest.approx(0.5)
+    assert cost_term(2000, 400, token_budget=1600) == 1.0
+    assert cost_term(0, 0, token_budget=1600) == 0.0
+    # weight 0.1: metric 1 -> 1 - 0.1 * 0.5 = 0.95 for the 800-token run, 0.9 for the run past the budget
+    code = "async def solve(p):\n    return (await llm(p))[0]\n"
+    assert reward(1.0, code, 600, 200, cost_weight=0.1, token_budget=1600).score == pytest.approx(0.95)
+    assert reward(1.0, code, 2000, 400, cost_weight=0.1, token_budget=1600).score == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="token_budget must be positive"):
+        cost_term(1, 1, token_budget=0)
+
+
 def test_judge_verdicts():
     assert parse_verdict("CORRECT") == 1.0 and parse_verdict("incorrect.") == 0.0
     assert parse_verdict("The answer is INCORRECT, not CORRECT") == 0.0 and parse_verdict("maybe") is None

@@ -4,7 +4,11 @@
 
 - complexity in [0, 1]: half AST size, half helper call sites (`llm(...)` / `run_tests(...)` in the
   source), each saturating at a scale: 0.5 * min(1, nodes / AST_SCALE) + 0.5 * min(1, calls / CALL_SCALE).
-- cost in [0, 1]: executor tokens (in + out) of the run, saturating at TOKEN_SCALE.
+- cost in [0, 1]: executor tokens (in + out) of the run relative to a budget, min(1, tokens / budget). The budget is
+  `scoring.reward.token_budget`, the executor tokens a run of the task is expected to spend (issue 39: word problems
+  and HumanEval runs spend 300-2,500 tokens, so at the legacy TOKEN_SCALE of 20,000, the default when no budget is
+  set, a 0.1 weight cost an 800-token run 0.004: nothing a group's advantages could see). With the budget at the
+  dearest design's spend, the term ranks every design of the menu: a run at half the budget pays half the weight.
 - diversity in (0, 1]: FlowReasoner's diversity, the distinctness ratio (Chen et al. 2024: distinct solutions over
   all solutions) of the workflows sampled for the same prompt, spread over them: a workflow scores 1 / (number of
   the group's workflows that are the same program, itself included), so the group's mean is its distinctness ratio
@@ -57,8 +61,12 @@ def complexity_term(ast_nodes: int, helper_calls: int, ast_scale: int = AST_SCAL
     return 0.5 * min(1.0, ast_nodes / ast_scale) + 0.5 * min(1.0, helper_calls / call_scale)
 
 
-def cost_term(tokens_in: int, tokens_out: int, token_scale: int = TOKEN_SCALE) -> float:
-    return min(1.0, (tokens_in + tokens_out) / token_scale)
+def cost_term(tokens_in: int, tokens_out: int, token_budget: int | None = None) -> float:
+    """min(1, executor tokens / token_budget); no budget: the legacy scale TOKEN_SCALE (old configs score as before)."""
+    budget = TOKEN_SCALE if token_budget is None else token_budget
+    if budget <= 0:
+        raise ValueError(f"token_budget must be positive, got {budget}")
+    return min(1.0, (tokens_in + tokens_out) / budget)
 
 
 def program_key(code: str) -> str:
@@ -84,8 +92,9 @@ def combine(metric: float, complexity: float, cost: float, complexity_weight: fl
 
 
 def reward(metric: float, code: str, tokens_in: int, tokens_out: int, complexity_weight: float = 0.0,
-           cost_weight: float = 0.0, diversity: float = 1.0, diversity_weight: float = 0.0) -> RewardParts:
+           cost_weight: float = 0.0, diversity: float = 1.0, diversity_weight: float = 0.0,
+           token_budget: int | None = None) -> RewardParts:
     nodes, calls = code_stats(code)
-    cx, co = complexity_term(nodes, calls), cost_term(tokens_in, tokens_out)
+    cx, co = complexity_term(nodes, calls), cost_term(tokens_in, tokens_out, token_budget)
     score = combine(metric, cx, co, complexity_weight, cost_weight, diversity, diversity_weight)
     return RewardParts(score, metric, cx, co, nodes, calls, diversity)

@@ -5,6 +5,7 @@ Templates use `string.Template` (`$name`) so the Python braces of example workfl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -57,6 +58,50 @@ def example(family: str, prompt_dir: str | None = None) -> str:
     return template(f"example_{family}", prompt_dir).rstrip("\n")
 
 
+@dataclass(frozen=True)
+class Design:
+    """A design of the example menu (`rollout.example_menu`): a workflow program file, shown as a prompt's example.
+    `code` is the file without its header comments and `# noqa` trailers (the prompts ask for no comments), so the
+    file run as a fixed program and the example differ in comments only; `note` is its `# design:` header line."""
+
+    name: str  # the file's stem
+    note: str
+    code: str
+
+
+@cache
+def load_design(path: str) -> Design:
+    """The design in program file `path`; a PromptError when it is missing or has no `# design:` line."""
+    file = Path(path)
+    if not file.is_file():
+        raise PromptError(f"rollout.example_menu: {path} is not a file (relative paths start at the working "
+                          f"directory, {Path.cwd()})")
+    lines = file.read_text().splitlines()
+    head = 0
+    while head < len(lines) and (lines[head].startswith("#") or not lines[head].strip()):
+        head += 1
+    note = next((x.split(":", 1)[1].strip() for x in lines[:head] if x.lower().startswith("# design:")), None)
+    if not note:
+        raise PromptError(f"rollout.example_menu: {path} has no `# design: <what it does>` line in its header")
+    body = [re.sub(r"\s+# noqa\b.*$", "", x) for x in lines[head:]]
+    return Design(file.stem, note, "\n".join(body).strip("\n"))
+
+
+def menu_listing(menu: Sequence[Design]) -> str:
+    """The `$menu` block: one line per design, its name and what it does."""
+    return "\n".join(f"- {d.name}: {d.note}" for d in menu)
+
+
+def design_prefix(design: Design, body_lines: int) -> str:
+    """The assistant turn's opening for a drawn design: a ```python fence, the design's code through its
+    `async def solve` line, then `body_lines` lines of its body (rollout.menu_prefix_lines)."""
+    lines = design.code.splitlines()
+    at = next((i for i, x in enumerate(lines) if x.startswith("async def solve")), None)
+    if at is None:
+        raise PromptError(f"design {design.name}: no `async def solve` line")
+    return "```python\n" + "\n".join(lines[: at + 1 + body_lines]) + "\n"
+
+
 def exemplar_block(shown: Sequence[Shown], code: bool, plan: str | None = None) -> str:
     """Empty when there are no exemplars (round 0), else the scored exemplars; code is fenced. `plan`: the stored
     plan the exemplar workflows were written under (two-level), shown above them."""
@@ -71,10 +116,14 @@ def exemplar_block(shown: Sequence[Shown], code: bool, plan: str | None = None) 
 
 
 def workflow_prompt(problem: str, family: str, shown: Sequence[Shown] = (), plan: str | None = None,
-                    exemplar_plan: str | None = None, prompt_dir: str | None = None) -> str:
+                    exemplar_plan: str | None = None, prompt_dir: str | None = None, design: Design | None = None,
+                    menu: Sequence[Design] = ()) -> str:
     """User message asking for a workflow (flat), or for a workflow under an agent plan (two-level), whose
-    exemplars were written under the stored plan `exemplar_plan`."""
-    values = dict(contract=contract(family, prompt_dir), example=example(family, prompt_dir),
+    exemplars were written under the stored plan `exemplar_plan`. `design`: the menu design drawn for this sample,
+    shown as the example instead of the prompt folder's (`$design`: what it does; `$menu`: every design)."""
+    values = dict(contract=contract(family, prompt_dir),
+                  example=example(family, prompt_dir) if design is None else design.code,
+                  design="" if design is None else design.note, menu=menu_listing(menu),
                   exemplars=exemplar_block(shown, code=True, plan=exemplar_plan), problem=problem.strip())
     if plan is None:
         return _fill("workflow", prompt_dir, **values)

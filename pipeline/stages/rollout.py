@@ -22,17 +22,27 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from pipeline.core.designs import nearest_design
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.engines.executors import cost_usd
 from pipeline.engines.generation import BACKENDS, Completion, Generator, Sampling, make_generator
 from pipeline.engines.models import load_tokenizer
-from pipeline.engines.prompting import agent_prompt, render, require_chat_template, workflow_prompt
+from pipeline.engines.prompting import (
+    Design,
+    PromptError,
+    agent_prompt,
+    design_prefix,
+    load_design,
+    render,
+    require_chat_template,
+    workflow_prompt,
+)
 from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext, derived_seed
 from pipeline.stages.exemplars import Pools, load_pools, pick_exemplars, tau_at
 from pipeline.stages.modes import get_mode
 from pipeline.stages.repair import self_repair
-from pipeline.stages.sampling import Request, batches, gen_id, seeded_rng
+from pipeline.stages.sampling import Request, batches, draw_design, gen_id, seeded_rng
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +100,9 @@ class Sampler:
         self.adapter, self.adapter_round = adapter, adapter_round
         self.sample_adapter = adapter  # what the engine applies: None when the adapter is merged into its weights
         self.prompt_round = k = exemplar_source(ctx)[1]
+        # the example menu (issue 39); its designs by name, to name the design each written workflow follows
+        self.menu = [load_design(p) for p in self.cfg.rollout.example_menu]
+        self.menu_code = {d.name: d.code for d in self.menu}
         self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, k)
         self.tau_w = tau_at(self.cfg.rollout.tau_workflow, self.cfg.rollout.tau_decay, k)
 
@@ -98,11 +111,22 @@ class Sampler:
         cols = ("gen_id", "kind", "query_id", "text", "exemplar_ids")
         return {r["gen_id"]: r for r in df.select(*cols).iter_rows(named=True)}
 
-    def _request(self, kind: str, item: Item, n: int, have: dict, parent: dict | None = None) -> Request | None:
+    def _request(self, kind: str, item: Item, n: int, have: dict, parent: dict | None = None) -> list[Request]:
+        """The prompts of a query's (or agent's) missing slots: one, or with an example menu one per drawn design."""
         parent_id = parent["gen_id"] if parent else None
         slots = [s for s in range(n) if gen_id(self.ctx.round, item.id, kind, s, parent_id) not in have]
         if not slots:
-            return None
+            return []
+        if kind != "workflow" or not self.menu:
+            return [self._prompt(kind, item, slots, parent)]
+        drawn: dict[int, list[int]] = {}
+        for s in slots:
+            drawn.setdefault(draw_design(self.cfg.rollout.menu_seed, item.id, s, len(self.menu)), []).append(s)
+        return [self._prompt(kind, item, group, parent, self.menu[d]) for d, group in sorted(drawn.items())]
+
+    def _prompt(self, kind: str, item: Item, slots: list[int], parent: dict | None,
+                design: Design | None = None) -> Request:
+        parent_id = parent["gen_id"] if parent else None
         key = parent_id or f"{kind}:{item.id}"
         # keyed by the prompt's round (not the run's): an evaluation of checkpoint k picks the exemplars that
         # round k+1 of training picked for the same query
@@ -113,12 +137,14 @@ class Sampler:
         else:
             shown, stored_plan = self._workflow_exemplars(item, parent, rng)
             user = workflow_prompt(item.prompt, self.family, shown, parent["text"] if parent else None, stored_plan,
-                                   self.cfg.rollout.prompt_dir)
+                                   self.cfg.rollout.prompt_dir, design, self.menu)
             max_tokens = self.cfg.generator.max_new_tokens
         prefix = self.cfg.rollout.workflow_prefix if kind == "workflow" else ""
+        if design is not None and self.cfg.rollout.menu_prefix_lines is not None:
+            prefix = design_prefix(design, self.cfg.rollout.menu_prefix_lines)
         return Request(kind, item.id, parent_id, [gen_id(self.ctx.round, item.id, kind, s, parent_id) for s in slots],
                        slots, render(self.tokenizer, user, prompt_dir=self.cfg.rollout.prompt_dir) + prefix,
-                       [s.gen_id for s in shown], max_tokens, prefix)
+                       [s.gen_id for s in shown], max_tokens, prefix, None if design is None else design.name)
 
     def _workflow_exemplars(self, item: Item, parent: dict | None, rng: random.Random) -> tuple[list, str | None]:
         """Flat: the query's pool. Two-level: D_W of the stored agent the plan was conditioned on, and that
@@ -135,13 +161,13 @@ class Sampler:
         mode, out = self.cfg.rollout.mode, []
         for item in self.items:
             if mode == "flat":
-                out.append(self._request("workflow", item, self.cfg.rollout.m, have))
+                out += self._request("workflow", item, self.cfg.rollout.m, have)
                 continue
-            out.append(self._request("agent", item, self.cfg.rollout.n_agents, have))
+            out += self._request("agent", item, self.cfg.rollout.n_agents, have)
             agents = sorted((r for r in have.values() if r["kind"] == "agent" and r["query_id"] == item.id),
                             key=lambda r: r["gen_id"])
-            out += [self._request("workflow", item, self.cfg.rollout.n_workflows, have, a) for a in agents]
-        return [r for r in out if r is not None]
+            out += [r for a in agents for r in self._request("workflow", item, self.cfg.rollout.n_workflows, have, a)]
+        return out
 
     def sampling(self, batch: list[Request]) -> Sampling:
         g = self.cfg.generator
@@ -163,6 +189,9 @@ class Sampler:
                 finish_reason=c.finish_reason, valid=reason is None, invalid_reason=reason,
                 retokenized=c.retokenized, latency_s=latency, attempt=0,
                 cost_usd=cost_usd(g.prices, len(c.prompt_token_ids or []), len(c.token_ids or [])),
+                example=req.example,
+                design=nearest_design(extract_code(text), self.menu_code)[0] if self.menu and req.kind == "workflow"
+                else None,
             ))
         return rows
 
@@ -240,6 +269,11 @@ def run_rollout(ctx: RunContext) -> dict:
     if cfg.rollout.prompt_dir is not None and not Path(cfg.rollout.prompt_dir).is_dir():
         raise RolloutError(f"rollout.prompt_dir {cfg.rollout.prompt_dir!r} is not a folder (relative paths start at "
                            f"the working directory, {Path.cwd()})")
+    for path in cfg.rollout.example_menu:  # a missing or header-less design file: before anything is written
+        try:
+            load_design(path)
+        except PromptError as e:
+            raise RolloutError(str(e)) from None
     adapter, adapter_round = resolve_adapter(ctx)
     tokenizer = load_tokenizer(cfg.generator.model)
     require_chat_template(tokenizer, cfg.generator.model)

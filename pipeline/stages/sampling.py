@@ -22,6 +22,7 @@ class Request:
     exemplar_ids: list[str]
     max_new_tokens: int
     prefix: str = ""  # opens the assistant turn; `text` = prefix + completion
+    example: str | None = None  # the example menu's design the prompt shows (None: no menu)
 
 
 def gen_id(round: int, query_id: str, kind: str, slot: int, parent_id: str | None = None) -> str:
@@ -33,6 +34,14 @@ def gen_id(round: int, query_id: str, kind: str, slot: int, parent_id: str | Non
 
 def seeded_rng(seed: int, key: str) -> random.Random:
     return random.Random(zlib.crc32(f"{seed}:{key}".encode()))
+
+
+def draw_design(seed: int, query_id: str, slot: int, k: int) -> int:
+    """Which of k menu designs the prompt of (query, slot) shows: a seeded hash, so the base model and every trained
+    round (and every experiment seed: `rollout.menu_seed` is not the generator's seed) see the same draws."""
+    if k <= 0:
+        raise ValueError(f"draw_design: a menu of {k} designs")
+    return zlib.crc32(f"{seed}:{query_id}:{slot}".encode()) % k
 
 
 def batches(requests: list[Request], size: int) -> Iterator[list[Request]]:

@@ -176,7 +176,7 @@ class _Scorer:
                                error=f"metric failed: {type(e).__name__}: {e}"[:4000])
         w = self.cfg.scoring.reward
         parts = reward(row["metric"], code, row["tokens_in"], row["tokens_out"], w.complexity_weight, w.cost_weight,
-                       self.diversity.get(job.gen_id, 1.0), w.diversity_weight)
+                       self.diversity.get(job.gen_id, 1.0), w.diversity_weight, w.token_budget)
         answer_code = extract_code(row["answer"]) if self.bench.family == "code" and row.get("answer") else None
         row["flags"] = flags(code, answer_code)
         zeroed = bool(row["flags"]) and w.zero_flagged and parts.score > 0  # reaching for the harness pays nothing
@@ -184,7 +184,8 @@ class _Scorer:
                    diversity=parts.diversity)
         details["reward"] = {"ast_nodes": parts.ast_nodes, "helper_calls": parts.helper_calls,
                              "complexity_weight": w.complexity_weight, "cost_weight": w.cost_weight,
-                             "diversity_weight": w.diversity_weight, "zeroed_by_flags": zeroed}
+                             "diversity_weight": w.diversity_weight, "token_budget": w.token_budget,
+                             "zeroed_by_flags": zeroed}
         row["details"] = json.dumps(details, default=str)
         return row
 

@@ -82,6 +82,10 @@ TABLES: dict[str, pa.Schema] = {
             ("repair_of", pa.string()),  # self-repair: the gen_id this generation repairs, else null
             ("attempt", pa.int32()),  # self-repair: 0 = first sample, a = a-th repair; null = before repair existed
             ("turn", pa.int32()),  # refine rollouts: the refinement turn (0-based) it was sampled in, else null
+            # added with issue 39 (null: no example menu): the menu design the prompt showed as its example
+            # (rollout.example_menu), and the one the written workflow follows (pipeline.core.designs, `other`: none)
+            ("example", pa.string()),
+            ("design", pa.string()),
         ]
     ),
     "scores": pa.schema(

@@ -15,7 +15,8 @@ from pipeline.store.schema import TRANSIENT_STATUSES
 RUN_USAGE_SUMS = """sum(llm_calls)::BIGINT AS calls, sum(tokens_in)::BIGINT AS tin, sum(tokens_out)::BIGINT AS tout,
     sum(cost_usd) AS cost, sum(coalesce(computed_tokens_in, tokens_in))::BIGINT AS computed_in,
     sum(coalesce(computed_tokens_out, tokens_out))::BIGINT AS computed_out,
-    sum(coalesce(cached_calls, 0))::BIGINT AS cached, sum(truncated_calls)::BIGINT AS truncated"""
+    sum(coalesce(cached_calls, 0))::BIGINT AS cached, sum(truncated_calls)::BIGINT AS truncated,
+    coalesce(sum(llm_calls) FILTER (WHERE truncated_calls IS NOT NULL), 0)::BIGINT AS known"""
 
 # The latest attempt of each (generation, rep): a re-score appends attempts, nothing is rewritten.
 LATEST_SCORES_SQL = """SELECT * FROM scores
@@ -46,6 +47,11 @@ SELECT g.*, r.gen_id IS NULL AS final, coalesce(s.reps_scored, 0) AS reps_scored
        s.llm_calls, s.tokens_in, s.tokens_out, s.cost_usd
 FROM g LEFT JOIN s USING (run_id, round, gen_id) LEFT JOIN repaired r USING (run_id, round, gen_id)
 """
+
+# The share of executor calls with a reply cut at the token cap, of the runs that recorded it (parts written before
+# the column read it as null, and their calls are left out of the denominator), so a store of either age reads.
+TRUNCATED_SHARE_SQL = "sum(truncated_calls) / nullif(sum(llm_calls) FILTER (WHERE truncated_calls IS NOT NULL), 0)"
+
 
 # What answering one query cost, the one definition (evaluation summaries, baselines, the report): generator tokens
 # of every generation of the query (any kind: plans, workflows, repairs, SMC rollouts; the prompt counted once per
@@ -78,9 +84,11 @@ SELECT gq.run_id, gq.round, gq.query_id, gq.workflows, gq.generations, coalesce(
        coalesce(sq.computed_in, 0) + coalesce(cq.computed_in, 0) AS exec_computed_tokens_in,
        coalesce(sq.computed_out, 0) + coalesce(cq.computed_out, 0) AS exec_computed_tokens_out,
        coalesce(sq.cached, 0) + coalesce(cq.cached, 0) AS exec_cached_calls,
-       -- null where no run of the query recorded it (written before issue 38)
+       -- null where no run of the query recorded it (written before the column existed); `known`: the calls of
+       -- the runs that did, the truncated share's denominator
        CASE WHEN sq.truncated IS NULL AND cq.truncated IS NULL THEN NULL
-            ELSE coalesce(sq.truncated, 0) + coalesce(cq.truncated, 0) END AS exec_truncated_calls
+            ELSE coalesce(sq.truncated, 0) + coalesce(cq.truncated, 0) END AS exec_truncated_calls,
+       coalesce(sq.known, 0) + coalesce(cq.known, 0) AS exec_known_calls
 FROM gq LEFT JOIN sq USING (run_id, round, query_id) LEFT JOIN cq USING (run_id, round, query_id)
 """
 
@@ -138,6 +146,8 @@ t AS (
   FROM train_metrics WHERE run_id = $run GROUP BY round),
 r AS (SELECT round FROM g UNION SELECT round FROM s UNION SELECT round FROM c UNION SELECT round FROM t)
 SELECT r.round, workflows, valid_share, scored, mean_score, best_score, flagged_rewarded, u.calls AS llm_calls,
+       -- the share of the round's executor calls with a reply cut at the token cap (null: not recorded)
+       u.truncated / nullif(u.known, 0) AS truncated_share,
        u.tin AS tokens_in, u.tout AS tokens_out, u.cost AS cost_usd, u.computed_in AS computed_tokens_in,
        u.computed_out AS computed_tokens_out, u.cached AS cached_calls,
        u.cached / nullif(u.calls, 0) AS cache_hit_rate, u.truncated AS truncated_calls, gen_tokens_per_query,
@@ -150,8 +160,40 @@ ORDER BY r.round
 
 def round_stats(store: Any, run_id: str) -> pl.DataFrame:
     """One row per round: workflows, valid_share, scored, mean_score, best_score, flagged_rewarded (runs whose code
-    touches the harness's surface yet passed: see docs/sandbox.md), usage, tokens per query, groups, training."""
+    touches the harness's surface yet passed: see docs/sandbox.md), usage (truncated_share: of the scoring runs'
+    executor calls, those with a reply cut at the token cap), tokens per query, groups, training."""
     return store.sql(ROUND_SQL, {"run": run_id})
+
+
+# Issue 39: do a round's groups span designs? Per round of a run, of its queries (a GRPO group is a query's workflows),
+# the share whose workflows follow at least two designs of the menu (`generations.design`, pipeline.core.designs;
+# `other` counts as one design), and the mean number of designs per query. Null designs (no menu) count as none.
+DESIGN_SPAN_SQL = """
+WITH q AS (SELECT round, query_id, count(DISTINCT design) AS designs FROM generations
+           WHERE run_id = $run AND kind = 'workflow' GROUP BY round, query_id)
+SELECT round, count(*) AS queries, avg(CASE WHEN designs >= 2 THEN 1.0 ELSE 0.0 END) AS spanning_share,
+       avg(designs) AS designs_per_query
+FROM q GROUP BY round ORDER BY round
+"""
+
+# Per round, each design's share of the run's workflows: written (`design`) beside shown (`example`), so a generator
+# that copies its example keeps the two alike and one that converges on a design moves the written shares.
+DESIGN_SHARES_SQL = """
+WITH w AS (SELECT round, design, example FROM generations WHERE run_id = $run AND kind = 'workflow'),
+written AS (SELECT round, design AS name, count(*) AS n FROM w GROUP BY ALL),
+shown AS (SELECT round, example AS name, count(*) AS n FROM w GROUP BY ALL),
+total AS (SELECT round, count(*) AS n FROM w GROUP BY round)
+SELECT coalesce(a.round, b.round) AS round, coalesce(a.name, b.name) AS design,
+       coalesce(a.n, 0) / t.n AS written_share, coalesce(b.n, 0) / t.n AS shown_share
+FROM written a FULL JOIN shown b ON a.round = b.round AND a.name IS NOT DISTINCT FROM b.name
+JOIN total t ON t.round = coalesce(a.round, b.round)
+ORDER BY round, written_share DESC, design
+"""
+
+
+def design_spread(store: Any, run_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(DESIGN_SPAN_SQL, DESIGN_SHARES_SQL) of one run."""
+    return store.sql(DESIGN_SPAN_SQL, {"run": run_id}), store.sql(DESIGN_SHARES_SQL, {"run": run_id})
 
 
 VIEWS = {"latest_scores": LATEST_SCORES_SQL, "generation_scores": GENERATION_SCORES_SQL, "query_usage": QUERY_USAGE_SQL}

@@ -128,7 +128,8 @@ def generation_votes(store: Store, run_id: str, round: int, family: str) -> dict
 
 
 USAGE_KEYS = ("gen_tokens_in", "gen_tokens_out", "gen_cost_usd", "exec_calls", "exec_tokens_in", "exec_tokens_out",
-              "exec_cost_usd", "exec_computed_tokens_in", "exec_computed_tokens_out", "exec_cached_calls")
+              "exec_cost_usd", "exec_computed_tokens_in", "exec_computed_tokens_out", "exec_cached_calls",
+              "exec_truncated_calls", "exec_known_calls")
 
 
 def query_usage(store: Store, run_id: str, round: int = 0) -> dict[str, dict]:
@@ -139,19 +140,24 @@ def query_usage(store: Store, run_id: str, round: int = 0) -> dict[str, dict]:
 
 def usage_summary(usage: list[dict]) -> dict:
     """Means per query: generator tokens (in + out), executor tokens (in + out) the workflows used and those the
-    executor computed (cache hits left out), executor calls, cost (both); and the share of calls the cache answered.
-    Budgets compare used tokens: what an arm computed depends on what ran before it."""
+    executor computed (cache hits left out), executor calls, cost (both); the share of calls the cache answered; and
+    `truncated_share`, of the executor calls whose truncation was recorded, those with a reply cut at the token cap
+    (None when none was recorded: a store written before `truncated_calls`). Budgets compare used tokens: what an arm
+    computed depends on what ran before it."""
     if not usage:
         return {"gen_tokens_per_query": None, "exec_tokens_per_query": None, "exec_computed_tokens_per_query": None,
-                "exec_calls_per_query": None, "cost_usd_per_query": None, "cache_hit_rate": None}
+                "exec_calls_per_query": None, "cost_usd_per_query": None, "cache_hit_rate": None,
+                "truncated_share": None}
     n, calls = len(usage), sum(u["exec_calls"] for u in usage)
+    known = sum(u.get("exec_known_calls") or 0 for u in usage)
     return {"gen_tokens_per_query": sum(u["gen_tokens_in"] + u["gen_tokens_out"] for u in usage) / n,
             "exec_tokens_per_query": sum(u["exec_tokens_in"] + u["exec_tokens_out"] for u in usage) / n,
             "exec_computed_tokens_per_query":
                 sum(u["exec_computed_tokens_in"] + u["exec_computed_tokens_out"] for u in usage) / n,
             "exec_calls_per_query": calls / n,
             "cost_usd_per_query": sum(u["gen_cost_usd"] + u["exec_cost_usd"] for u in usage) / n,
-            "cache_hit_rate": sum(u["exec_cached_calls"] for u in usage) / calls if calls else None}
+            "cache_hit_rate": sum(u["exec_cached_calls"] for u in usage) / calls if calls else None,
+            "truncated_share": sum(u.get("exec_truncated_calls") or 0 for u in usage) / known if known else None}
 
 
 def eval_summary(store: Store, eval_id: str) -> dict:

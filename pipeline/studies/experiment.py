@@ -407,11 +407,19 @@ def headline(summary: dict) -> list[str]:
             f"{span(p, 'lo_by_query', 'hi_by_query')})")
         lines += [f"  seed {x['seed']}: {x['mean']:+.3f} {span(x, 'lo', 'hi')} over {x['n']} queries"
                   for x in p.get("per_seed", [])]
+    cut: dict[int, list[float]] = {}  # issue 39: executor calls with a reply cut at the token cap, per arm
+    for a in summary.get("arms", []):
+        if a.get("truncated_share") is not None:
+            cut.setdefault(a["round"], []).append(a["truncated_share"])
+    if cut:
+        lines.append("executor calls cut at the token cap, held out (mean over seeds): " + ", ".join(
+            f"{'base' if k == BASE else f'round {k}'} {sum(v) / len(v):.3f}" for k, v in sorted(cut.items())))
     for r in summary.get("references", []):  # summaries written before issue 26 lack them
         lines.append(f"reference {r.get('label', r['method'])} ({r['eval_run_id']}): held-out Mean@L "
                      f"{fmt(r['mean_at_l'])}, Best@L {fmt(r['best_at_l'])}, Majority@L {fmt(r.get('majority_at_l'))}, "
                      f"tokens/query generator {fmt(r.get('gen_tokens_per_query'), 0)} executor "
-                     f"{fmt(r.get('exec_tokens_per_query'), 0)}")
+                     f"{fmt(r.get('exec_tokens_per_query'), 0)}, executor calls cut at the token cap "
+                     f"{fmt(r.get('truncated_share'))}")
     for p in summary.get("paired_references", []):
         if p["metric"] == "mean_at_l":
             arm = "base model" if p["round"] == BASE else f"round {p['round']}"

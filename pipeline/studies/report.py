@@ -182,7 +182,7 @@ def paired_row(p: dict) -> dict:
 
 CURVE_PNG = "curve.png"  # the held-out curve over rounds, next to an experiment's report.html
 REFERENCE_COLUMNS = ("label", "eval_run_id", "queries", "mean_at_l", "best_at_l", "majority_at_l", "valid_share",
-                     "gen_tokens_per_query", "exec_tokens_per_query", "exec_calls_per_query")
+                     "gen_tokens_per_query", "exec_tokens_per_query", "exec_calls_per_query", "truncated_share")
 
 
 def plot_curve(summary: dict, out: Path):

@@ -87,7 +87,7 @@ class SandboxResult:
     cost_usd: float = 0.0
     wall_s: float = 0.0
     details: dict = field(default_factory=dict)  # exit, stdout head, budget/executor notes
-    truncated_calls: int = 0  # calls with a reply that stopped at the token cap
+    truncated_calls: int = 0  # llm() calls with at least one reply cut at the executor's token cap
     cached_calls: int = 0  # calls answered from the reply cache
     computed_tokens_in: int = 0  # what the executor computed for this run (cache hits excluded): what it cost
     computed_tokens_out: int = 0
