@@ -11,10 +11,10 @@ from prefect import flow
 
 from flows.artifacts import publish_report_link, publish_round
 from flows.evaluate import evaluate
-from flows.tasks import submitting_call
+from flows.tasks import flow_run_note, submitting_call
 from pipeline.stages.rounds import run_rounds
 from pipeline.stages.runner import RetryPolicy
-from pipeline.store import Store
+from pipeline.store import Store, noting
 from pipeline.studies.report import build_report
 from pipeline.studies.tracking import TRACKERS
 
@@ -48,7 +48,8 @@ def iterate(config: str = SMOKE_CONFIG, rounds: int | None = None, run_id: str |
             evaluate(run_id, k, evaluate_split, store_root, retries=retries, retry_delay_s=retry_delay_s,
                      in_process=in_process)
 
-    summary = run_rounds(config, rounds, run_id, call, after_round, sets, shards, observer=TRACKERS)
+    with noting(flow_run_note()):  # a second flow run on this run id fails at once, naming this one
+        summary = run_rounds(config, rounds, run_id, call, after_round, sets, shards, observer=TRACKERS)
     publish_report_link(summary["run_id"], build_report(Store(summary["store"]), summary["run_id"]))
     for r in summary["rounds"]:
         print(f"run {summary['run_id']} round {r['round']}: mean score {_fmt(r['mean_score'])}, "

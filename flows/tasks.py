@@ -6,11 +6,18 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
-from prefect.runtime import task_run
+from prefect.runtime import flow_run, task_run
 
 from flows.runners import placement
 from pipeline.stages.rounds import Caller
 from pipeline.stages.runner import RetryPolicy, StageResult, record_timing, run_stage
+from pipeline.store import noting
+
+
+def flow_run_note() -> str:
+    """How a lease's holder names the flow run it belongs to (a second flow run on the same run id is refused
+    naming it)."""
+    return f"Prefect flow run {flow_run.name!r} ({flow_run.id})" if flow_run.id else ""
 
 
 def _task_run_name() -> str:
@@ -26,7 +33,8 @@ def stage_task(stage: str, run_id: str, round: int, store_root: str, sets: list[
                shard: tuple[int, int] | None = None) -> StageResult:
     """One stage (or shard `(i, n)` of it) of one round; returns its `StageResult` (counts, wall time, host and pid of
     the process that ran it), never frames."""
-    res = run_stage(stage, run_id, round, store_root, sets, only_failed, isolate, shard)
+    with noting(flow_run_note()):
+        res = run_stage(stage, run_id, round, store_root, sets, only_failed, isolate, shard)
     record_timing(store_root, run_id, res)
     verb = "skipped (manifest complete)" if res.skipped else f"done in {res.wall_s:.1f}s"
     which = f"{stage} shard {res.shard}" if res.shard else stage

@@ -26,6 +26,9 @@ RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="Run id (default:
 RoundOpt = Annotated[int, typer.Option("--round", help="Round index k (0 = base model).")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: --set rollout.m=4 (repeatable).")]
 StoreOpt = Annotated[str | None, typer.Option("--store", help="Store root (default: the config's store.root).")]
+WaitOpt = Annotated[bool, typer.Option("--wait", help="Another process running the same stage of the run (or the "
+                                      "same run's rounds): wait for it, then skip what it finished, instead of "
+                                      "stopping with an error that names it.")]
 ShardsOpt = Annotated[int, typer.Option("--shards", min=1, help="Score each round as N shards split by query "
                                         "(docs/scale-out.md, Sharded scoring); the result is the same for any N.")]
 
@@ -99,47 +102,52 @@ def chat(
     typer.echo(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
 
 
-def _stage(stage: str, config, run_id, round, sets, store=None, only_failed: bool = False, shards: int = 1) -> None:
+def _stage(stage: str, config, run_id, round, sets, store=None, only_failed: bool = False, shards: int = 1,
+           wait: bool = False) -> None:
     """One stage in this process through the stage runner: a finished stage is skipped, an unfinished attempt's
-    leftovers are discarded, and a failure is printed as `round K STAGE: reason`. Shards run one after another."""
+    leftovers are discarded, and a failure is printed as `round K STAGE: reason` (another process running the stage
+    too: named, unless `wait`). Shards run one after another."""
     from pipeline.stages.rounds import call_stage, direct_call
     from pipeline.stages.runner import RetryPolicy, StageError
 
     ctx = _ctx(config, run_id, round, sets, store)
     try:  # no retries here (a re-run resumes); direct_call records the timings
-        res = call_stage(direct_call(RetryPolicy(retries=0), isolate=False), stage, ctx.run_id, round,
-                         str(ctx.store.root), sets, only_failed, shards)
+        res = call_stage(direct_call(RetryPolicy(retries=0), isolate=False, wait=wait), stage, ctx.run_id, round,
+                         str(ctx.store.root), sets, only_failed, shards, wait)
     except StageError as e:
         _fail(str(e))
     typer.echo({**res.counts, "skipped": True} if res.skipped else res.counts)
 
 
 @app.command()
-def rollout(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None) -> None:
+def rollout(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
+            wait: WaitOpt = False) -> None:
     """Sample agent plans / workflows for a round and write `generations` (resumes per query slot)."""
-    _stage("rollout", config, run_id, round, sets)
+    _stage("rollout", config, run_id, round, sets, wait=wait)
 
 
 @app.command()
 def score(
     config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
     only_failed: Annotated[bool, typer.Option("--only-failed", help="Re-run transient failures only.")] = False,
-    store: StoreOpt = None, shards: ShardsOpt = 1,
+    store: StoreOpt = None, shards: ShardsOpt = 1, wait: WaitOpt = False,
 ) -> None:
     """Run each workflow of a round in the sandbox and write `scores` (idempotent)."""
-    _stage("score", config, run_id, round, sets, store, only_failed, shards)
+    _stage("score", config, run_id, round, sets, store, only_failed, shards, wait)
 
 
 @app.command()
-def curate(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None) -> None:
+def curate(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
+           wait: WaitOpt = False) -> None:
     """Build group-wise training data (screening, sharpening, advantages) into `groups`."""
-    _stage("curate", config, run_id, round, sets)
+    _stage("curate", config, run_id, round, sets, wait=wait)
 
 
 @app.command()
-def train(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None) -> None:
+def train(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
+          wait: WaitOpt = False) -> None:
     """LoRA GRPO with advantage-masked KL on the round's groups; writes the round's checkpoint."""
-    _stage("train", config, run_id, round, sets)
+    _stage("train", config, run_id, round, sets, wait=wait)
 
 
 @app.command()
@@ -358,21 +366,21 @@ def run_cmd(
     run_id: RunIdOpt = None,
     rounds: Annotated[int | None, typer.Option("--rounds", help="Rounds (default: the config's).")] = None,
     retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
-    sets: SetOpt = None, shards: ShardsOpt = 1,
+    sets: SetOpt = None, shards: ShardsOpt = 1, wait: WaitOpt = False,
 ) -> None:
     """All rounds without a Prefect server (same skip/resume/retry rules as the iterate flow); --shards N scores
     each round as N child processes at once."""
     from pipeline.engines.servers import ServeError
     from pipeline.stages.rounds import direct_call, run_rounds
     from pipeline.stages.runner import RetryPolicy, StageError
-    from pipeline.store import Store
+    from pipeline.store import LeaseHeld, Store
     from pipeline.studies.report import build_report
     from pipeline.studies.tracking import TRACKERS
 
     try:
-        summary = run_rounds(config, rounds, run_id, direct_call(RetryPolicy(retries)), sets=sets or [], shards=shards,
-                             observer=TRACKERS)
-    except (ConfigError, StageError, ServeError) as e:
+        summary = run_rounds(config, rounds, run_id, direct_call(RetryPolicy(retries), wait=wait), sets=sets or [],
+                             shards=shards, observer=TRACKERS, wait=wait)
+    except (ConfigError, StageError, ServeError, LeaseHeld) as e:
         _fail(str(e))
     for r in summary["rounds"]:
         mean = "n/a" if r["mean_score"] is None else f"{r['mean_score']:.3f}"
@@ -404,6 +412,7 @@ def experiment(
 
     from pipeline.stages.rounds import direct_call
     from pipeline.stages.runner import RetryPolicy, StageError
+    from pipeline.store import LeaseHeld
     from pipeline.studies.experiment import plan, run_experiment, status, status_table, time_left
 
     if show_status:
@@ -427,7 +436,7 @@ def experiment(
     try:
         summary = run_experiment(config, direct_call(RetryPolicy(retries)), seeds, run_id, sets or [], command,
                                  only_seeds=only_seed, only_references=only_references)
-    except (ConfigError, StageError, ValueError) as e:
+    except (ConfigError, StageError, ValueError, LeaseHeld) as e:
         _fail(str(e))
     _echo_experiment(summary)
     typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")

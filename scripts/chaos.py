@@ -1,7 +1,7 @@
 """Chaos suite (issue 14): seeded faults against the public CLI, then resume and check the store.
 
     python scripts/chaos.py --out OUT [--seed 0] [--trials 2] [--stages rollout,score,curate,train,evaluate]
-                            [--soak 1000] [--vllm]
+                            [--soak 1000] [--vllm] [--prefect N] [--two-writers N]
 
 Kill trials: `pipeline run` (or `pipeline evaluate`) is started in its own session and, at a seeded random
 moment while the chosen stage is running, its whole process group gets SIGKILL. The same command is then run
@@ -15,6 +15,11 @@ work; rollout and evaluate trials sample with the embedded model.
 Soak: an OpenAI-compatible executor on 127.0.0.1 that answers 429, 500/503, a timeout or garbage on 30% of
 calls (seeded) scores N workflow runs; `pipeline score --only-failed` is repeated until the score manifest is
 written; then every row must be final, none duplicated.
+
+Two writers (issue 41): the same stage command (`pipeline score`, `pipeline train`) started twice, a seeded
+0-2 s apart, on one store: exactly one must run and the other be refused at once (exit 2) naming the first's pid
+and `--wait`; the store then holds one set of rows and manifests that match them. And the holder killed with
+`kill -9` inside the stage: the same command started right after must proceed (no stale lease) and complete.
 
 Figures (trials, where each kill landed, faults injected, failures) go to OUT/chaos.json; docs/reliability.md
 records them. Exit status 1 if any check failed.
@@ -291,6 +296,75 @@ def orphans(marks: list[str], rec: dict, after_resume: bool = False) -> list[str
     return [f"orphan processes: {sorted({_cmd(p)[:120] for p in left})}"] if left else []
 
 
+# ---- two writers: the same stage twice at once, and after kill -9 of the holder ---------------------------------
+def holder_pid(root: Path, run_id: str, stage: str) -> int | None:
+    """The pid in the stage's lease record (pipeline/store/lease.py), once a process has taken the lease."""
+    try:
+        return json.loads((root / run_id / "_leases" / f"round-0.{stage}.holder.json").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def two_writers_trial(out: Path, stage: str, i: int, rng: random.Random, kill: bool) -> dict:
+    """`pipeline STAGE` twice on one round: started a seeded 0-2 s apart (kill=False), or the second right after
+    `kill -9` of the first inside the stage (kill=True)."""
+    trial = out / f"two-writers-{'kill-' if kill else ''}{stage}-{i}"
+    trial.mkdir(parents=True)
+    cfg = write_config(trial, 4, benchmark={"size": 20}, scoring={"batch_size": 1, "concurrency": 1, "reps": 2})
+    scripted_rollout(cfg, "chaos", SCRIPTED)
+    root, log, store = trial / "runs", trial / "log.txt", Store(trial / "runs")
+    for before in STAGES[1:STAGES.index(stage)]:  # train: its round scored and curated first
+        if run_to_end([before, str(cfg), "--run-id", "chaos", "--round", "0"], trial, log) != 0:
+            return {"stage": f"two-writers:{stage}", "trial": i, "failures": [f"{before} failed (see {log})"]}
+    cmd = [PIPELINE, stage, str(cfg), "--run-id", "chaos", "--round", "0"]
+    delay = 0.0 if kill else rng.uniform(0, 2)
+    rec = {"stage": f"two-writers{'-kill' if kill else ''}:{stage}", "trial": i, "delay_s": round(delay, 2),
+           "failures": []}
+    first = subprocess.Popen(cmd, cwd=trial, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    if kill:  # inside the stage: the first has taken the lease
+        t0 = time.time()
+        while holder_pid(root, "chaos", stage) != first.pid and first.poll() is None and time.time() - t0 < 300:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0, STAGE_S[stage] / 3))
+        rec["killed_inside"] = store.manifest("chaos", 0, stage) is None
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    else:
+        time.sleep(delay)
+    t0 = time.time()
+    second = subprocess.Popen(cmd, cwd=trial, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    _, err2 = second.communicate(timeout=1200)
+    rec["second_s"] = round(time.time() - t0, 2)
+    err1 = "" if kill else first.communicate(timeout=1200)[1]
+    with open(log, "a") as f:
+        f.write(err1 + err2)
+    rec["rc"] = [None if kill else first.returncode, second.returncode]
+    if kill and second.returncode != 0:
+        rec["failures"].append(f"after kill -9 of the holder the next command exited {second.returncode}: "
+                               f"{err2[-400:]}")
+    if not kill:
+        # (exit status, its stderr, the other's pid): the refused one must name the other as the holder
+        both = [(first.returncode, err1, second.pid), (second.returncode, err2, first.pid)]
+        refused = [(" ".join(err.split()), other) for rc, err, other in both if rc == 2]
+        rec["refused"] = len(refused)
+        if sorted(rc for rc, _, _ in both) != [0, 2]:
+            rec["failures"].append(f"expected one run and one refusal, got exit statuses {rec['rc']}")
+        for text, other in refused:
+            if f"is being written by another process: pid {other} " not in text or "--wait" not in text:
+                rec["failures"].append(f"the refusal does not name the holder (pid {other}) and --wait: {text[-400:]}")
+    rec["failures"] += check_manifests(store, "chaos")
+    k = keys(store, "chaos")
+    rec["rows"] = {t: len(v) for t, v in k.items()}
+    rec["failures"] += [f"{t}: {len(v) - len(set(v))} duplicated rows" for t, v in k.items() if len(v) != len(set(v))]
+    if stage == "score" and {a for _, _, a in k["scores"]} != {0}:
+        rec["failures"].append("a workflow run was repeated (attempt > 0): the executor did work twice")
+    if store.manifest("chaos", 0, stage) is None:
+        rec["failures"].append(f"no {stage} manifest after both commands")
+    return rec
+
+
 # ---- Prefect: kill -9 of the serve process (with its flow run) or of the server ----------------------------
 class Prefect:
     """A private Prefect server (own PREFECT_HOME, free port) and `python -m flows.serve`."""
@@ -492,6 +566,8 @@ def main() -> int:
     ap.add_argument("--soak", type=int, default=1000, help="Workflow runs in the executor soak (0: none).")
     ap.add_argument("--vllm", action="store_true", help="Also load one resumed checkpoint in vLLM (slow).")
     ap.add_argument("--prefect", type=int, default=0, help="Trials per victim (serve, server) through Prefect.")
+    ap.add_argument("--two-writers", type=int, default=0, help="Two-writer trials per stage (score, train): at once, "
+                                                               "and after kill -9 of the holder.")
     a = ap.parse_args()
     if a.out.exists() and any(a.out.iterdir()):
         ap.error(f"--out {a.out} is not empty: give a fresh directory (trial stores are created there)")
@@ -509,6 +585,12 @@ def main() -> int:
             report["trials"].append(rec := kill_trial(a.out, stage, i, rng, finished))
             print(json.dumps(rec), flush=True)
             save(a.out, report)  # a crash of the suite keeps the figures so far
+    for stage in ("score", "train") if a.two_writers else ():
+        for i in range(a.two_writers):
+            for kill in (False, True):
+                report["trials"].append(rec := two_writers_trial(a.out, stage, i, rng, kill))
+                print(json.dumps(rec), flush=True)
+                save(a.out, report)
     if a.prefect:
         report["trials"] += prefect_trials(a.out, a.prefect, rng)
     if a.vllm and (ck := next(iter(sorted(a.out.glob("train-*/runs/chaos/round=0/checkpoint"))), None)):

@@ -367,3 +367,74 @@ def test_rounds_run_on_an_s3_store_with_the_endpoint_from_the_config(bucket, s3_
     assert json.loads((Path(path) / "adapter_config.json").read_text())["tag"].startswith("round1-")
     assert str(build_report(st, "s3run")) == f"s3://{bucket}/runs/s3run/report.html"
     assert "<h1>Run s3run</h1>" in (st.run_dir("s3run") / "report.html").read_text()
+
+
+# ---- one writer per stage on an s3:// store (issue 41) -----------------------------------------------------------
+
+HOLD_S3_LEASE = """
+import sys
+from pipeline.store import Store
+with Store(sys.argv[1]).lease("r", "round-0.score", "r 0 score"):
+    print("held", flush=True)
+    sys.stdin.read()  # until killed
+"""
+
+
+def test_s3_lease_is_a_conditional_put_refused_to_a_second_holder_and_deleted_on_release(bucket):
+    from pipeline.store import LeaseHeld
+
+    st = Store(f"s3://{bucket}/pre")
+    with st.lease("r", "round-0.score", "run 'r' round 0 score") as held:
+        assert _keys(bucket) == ["pre/r/_leases/round-0.score.json"]
+        with pytest.raises(LeaseHeld, match=rf"run 'r' round 0 score is being written by another process: pid "
+                                            rf"{os.getpid()} on host .* \(lease s3://{bucket}/pre/r/_leases/"), \
+                Store(f"s3://{bucket}/pre").lease("r", "round-0.score", "run 'r' round 0 score"):
+            pass
+        with st.lease("r", "round-1.score", "another round"):  # other names are free
+            pass
+        assert held.etag
+    assert _keys(bucket) == [], "released: the lease object is gone"
+    with st.lease("r", "round-0.score", "again"):
+        pass
+
+
+def test_s3_lease_of_a_killed_holder_is_renewed_while_it_lives_and_taken_over_once_it_expires(bucket, monkeypatch,
+                                                                                               tmp_path):
+    """A holder process (ttl 3 s, heartbeat every 1 s) is refused to run_stage while it lives; after its kill -9 the
+    lease is no longer renewed, and run_stage with wait=True takes it over once it expired and runs the stage once."""
+    import subprocess
+    import sys
+
+    import boto3
+    from conftest import wait_until
+
+    from pipeline.run import open_run
+    from pipeline.stages.runner import StageError, run_stage
+
+    monkeypatch.setenv("PIPELINE_LEASE_TTL_S", "3")
+    root = f"s3://{bucket}/pre"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_id: r\nrounds: 1\nstore:\n  root: {root}\nscoring:\n  reps: 1\n")
+    open_run(cfg, "r")
+    Fakes().install(monkeypatch).rollout(open_run(None, "r", 0, store_root=root))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_S3_LEASE, root], stdout=subprocess.PIPE,
+                              stdin=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        s3, key = boto3.client("s3"), "pre/r/_leases/round-0.score.json"
+        first = s3.head_object(Bucket=bucket, Key=key)["ETag"]
+        with pytest.raises(StageError, match=f"round 0 score: run 'r' round 0 score is being written by another "
+                                             f"process: pid {holder.pid}") as e:
+            run_stage("score", "r", 0, root)
+        assert not e.value.transient and Store(root).read("scores", "r", 0).height == 0
+        wait_until(lambda: s3.head_object(Bucket=bucket, Key=key)["ETag"] != first, 60, "no heartbeat renewed it")
+    finally:
+        holder.kill()
+        holder.wait()
+    res = run_stage("score", "r", 0, root, wait=True)  # waits out the ttl, then takes the lease over
+    assert not res.skipped and res.counts == {"scored": 8}
+    assert Store(root).read("scores", "r", 0).height == 8 and Store(root).manifest("r", 0, "score")
+    assert not [k for k in _keys(bucket) if "/_leases/" in k], "released after the stage"
+
+
+REPO = Path(__file__).resolve().parents[1]

@@ -50,10 +50,11 @@ def fan_out(call: StageCall, kws: list[dict]) -> list[dict]:
 
 
 def call_stage(call: StageCall, stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None,
-               only_failed: bool = False, shards: int = 1) -> dict:
+               only_failed: bool = False, shards: int = 1, wait: bool = False) -> dict:
     """One stage of a round through `call`. A shardable stage with `shards` > 1 is `shards` calls, one per shard
     (each skips or resumes by its own manifest), then the stage manifest once all are complete; the result is
-    run_stage's for the whole stage (wall time from the first shard to the manifest), with the shards' results."""
+    run_stage's for the whole stage (wall time from the first shard to the manifest), with the shards' results.
+    `wait`: the manifest's writer waits for another holder of the stage's lease (the calls wait as `call` says)."""
     kw = {"stage": stage, "run_id": run_id, "round": round, "store_root": store_root, "sets": sets}
     kw |= {"only_failed": True} if only_failed else {}
     if shards < 1:
@@ -64,7 +65,7 @@ def call_stage(call: StageCall, stage: str, run_id: str, round: int, store_root:
         return call(**kw)  # a finished stage is one skip, not one per shard
     t0 = time.perf_counter()
     parts = fan_out(call, [{**kw, "shard": (i, shards)} for i in range(shards)])
-    res = finish_shards(stage, run_id, round, store_root, shards, sets, only_failed)
+    res = finish_shards(stage, run_id, round, store_root, shards, sets, only_failed, wait)
     res = dataclasses.replace(res, wall_s=round_s(time.perf_counter() - t0), shards=tuple(parts))
     record_timing(store_root, run_id, res)
     log.info("%s round %d %s: %d shards in %.1fs %s", run_id, round, stage, shards, res.wall_s, res.counts)
@@ -79,15 +80,16 @@ def resolve_config(config: str | Path) -> Path:
     return REPO / p if (REPO / p).is_file() else p
 
 
-def direct_call(policy: RetryPolicy | None = None, isolate: bool | None = None) -> Caller:
+def direct_call(policy: RetryPolicy | None = None, isolate: bool | None = None, wait: bool = False) -> Caller:
     """A stage caller without Prefect: the runner, retried by `policy`, with the stage's wall time recorded. Shards
     run at once in threads, each in its own child process; with isolate=False (all in this process) one after
-    another, as the sandbox and the executor client of this process are not shared between threads."""
+    another, as the sandbox and the executor client of this process are not shared between threads. `wait`: a
+    stage another process is running is waited for (run_stage), not refused."""
     policy = policy or RetryPolicy()
 
     def call(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None,
              only_failed: bool = False, shard: tuple[int, int] | None = None) -> dict:
-        res = policy.call(run_stage, stage, run_id, round, store_root, sets, only_failed, isolate, shard)
+        res = policy.call(run_stage, stage, run_id, round, store_root, sets, only_failed, isolate, shard, wait)
         record_timing(store_root, run_id, res)
         log.info("%s round %d %s%s %s %s", run_id, round, stage, f" shard {res.shard}" if res.shard else "",
                  "skipped" if res.skipped else f"{res.wall_s:.1f}s", res.counts)
@@ -113,7 +115,7 @@ class RoundObserver(Protocol):
 
 def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call: StageCall,
                after_round: Callable[[str, str, int], None] | None = None, sets: list[str] | None = None,
-               shards: int = 1, observer: RoundObserver | None = None) -> dict:
+               shards: int = 1, observer: RoundObserver | None = None, wait: bool = False) -> dict:
     """Open (freeze) the run once, then call each stage of each round in order; returns a summary.
 
     `sets` are per-invocation overrides (`key=value`, as `--set`) given to every stage; the first call
@@ -121,6 +123,9 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     `shards`: the score stage as that many shards (`call_stage`); not part of the config, as the store's result
     is the same for any count. `observer` (e.g. the experiment trackers, pipeline.studies.tracking.TRACKERS) checks the
     run's config before any work and hears of each finished round.
+    One loop per run: the run's lease (`<run>/_leases/run`) is held throughout, so a second `pipeline run`, iterate
+    flow run or experiment seed on the same run id fails at once naming the first (`LeaseHeld`), or with `wait`
+    waits for it, then skips what it finished; stage commands on the run take only their stage's lease.
     A round whose checkpoint was lost after its train stage finished (a store cloned from git without its weights)
     trains again; the later rounds made from the lost weights are first moved aside (`set_aside_stale_rounds`).
     """
@@ -130,17 +135,18 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     rounds = rounds or ctx.cfg.rounds
     if observer is not None:
         observer.check(ctx.cfg)  # e.g. a missing tracker package fails before any work
-    set_aside_stale_rounds(ctx.store, run_id, rounds)
     walls: dict[int, dict[str, float]] = {}
-    with shared_executor(ctx, rounds, sets):
-        for k in range(rounds):
-            for stage in ROUND_STAGES:
-                res = call_stage(call, stage, run_id, k, store_root, sets, shards=shards)
-                walls.setdefault(k, {})[stage] = res.wall_s
-            if after_round is not None:
-                after_round(run_id, store_root, k)
-            if observer is not None:
-                observer.round_done(ctx.store, run_id, ctx.cfg)
+    with ctx.store.lease(run_id, "run", f"run {run_id!r} (its rounds)", wait=wait):
+        set_aside_stale_rounds(ctx.store, run_id, rounds)  # under the lease: no other loop is using those rounds
+        with shared_executor(ctx, rounds, sets):
+            for k in range(rounds):
+                for stage in ROUND_STAGES:
+                    res = call_stage(call, stage, run_id, k, store_root, sets, shards=shards, wait=wait)
+                    walls.setdefault(k, {})[stage] = res.wall_s
+                if after_round is not None:
+                    after_round(run_id, store_root, k)
+                if observer is not None:
+                    observer.round_done(ctx.store, run_id, ctx.cfg)
     stats = round_stats(Store(store_root), run_id)
     per_round = [
         {"round": r["round"], "mean_score": r["mean_score"], "best_score": r["best_score"],

@@ -8,6 +8,9 @@
   stages, and the child dies with its parent (no orphan keeps writing to the store after the run is killed);
 - shards: a shardable stage (score) can run as N calls, `shard=(i, n)`, each on its own queries, skipped and
   resumed by its own manifest; `finish_shards` writes the stage manifest once all N are complete;
+- one writer: a lease per (run, round, stage[, shard]) is held from before any work until after the manifest
+  (`stage_lease`, pipeline/store/lease.py); a second call of the same stage is refused naming the holder, or with
+  `wait` blocks until it is gone, then skips what it finished; a shard takes its own lease and shares the stage's;
 - failures: `StageError.transient` says whether a retry can help (a lost endpoint or network, a killed child,
   a stage that returned with work left) or not (a bad config, a bug); `RetryPolicy` retries the former, the
   same way on the Prefect path (task retries) and the `pipeline run` path (tenacity).
@@ -37,7 +40,7 @@ from typing import Any
 from pipeline.engines.servers import server_log_dir, serving
 from pipeline.run import RunContext, open_run
 from pipeline.stages import Shard, Stage, get_stage, served_sections
-from pipeline.store import Store
+from pipeline.store import LeaseHeld, LeaseLost, Store
 
 log = logging.getLogger("pipeline.stages")
 REPO = Path(__file__).resolve().parents[2]
@@ -179,7 +182,7 @@ def _result_files(result: Path) -> list[Path]:
 
 
 def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[str], only_failed: bool,
-               shard: Shard | None = None) -> dict:
+               shard: Shard | None = None, lease_fds: tuple[int, ...] = ()) -> dict:
     name = _name(stage, shard)
     with tempfile.TemporaryDirectory(prefix="stage-") as tmp:
         result = Path(tmp) / "result.json"
@@ -191,7 +194,10 @@ def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[
             cmd += ["--set", s]
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        proc = subprocess.run(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        # the child shares the stage's lease file (pass_fds): the kernel frees the lease only when this process and
+        # the child are both gone, so a child still dying after its parent's kill -9 is never beside a new writer
+        proc = subprocess.run(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                              pass_fds=lease_fds)
         bodies = [json.loads(f.read_text()) for f in _result_files(result) if f.is_file()]
         if bodies and "counts" in bodies[0]:  # rank 0 finished (after every rank met at the end)
             return bodies[0]["counts"]
@@ -211,13 +217,15 @@ def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[
 
 def run_stage(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None,
               only_failed: bool = False, isolate: bool | None = None,
-              shard: Shard | tuple[int, int] | None = None) -> StageResult:
+              shard: Shard | tuple[int, int] | None = None, wait: bool = False) -> StageResult:
     """Run (or skip) one stage of a round.
 
     The run must exist (its frozen config in the store); `sets` are this invocation's overrides. `only_failed`
     (score) re-runs transiently failed rows even when the manifest exists; `isolate` defaults to the stage's own
     process for model-loading stages. `shard=(i, n)` (shardable stages) does shard i's part only, skipped by its own
-    manifest; `finish_shards` completes the stage. Failures raise `StageError`.
+    manifest; `finish_shards` completes the stage. Another process running the same stage (or shard): a permanent
+    `StageError` naming it, before any work; with `wait`, this call blocks until it is gone. Failures raise
+    `StageError`.
     """
     st = get_stage(stage)
     sets = list(sets or [])
@@ -225,30 +233,66 @@ def run_stage(stage: str, run_id: str, round: int, store_root: str, sets: list[s
     options = _options(st, only_failed, sh)
     t0 = time.perf_counter()
     ctx = _open(stage, run_id, round, sets, store_root)
-    if not only_failed and (st.done(ctx) or (sh is not None and st.done(ctx, sh))):
-        which = stage if st.done(ctx) else sh.manifest(stage)
-        return _result(stage, round, sh, True, 0.0, ctx.store.manifest(run_id, round, which)["counts"])
-    if st.isolated if isolate is None else isolate:
-        counts = _run_child(stage, run_id, round, str(ctx.store.root), sets, only_failed, sh)
-    else:
-        counts = execute(ctx, st, **options)
+    if (skip := _skip(ctx, st, sh, only_failed)) is not None:  # a finished stage is only read: no lease
+        return skip
+    with stage_lease(ctx, st, sh, wait) as lease:
+        if (skip := _skip(ctx, st, sh, only_failed)) is not None:  # finished by the holder this call waited for
+            return skip
+        if st.isolated if isolate is None else isolate:
+            counts = _run_child(stage, run_id, round, str(ctx.store.root), sets, only_failed, sh, lease.fds)
+        else:
+            counts = execute(ctx, st, **options)
     return _result(stage, round, sh, False, time.perf_counter() - t0, counts)
 
 
+def _skip(ctx: RunContext, st: Stage, sh: Shard | None, only_failed: bool) -> StageResult | None:
+    """The skipped result of a stage (or shard) whose manifest is complete; None: it has work to do."""
+    if only_failed or not (st.done(ctx) or (sh is not None and st.done(ctx, sh))):
+        return None
+    which = st.name if st.done(ctx) else sh.manifest(st.name)
+    return _result(st.name, ctx.round, sh, True, 0.0, ctx.store.manifest(ctx.run_id, ctx.round, which)["counts"])
+
+
+@contextlib.contextmanager
+def stage_lease(ctx: RunContext, st: Stage, shard: Shard | None, wait: bool):
+    """Hold the lease of one stage call of a round (pipeline/store/lease.py), from before its work until after its
+    manifest; yields the lease whose `fds` a child process must keep open.
+
+    A shard holds its own lease and, on a local store, the stage's shared, so shards run at once but none beside a
+    whole-stage call of the same stage (which writes the same rows); an s3:// store has no shared lease, so there a
+    whole-stage call and a sharded one of the same round are not kept apart (shards from each other are).
+    Held elsewhere: a permanent StageError naming the holder (a retry cannot help while it runs; `wait` waits)."""
+    name, what = f"round-{ctx.round}.{st.name}", f"run {ctx.run_id!r} round {ctx.round} {_name(st.name, shard)}"
+    try:
+        with contextlib.ExitStack() as held:
+            if shard is not None and not ctx.store.remote:
+                held.enter_context(ctx.store.lease(ctx.run_id, name, what, shared=True, wait=wait))
+            own = name if shard is None else f"round-{ctx.round}.{shard.manifest(st.name)}"
+            lease = held.enter_context(ctx.store.lease(ctx.run_id, own, what, wait=wait))
+            yield lease
+            lease.check()  # an S3 lease taken over mid-stage: say so rather than report a clean success
+    except (LeaseHeld, LeaseLost) as e:
+        raise StageError(_name(st.name, shard), ctx.round, str(e), transient=False) from e
+
+
 def finish_shards(stage: str, run_id: str, round: int, store_root: str, shards: int, sets: list[str] | None = None,
-                  only_failed: bool = False) -> StageResult:
+                  only_failed: bool = False, wait: bool = False) -> StageResult:
     """Write a sharded stage's manifest once all `shards` shards have theirs (the stage's merge function, here: it
-    only reads the store); a missing shard is work left (transient: re-running resumes it)."""
+    only reads the store, under the stage's lease); a missing shard is work left (transient: re-running resumes
+    it)."""
     st = get_stage(stage)
     t0 = time.perf_counter()
     ctx = _open(stage, run_id, round, list(sets or []), store_root)
-    if st.done(ctx) and not only_failed:
-        return _result(stage, round, None, True, 0.0, ctx.store.manifest(run_id, round, stage)["counts"])
+    if (skip := _skip(ctx, st, None, only_failed)) is not None:
+        return skip
     missing = [str(sh) for i in range(shards) if not st.done(ctx, sh := Shard(i, shards))]
     if missing:
         raise StageError(stage, round, f"work left, no manifest written: shard(s) {', '.join(missing)} not complete; "
                                        "re-running resumes them", transient=True)
-    counts = execute(ctx, st, merge=True, **_options(st, only_failed))
+    with stage_lease(ctx, st, None, wait):
+        if (skip := _skip(ctx, st, None, only_failed)) is not None:
+            return skip
+        counts = execute(ctx, st, merge=True, **_options(st, only_failed))
     return _result(stage, round, None, False, time.perf_counter() - t0, counts)
 
 

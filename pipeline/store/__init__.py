@@ -1,6 +1,8 @@
 """The store: immutable Parquet parts per (run, round, table), stage manifests, checkpoints, and the DuckDB
-catalog of views. `store.py` reads and writes, `schema.py` declares the tables, `views.py` holds every SQL view."""
+catalog of views. `store.py` reads and writes, `lease.py` keeps one writer per stage, `schema.py` declares the
+tables, `views.py` holds every SQL view."""
 
+from pipeline.store.lease import Holder, LeaseHeld, LeaseLost, noting
 from pipeline.store.store import (
     ADAPTER_FILES,
     CATALOG,
@@ -36,6 +38,10 @@ __all__ = [
     "store_for",
     "load_httpfs",
     "Store",
+    "Holder",
+    "LeaseHeld",
+    "LeaseLost",
+    "noting",
     "GENERATION_SCORES_SQL",
     "QUERY_USAGE_SQL",
     "round_stats",

@@ -6,6 +6,7 @@ Layout (docs/design.md, The store):
     <root>/<run_id>/round=<k>/_done/<stage>.json              stage manifests
     <root>/<run_id>/round=<k>/checkpoint/                     the round's LoRA adapter
     <root>/<run_id>/stale/<stamp>/                            rounds and derived runs set aside (Store.set_aside)
+    <root>/<run_id>/_leases/                                  one writer per stage and round (Store.lease, lease.py)
     <root>/catalog.duckdb                                     views only, rebuilt atomically
     <root>/cache/{executor,grader}/*.jsonl                    replies and verdicts computed once (engines.cache)
 
@@ -48,6 +49,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.store.lease import LEASES, FileLease, Lease, S3Lease
 from pipeline.store.schema import TABLES, schema
 from pipeline.store.views import CACHE_VIEWS, VIEWS
 
@@ -170,6 +172,14 @@ def _s3_credentials() -> tuple[str | None, str | None, str | None]:
         return None, None, None
     frozen = creds.get_frozen_credentials()
     return frozen.access_key, frozen.secret_key, frozen.token
+
+
+def _s3_client():
+    """A botocore S3 client on the store's server (for what s3fs does not offer: conditional writes)."""
+    import botocore.session
+
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return botocore.session.get_session().create_client("s3", endpoint_url=_s3_endpoint(), region_name=region)
 
 
 def _sql_str(v: str) -> str:
@@ -529,6 +539,26 @@ class Store:
         os.replace(tmp, final)
         Path(str(tmp) + ".wal").unlink(missing_ok=True)
         return final
+
+    # ---- leases -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lease(self, run_id: str, name: str, what: str, shared: bool = False, wait: bool = False) -> Iterator[Lease]:
+        """Hold the lease `<run_id>/_leases/<name>` for the block (pipeline/store/lease.py): an OS file lock here, a
+        lease object with a heartbeat on S3. Another holder: `LeaseHeld` naming it, or with `wait` block until it is
+        gone. `what` names what the lease guards in messages. `shared` (local stores only): several shared holders
+        at once, none beside an exclusive one."""
+        path = self.run_dir(run_id) / LEASES / name
+        if self.remote:
+            if shared:
+                raise StoreError(f"{what}: an s3:// store has no shared lease")
+            bucket, _, key = self.url(path).partition("/")
+            held: Lease = S3Lease(_s3_client(), bucket, f"{key}.json", what).acquire(wait)
+        else:
+            held = FileLease(path.parent / f"{name}.lock", what, shared).acquire(wait)
+        try:
+            yield held
+        finally:
+            held.release()
 
     # ---- manifests and configs ----------------------------------------------------------------
     def _manifest_path(self, run_id: str, round: int, stage: str) -> Path:
