@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.stages.train.batch import Batch
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
 
 
 def _cache_types():
@@ -42,12 +46,12 @@ def _cache_types():
     return Cache, RecordingLayer, PrefixLayer
 
 
-def _recording_cache():
+def _recording_cache() -> Cache:
     cache_cls, recording, _ = _cache_types()
     return cache_cls(layer_class_to_replicate=recording)
 
 
-def _prefix_cache(rec, rows: torch.Tensor):
+def _prefix_cache(rec: Cache, rows: torch.Tensor) -> Cache:
     """`rec`'s keys/values with batch rows `rows` (each sequence's prompt): index_select copies them, and its
     backward sums the completions' gradients into their prompt's."""
     cache_cls, _, prefix = _cache_types()
@@ -71,7 +75,7 @@ def cache_under_checkpointing(decoder: torch.nn.Module) -> Iterator[None]:
             del m._can_checkpoint_with_cache
 
 
-def prompt_states(decoder: torch.nn.Module, batch: Batch):
+def prompt_states(decoder: torch.nn.Module, batch: Batch) -> Cache | None:
     """The prompts' per-layer keys and values (with their autograd history: gradients flow back into the prompt
     pass), expanded to one row per sequence as a read-only cache; None when no prompt has more than one token."""
     if batch.prompt_ids.shape[1] == 0:

@@ -126,7 +126,8 @@ def train_pass(setup: TrainSetup, pass_: Pass, step_rows: list[int], real: bool,
         sums.add_mismatch([seqs[i] for i in pass_.uniq], ref.old)
 
 
-def _lr_scheduler(optimizer: torch.optim.Optimizer, train_cfg: TrainingConfig, total_steps: int):
+def _lr_scheduler(optimizer: torch.optim.Optimizer, train_cfg: TrainingConfig,
+                  total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
     from transformers import get_scheduler
 
     name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[train_cfg.lr_schedule]
