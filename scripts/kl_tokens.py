@@ -17,7 +17,9 @@ from peft import PeftModel
 from pipeline.core.grpo import k3
 from pipeline.engines.models import load_causal_lm, load_tokenizer
 from pipeline.run import open_run
-from pipeline.stages.train import collate, completion_logprobs, load_sequences
+from pipeline.stages.train.batch import collate
+from pipeline.stages.train.data import load_sequences
+from pipeline.stages.train.logprobs import completion_logprobs
 
 
 def main() -> None:

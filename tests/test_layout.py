@@ -55,7 +55,7 @@ def test_no_import_cycle_counting_imports_inside_functions():
     graph = _graph()
     # the graph is real: a top-level, a function-level and a relative import are all seen
     assert "flows.iterate" in graph["flows.serve"] and "pipeline.store" in graph["pipeline.run"]
-    assert "pipeline.stages.parallel" in graph["pipeline.stages.train"]
+    assert "pipeline.stages.parallel" in graph["pipeline.stages.train.stage"]
     assert "pipeline.engines.generation.base" in graph["pipeline.engines.generation.hf"]
     cycles, state = [], {}
 

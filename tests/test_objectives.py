@@ -177,7 +177,9 @@ def _logps(ctx, adapter) -> dict[str, float]:
     from peft import PeftModel
 
     from pipeline.engines.models import load_causal_lm
-    from pipeline.stages.train import TrainSequence, collate, completion_logprobs
+    from pipeline.stages.train.batch import collate
+    from pipeline.stages.train.data import TrainSequence
+    from pipeline.stages.train.logprobs import completion_logprobs
 
     gens = ctx.store.read("generations", ctx.run_id, ctx.round).sort("gen_id")
     model = load_causal_lm(ctx.cfg.generator.model, dtype="float32", device="cpu")
@@ -199,7 +201,7 @@ def test_each_objective_trains_a_checkpoint_the_next_round_loads(tmp_path, tiny_
     from test_curate import _ctx
 
     from pipeline.stages.runner import run_stage
-    from pipeline.stages.train import load_policy, start_adapter
+    from pipeline.stages.train.policy import load_policy, start_adapter
     from pipeline.store import adapter_complete
 
     sets = [f"generator.model={tiny_model}", f"training.objective={objective}", "training.lr=1e-2", "training.epochs=3",

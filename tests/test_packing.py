@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pipeline.core.packing import RowShape, logprob_chunks, pack, pass_slots, plan_steps, step_units
+from pipeline.core.packing import RowShape, logprob_passes, pack, pass_slots, plan_steps, step_units
 
 
 def _rows(spec):
@@ -67,7 +67,7 @@ def test_row_order_is_a_shuffle_in_steps_of_step_rows():
 
 def test_logprob_chunks_lay_out_the_first_step_as_training_does():
     first = pack(step_units([2, 3], SHAPES), SHAPES, budget=100)  # the first step trains a1 (row 2) and a3
-    chunks = logprob_chunks(first, SHAPES, budget=100)
+    chunks = logprob_passes(first, SHAPES, budget=100)
     assert chunks[0] is first[0]  # as training runs it: π_old equals π_θ at step 1
     # then one row per other sequence (a2 at 1, b1 at 4, b2 at 5; row 0 is a1 again), packed by prompt
     assert sorted(r for c in chunks[1:] for r in c.uniq) == [1, 4, 5]

@@ -9,16 +9,12 @@ import torch
 
 from pipeline.core.objectives import get_objective
 from pipeline.core.packing import pack, step_units
-from pipeline.stages.train import (
-    TrainSequence,
-    chunk_loss_input,
-    collate,
-    collate_packed,
-    completion_logprobs,
-    frozen_linears_bf16,
-    pass_batch,
-    row_shapes,
-)
+from pipeline.stages.train.batch import collate, collate_packed, pass_batch
+from pipeline.stages.train.data import TrainSequence
+from pipeline.stages.train.logprobs import completion_logprobs
+from pipeline.stages.train.loss import pass_loss_input
+from pipeline.stages.train.plan import row_shapes
+from pipeline.stages.train.policy import frozen_linears_bf16
 
 torch.set_num_threads(2)
 ROUNDING_FACTOR = 4  # how far two fp32 orderings of the same sums may differ in error (the test's docstring)
@@ -237,7 +233,7 @@ def test_a_sequence_in_two_groups_carries_both_loss_terms_by_hand():
     batch = collate([seqs[i] for i in chunk.uniq], pad_id=0)
     logp = torch.tensor([[-1.0, -2.0, -0.5, -0.1], [-0.3, -0.7, 0.0, 0.0]], requires_grad=True)
     old = {"y": logp[0].detach(), "x": logp[1, :2].detach()}
-    terms = get_objective("iogrpo_mkl").fn(chunk_loss_input(seqs, chunk, logp, batch, _Tc, old, None, None, "cpu"),
+    terms = get_objective("iogrpo_mkl").fn(pass_loss_input(seqs, chunk, logp, batch, _Tc, old, None, None, "cpu"),
                                            _Tc)
     assert float(terms.loss) == pytest.approx(-1 / 3, abs=1e-7)
     terms.loss.backward()
@@ -268,8 +264,8 @@ def test_one_pass_per_sequence_equals_one_row_each_on_a_real_batch(lora_smol):
             chunk.uniq, chunk.take = list(chunk.rows), list(range(6))
         model.zero_grad()
         batch = collate([seqs[i] for i in chunk.uniq], pad_id=0)
-        terms = obj.fn(chunk_loss_input(seqs, chunk, completion_logprobs(model, batch), batch, _Tc, old, ref, None,
-                                        "cpu"), _Tc)
+        terms = obj.fn(pass_loss_input(seqs, chunk, completion_logprobs(model, batch), batch, _Tc, old, ref, None,
+                                       "cpu"), _Tc)
         terms.loss.backward()
         results.append((len(chunk.uniq), float(terms.loss), float(terms.clip_frac), _grads(model)))
     (n1, l1, c1, g1), (n2, l2, c2, g2) = results

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.stages.train import TrainSequence, collate, completion_logprobs
+from pipeline.stages.train.batch import collate
+from pipeline.stages.train.data import TrainSequence
+from pipeline.stages.train.logprobs import completion_logprobs
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 torch.set_num_threads(2)
@@ -242,7 +244,7 @@ def test_two_level_sequences_carry_their_level_advantage(tmp_path):
     from test_curate import _ctx, _gen, _score
 
     from pipeline.stages.curate import run_curate
-    from pipeline.stages.train import load_sequences
+    from pipeline.stages.train.data import load_sequences
 
     ctx = _ctx(tmp_path, ["rollout.mode=two_level", "training.max_seq_len=3"])
     gens = [_gen("A0", "q", 0, "agent"), _gen("A1", "q", 1, "agent"),
@@ -305,7 +307,7 @@ def test_two_level_first_step_loss_is_the_proposals(tmp_path, tiny_model, mbs, a
 
 def test_step_weights_and_kl_masks_follow_the_levels():
     from pipeline.config import RunConfig
-    from pipeline.stages.train import kl_masks, step_weights
+    from pipeline.stages.train.loss import kl_masks, step_weights
 
     tc = RunConfig.model_validate({"training": {"two_level": {"workflow_kl_mask": True}}}).training
     seqs = [TrainSequence("a", [1], [2, 3], 0.5, None, "agent"), TrainSequence("w0", [1], [2], 1.0, None, "workflow"),
@@ -398,7 +400,8 @@ def test_round_0_trains_from_generator_adapter(tmp_path, tiny_model):
 
     from test_curate import _ctx
 
-    from pipeline.stages.train import load_policy, run_train
+    from pipeline.stages.train import run_train
+    from pipeline.stages.train.policy import load_policy
 
     start = tmp_path / "sft-adapter"
     want = _random_adapter(tiny_model, start)
@@ -425,8 +428,8 @@ def test_a_killed_train_stage_resumes_at_its_last_saved_step(tmp_path, tiny_mode
     from safetensors.torch import load_file
     from test_curate import _ctx
 
-    from pipeline.stages import train
     from pipeline.stages.progress import progress_path
+    from pipeline.stages.train import stage as train
 
     def round_ctx():
         ctx = _ctx(tmp_path, [f"generator.model={tiny_model}", "training.micro_batch_size=2", "training.epochs=5",

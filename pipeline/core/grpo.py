@@ -58,7 +58,8 @@ class LossTerms:
     pg_loss: torch.Tensor  # the loss without its KL term, same normalisation as the loss
     # mean k3(π_θ, π_ref) over completion tokens, unmasked: the loss's KL term on every token. The tokens are π_old's
     # samples, not π_θ's, so once π_θ all but rules out a sampled token it reads e^gap (docs/learning-log.md: one token
-    # pushed from log p -1.4 to -31 made steps of 4e4); `kl_old` (pipeline.stages.train) is what the samples estimate
+    # pushed from log p -1.4 to -31 made steps of 4e4); `kl_old` (pipeline.stages.train.metrics) is what the samples
+    # estimate
     kl: torch.Tensor | None = None
     clip_frac: torch.Tensor | None = None  # share of completion tokens whose clipped branch is active (zero gradient)
     ratio_dev: torch.Tensor | None = None  # max |ρ - 1| over completion tokens: 0 before any update (π_θ = π_old)

@@ -1,12 +1,12 @@
 """Training objectives: pure tensor functions registered by name (the pattern of verl's `register_policy_loss`).
 
-The train stage is one loop (pipeline/stages/train.py); `training.objective` picks one entry of `OBJECTIVES`, which says
-what curated data it trains on (a `kind` of the `groups` table, written by the curate stage) and which log-prob
-passes it needs (π_old for a ratio, a reference for a KL or a preference margin). Each function takes one
-micro-batch (`LossInput`) and the training config, and returns `LossTerms`; no model and no I/O here, so every
+The train stage is one loop (pipeline/stages/train/stage.py); `training.objective` picks one entry of `OBJECTIVES`,
+which says what curated data it trains on (a `kind` of the `groups` table, written by the curate stage) and which
+log-prob passes it needs (π_old for a ratio, a reference for a KL or a preference margin). Each function takes one
+pass's rows (`LossInput`) and the training config, and returns `LossTerms`; no model and no I/O here, so every
 formula is checked against hand-computed values (tests/test_objectives.py).
 
-| name        | data (`kind`) | per micro-batch loss                                                              |
+| name        | data (`kind`) | loss over a pass's rows                                                           |
 |-------------|---------------|-----------------------------------------------------------------------------------|
 | iogrpo_mkl  | group         | SPOGW eq. 3.6: clipped ratio·A, β·k3 only where A > 0 (`training.kl_mask`)         |
 | grpo        | group         | the same surrogate, β·k3 on every token (DeepSeekMath's GRPO)                      |
@@ -30,7 +30,7 @@ KINDS = ("group", "pair", "weighted", "best")  # the `kind` of a `groups` row; n
 
 @dataclass
 class LossInput:
-    """One micro-batch, [B, T] over its completion tokens (0 on padding)."""
+    """One pass's rows, [B, T] over their completion tokens (0 on padding)."""
 
     logp: torch.Tensor  # π_θ log-probs, with grad
     mask: torch.Tensor  # completion mask
@@ -50,7 +50,7 @@ class Objective:
     needs_old: bool  # π_old log-probs (a ratio)
     needs_ref: bool  # reference log-probs; without one (`training.reference: none`) the objective refuses to run
     uses_ref: bool  # a reference enters the loss when there is one (a KL term)
-    paired: bool = False  # sequences come in (chosen, rejected) pairs that a micro-batch never splits
+    paired: bool = False  # sequences come in (chosen, rejected) pairs that a pass never splits
 
 
 OBJECTIVES: dict[str, Objective] = {}

@@ -3,9 +3,9 @@ computes (pure: indices in, indices out; the train stage is `pipeline.stages.tra
 
 A row is one member of one curated group: a sequence (prompt + completion, a generation) with that group's
 coefficient. Top-N screening keeps overlapping groups, so one generation can be several rows of a step; a pass
-computes it once (`Chunk.uniq`) and every row that uses it takes its log-probs (`Chunk.take`). The passes of a step
-are packed by padded token count (`pack`): a pass computes each distinct prompt once (`pipeline.stages.train.collate`),
-so its cost is prompts x longest prompt + sequences x longest completion.
+computes it once (`Pass.uniq`) and every row that uses it takes its log-probs (`Pass.take`). The passes of a step
+are packed by padded token count (`pack`): a pass computes each distinct prompt once
+(`pipeline.stages.train.batch.collate`), so its cost is prompts x longest prompt + sequences x longest completion.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Chunk", "RowShape", "plan_steps", "step_units", "pack", "logprob_chunks", "pass_slots"]
+__all__ = ["Pass", "RowShape", "plan_steps", "step_units", "pack", "logprob_passes", "pass_slots"]
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,12 @@ class RowShape:
 
     gen_id: str  # the sequence's identity: rows with the same gen_id hold the same tokens
     group_id: str | None
-    prompt: tuple[int, ...]  # the prompt minus its last token: what a pass encodes once (pipeline.stages.train.collate)
+    prompt: tuple[int, ...]  # the prompt minus its last token: what a pass encodes once (train.batch.collate)
     completion_len: int
 
 
 @dataclass
-class Chunk:
+class Pass:
     """One forward/backward pass: the rows it trains and the distinct sequences it computes."""
 
     rows: list[int]  # row indices (pairs stay adjacent)
@@ -37,14 +37,14 @@ class Chunk:
     take: list[int]  # per row of `rows`, the position of its sequence in `uniq`
 
 
-def _chunk(rows: list[int], shapes: Sequence[RowShape]) -> Chunk:
+def _pass(rows: list[int], shapes: Sequence[RowShape]) -> Pass:
     pos: dict[str, int] = {}
     uniq = []
     for r in rows:
         if shapes[r].gen_id not in pos:
             pos[shapes[r].gen_id] = len(uniq)
             uniq.append(r)
-    return Chunk(rows, uniq, [pos[shapes[r].gen_id] for r in rows])
+    return Pass(rows, uniq, [pos[shapes[r].gen_id] for r in rows])
 
 
 def pass_slots(rows: Sequence[int], shapes: Sequence[RowShape]) -> int:
@@ -105,7 +105,7 @@ def step_units(rows: Sequence[int], shapes: Sequence[RowShape], paired: bool = F
     return list(units.values())
 
 
-def pack(units: list[list[int]], shapes: Sequence[RowShape], budget: int) -> list[Chunk]:
+def pack(units: list[list[int]], shapes: Sequence[RowShape], budget: int) -> list[Pass]:
     """Units into passes of at most `budget` padded token positions (`pass_slots`; a unit larger than the budget
     gets a pass of its own). Units are taken by prompt (longest first, so similar lengths meet) and, within a
     prompt, by completion length (longest first): a pass then shares prompts and pads completions little."""
@@ -122,15 +122,15 @@ def pack(units: list[list[int]], shapes: Sequence[RowShape], budget: int) -> lis
             passes[-1].extend(u)
         else:
             passes.append(list(u))
-    return [_chunk(rows, shapes) for rows in passes]
+    return [_pass(rows, shapes) for rows in passes]
 
 
-def logprob_chunks(first_step: list[Chunk], shapes: Sequence[RowShape], budget: int) -> list[Chunk]:
+def logprob_passes(first_step: list[Pass], shapes: Sequence[RowShape], budget: int) -> list[Pass]:
     """The passes of a π_old / reference pass over every distinct sequence: the first optimiser step's passes
     exactly as training runs them, then one row per remaining gen_id, packed. Kernels round differently at another
     padded shape (up to 2e-5 in fp32 here, far more in bf16), so laid out this way the first step computes π_θ
     exactly as π_old was computed: ρ = 1 and k3 = 0 before any update."""
-    seen = {shapes[r].gen_id for c in first_step for r in c.rows}
+    seen = {shapes[r].gen_id for p in first_step for r in p.rows}
     rest = []
     for r, s in enumerate(shapes):
         if s.gen_id not in seen:

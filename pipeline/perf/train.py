@@ -28,7 +28,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.stages.train import TrainSequence, collate, completion_logprobs, grpo_mkl_terms
+from pipeline.core.grpo import grpo_mkl_terms
+from pipeline.stages.train.batch import collate
+from pipeline.stages.train.data import TrainSequence
+from pipeline.stages.train.logprobs import completion_logprobs
 
 MODEL = "embedded:smollm2-135m-instruct"
 BATCH, REPS, BETA, EPS, PROMPT_LEN = 8, 3, 0.1, 0.2, 256

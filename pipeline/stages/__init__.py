@@ -1,7 +1,7 @@
 """The stages of a round as data, and the one runner that runs any of them (`pipeline.stages.runner`).
 
 A stage's work is a function `fn(ctx, **options) -> counts` in its own module (`pipeline/stages/rollout.py`,
-`scoring.py`, `curate.py`, `train.py`) that reads the store, calls the pure cores and writes the store, ending
+`scoring.py`, `curate.py`, `train/`) that reads the store, calls the pure cores and writes the store, ending
 with `ctx.finish(name, **counts)` once the round's work for it is complete. Everything around that (skipping a
 finished stage, discarding what an unfinished attempt left, the child process, transient vs permanent failures,
 retries, timings) is the runner's, the same for every stage and for the Prefect and the `pipeline run` paths.

@@ -3,7 +3,7 @@ the same global-batch semantics as one.
 
 Launched as `PIPELINE_LAUNCHER_TRAIN="accelerate launch --multi_gpu --num_processes N"` (on CPU too: Accelerate
 then runs MULTI_CPU over gloo), every rank builds the same data and the same step plan (same seeds), and an
-optimiser step's micro-batches are dealt round-robin to the ranks (`rank_share`). Each rank back-propagates its
+optimiser step's passes are dealt round-robin to the ranks (`rank_share`). Each rank back-propagates its
 share's loss with the single-process weights, times N because DDP averages the all-reduced gradients: the summed
 gradient is the one-process gradient up to float summation order. π_old / reference log-probs are computed on each
 rank's share of the batches, after DDP has broadcast rank 0's weights, and gathered (`gather_logprobs`). Rank 0
@@ -39,9 +39,9 @@ def make_accelerator():
 
 
 class LogprobModule(torch.nn.Module):
-    """The trainer's log-prob function (`logprobs(model, batch)`, pipeline.stages.train.completion_logprobs) as the
-    module's forward, so DDP sees the call: its gradient all-reduce is prepared in the wrapped module's forward,
-    which the trainer's decoder + head split (never [B, T, V] logits) would otherwise bypass."""
+    """The trainer's log-prob function (`logprobs(model, batch)`, pipeline.stages.train.logprobs.completion_logprobs)
+    as the module's forward, so DDP sees the call: its gradient all-reduce is prepared in the wrapped module's
+    forward, which the trainer's decoder + head split (never [B, T, V] logits) would otherwise bypass."""
 
     def __init__(self, model: torch.nn.Module, logprobs):
         super().__init__()
@@ -52,13 +52,13 @@ class LogprobModule(torch.nn.Module):
         return self.logprobs(self.model, batch)
 
 
-def rank_share(micro: list[T], rank: int, n: int) -> list[tuple[T, bool]]:
+def rank_share(passes: list[T], rank: int, n: int) -> list[tuple[T, bool]]:
     """This rank's passes of one optimiser step, dealt round-robin, as (pass, real). Every rank gets the
     same count (DDP all-reduces at each rank's last backward, so all ranks must get there): a rank short of one
     repeats the step's first pass with real=False, which the trainer weights 0 (no gradient, no metrics)."""
-    mine = [(mb, True) for mb in micro[rank::n]]
-    per_rank = -(-len(micro) // n)
-    return mine + [(micro[0], False)] * (per_rank - len(mine))
+    mine = [(p, True) for p in passes[rank::n]]
+    per_rank = -(-len(passes) // n)
+    return mine + [(passes[0], False)] * (per_rank - len(mine))
 
 
 def gather_logprobs(local: dict[int, torch.Tensor], n: int) -> dict[int, torch.Tensor]:

@@ -53,8 +53,8 @@ class RolloutError(RuntimeError):
 
 def resolve_adapter(ctx: RunContext) -> tuple[str | None, int | None]:
     """(adapter folder, its round): round k−1's checkpoint; at round 0 generator.adapter if set, else the base model.
-    Training starts round k from the same adapter (pipeline.stages.train.start_adapter), so the policy that samples a
-    round is the π_old its training uses."""
+    Training starts round k from the same adapter (pipeline.stages.train.policy.start_adapter), so the policy that
+    samples a round is the π_old its training uses."""
     if ctx.round > 0:
         path, rnd = ctx.store.checkpoint_dir(ctx.run_id, ctx.round - 1), ctx.round - 1
     elif ctx.cfg.generator.adapter:

@@ -1,0 +1,78 @@
+"""The train stage's rows: every member of every kept `groups` row of the objective's kind, joined to its generation
+(prompt and completion token ids, the rollout's log-probs)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.run import RunContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSequence:
+    """One row: a sequence (prompt + completion, a generation) with its row's coefficient. A generation kept in
+    several groups is several rows with the same `gen_id`."""
+
+    gen_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float  # the row's coefficient: a group's advantage, another kind's loss weight
+    gen_logprobs: list[float] | None  # as sampled (diagnostics, or π_old under training.old_logprobs: rollout)
+    level: str = "flat"  # its group's level: flat | agent | workflow
+    score: float | None = None  # its score in the row (score_dpo's s_w / s_l)
+    group_id: str | None = None
+
+
+def load_sequences(ctx: RunContext, kind: str = "group") -> tuple[list[TrainSequence], dict[str, int]]:
+    """Kept `groups` rows of `kind` (pipeline.core.objectives.KINDS; the round of training.data_run when set), each
+    member joined to its generation: a sequence with the row's coefficient (group: its advantage; other kinds: its
+    weight) and score, and the counts the manifest reports. The completion tail is cut to max_seq_len. A pair with a
+    member that cannot be trained on is dropped whole, so `pair` sequences stay (chosen, rejected) at positions
+    (2p, 2p + 1)."""
+    import polars as pl  # here, not above: the batch and log-prob modules import with torch alone
+
+    max_len = ctx.cfg.training.max_seq_len
+    data_run = ctx.cfg.training.data_run or ctx.run_id
+    groups = (ctx.store.read("groups", data_run, ctx.round).filter(pl.col("kept"))
+              .filter(pl.col("kind").fill_null("group") == kind))
+    info = {"sequences_truncated": 0, "sequences_dropped": 0, "distinct_workflows": 0, "distinct_queries": 0}
+    if groups.height == 0:
+        return [], info
+    coef = "advantages" if kind == "group" else "weights"
+    members = (groups.select("group_id", "level", "members", pl.col(coef).alias("coef"), "member_scores")
+               .explode("members", "coef", "member_scores").rename({"members": "gen_id", "member_scores": "score"}))
+    gens = (ctx.store.scan("generations", data_run, ctx.round)
+            .select("gen_id", "query_id", "prompt_token_ids", "token_ids", "token_logprobs")
+            .unique("gen_id", keep="first").collect())
+    rows = members.join(gens, on="gen_id", how="left", maintain_order="left")
+    seqs, bad_groups = [], set()
+    for r in rows.iter_rows(named=True):
+        prompt, comp = r["prompt_token_ids"], r["token_ids"]
+        if not prompt or not comp or len(prompt) >= max_len:
+            info["sequences_dropped"] += 1  # no generation row, no tokens, or a prompt longer than the cap
+            bad_groups.add(r["group_id"])
+            continue
+        glp = r["token_logprobs"]
+        if len(prompt) + len(comp) > max_len:
+            info["sequences_truncated"] += 1
+            comp = comp[: max_len - len(prompt)]
+            glp = glp[: len(comp)] if glp else glp
+        seqs.append(TrainSequence(r["gen_id"], list(prompt), list(comp), float(r["coef"]),
+                                  list(glp) if glp and len(glp) == len(comp) else None, r["level"],
+                                  None if r["score"] is None else float(r["score"]), r["group_id"]))
+    if kind == "pair" and bad_groups:
+        seqs = [s for s in seqs if s.group_id not in bad_groups]
+    if info["sequences_dropped"]:
+        log.warning("%d group members skipped (missing generation, empty completion or prompt >= max_seq_len)",
+                    info["sequences_dropped"])
+    trained = rows.filter(pl.col("gen_id").is_in(list({s.gen_id for s in seqs})))
+    info["distinct_workflows"] = trained["gen_id"].n_unique()
+    info["distinct_queries"] = trained["query_id"].n_unique()
+    log.info("training on %d sequences (%s rows): %d distinct workflows from %d queries", len(seqs), kind,
+             info["distinct_workflows"], info["distinct_queries"])
+    return seqs, info
