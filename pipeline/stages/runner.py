@@ -356,6 +356,14 @@ def child_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard", help="INDEX/COUNT: this shard of the stage's queries only (shardable stages).")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     a = ap.parse_args(argv)
+    if not logging.getLogger().handlers:
+        # the stage's own INFO lines (the dtype chosen and why, an adapter merged) reach the parent's log; only
+        # pipeline's loggers, so libraries' per-request INFO lines stay out
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root = logging.getLogger("pipeline")
+        root.setLevel(logging.INFO)
+        root.addHandler(handler)
     rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # as a launcher sets them
     try:
         st = get_stage(a.stage)
