@@ -309,7 +309,7 @@ class RolloutConfig(_Strict):
     )
     max_workflow_chars: int = Field(20000, gt=0, description="Static check: larger workflows are invalid.")
     example_menu: list[str] = Field(
-        default_factory=list, description="A menu of designs (issue 39): workflow program files (configs/programs/"
+        default_factory=list, description="A menu of designs: workflow program files (configs/programs/"
         "*.py, each also a fixed program and a reference). Each workflow sample's prompt shows one of them as its "
         "example (`$example`, its code without the header comments), drawn by a seeded hash of (query, slot, "
         "menu_seed), so the base model and every trained round see the same draws; `$design` is that design's "
@@ -486,7 +486,7 @@ class TrainingConfig(_Strict):
     )
     step_order: Literal["groups", "rows"] = Field(
         "groups", description="Rows of a step: whole groups, a query's groups together (its passes share the prompt "
-        "and the sequences in several groups), or shuffled rows (the order before issue 23).",
+        "and the sequences in several groups), or shuffled rows (a group may span steps; no sharing across them).",
     )
     prompt_layout: Literal["split", "packed"] = Field(
         "split", description="A pass's layout: split (the prompts' keys and values once, then the completions "
