@@ -22,6 +22,12 @@ class ConfigError(ValueError):
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade(cls, data: Any) -> Any:
+        # a section as an older version saved it, read in today's fields (Upgrades of saved configs, at the end)
+        return upgrade_saved(cls, data)
+
 
 def server_urls(base_url: str | None, endpoints: list[str]) -> list[str]:
     """The OpenAI-compatible servers a section talks to: its `endpoints`, else its one `base_url`."""
@@ -236,22 +242,6 @@ class BenchmarkConfig(_Strict):
         "rule); null: for gsm_symbolic only (its own check gives near misses partial credit).",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _former_validate_fraction(cls, data: Any) -> Any:
-        """Saved configs of older runs hold `validate_fraction` (= 1 − test_share): read it as test_share."""
-        if not isinstance(data, dict) or "validate_fraction" not in data:
-            return data
-        data = dict(data)
-        former = data.pop("validate_fraction")
-        if not isinstance(former, int | float) or not 0 < former < 1:
-            raise ValueError(f"validate_fraction (now 1 - test_share) must be in (0, 1), got {former!r}")
-        if "test_share" in data and abs(data["test_share"] + former - 1) > 1e-9:
-            raise ValueError(f"validate_fraction {former} and test_share {data['test_share']} disagree; "
-                             "give test_share only")
-        data.setdefault("test_share", 1 - former)
-        return data
-
     @model_validator(mode="after")
     def _dev_split_exists(self) -> BenchmarkConfig:
         if self.train_split == "dev" and self.dev_share == 0:
@@ -344,14 +334,6 @@ class RolloutConfig(_Strict):
     refine: RefineConfig = Field(
         default_factory=RefineConfig, description="refine mode: turns, candidates, task unit and feedback (W4S)."
     )
-
-    @field_validator("exemplars", mode="before")
-    @classmethod
-    def _legacy_exemplars(cls, v: Any) -> Any:
-        # configs frozen while the field was a bool keep their meaning: true showed bucket exemplars, false none
-        if isinstance(v, bool):
-            return "buckets" if v else "none"
-        return v
 
 
 class RewardConfig(_Strict):
@@ -694,38 +676,6 @@ class RunConfig(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-# Fields whose default changed after runs were frozen, with the default they had: hashed against it, so the
-# finished stages of those runs stay finished (a saved config holds every field, the old default included).
-_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05, ("executor", "concurrency"): 8, ("scoring", "concurrency"): 2,
-                    ("generator", "dtype"): "float32", ("training", "bf16"): False,
-                    ("generator", "serve", "dtype"): "bfloat16", ("executor", "serve", "dtype"): "bfloat16"}
-
-
-def _legacy_hash_form(cfg: RunConfig, body: dict) -> dict:
-    """`body` (the non-default fields) as the config hash saw it before the changes above."""
-    for (*parents, key), former in _FORMER_DEFAULTS.items():
-        owners: list[Any] = [cfg]
-        for name in parents:
-            owners.append(getattr(owners[-1], name))
-        if owners[-1] is None:  # an optional section (serve) that is not set
-            continue
-        value, chain = getattr(owners[-1], key), [body]
-        for name in parents:
-            chain.append(chain[-1].setdefault(name, {}))
-        if value == former:
-            chain[-1].pop(key, None)
-        else:
-            chain[-1][key] = value
-        # a section left at its defaults was not in the dump then; an optional one that is set (`serve: {}`) was
-        for i in range(len(parents) - 1, -1, -1):
-            optional = type(owners[i]).model_fields[parents[i]].default is None
-            if not chain[i][parents[i]] and not optional:
-                del chain[i][parents[i]]
-    if body.get("rollout", {}).get("exemplars") == "none":
-        body["rollout"]["exemplars"] = False  # the field was a bool: `false` then
-    return body
-
-
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid config"]
     for e in err.errors():
@@ -822,3 +772,69 @@ def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
 
     walk(json.loads(a.model_dump_json()), json.loads(b.model_dump_json()), "")
     return out
+
+
+# ---- Upgrades of saved configs ------------------------------------------------------------------------------------
+
+
+def upgrade_saved(model: type[BaseModel], data: Any) -> Any:
+    """A section's raw values as an older version saved them, in today's fields. Every saved config must still
+    validate and hash to what its stage manifests recorded (`<store>/<run>/config.yaml` holds every field), so each
+    change of the schema that would break one is undone here or in `_legacy_hash_form`, and nowhere else:
+
+    Reading (each section's values before validation, run by `_Strict` for every section and `--set`):
+    - `benchmark.validate_fraction` (the non-test share) became `test_share` = 1 - it; both given must agree.
+    - `rollout.exemplars` was a bool before it named a kind: true showed bucket exemplars (`buckets`), false none.
+
+    Hashing (`RunConfig.config_hash` through `_legacy_hash_form`):
+    - `_FORMER_DEFAULTS`: fields whose default changed after runs were frozen are hashed against their former
+      default (a saved config spells the old default out; hashing it as a non-default would re-run every stage).
+    - `rollout.exemplars: none` is hashed as `false`, the bool it was.
+    """
+    if not isinstance(data, dict):
+        return data
+    name = model.__name__
+    if name == "BenchmarkConfig" and "validate_fraction" in data:
+        data = dict(data)
+        former = data.pop("validate_fraction")
+        if not isinstance(former, int | float) or not 0 < former < 1:
+            raise ValueError(f"validate_fraction (now 1 - test_share) must be in (0, 1), got {former!r}")
+        if "test_share" in data and abs(data["test_share"] + former - 1) > 1e-9:
+            raise ValueError(f"validate_fraction {former} and test_share {data['test_share']} disagree; "
+                             "give test_share only")
+        data.setdefault("test_share", 1 - former)
+    if name == "RolloutConfig" and isinstance(data.get("exemplars"), bool):
+        data = {**data, "exemplars": "buckets" if data["exemplars"] else "none"}
+    return data
+
+
+# Fields whose default changed after runs were frozen, with the default they had: hashed against it, so the
+# finished stages of those runs stay finished (a saved config holds every field, the old default included).
+_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05, ("executor", "concurrency"): 8, ("scoring", "concurrency"): 2,
+                    ("generator", "dtype"): "float32", ("training", "bf16"): False,
+                    ("generator", "serve", "dtype"): "bfloat16", ("executor", "serve", "dtype"): "bfloat16"}
+
+
+def _legacy_hash_form(cfg: RunConfig, body: dict) -> dict:
+    """`body` (the non-default fields) as the config hash saw it before the changes above."""
+    for (*parents, key), former in _FORMER_DEFAULTS.items():
+        owners: list[Any] = [cfg]
+        for name in parents:
+            owners.append(getattr(owners[-1], name))
+        if owners[-1] is None:  # an optional section (serve) that is not set
+            continue
+        value, chain = getattr(owners[-1], key), [body]
+        for name in parents:
+            chain.append(chain[-1].setdefault(name, {}))
+        if value == former:
+            chain[-1].pop(key, None)
+        else:
+            chain[-1][key] = value
+        # a section left at its defaults was not in the dump then; an optional one that is set (`serve: {}`) was
+        for i in range(len(parents) - 1, -1, -1):
+            optional = type(owners[i]).model_fields[parents[i]].default is None
+            if not chain[i][parents[i]] and not optional:
+                del chain[i][parents[i]]
+    if body.get("rollout", {}).get("exemplars") == "none":
+        body["rollout"]["exemplars"] = False  # the field was a bool: `false` then
+    return body
