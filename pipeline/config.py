@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, ForwardRef, Literal, get_args
 from urllib.parse import urlsplit
 
 import yaml
@@ -838,3 +838,53 @@ def _legacy_hash_form(cfg: RunConfig, body: dict) -> dict:
     if body.get("rollout", {}).get("exemplars") == "none":
         body["rollout"]["exemplars"] = False  # the field was a bool: `false` then
     return body
+
+
+# ---- The reference (docs/config.md) -----------------------------------------------------------------------------
+
+
+def _sub_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds (`ServeConfig | None` and a model named before its class is defined
+    included), else None."""
+    kinds = [globals().get(a.__forward_arg__) if isinstance(a, ForwardRef) else a
+             for a in (get_args(annotation) or (annotation,))]
+    found = [a for a in kinds if isinstance(a, type) and issubclass(a, BaseModel)]
+    return found[0] if found else None
+
+
+def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "(required)"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if isinstance(value, BaseModel):
+        return "(section)"
+    return "`" + json.dumps(value, ensure_ascii=False) + "`"
+
+
+def config_reference() -> str:
+    """docs/config.md: every field of RunConfig under its section's heading, a table of field, default and help
+    (the field's description), as TRL documents GRPOConfig. tests/test_config.py checks the file matches."""
+    out = ["# Config reference", "",
+           "Every field of a run's config (`pipeline/config.py`), by section: its default and what it does. Generated "
+           "by `pipeline.config.config_reference()`; `tests/test_config.py` checks this file matches it.", ""]
+
+    def section(model: type[BaseModel], path: str) -> None:
+        leaves, subs = [], []
+        for name, f in model.model_fields.items():
+            sub = _sub_model(f.annotation)
+            (subs if sub else leaves).append((name, f, sub))
+        out.extend([f"## {path or 'Run'}", ""])
+        doc = (model.__doc__ or "").strip() if model.__doc__ != BaseModel.__doc__ else ""
+        if doc:
+            out.extend([" ".join(doc.split()), ""])
+        if leaves:
+            out.extend(["| field | default | help |", "|---|---|---|"])
+            for name, f, _ in leaves:
+                desc = " ".join((f.description or "").split()).replace("|", "\\|")
+                out.append(f"| `{path + '.' if path else ''}{name}` | {_default_text(f)} | {desc} |")
+            out.append("")
+        for name, _f, sub in subs:
+            section(sub, f"{path}.{name}" if path else name)
+
+    section(RunConfig, "")
+    return "\n".join(out).rstrip("\n") + "\n"
