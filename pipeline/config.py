@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, ForwardRef, Literal, get_args
 from urllib.parse import urlsplit
 
 import yaml
@@ -21,6 +21,12 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade(cls, data: Any) -> Any:
+        # a section as an older version saved it, read in today's fields (Upgrades of saved configs, at the end)
+        return upgrade_saved(cls, data)
 
 
 def server_urls(base_url: str | None, endpoints: list[str]) -> list[str]:
@@ -236,22 +242,6 @@ class BenchmarkConfig(_Strict):
         "rule); null: for gsm_symbolic only (its own check gives near misses partial credit).",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _former_validate_fraction(cls, data: Any) -> Any:
-        """Saved configs of older runs hold `validate_fraction` (= 1 − test_share): read it as test_share."""
-        if not isinstance(data, dict) or "validate_fraction" not in data:
-            return data
-        data = dict(data)
-        former = data.pop("validate_fraction")
-        if not isinstance(former, int | float) or not 0 < former < 1:
-            raise ValueError(f"validate_fraction (now 1 - test_share) must be in (0, 1), got {former!r}")
-        if "test_share" in data and abs(data["test_share"] + former - 1) > 1e-9:
-            raise ValueError(f"validate_fraction {former} and test_share {data['test_share']} disagree; "
-                             "give test_share only")
-        data.setdefault("test_share", 1 - former)
-        return data
-
     @model_validator(mode="after")
     def _dev_split_exists(self) -> BenchmarkConfig:
         if self.train_split == "dev" and self.dev_share == 0:
@@ -309,7 +299,7 @@ class RolloutConfig(_Strict):
     )
     max_workflow_chars: int = Field(20000, gt=0, description="Static check: larger workflows are invalid.")
     example_menu: list[str] = Field(
-        default_factory=list, description="A menu of designs (issue 39): workflow program files (configs/programs/"
+        default_factory=list, description="A menu of designs: workflow program files (configs/programs/"
         "*.py, each also a fixed program and a reference). Each workflow sample's prompt shows one of them as its "
         "example (`$example`, its code without the header comments), drawn by a seeded hash of (query, slot, "
         "menu_seed), so the base model and every trained round see the same draws; `$design` is that design's "
@@ -344,14 +334,6 @@ class RolloutConfig(_Strict):
     refine: RefineConfig = Field(
         default_factory=RefineConfig, description="refine mode: turns, candidates, task unit and feedback (W4S)."
     )
-
-    @field_validator("exemplars", mode="before")
-    @classmethod
-    def _legacy_exemplars(cls, v: Any) -> Any:
-        # configs frozen while the field was a bool keep their meaning: true showed bucket exemplars, false none
-        if isinstance(v, bool):
-            return "buckets" if v else "none"
-        return v
 
 
 class RewardConfig(_Strict):
@@ -486,7 +468,7 @@ class TrainingConfig(_Strict):
     )
     step_order: Literal["groups", "rows"] = Field(
         "groups", description="Rows of a step: whole groups, a query's groups together (its passes share the prompt "
-        "and the sequences in several groups), or shuffled rows (the order before issue 23).",
+        "and the sequences in several groups), or shuffled rows (a group may span steps; no sharing across them).",
     )
     prompt_layout: Literal["split", "packed"] = Field(
         "split", description="A pass's layout: split (the prompts' keys and values once, then the completions "
@@ -694,38 +676,6 @@ class RunConfig(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-# Fields whose default changed after runs were frozen, with the default they had: hashed against it, so the
-# finished stages of those runs stay finished (a saved config holds every field, the old default included).
-_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05, ("executor", "concurrency"): 8, ("scoring", "concurrency"): 2,
-                    ("generator", "dtype"): "float32", ("training", "bf16"): False,
-                    ("generator", "serve", "dtype"): "bfloat16", ("executor", "serve", "dtype"): "bfloat16"}
-
-
-def _legacy_hash_form(cfg: RunConfig, body: dict) -> dict:
-    """`body` (the non-default fields) as the config hash saw it before the changes above."""
-    for (*parents, key), former in _FORMER_DEFAULTS.items():
-        owners: list[Any] = [cfg]
-        for name in parents:
-            owners.append(getattr(owners[-1], name))
-        if owners[-1] is None:  # an optional section (serve) that is not set
-            continue
-        value, chain = getattr(owners[-1], key), [body]
-        for name in parents:
-            chain.append(chain[-1].setdefault(name, {}))
-        if value == former:
-            chain[-1].pop(key, None)
-        else:
-            chain[-1][key] = value
-        # a section left at its defaults was not in the dump then; an optional one that is set (`serve: {}`) was
-        for i in range(len(parents) - 1, -1, -1):
-            optional = type(owners[i]).model_fields[parents[i]].default is None
-            if not chain[i][parents[i]] and not optional:
-                del chain[i][parents[i]]
-    if body.get("rollout", {}).get("exemplars") == "none":
-        body["rollout"]["exemplars"] = False  # the field was a bool: `false` then
-    return body
-
-
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid config"]
     for e in err.errors():
@@ -822,3 +772,119 @@ def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
 
     walk(json.loads(a.model_dump_json()), json.loads(b.model_dump_json()), "")
     return out
+
+
+# ---- Upgrades of saved configs ------------------------------------------------------------------------------------
+
+
+def upgrade_saved(model: type[BaseModel], data: Any) -> Any:
+    """A section's raw values as an older version saved them, in today's fields. Every saved config must still
+    validate and hash to what its stage manifests recorded (`<store>/<run>/config.yaml` holds every field), so each
+    change of the schema that would break one is undone here or in `_legacy_hash_form`, and nowhere else:
+
+    Reading (each section's values before validation, run by `_Strict` for every section and `--set`):
+    - `benchmark.validate_fraction` (the non-test share) became `test_share` = 1 - it; both given must agree.
+    - `rollout.exemplars` was a bool before it named a kind: true showed bucket exemplars (`buckets`), false none.
+
+    Hashing (`RunConfig.config_hash` through `_legacy_hash_form`):
+    - `_FORMER_DEFAULTS`: fields whose default changed after runs were frozen are hashed against their former
+      default (a saved config spells the old default out; hashing it as a non-default would re-run every stage).
+    - `rollout.exemplars: none` is hashed as `false`, the bool it was.
+    """
+    if not isinstance(data, dict):
+        return data
+    name = model.__name__
+    if name == "BenchmarkConfig" and "validate_fraction" in data:
+        data = dict(data)
+        former = data.pop("validate_fraction")
+        if not isinstance(former, int | float) or not 0 < former < 1:
+            raise ValueError(f"validate_fraction (now 1 - test_share) must be in (0, 1), got {former!r}")
+        if "test_share" in data and abs(data["test_share"] + former - 1) > 1e-9:
+            raise ValueError(f"validate_fraction {former} and test_share {data['test_share']} disagree; "
+                             "give test_share only")
+        data.setdefault("test_share", 1 - former)
+    if name == "RolloutConfig" and isinstance(data.get("exemplars"), bool):
+        data = {**data, "exemplars": "buckets" if data["exemplars"] else "none"}
+    return data
+
+
+# Fields whose default changed after runs were frozen, with the default they had: hashed against it, so the
+# finished stages of those runs stay finished (a saved config holds every field, the old default included).
+_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05, ("executor", "concurrency"): 8, ("scoring", "concurrency"): 2,
+                    ("generator", "dtype"): "float32", ("training", "bf16"): False,
+                    ("generator", "serve", "dtype"): "bfloat16", ("executor", "serve", "dtype"): "bfloat16"}
+
+
+def _legacy_hash_form(cfg: RunConfig, body: dict) -> dict:
+    """`body` (the non-default fields) as the config hash saw it before the changes above."""
+    for (*parents, key), former in _FORMER_DEFAULTS.items():
+        owners: list[Any] = [cfg]
+        for name in parents:
+            owners.append(getattr(owners[-1], name))
+        if owners[-1] is None:  # an optional section (serve) that is not set
+            continue
+        value, chain = getattr(owners[-1], key), [body]
+        for name in parents:
+            chain.append(chain[-1].setdefault(name, {}))
+        if value == former:
+            chain[-1].pop(key, None)
+        else:
+            chain[-1][key] = value
+        # a section left at its defaults was not in the dump then; an optional one that is set (`serve: {}`) was
+        for i in range(len(parents) - 1, -1, -1):
+            optional = type(owners[i]).model_fields[parents[i]].default is None
+            if not chain[i][parents[i]] and not optional:
+                del chain[i][parents[i]]
+    if body.get("rollout", {}).get("exemplars") == "none":
+        body["rollout"]["exemplars"] = False  # the field was a bool: `false` then
+    return body
+
+
+# ---- The reference (docs/config.md) -----------------------------------------------------------------------------
+
+
+def _sub_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds (`ServeConfig | None` and a model named before its class is defined
+    included), else None."""
+    kinds = [globals().get(a.__forward_arg__) if isinstance(a, ForwardRef) else a
+             for a in (get_args(annotation) or (annotation,))]
+    found = [a for a in kinds if isinstance(a, type) and issubclass(a, BaseModel)]
+    return found[0] if found else None
+
+
+def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "(required)"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if isinstance(value, BaseModel):
+        return "(section)"
+    return "`" + json.dumps(value, ensure_ascii=False) + "`"
+
+
+def config_reference() -> str:
+    """docs/config.md: every field of RunConfig under its section's heading, a table of field, default and help
+    (the field's description), as TRL documents GRPOConfig. tests/test_config.py checks the file matches."""
+    out = ["# Config reference", "",
+           "Every field of a run's config (`pipeline/config.py`), by section: its default and what it does. Generated "
+           "by `pipeline.config.config_reference()`; `tests/test_config.py` checks this file matches it.", ""]
+
+    def section(model: type[BaseModel], path: str) -> None:
+        leaves, subs = [], []
+        for name, f in model.model_fields.items():
+            sub = _sub_model(f.annotation)
+            (subs if sub else leaves).append((name, f, sub))
+        out.extend([f"## {path or 'Run'}", ""])
+        doc = (model.__doc__ or "").strip() if model.__doc__ != BaseModel.__doc__ else ""
+        if doc:
+            out.extend([" ".join(doc.split()), ""])
+        if leaves:
+            out.extend(["| field | default | help |", "|---|---|---|"])
+            for name, f, _ in leaves:
+                desc = " ".join((f.description or "").split()).replace("|", "\\|")
+                out.append(f"| `{path + '.' if path else ''}{name}` | {_default_text(f)} | {desc} |")
+            out.append("")
+        for name, _f, sub in subs:
+            section(sub, f"{path}.{name}" if path else name)
+
+    section(RunConfig, "")
+    return "\n".join(out).rstrip("\n") + "\n"

@@ -1,4 +1,4 @@
-"""Chaos suite (issue 14): seeded faults against the public CLI, then resume and check the store.
+"""Chaos suite: seeded faults against the public CLI, then resume and check the store.
 
     python scripts/chaos.py --out OUT [--seed 0] [--trials 2] [--stages rollout,score,curate,train,evaluate]
                             [--soak 1000] [--vllm] [--prefect N] [--two-writers N]
@@ -16,7 +16,7 @@ Soak: an OpenAI-compatible executor on 127.0.0.1 that answers 429, 500/503, a ti
 calls (seeded) scores N workflow runs; `pipeline score --only-failed` is repeated until the score manifest is
 written; then every row must be final, none duplicated.
 
-Two writers (issue 41): the same stage command (`pipeline score`, `pipeline train`) started twice, a seeded
+Two writers: the same stage command (`pipeline score`, `pipeline train`) started twice, a seeded
 0-2 s apart, on one store: exactly one must run and the other be refused at once (exit 2) naming the first's pid
 and `--wait`; the store then holds one set of rows and manifests that match them. And the holder killed with
 `kill -9` inside the stage: the same command started right after must proceed (no stale lease) and complete.

@@ -1,4 +1,4 @@
-"""Majority@L, answer votes and per-query token accounting (issue 12), on hand-computed cases."""
+"""Majority@L, answer votes and per-query token accounting, on hand-computed cases."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def test_eval_summary_majority_and_tokens_hand_computed(eval_store):
 
 
 def test_parts_written_before_the_new_columns_still_read(tmp_path):
-    """A store from before issue 12: generations parts without cost_usd / repair_of / attempt, no checks table."""
+    """A store from before cost accounting: generation parts without cost_usd / repair_of / attempt, no checks table."""
     st = Store(tmp_path)
     old = pa.schema([f for f in schema("generations") if f.name not in ("cost_usd", "repair_of", "attempt")])
     part = tmp_path / "r" / "round=0" / "generations" / "part-old.parquet"

@@ -1,4 +1,4 @@
-"""Baselines (issue 12): the fixed programs, task-level selection and the derived runs, end to end on a store with a
+"""Baselines: the fixed programs, task-level selection and the derived runs, end to end on a store with a
 scripted OpenAI-compatible executor, so every number is known by hand."""
 
 from __future__ import annotations

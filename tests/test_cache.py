@@ -1,4 +1,4 @@
-"""Issue 38: common random numbers for the executor (seeds derived on the trusted side), executor replies and grader
+"""Common random numbers for the executor (seeds derived on the trusted side), executor replies and grader
 verdicts computed once (the shard cache beside the store: concurrent writers, kill -9, never another model's reply),
 and the token accounting of used against computed tokens, also over stores written before."""
 

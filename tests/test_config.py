@@ -252,3 +252,17 @@ def test_rollout_old_logprobs_need_the_models_own_distribution(tmp_path):
         with pytest.raises(ConfigError,
                            match="training.old_logprobs: rollout needs generator.temperature 1 and top_p 1"):
             load_config(ROOT / "configs" / "learn.yaml", ["training.old_logprobs=rollout", bad])
+
+
+def test_the_config_reference_in_docs_matches_the_models():
+    """docs/config.md is generated from the models (pipeline.config.config_reference): every field, under its
+    section's heading, with its default and help. Regenerate with
+    python -c "from pipeline.config import config_reference as r; open('docs/config.md', 'w').write(r())"."""
+    from pathlib import Path
+
+    from pipeline.config import config_reference
+
+    text = config_reference()
+    assert (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text() == text
+    assert "| `training.lr_schedule` | `\"constant\"` |" in text and "## scoring.reward.judge" in text
+    assert "| `scoring.reward.judge.model` | (required) |" in text

@@ -1,4 +1,4 @@
-"""FlowReasoner's diversity term of the multi-purpose reward (issue 12), by hand and through the score stage."""
+"""FlowReasoner's diversity term of the multi-purpose reward, by hand and through the score stage."""
 
 from __future__ import annotations
 

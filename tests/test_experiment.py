@@ -26,7 +26,7 @@ def test_evaluations_sample_at_the_eval_temperature_when_one_is_set():
         return config_from_dict({"experiment": {"eval_queries": 12, "eval_l": 3, **experiment},
                                  "generator": {"temperature": 1.0}})
 
-    crn = "executor.common_random_numbers=true"  # evaluations seed their executor calls (issue 38)
+    crn = "executor.common_random_numbers=true"  # evaluations seed their executor calls
     assert eval_sets(cfg()) == ["benchmark.max_queries=12", "rollout.m=3", crn]
     assert eval_sets(cfg(eval_temperature=0.7)) == ["benchmark.max_queries=12", "generator.temperature=0.7",
                                                     "rollout.m=3", crn]

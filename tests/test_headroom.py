@@ -1,4 +1,4 @@
-"""Issue 39, room to learn: the headroom maths (pipeline.core.headroom, every expected value worked out by hand from
+"""Room to learn: the headroom maths (pipeline.core.headroom, every expected value worked out by hand from
 its definition), the study end to end on a scripted executor (pipeline.studies.headroom), the menu's designs
 (pipeline.core.designs, the program files) and the truncated share of executor replies (write side and readers)."""
 
@@ -238,7 +238,7 @@ def test_truncated_share_is_null_for_a_store_written_before_the_column(tmp_path)
 
     st = Store(tmp_path)
     st.write("generations", [dict(gen_id="g", kind="workflow", query_id="q", slot=0, text="x", valid=True)], "old", 0)
-    # a scores part without truncated_calls, as the code before issue 39 wrote it
+    # a scores part without truncated_calls, as older code wrote it
     part = st.run_dir("old") / "round=0" / "scores"
     part.mkdir(parents=True)
     pq.write_table(pa.table({"run_id": ["old"], "gen_id": ["g"], "query_id": ["q"], "rep": [0], "attempt": [0],

@@ -1,4 +1,4 @@
-"""One writer per stage (issue 41): the lease of a (run, round, stage[, shard]) and of a run's rounds, on a local store
+"""One writer per stage: the lease of a (run, round, stage[, shard]) and of a run's rounds, on a local store
 (an OS file lock; the S3 lease is tested in tests/test_store_s3.py against moto).
 
 Two processes start the same stage through the real CLI (and two Prefect flow runs the same run id); the stage

@@ -1,7 +1,7 @@
 """Red team: answers that try to pass HumanEval tasks without solving them, each graded through the real
 sandbox (`HumanEval.ascore`, the score stage's path) and each scored 0 with the status that names it.
 
-Most of these passed the grader before issue 22 (program and tests in one process, verdict on a channel the
+Most of these would pass a grader that ran them together (program and tests in one process, verdict on a channel the
 program held): forging the result line, patching builtins, equal-to-everything objects, json tampering, frame
 walking, mutating the test's inputs, rewriting `check` from an audit hook and reading the tests in memory.
 """

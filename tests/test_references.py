@@ -1,4 +1,4 @@
-"""Issue 26's references: the hand-written equal-budget programs (configs/programs/) run as baselines against a
+"""References: the hand-written equal-budget programs (configs/programs/) run as baselines against a
 scripted executor on HumanEval and word problems, the experiment's reference arms and shared base (fake stages, so
 every number is known by hand), and the held-out curve over rounds."""
 
@@ -577,7 +577,7 @@ def test_time_left_is_the_mean_of_the_stages_of_a_kind_already_done():
 
 @pytest.mark.usefixtures("shared_sandbox")
 def test_resample_on_failure_samples_fresh_answers_not_a_repair(tmp_path, scripted):
-    """Issue 39's missing HumanEval design. HumanEval/0: the greedy answer fails the public tests, then 2 fresh
+    """The HumanEval menu's resampling design. HumanEval/0: the greedy answer fails the public tests, then 2 fresh
     samples at 0.7: the second (the canonical solution) passes and is the answer. HumanEval/1: the greedy answer
     passes: one call. No request ever shows a failure to the executor (every request is the plain ask)."""
     items, right = _humaneval(tmp_path)

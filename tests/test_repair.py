@@ -1,4 +1,4 @@
-"""Self-repair (issue 12, W4S): through the rollout stage with a scripted generator, so every row is known."""
+"""Self-repair (W4S): through the rollout stage with a scripted generator, so every row is known."""
 
 from __future__ import annotations
 

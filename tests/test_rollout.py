@@ -454,7 +454,7 @@ def test_nearby_seeds_share_no_sample_streams(tmp_path, fake):
 
 
 def test_example_menu_draws_one_design_per_slot(tmp_path, fake, monkeypatch):
-    """Issue 39: with rollout.example_menu each slot's prompt shows the design drawn for (query, slot, menu_seed) as
+    """With rollout.example_menu each slot's prompt shows the design drawn for (query, slot, menu_seed) as
     its example and opens the assistant turn with its first lines; the rows name the design shown (`example`) and the
     one written (`design`: FakeGen writes WORKFLOW, which is design `io` token for token)."""
     from pipeline.stages.sampling import draw_design

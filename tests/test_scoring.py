@@ -67,7 +67,7 @@ def test_reward_maths():
 
 
 def test_cost_term_in_the_task_budget():
-    # issue 39: the legacy scale (no budget) leaves an 800-token run at 800 / 20,000 = 0.04, so a 0.1 weight costs 0.004
+    # the legacy scale (no budget) leaves an 800-token run at 800 / 20,000 = 0.04, so a 0.1 weight costs 0.004
     assert cost_term(600, 200) == pytest.approx(0.04)
     # with a budget of 1,600 tokens a run: 800 tokens is half of it, 2,400 is past it (capped at 1)
     assert cost_term(600, 200, token_budget=1600) == pytest.approx(0.5)

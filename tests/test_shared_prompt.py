@@ -1,4 +1,4 @@
-"""Issue 23: the train stage computes each token once. A pass encodes each distinct prompt once and its completions
+"""The train stage computes each token once. A pass encodes each distinct prompt once and its completions
 attend to it (pipeline.stages.train.completion_logprobs); a sequence in several groups of a step is computed once and
 carries the sum of its groups' loss terms (pipeline.stages.train.chunk_loss_input). Both against today's path: one full
 forward per row."""
@@ -260,7 +260,7 @@ def test_one_pass_per_sequence_equals_one_row_each_on_a_real_batch(lora_smol):
         shapes = row_shapes(seqs)
         units = step_units(range(6), shapes) if dedupe else [[r] for r in range(6)]
         (chunk,) = pack(units, shapes, budget=10_000)
-        if not dedupe:  # one computed sequence per row, as before issue 23
+        if not dedupe:  # one computed sequence per row, as without sharing
             chunk.uniq, chunk.take = list(chunk.rows), list(range(6))
         model.zero_grad()
         batch = collate([seqs[i] for i in chunk.uniq], pad_id=0)

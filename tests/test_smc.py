@@ -1,4 +1,4 @@
-"""BayesFlow's SMC sampler (issue 12): step cutting, look-ahead weights, multinomial resampling and one scripted sweep,
+"""BayesFlow's SMC sampler: step cutting, look-ahead weights, multinomial resampling and one scripted sweep,
 all by hand; then the derived run end to end with a scripted generator."""
 
 from __future__ import annotations

@@ -369,7 +369,7 @@ def test_rounds_run_on_an_s3_store_with_the_endpoint_from_the_config(bucket, s3_
     assert "<h1>Run s3run</h1>" in (st.run_dir("s3run") / "report.html").read_text()
 
 
-# ---- one writer per stage on an s3:// store (issue 41) -----------------------------------------------------------
+# ---- one writer per stage on an s3:// store -----------------------------------------------------------------
 
 HOLD_S3_LEASE = """
 import sys

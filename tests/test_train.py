@@ -467,3 +467,53 @@ def test_a_killed_train_stage_resumes_at_its_last_saved_step(tmp_path, tiny_mode
     assert counts["steps"] == 5 and got_loss == want_loss and len(set(want_loss)) > 1
     assert got_w.keys() == want_w.keys() and all(torch.equal(got_w[k], want_w[k]) for k in want_w)
     assert not saved.exists()
+
+
+@pytest.mark.parametrize("schedule, warmup", [("linear", 2), ("cosine", 0), ("constant", 3)])
+def test_lr_schedule_and_warmup_set_each_steps_learning_rate(tmp_path, tiny_model, schedule, warmup):
+    """training.lr_schedule and warmup_steps, as each step's logged lr (the rate its update used) over N steps of
+    peak 1e-3: linear, s/w during the warm-up, then (N - s) / (N - w); cosine (no warm-up) (1 + cos(π s / N)) / 2;
+    constant after a linear warm-up of w steps."""
+    import math
+
+    from test_curate import _ctx
+
+    from pipeline.stages.train import run_train
+
+    ctx = _ctx(tmp_path, [f"generator.model={tiny_model}", "training.micro_batch_size=1", "training.epochs=6",
+                          "training.lr=1e-3", f"training.lr_schedule={schedule}", f"training.warmup_steps={warmup}"])
+    _flat_round(ctx)
+    run_train(ctx)
+    lrs = ctx.store.read("train_metrics", ctx.run_id, 0).sort("step")["lr"].to_list()
+    n = len(lrs)
+    assert n == 6  # a step takes a whole group (the one query's), one step an epoch
+
+    def expected(s: int) -> float:
+        if s < warmup:
+            return s / warmup
+        return {"linear": (n - s) / (n - warmup), "cosine": (1 + math.cos(math.pi * s / n)) / 2,
+                "constant": 1.0}[schedule]
+
+    assert lrs == pytest.approx([1e-3 * expected(s) for s in range(n)], abs=1e-12)
+
+
+def test_max_grad_norm_clips_the_update(tmp_path, tiny_model):
+    """training.max_grad_norm: a fresh adapter's B starts at 0, so after one AdamW step B is the update,
+    lr · g / (|g| + 1e-8) per element. Unclipped (norm 1) the largest moves by a good part of lr; clipped to a norm
+    of 1e-12, every |g| <= 1e-12 and the update is at most lr · 1e-12 / 1e-8 = lr · 1e-4."""
+    from safetensors.torch import load_file
+    from test_curate import _ctx
+
+    from pipeline.stages.train import run_train
+
+    moved = {}
+    for norm in (1.0, 1e-12):
+        ctx = _ctx(tmp_path, [f"generator.model={tiny_model}", "training.micro_batch_size=2", "training.lr=1e-3",
+                              f"training.max_grad_norm={norm}"])
+        _flat_round(ctx)
+        run_train(ctx)
+        assert ctx.store.read("train_metrics", ctx.run_id, 0).height == 1
+        weights = load_file(str(ctx.store.checkpoint_dir(ctx.run_id, 0) / "adapter_model.safetensors"))
+        moved[norm] = max(float(w.abs().max()) for n, w in weights.items() if "lora_B" in n)
+    assert moved[1.0] > 0.1e-3
+    assert moved[1e-12] <= 1e-3 * 1e-4 * 1.01

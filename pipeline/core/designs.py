@@ -1,4 +1,4 @@
-"""Which design of a menu a workflow follows (issue 39), pure: the menu design whose code is most like the workflow's,
+"""Which design of a menu a workflow follows, pure: the menu design whose code is most like the workflow's,
 by the similarity of their token sequences (difflib's ratio, 2 x matches / total tokens, over Python tokens with
 comments and layout dropped), or `other` below MIN_SIMILARITY. A generator that composes or departs from the
 examples writes `other`; one that copies an example writes that example's design. The rollout stores it per

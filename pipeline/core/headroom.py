@@ -1,4 +1,4 @@
-"""Headroom before training (issue 39), pure: is there a per-query choice of design that beats the best single design
+"""Headroom before training, pure: is there a per-query choice of design that beats the best single design
 at the same executor budget?
 
 Input: every design of a menu run R >= 2 times as a fixed program on every query of a split: scores s[d, q, r] and

@@ -5,7 +5,7 @@
 - complexity in [0, 1]: half AST size, half helper call sites (`llm(...)` / `run_tests(...)` in the
   source), each saturating at a scale: 0.5 * min(1, nodes / AST_SCALE) + 0.5 * min(1, calls / CALL_SCALE).
 - cost in [0, 1]: executor tokens (in + out) of the run relative to a budget, min(1, tokens / budget). The budget is
-  `scoring.reward.token_budget`, the executor tokens a run of the task is expected to spend (issue 39: word problems
+  `scoring.reward.token_budget`, the executor tokens a run of the task is expected to spend (word problems
   and HumanEval runs spend 300-2,500 tokens, so at the legacy TOKEN_SCALE of 20,000, the default when no budget is
   set, a 0.1 weight cost an 800-token run 0.004: nothing a group's advantages could see). With the budget at the
   dearest design's spend, the term ranks every design of the menu: a run at half the budget pays half the weight.

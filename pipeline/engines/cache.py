@@ -1,4 +1,4 @@
-"""Work computed once (issue 38): executor replies and grader verdicts, kept beside the store.
+"""Work computed once: executor replies and grader verdicts, kept beside the store.
 
 Layout: `<store root>/cache/<kind>/<stamp>-<host>-<pid>-<random>.jsonl`, `kind` = `executor` or `grader`. Every
 process that writes has its own file and only appends to it, one JSON line per entry written with one `write`, so:

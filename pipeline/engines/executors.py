@@ -7,7 +7,7 @@
   `generate` call; greedy at temperature 0 (the paper's setting); sampled rows each draw from their own
   torch.Generator, so a seeded request gets the same sample whatever else is in its batch.
 
-Common random numbers (issue 38): a sampled call may carry a `seed`. `CallSeeds` derives it on the trusted side of
+Common random numbers: a sampled call may carry a `seed`. `CallSeeds` derives it on the trusted side of
 the sandbox from where the workflow run sits (`SampleSlot`: executor.seed, query, sample slot, rep) and the call
 itself (messages, parameters, and how many identical calls the run made before), so two arms that make the same call
 on the same query in the same slot get the same sample, while repeated calls and reps get fresh ones.

@@ -1,4 +1,4 @@
-"""`pipeline bench executor CONFIG`: does scoring keep a served executor busy? (issue 23, item 4)
+"""`pipeline bench executor CONFIG`: does scoring keep a served executor busy?
 
 One server of CONFIG's `executor.serve` section is started for the whole bench. On it, side by side:
 - **the server's best**: a plain concurrent client (the `openai` package, no sandbox, no workflow) sending the

@@ -363,7 +363,7 @@ def _step_seconds(model, seqs: list[TrainSequence], share: bool, reps: int) -> f
 def sweep(prompt_lens=(128, 512), group_sizes=(2, 4, 8), batch: int = BATCH, completion_len: int = 64,
           reps: int = 1, echo=print) -> list[dict]:
     """The shared-prompt saving against prompt length and group size on the embedded model (CPU fp32): the same
-    step with each prompt once and with a prompt row per sequence (the cost before issue 23); the token ratio is
+    step with each prompt once and with a prompt row per sequence (the cost without prompt sharing); the token ratio is
     what the saving tends to when compute is linear in tokens (Prefix Grouper's FLOP argument)."""
     from peft import LoraConfig, get_peft_model
 

@@ -100,7 +100,7 @@ class Sampler:
         self.adapter, self.adapter_round = adapter, adapter_round
         self.sample_adapter = adapter  # what the engine applies: None when the adapter is merged into its weights
         self.prompt_round = k = exemplar_source(ctx)[1]
-        # the example menu (issue 39); its designs by name, to name the design each written workflow follows
+        # the example menu; its designs by name, to name the design each written workflow follows
         self.menu = [load_design(p) for p in self.cfg.rollout.example_menu]
         self.menu_code = {d.name: d.code for d in self.menu}
         self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, k)

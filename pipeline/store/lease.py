@@ -1,4 +1,4 @@
-"""Leases: one writer per (run, round, stage[, shard]) of a store, and one round loop per run (issue 41).
+"""Leases: one writer per (run, round, stage[, shard]) of a store, and one round loop per run.
 
 A second command that would write what a running one is writing (the same stage of the same round, re-run in
 another shell or re-triggered as a deployment) is refused before it does any work, with `LeaseHeld` naming the

@@ -32,7 +32,7 @@ _RUN_USAGE = [
     ("cost_usd", pa.float64()),
     ("wall_s", pa.float64()),
     ("created_at", _ts),
-    # added with issue 38 (nullable: parts written before read them as null). tokens_in / tokens_out are what the
+    # added later (nullable: parts written before read them as null). tokens_in / tokens_out are what the
     # workflow used (a cache hit counts its reply's tokens: budgets compare them); computed_* what the executor
     # computed for the run (hits excluded: what it cost); null in older parts, where every token was computed
     ("truncated_calls", pa.int32()),  # calls whose reply stopped at the token cap (finish_reason "length")
@@ -77,12 +77,12 @@ TABLES: dict[str, pa.Schema] = {
             ("retokenized", pa.bool_()),  # token ids re-derived from text (server gave none)
             ("latency_s", pa.float64()),
             ("created_at", _ts),
-            # added with issue 12 (nullable: parts written before read them as null)
+            # added later (nullable: parts written before read them as null)
             ("cost_usd", pa.float64()),  # generator cost of this sample (generator.prices); null = not priced
             ("repair_of", pa.string()),  # self-repair: the gen_id this generation repairs, else null
             ("attempt", pa.int32()),  # self-repair: 0 = first sample, a = a-th repair; null = before repair existed
             ("turn", pa.int32()),  # refine rollouts: the refinement turn (0-based) it was sampled in, else null
-            # added with issue 39 (null: no example menu): the menu design the prompt showed as its example
+            # added later (null: no example menu, or written before): the menu design the prompt showed as its example
             # (rollout.example_menu), and the one the written workflow follows (pipeline.core.designs, `other`: none)
             ("example", pa.string()),
             ("design", pa.string()),
@@ -105,7 +105,7 @@ TABLES: dict[str, pa.Schema] = {
             ("error", pa.string()),
             *_RUN_USAGE,
             ("diversity", pa.float64()),  # FlowReasoner's distinctness component (before weighting); null = older
-            # added with issue 22: `where:reason` pairs where the workflow or its answer's code touches the
+            # added later: `where:reason` pairs where the workflow or its answer's code touches the
             # harness's surface (pipeline.core.tamper), '' = none, null = scored before the scan existed
             ("flags", pa.string()),
         ]
@@ -162,7 +162,7 @@ TABLES: dict[str, pa.Schema] = {
             ("advantages", pa.list_(pa.float64())),
             ("kl_mask", pa.list_(pa.bool_())),
             ("buckets", pa.list_(pa.string())),  # F / M / S per member
-            # added with issue 11 (nullable: parts written before read them as null = a GRPO group)
+            # added later (nullable: parts written before read them as null = a GRPO group)
             ("kind", pa.string()),  # what the row is for an objective (pipeline.core.objectives.KINDS): group | pair |
             # weighted | best
             ("weights", pa.list_(pa.float64())),  # per member: pair / weighted / best rows' loss weights
@@ -184,10 +184,10 @@ TABLES: dict[str, pa.Schema] = {
             ("logp_mismatch", pa.float64()),  # mean |generation-time − trainer old logprob|
             ("wall_s", pa.float64()),
             ("created_at", _ts),
-            # added with issue 23 (nullable: parts written before read it as null)
+            # added later (nullable: parts written before read it as null)
             ("padding_share", pa.float64()),  # share of the step's computed token positions that were padding
-            # added with issue 26: KL(π_old‖π_θ) on π_old's samples; `kl` (the loss's k3) explodes once a sampled
-            # token is all but ruled out
+            # added later (null in older parts): KL(π_old‖π_θ) on π_old's samples; `kl` (the loss's k3) explodes
+            # once a sampled token is all but ruled out
             ("kl_old", pa.float64()),
         ]
     ),

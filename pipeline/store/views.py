@@ -11,7 +11,7 @@ import polars as pl
 from pipeline.store.schema import TRANSIENT_STATUSES
 
 # A set of workflow runs' usage (`scores` or `checks` rows), summed: used tokens, computed tokens (a row written
-# before issue 38 computed all it used), cache hits and truncated replies.
+# before the executor cache existed computed all it used), cache hits and truncated replies.
 RUN_USAGE_SUMS = """sum(llm_calls)::BIGINT AS calls, sum(tokens_in)::BIGINT AS tin, sum(tokens_out)::BIGINT AS tout,
     sum(cost_usd) AS cost, sum(coalesce(computed_tokens_in, tokens_in))::BIGINT AS computed_in,
     sum(coalesce(computed_tokens_out, tokens_out))::BIGINT AS computed_out,
@@ -165,7 +165,7 @@ def round_stats(store: Any, run_id: str) -> pl.DataFrame:
     return store.sql(ROUND_SQL, {"run": run_id})
 
 
-# Issue 39: do a round's groups span designs? Per round of a run, of its queries (a GRPO group is a query's workflows),
+# Do a round's groups span designs? Per round of a run, of its queries (a GRPO group is a query's workflows),
 # the share whose workflows follow at least two designs of the menu (`generations.design`, pipeline.core.designs;
 # `other` counts as one design), and the mean number of designs per query. Null designs (no menu) count as none.
 DESIGN_SPAN_SQL = """
