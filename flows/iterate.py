@@ -15,6 +15,7 @@ from flows.tasks import flow_run_note, submitting_call
 from pipeline.stages.rounds import run_rounds
 from pipeline.stages.runner import RetryPolicy
 from pipeline.store import Store, noting
+from pipeline.studies.formatting import num
 from pipeline.studies.report import build_report
 from pipeline.studies.tracking import TRACKERS
 
@@ -52,10 +53,6 @@ def iterate(config: str = SMOKE_CONFIG, rounds: int | None = None, run_id: str |
         summary = run_rounds(config, rounds, run_id, call, after_round, sets, shards, observer=TRACKERS)
     publish_report_link(summary["run_id"], build_report(Store(summary["store"]), summary["run_id"]))
     for r in summary["rounds"]:
-        print(f"run {summary['run_id']} round {r['round']}: mean score {_fmt(r['mean_score'])}, "
-              f"best {_fmt(r['best_score'])}, stage wall s {r['wall_s']}")
+        print(f"run {summary['run_id']} round {r['round']}: mean score {num(r['mean_score'])}, "
+              f"best {num(r['best_score'])}, stage wall s {r['wall_s']}")
     return summary
-
-
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"

@@ -1,6 +1,7 @@
-"""The `pipeline` command. Every stage: `pipeline <stage> CONFIG [--run-id R] [--round K] [--set k=v ...]`.
+"""The `pipeline` command: stages, studies, inspection, set-up (the panels of --help); `bench` measures speed.
 
-Heavy libraries are imported inside commands so `--help` and `validate` stay instant.
+Each option is defined once below and means the same on every command; the work is pipeline.api's (the Python door
+notebooks use too). Heavy libraries load inside commands so `--help` and `validate` stay instant.
 """
 
 from __future__ import annotations
@@ -21,11 +22,23 @@ bench_app = typer.Typer(help="Benchmarks that print numbers (ratios against a ba
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
+STAGES, STUDIES, INSPECT, SETUP = "Stages", "Studies", "Inspection", "Set-up"  # --help panels
+
 ConfigArg = Annotated[Path | None, typer.Argument(help="Run config YAML (optional for an existing --run-id).")]
-RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="Run id (default: the config's run_id).")]
-RoundOpt = Annotated[int, typer.Option("--round", help="Round index k (0 = base model).")]
+RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="Run id (default: the config's run_id); a study's and "
+                                              "a derived run's ids are made from it.")]
+RoundOpt = Annotated[int | None, typer.Option("--round", help="Round index k (0: the first round; where a checkpoint "
+                                              "is read, -1: the base model).")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: --set rollout.m=4 (repeatable).")]
-StoreOpt = Annotated[str | None, typer.Option("--store", help="Store root (default: the config's store.root).")]
+StoreOpt = Annotated[str | None, typer.Option("--store", help="Store root (default: the run config's store.root, "
+                                              "without a config data/runs).")]
+SplitOpt = Annotated[str, typer.Option("--split", help="Queries of this split: test, dev, train or validate "
+                                       "(= train + dev).")]
+RetriesOpt = Annotated[int, typer.Option("--retries", help="Retries of a transiently failing stage.")]
+SeedsOpt = Annotated[int | None, typer.Option("--seeds", help="Seeds 0..N-1 (default: experiment.seeds).")]
+OutOpt = Annotated[Path | None, typer.Option("--out", help="Write the output here (sql: the result as .csv, .json "
+                                            "or .parquet; report: the HTML, default <store>/<run_id>/report.html).")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the result dict here as JSON.")]
 WaitOpt = Annotated[bool, typer.Option("--wait", help="Another process running the same stage of the run (or the "
                                       "same run's rounds): wait for it, then skip what it finished, instead of "
                                       "stopping with an error that names it.")]
@@ -38,13 +51,11 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _ctx(config, run_id, round, sets, store=None):
-    from pipeline.run import open_run
+def _command() -> str:
+    """This command line as typed, for a study's summary."""
+    import shlex
 
-    try:
-        return open_run(config, run_id, round, sets or [], store)
-    except ConfigError as e:
-        _fail(str(e))
+    return "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
 @app.callback()
@@ -53,7 +64,7 @@ def _main(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug l
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-@app.command()
+@app.command(rich_help_panel=SETUP)
 def validate(config: Path, sets: SetOpt = None) -> None:
     """Check a config file, and that its benchmark data loads, without running anything."""
     from pipeline.engines.benchmarks import BenchmarkError, load_benchmark
@@ -69,7 +80,7 @@ def validate(config: Path, sets: SetOpt = None) -> None:
                f"generator={cfg.generator.model} via {cfg.generator.backend}, executor={cfg.executor.kind})")
 
 
-@app.command("prepare-model")
+@app.command("prepare-model", rich_help_panel=SETUP)
 def prepare_model(
     ref: Annotated[str, typer.Argument(help="Embedded model ref.")] = "embedded:smollm2-135m-instruct",
     force: Annotated[bool, typer.Option(help="Rebuild even if cached.")] = False,
@@ -86,7 +97,7 @@ def prepare_model(
     typer.echo(str(path))
 
 
-@app.command()
+@app.command(rich_help_panel=SETUP)
 def chat(
     prompt: str,
     model: Annotated[str, typer.Option(help="Model ref.")] = "embedded:smollm2-135m-instruct",
@@ -102,68 +113,66 @@ def chat(
     typer.echo(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
 
 
-def _stage(stage: str, config, run_id, round, sets, store=None, only_failed: bool = False, shards: int = 1,
+def _stage(stage: str, config, run_id, round, sets, store, only_failed: bool = False, shards: int = 1,
            wait: bool = False) -> None:
-    """One stage in this process through the stage runner: a finished stage is skipped, an unfinished attempt's
-    leftovers are discarded, and a failure is printed as `round K STAGE: reason` (another process running the stage
-    too: named, unless `wait`). Shards run one after another."""
-    from pipeline.stages.rounds import call_stage, direct_call
-    from pipeline.stages.runner import RetryPolicy, StageError
+    """One stage in this process (pipeline.api.run_stage); a failure is printed as `round K STAGE: reason`
+    (another process running the stage too: named, unless `wait`)."""
+    from pipeline import api
+    from pipeline.stages.runner import StageError
 
-    ctx = _ctx(config, run_id, round, sets, store)
-    try:  # no retries here (a re-run resumes); direct_call records the timings
-        res = call_stage(direct_call(RetryPolicy(retries=0), isolate=False, wait=wait), stage, ctx.run_id, round,
-                         str(ctx.store.root), sets, only_failed, shards, wait)
-    except StageError as e:
+    try:
+        res = api.run_stage(stage, config, run_id, round, sets or [], store, only_failed, shards, wait)
+    except (ConfigError, StageError) as e:
         _fail(str(e))
     typer.echo({**res.counts, "skipped": True} if res.skipped else res.counts)
 
 
-@app.command()
+@app.command(rich_help_panel=STAGES)
 def rollout(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
-            wait: WaitOpt = False) -> None:
+            store: StoreOpt = None, wait: WaitOpt = False) -> None:
     """Sample agent plans / workflows for a round and write `generations` (resumes per query slot)."""
-    _stage("rollout", config, run_id, round, sets, wait=wait)
+    _stage("rollout", config, run_id, round, sets, store, wait=wait)
 
 
-@app.command()
+@app.command(rich_help_panel=STAGES)
 def score(
     config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
+    store: StoreOpt = None, wait: WaitOpt = False,
     only_failed: Annotated[bool, typer.Option("--only-failed", help="Re-run transient failures only.")] = False,
-    store: StoreOpt = None, shards: ShardsOpt = 1, wait: WaitOpt = False,
+    shards: ShardsOpt = 1,
 ) -> None:
     """Run each workflow of a round in the sandbox and write `scores` (idempotent)."""
     _stage("score", config, run_id, round, sets, store, only_failed, shards, wait)
 
 
-@app.command()
+@app.command(rich_help_panel=STAGES)
 def curate(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
-           wait: WaitOpt = False) -> None:
+           store: StoreOpt = None, wait: WaitOpt = False) -> None:
     """Build group-wise training data (screening, sharpening, advantages) into `groups`."""
-    _stage("curate", config, run_id, round, sets, wait=wait)
+    _stage("curate", config, run_id, round, sets, store, wait=wait)
 
 
-@app.command()
+@app.command(rich_help_panel=STAGES)
 def train(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
-          wait: WaitOpt = False) -> None:
+          store: StoreOpt = None, wait: WaitOpt = False) -> None:
     """LoRA GRPO with advantage-masked KL on the round's groups; writes the round's checkpoint."""
-    _stage("train", config, run_id, round, sets, wait=wait)
+    _stage("train", config, run_id, round, sets, store, wait=wait)
 
 
-@app.command()
+@app.command(rich_help_panel=INSPECT)
 def sql(
     query: Annotated[str | None, typer.Argument(help="SQL to run; none: an interactive shell.")] = None,
-    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
-    out: Annotated[Path | None, typer.Option("--out", help="Write the result to .csv/.json/.parquet.")] = None,
+    store: StoreOpt = None,
+    out: OutOpt = None,
     limit: Annotated[int, typer.Option(help="Rows printed.")] = 50,
 ) -> None:
     """SQL over the store's views (queries, generations, scores, latest_scores, groups, ...). Without a
     query: a shell reading `;`-terminated statements until `.quit` or end of input."""
     import duckdb
 
-    from pipeline.store import Store
+    from pipeline import api
 
-    st = Store(store)
+    st = api.open_store(store)
     if query is None:
         if not st.remote:  # catalog.duckdb is local-only; the shell below loads the views itself
             st.refresh_catalog()
@@ -316,7 +325,7 @@ def bench_train(
     gradient_checkpointing: Annotated[bool, typer.Option(help="Checkpoint the decoder layers (both sides).")] = False,
     weights_dtype: Annotated[str, typer.Option(help="float32 (the trainer's fp32 master weights) or bfloat16.")]
     = "float32",
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result dict here as JSON.")] = None,
+    json_out: JsonOpt = None,
 ) -> None:
     """Training-step tokens/s against TRL's GRPO loss + backward on the same model and batch (CUDA: bf16 autocast,
     peak memory and MFU)."""
@@ -349,7 +358,7 @@ def bench_executor(
     program: Annotated[Path | None, typer.Option(help="Workflow scored (default: the code prompt's example).")]
     = None,
     sets: SetOpt = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result dict here as JSON.")] = None,
+    json_out: JsonOpt = None,
 ) -> None:
     """Executor tokens/s during the score stage against the same server driven by a plain concurrent client."""
     from pipeline.perf.executor import main
@@ -360,12 +369,12 @@ def bench_executor(
         _fail(str(e))
 
 
-@app.command("run")
+@app.command("run", rich_help_panel=STAGES)
 def run_cmd(
     config: Annotated[Path, typer.Argument(help="Run config YAML.")],
     run_id: RunIdOpt = None,
     rounds: Annotated[int | None, typer.Option("--rounds", help="Rounds (default: the config's).")] = None,
-    retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
+    retries: RetriesOpt = 2,
     sets: SetOpt = None, shards: ShardsOpt = 1, wait: WaitOpt = False,
 ) -> None:
     """All rounds without a Prefect server (same skip/resume/retry rules as the iterate flow); --shards N scores
@@ -373,7 +382,9 @@ def run_cmd(
     from pipeline.engines.servers import ServeError
     from pipeline.stages.rounds import direct_call, run_rounds
     from pipeline.stages.runner import RetryPolicy, StageError
-    from pipeline.store import LeaseHeld, Store
+    from pipeline import api
+    from pipeline.store import LeaseHeld
+    from pipeline.studies.formatting import num
     from pipeline.studies.report import build_report
     from pipeline.studies.tracking import TRACKERS
 
@@ -383,17 +394,16 @@ def run_cmd(
     except (ConfigError, StageError, ServeError, LeaseHeld) as e:
         _fail(str(e))
     for r in summary["rounds"]:
-        mean = "n/a" if r["mean_score"] is None else f"{r['mean_score']:.3f}"
-        typer.echo(f"round {r['round']}: mean score {mean}, stage wall s {r['wall_s']}")
-    typer.echo(f"report: {build_report(Store(summary['store']), summary['run_id'])}")
+        typer.echo(f"round {r['round']}: mean score {num(r['mean_score'])}, stage wall s {r['wall_s']}")
+    typer.echo(f"report: {build_report(api.open_store(summary['store']), summary['run_id'])}")
 
 
-@app.command()
+@app.command(rich_help_panel=STUDIES)
 def experiment(
     config: Annotated[Path, typer.Argument(help="Run config YAML (its `experiment` section).")],
-    seeds: Annotated[int | None, typer.Option("--seeds", help="Seeds 0..N-1 (default: experiment.seeds).")] = None,
+    seeds: SeedsOpt = None,
     run_id: RunIdOpt = None,
-    retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
+    retries: RetriesOpt = 2,
     sets: SetOpt = None,
     only_seed: Annotated[list[int] | None, typer.Option(
         "--only-seed", help="Run only this seed of the plan, no reference (repeatable): seeds in parallel processes "
@@ -408,19 +418,17 @@ def experiment(
 ) -> None:
     """Train S seeds x R rounds, evaluate the base model and every checkpoint on held-out queries, and print
     the paired difference with its bootstrap interval (results under <store>/experiments/<run_id>/)."""
-    import shlex
-
-    from pipeline.stages.rounds import direct_call
-    from pipeline.stages.runner import RetryPolicy, StageError
+    from pipeline import api
+    from pipeline.stages.runner import StageError
     from pipeline.store import LeaseHeld
-    from pipeline.studies.experiment import plan, run_experiment, status, status_table, time_left
+    from pipeline.studies.experiment import plan, status, status_table, time_left
 
     if show_status:
+        from pipeline.stages.rounds import study_config
         from pipeline.store import store_for
 
         try:
-            cfg = load_config(config, sets or [])
-            cfg = cfg.model_copy(update={"run_id": run_id}) if run_id else cfg
+            cfg = study_config(config, sets, run_id)[2]
             order = [p.seed for p in plan(cfg, None if seeds is None else list(range(seeds)))]
             rows = status(store_for(cfg.store), cfg, order)
         except (ConfigError, ValueError) as e:
@@ -432,48 +440,45 @@ def experiment(
                                                            if todo else "")
                    + (f", {unknown} of them without an estimate (none of their kind done yet)" if unknown else ""))
         return
-    command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     try:
-        summary = run_experiment(config, direct_call(RetryPolicy(retries)), seeds, run_id, sets or [], command,
-                                 only_seeds=only_seed, only_references=only_references)
+        summary = api.run_study("experiment", config, retries, seeds=seeds, run_id=run_id, sets=sets or [],
+                                command=_command(), only_seeds=only_seed, only_references=only_references)
     except (ConfigError, StageError, ValueError, LeaseHeld) as e:
         _fail(str(e))
     _echo_experiment(summary)
-    typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")
+    _echo_done(summary)
 
 
-@app.command()
+@app.command(rich_help_panel=STUDIES)
 def ablate(
     config: Annotated[Path, typer.Argument(help="Run config YAML (`experiment` sets seeds and evaluation).")],
     objectives: Annotated[str | None, typer.Option(
         "--objectives", help="Comma-separated objectives, the first is the reference arm (default: all registered)."
     )] = None,
-    seeds: Annotated[int | None, typer.Option("--seeds", help="Seeds 0..N-1 (default: experiment.seeds).")] = None,
-    round: Annotated[int, typer.Option("--round", help="The round whose curated data every objective trains on.")] = 0,
+    seeds: SeedsOpt = None,
+    round: RoundOpt = 0,
     run_id: RunIdOpt = None,
-    retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
+    retries: RetriesOpt = 2,
     sets: SetOpt = None,
 ) -> None:
     """Train one round's curated data with several objectives (training.objective) and compare their held-out
-    evaluations with paired bootstrap intervals (results under <store>/experiments/<run_id>-ablation/)."""
-    import shlex
+    evaluations with paired bootstrap intervals (results under <store>/experiments/<run_id>-ablation/); --round is
+    the round whose curated data every objective trains on."""
+    from pipeline import api
+    from pipeline.stages.runner import StageError
+    from pipeline.studies.ablation import table
 
-    from pipeline.stages.rounds import direct_call
-    from pipeline.stages.runner import RetryPolicy, StageError
-    from pipeline.studies.ablation import run_ablation, table
-
-    command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     names = [o.strip() for o in objectives.split(",") if o.strip()] if objectives else None
     try:
-        summary = run_ablation(config, direct_call(RetryPolicy(retries)), names, seeds, round, run_id, sets or [],
-                               command)
+        summary = api.run_study("ablation", config, retries, objectives=names, seeds=seeds, round=round,
+                                run_id=run_id, sets=sets or [], command=_command())
     except (ConfigError, StageError, ValueError) as e:
         _fail(str(e))
     typer.echo(table(summary))
-    typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")
+    _echo_done(summary)
 
 
-@app.command("compare-methods")
+@app.command("compare-methods", rich_help_panel=STUDIES)
 def compare_methods(
     config: Annotated[Path, typer.Argument(help="Run config YAML: the task, base model and `experiment` (seeds, "
                                                 "held-out split, queries, L).")],
@@ -481,7 +486,7 @@ def compare_methods(
         "--methods", help="Comma-separated methods (default: all registered: spogw, two_level, w4s, scoreflow, "
         "flowreasoner, smc, task_best; docs/methods.md)."
     )] = None,
-    seeds: Annotated[int | None, typer.Option("--seeds", help="Seeds 0..N-1 (default: experiment.seeds).")] = None,
+    seeds: SeedsOpt = None,
     run_id: RunIdOpt = None,
     lr_sweep: Annotated[str | None, typer.Option(
         "--lr-sweep", help="Comma-separated learning rates: each trained method trains one seed one round per rate, "
@@ -490,67 +495,67 @@ def compare_methods(
     arm_sets: Annotated[list[str] | None, typer.Option(
         "--arm-set", help="One method's override: --arm-set w4s:training.lr=5e-4 (repeatable)."
     )] = None,
-    retries: Annotated[int, typer.Option(help="Retries of a transiently failing stage.")] = 2,
+    retries: RetriesOpt = 2,
     sets: SetOpt = None,
 ) -> None:
     """Train each method (S seeds x R rounds, same base model and training queries) and compare their held-out
     evaluations with the base model and SPOGW, paired intervals over seeds then queries (results under
     <store>/experiments/<run_id>-methods/)."""
-    import shlex
+    from pipeline import api
+    from pipeline.stages.runner import StageError
+    from pipeline.studies.methods import parse_arm_sets, table
 
-    from pipeline.stages.rounds import direct_call
-    from pipeline.stages.runner import RetryPolicy, StageError
-    from pipeline.studies.methods import parse_arm_sets, run_methods, table
-
-    command = "pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     names = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
     try:
         lrs = [float(x) for x in lr_sweep.split(",") if x.strip()] if lr_sweep else None
     except ValueError:
         _fail(f"--lr-sweep {lr_sweep!r}: expected comma-separated learning rates, e.g. 1e-4,2e-4,5e-4")
     try:
-        summary = run_methods(config, direct_call(RetryPolicy(retries)), names, seeds, run_id, sets or [],
-                              parse_arm_sets(arm_sets), lrs, command)
+        summary = api.run_study("methods", config, retries, methods=names, seeds=seeds, run_id=run_id,
+                                sets=sets or [], arm_sets=parse_arm_sets(arm_sets), lr_sweep=lrs, command=_command())
     except (ConfigError, StageError, ValueError) as e:
         _fail(str(e))
     typer.echo(table(summary))
+    _echo_done(summary)
+
+
+def _echo_done(summary: dict) -> None:
     typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")
-
-
-def _num(x: float | None, digits: int = 3) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def _echo_experiment(summary: dict) -> None:
     from pipeline.studies.experiment import headline
+    from pipeline.studies.formatting import metrics_phrase, num, tokens_phrase
 
     for a in summary["arms"]:
-        typer.echo(f"seed {a['seed']} {'base model' if a['round'] < 0 else 'round ' + str(a['round'])}: "
-                   f"held-out Mean@L {a['mean_at_l']:.3f}, Best@L {a['best_at_l']:.3f}, "
-                   f"Majority@L {_num(a.get('majority_at_l'))}, valid {a['valid_share']:.2f}, "
-                   f"tokens/query generator {_num(a.get('gen_tokens_per_query'), 0)} executor "
-                   f"{_num(a.get('exec_tokens_per_query'), 0)}, status {a['status']}")
+        typer.echo(f"seed {a['seed']} {'base model' if a['round'] < 0 else 'round ' + str(a['round'])}: held-out "
+                   f"{metrics_phrase(a['mean_at_l'], a['best_at_l'], a.get('majority_at_l'))}, valid "
+                   f"{num(a['valid_share'], 2)}, "
+                   f"{tokens_phrase(a.get('gen_tokens_per_query'), a.get('exec_tokens_per_query'))}, "
+                   f"status {a['status']}")
     for line in headline(summary):
         typer.echo(line)
 
 
-@app.command()
+@app.command(rich_help_panel=INSPECT)
 def report(
     run_id: Annotated[str, typer.Argument(help="Run id.")],
-    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
-    out: Annotated[Path | None, typer.Option("--out", help="HTML path (default <store>/<run_id>/report.html).")] = None,
-    round: Annotated[int | None, typer.Option("--round", help="Per-query pages of this round only.")] = None,
+    store: StoreOpt = None,
+    out: OutOpt = None,
+    round: RoundOpt = None,
     query: Annotated[str | None, typer.Option("--query", help="The per-query page of this query id.")] = None,
 ) -> None:
     """HTML report of a run (per-round plots, summary table) or of an experiment (paired held-out comparison);
     prints its numbers. Also writes per-query pages (browse/: each workflow's code, status, score, usage, group
-    and advantage; for an experiment the base model's and the trained round's workflows side by side)."""
-    from pipeline.store import Store
+    and advantage; for an experiment the base model's and the trained round's workflows side by side). --round:
+    the per-query pages of that round only."""
+    from pipeline import api
     from pipeline.studies.browse import build_experiment_pages, build_run_pages
     from pipeline.studies.experiment import experiment_dir
+    from pipeline.studies.formatting import num
     from pipeline.studies.report import build_report, round_stats, stage_timings
 
-    st = Store(store)
+    st = api.open_store(store)
     exp = experiment_dir(st, run_id) / "experiment.json"
     if not (st.run_dir(run_id) / "config.yaml").is_file() and exp.is_file():
         _echo_experiment(json.loads(exp.read_text()))
@@ -575,26 +580,22 @@ def report(
     tim = stage_timings(st, run_id)
     for r in round_stats(st, run_id).iter_rows(named=True):
         walls = {t["stage"]: t["wall_s"] for t in tim.filter(tim["round"] == r["round"]).iter_rows(named=True)}
-        mean = "n/a" if r["mean_score"] is None else f"{r['mean_score']:.3f}"
-        typer.echo(f"round {r['round']}: mean score {mean}, workflows {r['workflows']}, "
+        typer.echo(f"round {r['round']}: mean score {num(r['mean_score'])}, workflows {r['workflows']}, "
                    f"valid {r['valid_share']}, flagged rewarded runs {r['flagged_rewarded'] or 0}, "
                    f"stage wall s {walls}, round wall s {sum(walls.values()):.1f}")
     typer.echo(f"report: {path}")
     typer.echo(f"queries: {pages}")
 
 
-@app.command()
-def track(
-    run_id: Annotated[str, typer.Argument(help="Run id.")],
-    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
-) -> None:
+@app.command(rich_help_panel=INSPECT)
+def track(run_id: Annotated[str, typer.Argument(help="Run id.")], store: StoreOpt = None) -> None:
     """Rewrite a run's tracker output (its config's `tracking`: TensorBoard events, MLflow) from the store, e.g.
     for a run made before tracking existed; `pipeline run` and the flows do it after every round."""
-    from pipeline.store import Store
+    from pipeline import api
     from pipeline.studies.tracking import TrackingError, sync_run
 
     try:
-        out = sync_run(Store(store), run_id)
+        out = sync_run(api.open_store(store), run_id)
     except TrackingError as e:
         _fail(str(e))
     for tracker, where in out.items():
@@ -603,14 +604,13 @@ def track(
         typer.echo(f"run {run_id} has tracking: [] (nothing to write)")
 
 
-@app.command()
+@app.command(rich_help_panel=STUDIES)
 def baseline(
     config: Annotated[Path, typer.Argument(help="Run config YAML: its benchmark, executor and experiment section.")],
     methods: Annotated[list[str] | None, typer.Option("--method", help="io, cot, cot_sc, self_review, "
                                                       "ensemble_select, pot, task_best (repeatable).")] = None,
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived runs after this run "
-                                               "(default: the config's run_id).")] = None,
-    split: Annotated[str, typer.Option("--split", help="test, dev, train or validate (= train + dev).")] = "test",
+    run_id: RunIdOpt = None,
+    split: SplitOpt = "test",
     candidates: Annotated[list[str] | None, typer.Option(
         "--candidates", help="task_best: runs whose round-0 workflows are candidates too (repeatable).")] = None,
     max_candidates: Annotated[int, typer.Option(help="task_best: at most this many workflows of --candidates.")] = 16,
@@ -638,16 +638,15 @@ def _baseline(config: Path, m: str, run_id: str | None, split: str, sets: list[s
               candidates: list[str] | None, max_candidates: int) -> None:
     from pipeline.stages.runner import StageError
     from pipeline.studies.baselines import run_baseline
+    from pipeline.studies.summaries import EvalSummary
 
     try:
-        summ = run_baseline(str(config), m, None, run_id, split, sets or [], candidates or [], max_candidates)
+        summ = EvalSummary.from_dict(run_baseline(str(config), m, None, run_id, split, sets or [], candidates or [],
+                                                  max_candidates))
     except (ConfigError, StageError) as e:
         _fail(str(e))
-    typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
-               f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, valid "
-               f"{_num(summ['valid_share'], 2)}, tokens/query generator {_num(summ['gen_tokens_per_query'], 0)} "
-               f"executor {_num(summ['exec_tokens_per_query'], 0)}, status {summ['status']}")
-    for task, win in summ.get("selected", {}).items():
+    typer.echo(summ.line())
+    for task, win in summ.extra.get("selected", {}).items():
         typer.echo(f"  task {task}: {win['label']} (mean {win['mean_score']:.3f} on {win['queries']} selection "
                    f"queries, run {_selection_run(config, run_id, sets)})")
 
@@ -660,19 +659,17 @@ def _selection_run(config: Path, run_id: str | None, sets: list[str] | None) -> 
     return baseline_run_id(run_id or cfg.run_id, SELECT, selection_split(cfg))
 
 
-@app.command()
+@app.command(rich_help_panel=STUDIES)
 def headroom(
     config: Annotated[Path, typer.Argument(help="Run config YAML: its menu (rollout.example_menu or "
                                            "headroom.designs), benchmark, executor and headroom section.")],
-    split: Annotated[str, typer.Option("--split", help="Where the designs run: dev (default), train, validate.")]
-    = "dev",
+    split: SplitOpt = "dev",
     reps: Annotated[int | None, typer.Option("--reps", help="Runs per design and query (default headroom.reps, 2).")]
     = None,
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the study and its runs after this run "
-                                               "(default: the config's run_id).")] = None,
+    run_id: RunIdOpt = None,
     sets: SetOpt = None,
 ) -> None:
-    """Headroom before training (issue 39): every design of the menu as a fixed program on dev, the best single
+    """Headroom before training: every design of the menu as a fixed program on dev, the best single
     design against the cross-fitted per-query oracle at its executor budget, the frontier; writes
     <store>/headroom/<run_id>/ (headroom.json, designs.csv, per_query.csv, frontier.png) and prints the gate."""
     from pipeline.engines.servers import ServeError
@@ -688,73 +685,67 @@ def headroom(
     typer.echo(f"results: {summ['results']}")
 
 
-@app.command()
+@app.command(rich_help_panel=STUDIES)
 def smc(
     config: Annotated[Path, typer.Argument(help="Run config YAML: generator, executor, smc, experiment.")],
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived run <run_id>-smc "
-                                               "(default: the config's run_id).")] = None,
-    split: Annotated[str, typer.Option("--split", help="test, dev, train or validate (= train + dev).")] = "test",
-    plain_l: Annotated[int | None, typer.Option("--plain-l", help="Also sample this many plain workflows per query "
-                                                "(<run_id>-plain-l<L>) to compare at an executor budget.")] = None,
+    run_id: RunIdOpt = None,
+    split: SplitOpt = "test",
     sets: SetOpt = None,
+    plain_l: Annotated[int | None, typer.Option("--plain-l", hidden=True)] = None,
 ) -> None:
     """BayesFlow's SMC workflow sampler (N particles, K look-ahead rollouts, T steps; smc.* in the config) on the
-    held-out queries; prints Mean@L / Best@L / Majority@L (L = N), tokens and workflow runs per query."""
+    held-out queries, in the derived run <run_id>-smc; prints Mean@L / Best@L / Majority@L (L = N), tokens and
+    workflow runs per query. Plain sampling to compare with at a budget is `pipeline sample CONFIG --l L`."""
     from pipeline.stages.runner import StageError
     from pipeline.store import store_for
-    from pipeline.studies.smc import executed_per_query, run_plain, run_smc
+    from pipeline.studies.smc import executed_per_query, run_smc
+    from pipeline.studies.summaries import EvalSummary
 
+    if plain_l is not None:  # one command per job: plain sampling is `sample`'s
+        _fail(f"smc --plain-l is `pipeline sample {config} --l {plain_l}` (the same run <run_id>-plain-l{plain_l})")
     try:
-        summs = [run_smc(str(config), None, run_id, split, sets or [])]
-        if plain_l:
-            summs.append(run_plain(str(config), plain_l, None, run_id, split, sets or []))
+        summ = EvalSummary.from_dict(run_smc(str(config), None, run_id, split, sets or []))
     except (ConfigError, StageError) as e:
         _fail(str(e))
-    for summ in summs:
-        runs = executed_per_query(store_for(load_config(config, sets or []).store), summ["eval_run_id"])
-        typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
-                   f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, tokens/query generator "
-                   f"{_num(summ['gen_tokens_per_query'], 0)} executor {_num(summ['exec_tokens_per_query'], 0)}, "
-                   f"workflow runs/query {runs:.1f}, status {summ['status']}")
+    runs = executed_per_query(store_for(load_config(config, sets or []).store), summ.eval_run_id)
+    typer.echo(summ.line(f"workflow runs/query {runs:.1f}"))
 
 
-@app.command()
+@app.command(rich_help_panel=STUDIES)
 def sample(
     config: Annotated[Path, typer.Argument(help="Run config YAML: generator, executor, experiment.")],
     L: Annotated[int, typer.Option("--l", help="Workflows sampled per held-out query.")],
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Name the derived run <run_id>-plain-l<L> "
-                                               "(default: the config's run_id).")] = None,
-    split: Annotated[str, typer.Option("--split", help="test, dev, train or validate (= train + dev).")] = "test",
+    run_id: RunIdOpt = None,
+    split: SplitOpt = "test",
     sets: SetOpt = None,
 ) -> None:
-    """Plain sampling: the configured generator writes L workflows per held-out query (rollout and score stages;
-    with rollout.repair_attempts, self-repair too); prints Mean@L / Best@L / Majority@L and tokens per query."""
+    """Plain sampling, in the derived run <run_id>-plain-l<L>: the configured generator writes L workflows per
+    held-out query (rollout and score stages; with rollout.repair_attempts, self-repair too); prints Mean@L / Best@L /
+    Majority@L and tokens per query (to compare with `smc` at an executor budget)."""
     from pipeline.stages.runner import StageError
     from pipeline.studies.smc import run_plain
+    from pipeline.studies.summaries import EvalSummary
 
     try:
-        summ = run_plain(str(config), L, None, run_id, split, sets or [])
+        summ = EvalSummary.from_dict(run_plain(str(config), L, None, run_id, split, sets or []))
     except (ConfigError, StageError) as e:
         _fail(str(e))
-    typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, Mean@L {_num(summ['mean_at_l'])}, Best@L "
-               f"{_num(summ['best_at_l'])}, Majority@L {_num(summ['majority_at_l'])}, tokens/query generator "
-               f"{_num(summ['gen_tokens_per_query'], 0)} executor {_num(summ['exec_tokens_per_query'], 0)}, "
-               f"status {summ['status']}")
+    typer.echo(summ.line())
 
 
-@app.command()
+@app.command(rich_help_panel=INSPECT)
 def compare(
     run_ids: Annotated[list[str], typer.Argument(help="Runs whose round 0 holds workflows (evaluations, baselines, "
                                                  "SMC).")],
-    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
+    store: StoreOpt = None,
 ) -> None:
     """One Markdown table of Mean@L / Best@L / Majority@L and tokens per query, one row per run."""
-    from pipeline.store import Store
+    from pipeline import api
     from pipeline.studies.baselines import compare as compare_runs
     from pipeline.studies.baselines import markdown_table
 
     try:
-        res = compare_runs(Store(store), run_ids)
+        res = compare_runs(api.open_store(store), run_ids)
     except ConfigError as e:
         _fail(str(e))
     typer.echo(markdown_table(res["rows"]))
@@ -762,27 +753,24 @@ def compare(
         typer.secho("warning: the runs do not hold the same queries", fg=typer.colors.YELLOW, err=True)
 
 
-@app.command()
+@app.command(rich_help_panel=STUDIES)
 def evaluate(
     run_id: Annotated[str, typer.Argument(help="The trained run.")],
-    round: Annotated[int, typer.Option("--round", help="Checkpoint of this round (-1: base model).")],
-    split: Annotated[str, typer.Option("--split", help="test, dev, train or validate (= train + dev).")] = "test",
-    store: Annotated[str, typer.Option("--store", help="Store root.")] = "data/runs",
+    round: RoundOpt,
+    split: SplitOpt = "test",
+    store: StoreOpt = None,
     sets: SetOpt = None,
 ) -> None:
-    """Roll out and score a round's checkpoint on a split, in the derived run <run_id>-eval-r<k>."""
+    """Roll out and score a round's checkpoint (--round -1: the base model) on a split, in the derived run
+    <run_id>-eval-r<k>."""
+    from pipeline import api
     from pipeline.stages.runner import StageError
-    from pipeline.studies.tracking import evaluate_tracked
 
     try:
-        summ = evaluate_tracked(store, run_id, round, split, sets or [])
+        summ = api.evaluate(run_id, round, split, store, sets or [])
     except (ConfigError, StageError) as e:
         _fail(str(e))
-    sel = f", Sel@L {summ['select_at_l']}" if "select_at_l" in summ else ""  # two-level: best agent's best workflow
-    typer.echo(f"{summ['eval_run_id']}: {summ['queries']} queries, held-out Mean@L {summ['mean_at_l']}, Best@L "
-               f"{summ['best_at_l']}{sel}, Majority@L {summ['majority_at_l']}, valid {summ['valid_share']}, "
-               f"tokens/query generator {summ['gen_tokens_per_query']} executor {summ['exec_tokens_per_query']}, "
-               f"status {summ['status']} (per query: pipeline sql over run {summ['eval_run_id']})")
+    typer.echo(f"{summ.line()} (per query: pipeline sql over run {summ.eval_run_id})")
 
 
 if __name__ == "__main__":  # `python -m pipeline.cli ...` where the package is not installed

@@ -37,3 +37,30 @@ def test_sql_prints_and_writes(tmp_path):
     assert (tmp_path / "catalog.duckdb").is_file()
     r = runner.invoke(app, ["sql", "select nope from generations", "--store", str(tmp_path)])
     assert r.exit_code == 2 and "SQL error" in r.output
+
+
+def test_every_option_is_defined_once_and_every_stage_takes_the_same_ones():
+    from pathlib import Path
+
+    import pipeline.cli
+
+    text = Path(pipeline.cli.__file__).read_text()
+    written = re.findall(r'typer\.Option\(\s*"(--[a-z-]+)"', text)
+    assert sorted(o for o in set(written) if written.count(o) > 1) == []
+    common = {"--run-id", "--round", "--set", "--store", "--wait"}
+    for stage in ("rollout", "score", "curate", "train"):
+        names = {p.opts[0] for p in pipeline.cli.typer.main.get_command(app).commands[stage].params if p.opts}
+        assert common <= names, (stage, common - names)
+
+
+def test_curate_and_train_take_the_store_of_another_run(tmp_path):
+    """A run in another store is reached by --store on every stage, as on score (not its frozen config's path)."""
+    for stage in ("curate", "train"):
+        r = runner.invoke(app, [stage, "--run-id", "nope", "--store", str(tmp_path)])
+        assert "No such option" not in r.output and r.exit_code == 2, r.output
+        assert "nope" in r.output
+
+
+def test_smc_plain_l_points_at_sample():
+    r = runner.invoke(app, ["smc", "c.yaml", "--plain-l", "12"])
+    assert r.exit_code == 2 and "pipeline sample c.yaml --l 12" in r.output

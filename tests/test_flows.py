@@ -233,7 +233,7 @@ def test_cli_run_and_evaluate(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["evaluate", "c", "--round", "2", "--store", str(tmp_path / "runs")])
     assert res.exit_code == 2 and "no checkpoint for round 2" in res.output
     res = CliRunner().invoke(app, ["evaluate", "c", "--round", "1", "--store", str(tmp_path / "runs")])
-    assert res.exit_code == 0 and "c-eval-r1: 1 queries, held-out Mean@L 0.25, Best@L 0.25" in res.output
+    assert res.exit_code == 0 and "c-eval-r1: 1 queries, Mean@L 0.250, Best@L 0.250" in res.output
 
 
 def test_child_process_reports_permanent_error(tmp_path):

@@ -1,6 +1,6 @@
 """The layout's rules (docs/architecture.md): no import cycle among the project's modules, imports inside
 functions counted; imports only run down the layers (core < config < engines < store < run < stages < studies <
-perf < cli < flows); the library never imports the Prefect wiring; no module imports another's private names;
+perf < api < cli < flows); the library never imports the Prefect wiring; no module imports another's private names;
 at most five modules at the top of pipeline/, and every folder says what lives in it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # a module's layer is its first path part below pipeline/ (or flows); imports may stay in a layer or go down
-LAYERS = ["core", "config", "engines", "store", "run", "stages", "studies", "perf", "cli", "flows"]
+LAYERS = ["core", "config", "engines", "store", "run", "stages", "studies", "perf", "api", "cli", "flows"]
 
 
 def _modules() -> dict[str, Path]:

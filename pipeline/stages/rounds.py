@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.config import RunConfig, load_config
 from pipeline.engines.servers import check_served, server_log_dir, sharing
 from pipeline.run import open_run
 from pipeline.stages import ROUND_STAGES, get_stage, served_sections
@@ -78,6 +79,15 @@ def resolve_config(config: str | Path) -> Path:
     if p.is_file() or p.is_absolute():
         return p
     return REPO / p if (REPO / p).is_file() else p
+
+
+def study_config(config: str | Path, sets: list[str] | None = None,
+                 run_id: str | None = None) -> tuple[Path, list[str], RunConfig]:
+    """A study's config: (the resolved path, the overrides as a list, the config with `run_id` in place of its own
+    when given); a study names its runs after that run id."""
+    path, sets = resolve_config(config), list(sets or [])
+    cfg = load_config(path, sets)
+    return path, sets, (cfg.model_copy(update={"run_id": run_id}) if run_id else cfg)
 
 
 def direct_call(policy: RetryPolicy | None = None, isolate: bool | None = None, wait: bool = False) -> Caller:

@@ -22,7 +22,6 @@ import logging
 import time
 from pathlib import Path
 
-from pipeline.config import load_config
 from pipeline.core.learning import paired_differences
 from pipeline.core.objectives import OBJECTIVES, get_objective
 from pipeline.run import open_run
@@ -36,6 +35,7 @@ from pipeline.studies.experiment import (
     paired_interval,
     plan,
 )
+from pipeline.studies.formatting import num, round_s
 from pipeline.studies.report import write_study
 from pipeline.studies.tracking import evaluate_tracked
 
@@ -104,20 +104,15 @@ def table(summary: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for a in summary["arms"]:
         cells = [a["arm"] + ("" if a["arm"] == "base" else f" ({get_objective(a['arm']).kind} rows)")]
-        cells += [fmt(a.get(m)) for m in metrics]
+        cells += [num(a.get(m)) for m in metrics]
         for m in metrics:
             for who in ("base", ref):
                 p = next((p for p in summary["paired"] if p["arm"] == a["arm"] and p["against"] == who
                           and p["metric"] == m), None)
                 cells.append("" if p is None else f"{p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]")
-        cells.append(fmt(a.get("valid_share"), 2))
+        cells.append(num(a.get("valid_share"), 2))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def fmt(x: float | None, digits: int = 3) -> str:
-    """A table cell: the number with `digits` decimals, n/a for none."""
-    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def write_results(store: Store, summary: dict, extra: dict) -> Path:
@@ -130,13 +125,9 @@ def run_ablation(config: str | Path, call, objectives: list[str] | None = None, 
                  command: str | None = None) -> dict:
     """Source rounds, then one arm per objective, each evaluated, through `call` (a stage caller)."""
     from pipeline.stages import ROUND_STAGES
-    from pipeline.stages.rounds import resolve_config
+    from pipeline.stages.rounds import study_config
 
-    path = resolve_config(config)
-    sets = list(sets or [])
-    cfg = load_config(path, sets)
-    if run_id:
-        cfg = cfg.model_copy(update={"run_id": run_id})
+    path, sets, cfg = study_config(config, sets, run_id)
     ref = cfg.training.objective
     objectives = [ref] + [o for o in (objectives or OBJECTIVES) if o != ref]  # the reference arm first
     for o in objectives:
@@ -173,7 +164,3 @@ def run_ablation(config: str | Path, call, objectives: list[str] | None = None, 
     summary["results"] = str(out)
     summary["wall_s"] = round_s(time.perf_counter() - t0)
     return summary
-
-
-def round_s(x: float) -> float:
-    return float(f"{x:.1f}")

@@ -42,6 +42,7 @@ from pipeline.engines.servers import sharing
 from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext, open_run
 from pipeline.store import Store, store_for
+from pipeline.studies.formatting import num
 
 log = logging.getLogger(__name__)
 
@@ -416,9 +417,7 @@ def markdown_table(rows: list[dict]) -> str:
               "exec_tokens_per_query": 0, "exec_calls_per_query": 2}
 
     def cell(key: str, v: object) -> str:
-        if v is None:
-            return "n/a"
-        return f"{v:.{digits[key]}f}" if key in digits else str(v)
+        return num(v, digits[key]) if key in digits or v is None else str(v)
 
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cell(k, r[k]) for k in COLUMNS) + " |" for r in rows]

@@ -58,6 +58,7 @@ from pipeline.store import Store, store_for
 from pipeline.store.views import flagged_rewarded
 from pipeline.studies.baselines import baseline_changes, baseline_run_id, check_method, method_tag, run_baseline
 from pipeline.studies.evaluate import EVAL_STAGES, derived_run_sets, eval_run_id, eval_sets, eval_summary
+from pipeline.studies.formatting import metrics_phrase, num, tokens_phrase
 from pipeline.studies.report import build_experiment_report, span, stage_timings
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
 
@@ -415,15 +416,15 @@ def headline(summary: dict) -> list[str]:
         lines.append("executor calls cut at the token cap, held out (mean over seeds): " + ", ".join(
             f"{'base' if k == BASE else f'round {k}'} {sum(v) / len(v):.3f}" for k, v in sorted(cut.items())))
     for r in summary.get("references", []):  # summaries written before issue 26 lack them
-        lines.append(f"reference {r.get('label', r['method'])} ({r['eval_run_id']}): held-out Mean@L "
-                     f"{fmt(r['mean_at_l'])}, Best@L {fmt(r['best_at_l'])}, Majority@L {fmt(r.get('majority_at_l'))}, "
-                     f"tokens/query generator {fmt(r.get('gen_tokens_per_query'), 0)} executor "
-                     f"{fmt(r.get('exec_tokens_per_query'), 0)}, executor calls cut at the token cap "
-                     f"{fmt(r.get('truncated_share'))}")
+        lines.append(f"reference {r.get('label', r['method'])} ({r['eval_run_id']}): held-out "
+                     f"{metrics_phrase(r['mean_at_l'], r['best_at_l'], r.get('majority_at_l'))}, "
+                     f"{tokens_phrase(r.get('gen_tokens_per_query'), r.get('exec_tokens_per_query'))}, "
+                     f"executor calls cut at the token cap "
+                     f"{num(r.get('truncated_share'))}")
     for p in summary.get("paired_references", []):
         if p["metric"] == "mean_at_l":
             arm = "base model" if p["round"] == BASE else f"round {p['round']}"
-            lines.append(f"{arm} vs {p['reference']}, held-out Mean@L: {fmt(p['trained'])} vs {fmt(p['base'])}, "
+            lines.append(f"{arm} vs {p['reference']}, held-out Mean@L: {num(p['trained'])} vs {num(p['base'])}, "
                          f"paired difference {p['mean']:+.3f} {span(p, 'lo_seeds_queries', 'hi_seeds_queries')} "
                          f"(seeds, then queries; {p['n']} pairs)")
     if sel := summary.get("selection"):
@@ -434,17 +435,12 @@ def headline(summary: dict) -> list[str]:
                           ("any_budget", "at any budget")):
             pick = sel[key]
             lines.append(f"best fixed workflow on {sel['split']} {what}: " + (
-                "none" if pick is None else f"{pick} ({sel['split']} Mean@L {fmt(means[pick])})"))
+                "none" if pick is None else f"{pick} ({sel['split']} Mean@L {num(means[pick])})"))
         if left := sel["missing"] + sel["unfinished"]:
             lines.append(f"not chosen from (not run or not finished on {sel['split']}): {', '.join(left)}")
     if "flagged_rewarded" in summary:  # summaries written before issue 22 lack it
         lines.append(f"flagged rewarded training runs (scores.flags): {summary['flagged_rewarded']}")
     return lines
-
-
-def fmt(x: float | None, digits: int = 3) -> str:
-    """A number with `digits` decimals, or n/a."""
-    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: str | None = None,
@@ -456,13 +452,9 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     artifacts). `only_references`: no seed runs, only the references (the summary holds the seeds already in the
     store). A seed with every evaluation in the store is not re-entered; one that is first sets aside the evaluations
     of checkpoints that its rounds train again (`set_aside_evaluations`)."""
-    from pipeline.stages.rounds import lost_weights, resolve_config, run_rounds
+    from pipeline.stages.rounds import lost_weights, run_rounds, study_config
 
-    path = resolve_config(config)
-    sets = list(sets or [])
-    cfg = load_config(path, sets)
-    if run_id:
-        cfg = cfg.model_copy(update={"run_id": run_id})
+    path, sets, cfg = study_config(config, sets, run_id)
     store = store_for(cfg.store)
     if cfg.experiment.references_from:
         check_borrowed(store, cfg, path, sets)

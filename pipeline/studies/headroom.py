@@ -27,12 +27,13 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.config import ConfigError, RunConfig
 from pipeline.core.headroom import Runs, best_design, cross_fit, design_points, frontier, pareto, part_router
 from pipeline.engines.servers import sharing
 from pipeline.store import Store, store_for
 from pipeline.store.views import TRUNCATED_SHARE_SQL
 from pipeline.studies.baselines import PROGRAM_PREFIX, baseline_run_id, check_method, method_tag, run_baseline
+from pipeline.studies.formatting import num
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +141,9 @@ def run_headroom(config: str | Path, call=None, run_id: str | None = None, split
                  reps: int | None = None, sets: list[str] | None = None) -> dict:
     """Run (or resume) every design on `split` through `call` (a stage caller; default in this process), analyse,
     write the outputs; returns the summary (`analyse` plus run ids, truncation shares, dropped queries, `results`)."""
-    from pipeline.stages.rounds import direct_call, resolve_config
+    from pipeline.stages.rounds import direct_call, study_config
 
-    path = resolve_config(config)
-    sets = list(sets or [])
-    cfg = load_config(path, sets)
-    if run_id:
-        cfg = cfg.model_copy(update={"run_id": run_id})
+    path, sets, cfg = study_config(config, sets, run_id)
     reps = reps or cfg.headroom.reps
     if reps < 2:
         raise ConfigError(f"headroom: --reps {reps}; cross-fitting needs at least 2 runs per design and query")
@@ -220,10 +217,6 @@ def plot_frontier(summary: dict, out: Path):
     return fig
 
 
-def _f(x: float | None, digits: int = 3) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
-
-
 def markdown(summary: dict) -> list[str]:
     """The study as lines of Markdown (the CLI prints them): the gate, the designs' table, per part."""
     b, o, i = summary["best"], summary["oracle"], summary["oracle_in_sample"]
@@ -238,7 +231,7 @@ def markdown(summary: dict) -> list[str]:
              "budget |", "|---|---|---|---|---|---|"]
     at = {f["anchor"]: f["score"] for f in summary["frontier"]}
     lines += [f"| {p['name']} | {p['score']:.3f} | {p['tokens']:.0f} | {'yes' if p['pareto'] else ''} | "
-              f"{_f(p.get('truncated_share'))} | {_f(at.get(p['name']))} |" for p in summary["designs"]]
+              f"{num(p.get('truncated_share'))} | {num(at.get(p['name']))} |" for p in summary["designs"]]
     if summary["per_part"]:
         names = [p["name"] for p in summary["designs"]]
         lines += ["", "| part | queries | best design | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]

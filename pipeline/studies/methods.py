@@ -60,7 +60,6 @@ from pipeline.engines.workflow import extract_code
 from pipeline.run import open_run
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
-from pipeline.studies.ablation import fmt, round_s
 from pipeline.studies.baselines import TASK_BEST, run_baseline, run_fixed, selection_split
 from pipeline.studies.evaluate import EVAL_STAGES, eval_summary, open_eval_run
 from pipeline.studies.experiment import (
@@ -74,6 +73,7 @@ from pipeline.studies.experiment import (
     seed_run_id,
     splits_overlap,
 )
+from pipeline.studies.formatting import num, round_s
 from pipeline.studies.report import span, stage_timings, write_study
 from pipeline.studies.smc import run_smc
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
@@ -333,13 +333,9 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                 after_seed: Callable[[dict, Path], None] | None = None) -> dict:
     """The comparison (module doc) through `call` (a stage caller); returns the summary. `after_seed(summary,
     results folder)` runs after each seed's summary is written."""
-    from pipeline.stages.rounds import resolve_config, run_rounds
+    from pipeline.stages.rounds import run_rounds, study_config
 
-    path = resolve_config(config)
-    sets = list(sets or [])
-    cfg = load_config(path, sets)
-    if run_id:
-        cfg = cfg.model_copy(update={"run_id": run_id})
+    path, sets, cfg = study_config(config, sets, run_id)
     chosen = [get_method(n) for n in (methods or list(METHODS))]
     if len({m.name for m in chosen}) != len(chosen):
         raise ValueError(f"methods repeat: {[m.name for m in chosen]}")
@@ -512,10 +508,10 @@ def table(summary: dict) -> str:
              f"{summary['seeds']}, {summary['rounds']} round(s); differences: mean [95% interval resampling seeds, "
              "then queries].", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for a in summary["arms"]:
-        cells = [a["arm"], a["evaluation"], str(len(a["seeds"])), *[fmt(a.get(m)) for m in metrics],
+        cells = [a["arm"], a["evaluation"], str(len(a["seeds"])), *[num(a.get(m)) for m in metrics],
                  _diff(summary, a["arm"], BASE_ARM, "mean_at_l"), _diff(summary, a["arm"], REFERENCE_ARM, "mean_at_l"),
-                 fmt(a.get("gen_tokens_per_query"), 0), fmt(a.get("exec_tokens_per_query"), 0),
-                 fmt(a.get("train_wall_s"), 0), fmt(a.get("valid_share"), 2)]
+                 num(a.get("gen_tokens_per_query"), 0), num(a.get("exec_tokens_per_query"), 0),
+                 num(a.get("train_wall_s"), 0), num(a.get("valid_share"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| arm | against | metric | difference | interval: seeds, queries | interval: pairs | pairs |",
               "|---|---|---|---|---|---|---|"]
@@ -528,14 +524,14 @@ def table(summary: dict) -> str:
               + " | generator tokens/query | executor tokens/query | training s | evaluation run |",
               "|" + "---|" * (len(metrics) + 6)]
     for p in summary["per_seed"]:
-        lines.append(f"| {p['arm']} | {p['seed']} | " + " | ".join(fmt(p.get(m)) for m in metrics)
-                     + f" | {fmt(p.get('gen_tokens_per_query'), 0)} | {fmt(p.get('exec_tokens_per_query'), 0)} | "
-                     f"{fmt(p.get('train_wall_s'), 0)} | {p['eval_run_id']} |")
+        lines.append(f"| {p['arm']} | {p['seed']} | " + " | ".join(num(p.get(m)) for m in metrics)
+                     + f" | {num(p.get('gen_tokens_per_query'), 0)} | {num(p.get('exec_tokens_per_query'), 0)} | "
+                     f"{num(p.get('train_wall_s'), 0)} | {p['eval_run_id']} |")
     if summary.get("lr_sweep"):
         lines += ["", "| method | lr | dev Mean@L | dev Best@L | run | chosen |", "|---|---|---|---|---|---|"]
         for name, s in summary["lr_sweep"].items():
             for r in s["runs"]:
-                lines.append(f"| {name} | {r['lr']:g} | {fmt(r['mean_at_l'])} | {fmt(r['best_at_l'])} | "
+                lines.append(f"| {name} | {r['lr']:g} | {num(r['mean_at_l'])} | {num(r['best_at_l'])} | "
                              f"{r['run_id']} | {'yes' if r['lr'] == s['chosen'] else ''} |")
     return "\n".join(lines)
 
