@@ -408,14 +408,14 @@ def headline(summary: dict) -> list[str]:
             f"{span(p, 'lo_by_query', 'hi_by_query')})")
         lines += [f"  seed {x['seed']}: {x['mean']:+.3f} {span(x, 'lo', 'hi')} over {x['n']} queries"
                   for x in p.get("per_seed", [])]
-    cut: dict[int, list[float]] = {}  # issue 39: executor calls with a reply cut at the token cap, per arm
+    cut: dict[int, list[float]] = {}  # executor calls with a reply cut at the token cap, per arm
     for a in summary.get("arms", []):
         if a.get("truncated_share") is not None:
             cut.setdefault(a["round"], []).append(a["truncated_share"])
     if cut:
         lines.append("executor calls cut at the token cap, held out (mean over seeds): " + ", ".join(
             f"{'base' if k == BASE else f'round {k}'} {sum(v) / len(v):.3f}" for k, v in sorted(cut.items())))
-    for r in summary.get("references", []):  # summaries written before issue 26 lack them
+    for r in summary.get("references", []):  # older summaries lack them
         lines.append(f"reference {r.get('label', r['method'])} ({r['eval_run_id']}): held-out "
                      f"{metrics_phrase(r['mean_at_l'], r['best_at_l'], r.get('majority_at_l'))}, "
                      f"{tokens_phrase(r.get('gen_tokens_per_query'), r.get('exec_tokens_per_query'))}, "
@@ -438,7 +438,7 @@ def headline(summary: dict) -> list[str]:
                 "none" if pick is None else f"{pick} ({sel['split']} Mean@L {num(means[pick])})"))
         if left := sel["missing"] + sel["unfinished"]:
             lines.append(f"not chosen from (not run or not finished on {sel['split']}): {', '.join(left)}")
-    if "flagged_rewarded" in summary:  # summaries written before issue 22 lack it
+    if "flagged_rewarded" in summary:  # older summaries lack it
         lines.append(f"flagged rewarded training runs (scores.flags): {summary['flagged_rewarded']}")
     return lines
 

@@ -1,4 +1,4 @@
-"""The headroom study (`pipeline headroom CONFIG`, issue 39): before any training run, is there room for a query-level
+"""The headroom study (`pipeline headroom CONFIG`): before any training run, is there room for a query-level
 generator to beat the best fixed workflow at the same budget?
 
 Every design of the menu (`headroom.designs`, default `rollout.example_menu` as `program:<file>` methods) runs as a

@@ -1,4 +1,4 @@
-"""The methods side by side (`pipeline compare-methods CONFIG`, issue 24): each method of the papers this project
+"""The methods side by side (`pipeline compare-methods CONFIG`): each method of the papers this project
 implements trained from the same base model on the same training queries, S seeds x R rounds, then evaluated on the
 same held-out queries with its own inference procedure, against the base model and against SPOGW.
 
