@@ -12,7 +12,8 @@ from typing import Any, ForwardRef, Literal, get_args
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
 
 class ConfigError(ValueError):
@@ -165,6 +166,10 @@ class PriceConfig(_Strict):
 
 
 class ExecutorConfig(_Strict):
+    # Not a setting: the `serve` section a stage's server was started from, kept when `serving` points the section at
+    # that server (base_url set, serve cleared), so the reply cache still knows what answers (weights, dtype).
+    _served_from: ServeConfig | None = PrivateAttr(None)
+
     kind: Literal["local", "openai"] = Field(
         "local", description="local: the embedded model in-process; openai: any OpenAI-compatible server."
     )

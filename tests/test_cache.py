@@ -234,6 +234,38 @@ def test_never_a_reply_for_another_model_adapter_dtype_or_parameter(tmp_path):
     assert not isinstance(CachedExecutor.open(Counting(), off, folder), CachedExecutor)
 
 
+def test_a_stage_pointed_at_its_own_server_keeps_the_cache_and_auto_keys_on_the_dtype_loaded(tmp_path, monkeypatch):
+    """`servers.serving` points a served section at the stage's server (base_url set, serve cleared): the cache must
+    still know what answers, or no served executor would ever be cached. `auto` is keyed as the dtype this machine
+    loads, never as `auto`: a store's cache moves between machines that resolve it differently."""
+    from pipeline.engines import hardware, servers
+
+    base = model_folder(tmp_path / "base", b"weights A")
+    cfg = RunConfig.model_validate({"executor": {"kind": "openai", "model": base, "serve": {"dtype": "auto"}}})
+
+    class FakeServer:
+        base_url, spec = "http://127.0.0.1:9/v1", None
+
+        def wait(self):
+            pass
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(servers, "check", lambda spec: None)
+    monkeypatch.setattr(servers, "launch", lambda spec, log: FakeServer())
+    monkeypatch.setenv(hardware.FORCE_ENV, "0")
+    with servers.serving(cfg, ["executor"], tmp_path / "logs") as pointed:
+        ex = pointed.executor
+        assert (ex.serve, ex.base_url) == (None, FakeServer.base_url)
+        inside = executor_identity(ex)
+    assert inside == executor_identity(cfg.executor) and inside["dtype"] == "float32"
+    as_fp32 = cfg.executor.model_copy(update={"serve": ServeConfig(dtype="float32")})
+    assert executor_identity(as_fp32) == inside  # auto on a CPU without native bf16 is fp32, keyed as such
+    monkeypatch.setenv(hardware.FORCE_ENV, "1")
+    assert executor_identity(cfg.executor)["dtype"] == "bfloat16"  # where bf16 is native: another key
+
+
 # ---- the shard files: concurrent writers, kill -9, SQL --------------------------------------------------------
 
 

@@ -193,15 +193,20 @@ def executor_identity(cfg: ExecutorConfig) -> dict | None:
     endpoint the pipeline does not start, unless `executor.cache: on` vouches for it)."""
     if cfg.kind == "local":  # float32 on this process's device, sampled by _RowSampler
         return {"kind": "local", "model": model_identity(cfg.model), "dtype": "float32", "sampler": SAMPLER}
-    if cfg.serve is not None:  # the server this pipeline starts: its weights and the settings that change numerics
+    s = cfg.serve or cfg._served_from  # the server this pipeline starts (or started for this stage: servers.serving)
+    if s is not None:  # its weights and the settings that change numerics
         import importlib.metadata as md
 
-        s = cfg.serve
         try:
             vllm = md.version("vllm")
         except md.PackageNotFoundError:
             vllm = None
-        return {"kind": "vllm", "model": model_identity(s.model or cfg.model), "dtype": s.dtype,
+        from pipeline.engines.hardware import resolve_dtype
+
+        # the dtype the server loads here, not `auto`: a store (and its cache) moves between machines that resolve
+        # `auto` differently, and an fp32 reply must never answer a bf16 server's call
+        dtype = resolve_dtype(s.dtype, what="executor server")
+        return {"kind": "vllm", "model": model_identity(s.model or cfg.model), "dtype": dtype,
                 "max_model_len": s.max_model_len, "enforce_eager": s.enforce_eager, "extra_args": list(s.extra_args),
                 "vllm": vllm}
     if cfg.cache == "on":

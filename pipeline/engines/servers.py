@@ -314,8 +314,10 @@ def serving(cfg: RunConfig, sections: Iterable[str], log_dir: Path) -> Iterator[
             server.wait()
             extra = {"served_model": server.spec.name} if section == "generator" else {}
             # serve: None: the stage sees a plain OpenAI-compatible section (nothing downstream knows about serving)
-            updates[section] = getattr(cfg, section).model_copy(
-                update={"base_url": server.base_url, "serve": None, **extra})
+            part = getattr(cfg, section)
+            updates[section] = part.model_copy(update={"base_url": server.base_url, "serve": None, **extra})
+            if section == "executor":  # the reply cache keys on what this server loads (pipeline.engines.cache)
+                updates[section]._served_from = part.serve
         yield cfg.model_copy(update=updates)
 
 
