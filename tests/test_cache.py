@@ -277,7 +277,9 @@ def _writer(folder: str, tag: str, n: int) -> None:
 
 
 def test_concurrent_writer_processes_lose_nothing(tmp_path):
-    ctx = multiprocessing.get_context("fork")
+    # spawned, not forked: after the suite's earlier tests this process holds threads (Prefect, torch, asyncio), and
+    # a forked child of a threaded process may inherit a lock some thread held
+    ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_writer, args=(str(tmp_path), tag, 300)) for tag in "abc"]
     for p in procs:
         p.start()

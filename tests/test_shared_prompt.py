@@ -34,21 +34,27 @@ def _full_logprobs(model, s: TrainSequence) -> torch.Tensor:
     return torch.stack([lp[p - 1 + j, t] for j, t in enumerate(s.completion_ids)])
 
 
-@pytest.fixture(scope="module")
-def lora_smol(smol_tokenizer):
-    """A fresh SmolLM2 (never the shared `smol_lm`) with a LoRA whose B is random: outputs and A's grads move."""
+def _with_random_lora(base):
+    """`base` with a LoRA on q, k, v and down whose B is random (a fresh B is zero: outputs and A's grads would not
+    move)."""
     from peft import LoraConfig, get_peft_model
 
-    from pipeline.engines.models import load_causal_lm
-
-    torch.manual_seed(0)
-    model = get_peft_model(load_causal_lm(MODEL, dtype="float32", device="cpu"),
-                           LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                      target_modules=["q_proj", "k_proj", "v_proj", "down_proj"]))
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "down_proj"]))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.02)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lora_smol(smol_tokenizer):
+    """A fresh SmolLM2 (never the shared `smol_lm`) with a LoRA whose B is random: outputs and A's grads move."""
+    from pipeline.engines.models import load_causal_lm
+
+    torch.manual_seed(0)
+    model = _with_random_lora(load_causal_lm(MODEL, dtype="float32", device="cpu"))
     prompts = [smol_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=True)["input_ids"]
                for q in ("Write a workflow that adds 12 and 30.", "Write a workflow for a riddle.")]
@@ -149,7 +155,6 @@ def lora_tiny_tied(lora_smol):
     """A 2-layer random llama of SmolLM2's shape family with tied embeddings and the same LoRA: bf16 matrix products
     run ~45x slower than fp32 on CPUs without native bf16, so the bf16 test uses it instead of the 135M model (what
     it asserts, bit-for-bit equality, does not depend on the size)."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _, seqs = lora_smol
@@ -157,14 +162,7 @@ def lora_tiny_tied(lora_smol):
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_config(cfg),
-                           LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                      target_modules=["q_proj", "k_proj", "v_proj", "down_proj"]))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
-    return model.train(), seqs
+    return _with_random_lora(AutoModelForCausalLM.from_config(cfg)).train(), seqs
 
 
 def test_frozen_bf16_weights_change_nothing_under_the_autocast(lora_tiny_tied):
