@@ -379,10 +379,10 @@ def run_cmd(
 ) -> None:
     """All rounds without a Prefect server (same skip/resume/retry rules as the iterate flow); --shards N scores
     each round as N child processes at once."""
+    from pipeline import api
     from pipeline.engines.servers import ServeError
     from pipeline.stages.rounds import direct_call, run_rounds
     from pipeline.stages.runner import RetryPolicy, StageError
-    from pipeline import api
     from pipeline.store import LeaseHeld
     from pipeline.studies.formatting import num
     from pipeline.studies.report import build_report

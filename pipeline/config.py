@@ -12,8 +12,7 @@ from typing import Any, ForwardRef, Literal, get_args
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from fake_run import fake_stage
+
 from pipeline import api, stages
 from pipeline.config import ConfigError
 from pipeline.studies.summaries import EvalSummary

@@ -85,7 +85,8 @@ def test_config_hash_of_runs_frozen_before_the_lora_dropout_default_changed():
     # a frozen config holds every field: executor.concurrency at its default of then, 8 (moved to 32 later), fp32
     # weights and no bf16 autocast (both `auto` later)
     then = {"executor": {"concurrency": 8}, "generator": {"dtype": "float32"}}
-    assert RunConfig.model_validate({"training": {"lora_dropout": 0.05, "bf16": False}, **then}).config_hash() == sha({})
+    assert RunConfig.model_validate({"training": {"lora_dropout": 0.05, "bf16": False},
+                                     **then}).config_hash() == sha({})
     assert RunConfig.model_validate({"training": {"lora_dropout": 0.0, "bf16": False}, **then}).config_hash() == sha(
         {"training": {"lora_dropout": 0.0}})
     assert RunConfig.model_validate({"training": {"lora_dropout": 0.0, "lr": 0.1, "bf16": False},

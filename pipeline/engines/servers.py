@@ -100,8 +100,9 @@ def spec_for(cfg: RunConfig, section: str) -> ServerSpec:
         raise ValueError(f"{section}.serve is not set")
     from pipeline.engines.hardware import resolve_dtype
 
-    common = {"dtype": resolve_dtype(s.dtype, what=f"{section} server"), "max_model_len": s.max_model_len, "kv_cache_gb": s.kv_cache_gb, "host": s.host,
-              "port": s.port, "enforce_eager": s.enforce_eager, "start_timeout_s": s.start_timeout_s}
+    common = {"dtype": resolve_dtype(s.dtype, what=f"{section} server"), "max_model_len": s.max_model_len,
+              "kv_cache_gb": s.kv_cache_gb, "host": s.host, "port": s.port, "enforce_eager": s.enforce_eager,
+              "start_timeout_s": s.start_timeout_s}
     if section == "executor":
         return ServerSpec(s.model or part.model, part.model, extra_args=tuple(s.extra_args), **common)
     # generator: its rows need token ids and processed logprobs (pipeline.engines.generation.openai_server)

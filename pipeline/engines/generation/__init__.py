@@ -24,7 +24,8 @@ def make_generator(cfg: GeneratorConfig, *, enable_lora: bool = False, max_model
         from pipeline.engines.generation.vllm_offline import VLLMGenerator
 
         return VLLMGenerator(
-            cfg.model, dtype=resolve_dtype(cfg.dtype, what="generator"), enable_lora=enable_lora, max_lora_rank=cfg.max_lora_rank,
+            cfg.model, dtype=resolve_dtype(cfg.dtype, what="generator"), enable_lora=enable_lora,
+            max_lora_rank=cfg.max_lora_rank,
             max_model_len=max_model_len or cfg.max_model_len, enforce_eager=cfg.enforce_eager,
             gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
             seed=cfg.seed,
