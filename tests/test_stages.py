@@ -36,6 +36,17 @@ def test_transient_is_decided_by_type_not_by_name():
     assert not is_transient(StageError("train", 0, "bug", transient=False))
 
 
+def test_a_collective_broken_by_a_dead_peer_is_transient_in_a_launched_stage_only(monkeypatch):
+    # the message DDP's reducer raised on rank 0 when rank 1 was killed (torch 2.x, gloo)
+    lost = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:29873: Connection reset by peer")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not is_transient(lost)  # one process: no peer to lose, a RuntimeError is a bug
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert is_transient(lost)
+    assert not is_transient(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))  # a rank's own bug
+
+
 def test_retry_policy_retries_transient_errors_only_and_prefect_gets_the_same_rule():
     calls = []
 

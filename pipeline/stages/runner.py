@@ -70,9 +70,19 @@ def _transient_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+# what gloo and NCCL put in the plain RuntimeError that DDP's reducer raises on a rank whose peer died mid-collective
+_PEER_LOST = ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+              "NCCL communicator was aborted", "ncclRemoteError")
+
+
 def is_transient(exc: BaseException) -> bool:
+    """True for an error a retry can cure. In a launched stage (WORLD_SIZE > 1, as the launcher sets it) a rank whose
+    peer was killed fails in the collective with a RuntimeError naming the transport, not always a `DistError`."""
     if isinstance(exc, StageError):
         return exc.transient
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_LOST):
+        return True
     return isinstance(exc, _transient_types())
 
 
