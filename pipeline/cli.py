@@ -60,8 +60,9 @@ def _command() -> str:
 
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug logging.")] = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from pipeline.stages.runner import LOG_FORMAT
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
 
 
 @app.command(rich_help_panel=SETUP)

@@ -20,6 +20,7 @@ def probed(monkeypatch, tmp_path):
     """A fresh cache dir, no forcing env, and a probe that returns the rates given to `set_rates` (counting calls)."""
     monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(hardware.FORCE_ENV, raising=False)
+    monkeypatch.setattr(hardware, "_said", set())  # each test sees its own first log lines
     calls = []
 
     def set_rates(fp32: float, bf16: float):
@@ -42,6 +43,11 @@ def test_auto_is_float32_where_bf16_is_slow_and_the_warning_names_the_slowdown(p
     warned = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "45x slower" in warned[0]
     assert len(calls) == 1  # the second resolution read the cached verdict
+    with caplog.at_level(logging.INFO, logger="pipeline.hardware"):
+        caplog.clear()
+        assert hardware.resolve_dtype("auto", "cpu") == "float32"
+        assert hardware.resolve_dtype("bfloat16", "cpu") == "bfloat16"
+    assert not caplog.records  # a stage resolves its dtypes several times: each line is said once a process
 
 
 def test_auto_is_bfloat16_where_bf16_is_at_least_as_fast(probed, caplog):

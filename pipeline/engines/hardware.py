@@ -149,6 +149,15 @@ def local_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+_said: set[tuple[str, ...]] = set()  # log lines already given in this process: a stage resolves a dtype several times
+
+
+def _once(level: int, msg: str, *args: str) -> None:
+    if (key := (msg, *args)) not in _said:
+        _said.add(key)
+        log.log(level, msg, *args)
+
+
 def resolve_dtype(requested: str, device: str | None = None, *, what: str = "model") -> str:
     """The dtype to load `what` in: `auto` becomes bfloat16 where the device computes it natively, else float32,
     with one log line saying why; an explicit bfloat16 where it is not native is honoured with a warning that names
@@ -160,12 +169,12 @@ def resolve_dtype(requested: str, device: str | None = None, *, what: str = "mod
     p = probe(device or local_device())
     if requested == "auto":
         chosen = "bfloat16" if p.native_bf16 else "float32"
-        log.info("%s dtype auto -> %s (%s)", what, chosen, p.reason)
+        _once(logging.INFO, "%s dtype auto -> %s (%s)", what, chosen, p.reason)
         return chosen
     if not p.native_bf16:
         slower = f"{p.slowdown:.0f}x slower than fp32 here" if p.slowdown else "not native here"
-        log.warning("%s dtype bfloat16 is honoured, but bf16 is %s (%s); `auto` would pick float32",
-                    what, slower, p.reason)
+        _once(logging.WARNING, "%s dtype bfloat16 is honoured, but bf16 is %s (%s); `auto` would pick float32",
+              what, slower, p.reason)
     return requested
 
 

@@ -354,6 +354,9 @@ def record_timing(store_root: str | Path, run_id: str, result: StageResult) -> N
     store.append_line(store.run_dir(run_id) / "timings.jsonl", json.dumps(line))
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the CLI's and a stage child's log lines alike
+
+
 def child_main(argv: list[str] | None = None) -> int:
     """`python -m pipeline.stages STAGE --run-id R --round K --store ROOT --result FILE`: the child side."""
     ap = argparse.ArgumentParser(prog="python -m pipeline.stages", description="Run one stage in this process.")
@@ -370,7 +373,7 @@ def child_main(argv: list[str] | None = None) -> int:
         # the stage's own INFO lines (the dtype chosen and why, an adapter merged) reach the parent's log; only
         # pipeline's loggers, so libraries' per-request INFO lines stay out
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
         root = logging.getLogger("pipeline")
         root.setLevel(logging.INFO)
         root.addHandler(handler)
