@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 
 from pipeline.config import GeneratorConfig
 from pipeline.engines.generation import GenerationError, Sampling, adapter_id, make_generator
-from pipeline.engines.models import load_causal_lm
+from pipeline.engines.models import load_causal_lm, save_adapter
 
 MODEL = "embedded:smollm2-135m-instruct"
 QUESTIONS = ["Say hi.", "Write a Python function that adds two numbers and explain it briefly."]
 
 
 def make_adapter(path, seed: int = 0, scale: float = 0.05) -> str:
-    """A fresh LoRA adapter on the embedded model with random B weights (so it changes outputs)."""
+    """A fresh LoRA adapter on the embedded model with random B weights (so it changes outputs), saved as the train
+    stage saves one (its base named `embedded:...`): what the vLLM tests load through `--lora-modules` too."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -26,7 +28,7 @@ def make_adapter(path, seed: int = 0, scale: float = 0.05) -> str:
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, scale)
-    model.save_pretrained(path)
+    save_adapter(model, path, MODEL)
     return str(path)
 
 
@@ -120,6 +122,19 @@ def test_adapter_changes_outputs_and_matches_peft(hf, tmp_path):
     assert tuned.token_logprobs == pytest.approx(teacher_forced(peft, tuned.prompt_token_ids, tuned.token_ids),
                                                  abs=1e-4)
     assert hf.generate(prompts, greedy)[0][0].token_ids == base.token_ids  # back to the base weights
+
+
+def test_a_saved_adapter_names_its_base_as_the_config_does(tmp_path, tiny_model):
+    """Not the cache folder the embedded id resolved to on this machine (which exists nowhere else); a local model
+    folder is named as resolved, as peft names it."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+
+    for ref, want in ((MODEL, MODEL), (tiny_model, str(Path(tiny_model).resolve()))):
+        model = get_peft_model(load_causal_lm(ref, device="cpu"), LoraConfig(r=2, target_modules=["q_proj"]))
+        save_adapter(model, tmp_path / "a", ref)
+        assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["base_model_name_or_path"] == want
 
 
 def test_bad_input_is_refused(tmp_path):

@@ -153,7 +153,8 @@ def prepare_embedded(name: str = "smollm2-135m-instruct", force: bool = False) -
 
 
 def resolve_model(ref: str) -> str:
-    """A path or hub id transformers/vLLM can load; prepares the embedded model on first use."""
+    """A path or hub id transformers/vLLM can load; prepares the embedded model on first use (an adapter's
+    `base_model_name_or_path` is such a ref: `save_adapter`)."""
     if ref.startswith("embedded:"):
         return str(prepare_embedded(ref.split(":", 1)[1]))
     p = Path(ref).expanduser()
@@ -183,6 +184,23 @@ def load_causal_lm(ref: str, dtype: str = "float32", device: str | None = None):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(resolve_model(ref), dtype=getattr(torch, dtype))
     return model.to(device).eval()
+
+
+def save_adapter(peft_model, dest: str | Path, base_ref: str) -> None:
+    """`peft_model.save_pretrained(dest)`, the adapter's base named by `base_ref` as the config gave it (an
+    `embedded:` id or a hub id) and not by the folder it resolved to on this machine (a cache path that exists
+    nowhere else), so a committed adapter names its base on any clone. An embedded id is not its hub model's id on
+    purpose: the embedded weights are a de-quantized GGUF, not the hub's. A local folder stays as resolved."""
+    import json
+
+    dest = Path(dest)
+    peft_model.save_pretrained(str(dest))
+    if not base_ref.startswith("embedded:") and Path(base_ref).expanduser().exists():
+        return
+    cfg_path = dest / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = base_ref
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def merge_adapter(model_ref: str, adapter: str, dest: str | Path, dtype: str = "float32") -> Path:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pipeline.core.packing import Pass
+from pipeline.engines.models import save_adapter
 from pipeline.stages.progress import clear_progress, load_progress, progress_path, save_progress
 from pipeline.stages.train.batch import pass_batch
 from pipeline.stages.train.loss import pass_loss_input, pass_shares, step_weights
@@ -152,7 +153,8 @@ def write_outputs(setup: TrainSetup, metrics: list[StepMetrics]) -> dict[str, An
     ckpt = ctx.store.checkpoint_dir(ctx.run_id, ctx.round)
     if accel.is_main_process:
         peft_model = accel.unwrap_model(setup.policy).model
-        ctx.store.publish_checkpoint(lambda d: peft_model.save_pretrained(str(d)), ctx.run_id, ctx.round)
+        ctx.store.publish_checkpoint(lambda d: save_adapter(peft_model, d, ctx.cfg.generator.model), ctx.run_id,
+                                     ctx.round)
         ctx.store.write("train_metrics", [asdict(m) for m in metrics], ctx.run_id, ctx.round)
         ctx.store.write("checkpoints", [{"path": str(ckpt), "base_model": ctx.cfg.generator.model,
                                          "parent_round": ctx.round - 1 if ctx.round > 0 else None,
