@@ -370,6 +370,53 @@ def bench_executor(
         _fail(str(e))
 
 
+def _named(values: list[str], what: str) -> dict[str, str]:
+    """NAME=VALUE options as a dict (in order)."""
+    out = {}
+    for v in values:
+        name, sep, value = v.partition("=")
+        if not sep or not name or not value:
+            raise typer.BadParameter(f"{what}: expected NAME=VALUE, got {v!r}")
+        out[name] = value
+    return out
+
+
+@bench_app.command("crn")
+def bench_crn(
+    store: Annotated[str, typer.Option("--store", help="Store holding the arms' evaluation runs.")],
+    arms: Annotated[list[str], typer.Option("--arm", help="NAME=RUN_ID: an evaluation run (repeatable).")],
+    pairs: Annotated[list[str], typer.Option("--pair", help="A-B: a paired difference of two arms (repeatable).")],
+    out: Annotated[Path, typer.Option(help="Scratch store of the re-scored copies, and crn.json.")],
+    queries: Annotated[int | None, typer.Option(min=1, help="The first N queries every arm has (default all).")]
+    = None,
+    sets: SetOpt = None,
+) -> None:
+    """Re-score stored evaluation runs' workflows without and with common random numbers (the same calls: the same
+    budget) and print each pair's interval half-width both ways."""
+    from pipeline.perf.crn import run_crn_bench
+    from pipeline.studies.formatting import num
+
+    named = _named(arms, "--arm")
+    if bad := [n for n in named if "-" in n]:
+        raise typer.BadParameter(f"--arm names may not hold '-' (it joins a --pair): {bad}")
+    split = [tuple(p.split("-", 1)) for p in pairs]
+    if any(len(p) != 2 for p in split):
+        raise typer.BadParameter(f"--pair: expected A-B, got {pairs}")
+    try:
+        result = run_crn_bench(store, named, split, out, queries, sets or [])
+    except ConfigError as e:
+        _fail(str(e))
+    for w in result["widths"]:
+        typer.echo(f"{w['mode']:>7} CRN  {w['pair']}: {num(w['mean'])} [{num(w['lo'])}, {num(w['hi'])}], "
+                   f"half-width {num(w['half_width'])}")
+    for pair, r in result["ratios"].items():
+        typer.echo(f"{pair}: half-width with / without CRN {num(r, 2)}")
+    for c in result["costs"]:
+        typer.echo(f"{c['mode']:>7} CRN  executor tokens computed {c['computed_tokens']} of {c['used_tokens']} used, "
+                   f"wall {c['wall_s']} s")
+    typer.echo(f"written: {out / 'crn.json'}")
+
+
 @app.command("run", rich_help_panel=STAGES)
 def run_cmd(
     config: Annotated[Path, typer.Argument(help="Run config YAML.")],

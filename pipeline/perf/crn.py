@@ -1,0 +1,140 @@
+"""`pipeline bench crn`: do common random numbers narrow the paired intervals, at the same evaluation budget?
+
+The arms are evaluation runs already in a store (e.g. one seed's base and last-round evaluations and the best fixed
+workflow's reference run). Their workflows are kept as they are (no generator runs); only the executor's sampling
+is redone. For each mode, without and with `executor.common_random_numbers`, every arm's queries and workflows
+(the first `queries` queries every arm has) are copied into a fresh run of `<out>/<mode>/` and the real score stage
+runs them against one executor server shared by the mode's arms, with the reply cache as an evaluation has it (a
+sampled call is kept only when seeded). Then, per pair (a, b), the per-query Mean@L difference a − b and its 95%
+bootstrap interval over queries; the figure is each pair's half-width with CRN over the half-width without (the
+goal in docs/performance.md: at most 0.7). Executor tokens computed and the wall time of each mode are the cost.
+
+Both modes score the same workflows on the same queries with the same calls: the budget is equal by construction.
+A mode whose runs were scored before is resumed (the score stage skips what is done), so an interrupted bench
+goes on where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import polars as pl
+
+from pipeline.config import ConfigError
+from pipeline.core.learning import bootstrap_ci
+from pipeline.engines.servers import sharing
+from pipeline.run import open_run
+from pipeline.stages.runner import run_stage
+from pipeline.store import Store
+from pipeline.studies.evaluate import eval_summary
+
+log = logging.getLogger(__name__)
+
+MODES = {"without": False, "with": True}  # executor.common_random_numbers of each mode
+
+
+@dataclass(frozen=True)
+class PairWidth:
+    pair: str  # "a - b"
+    mode: str
+    mean: float
+    lo: float
+    hi: float
+
+    @property
+    def half_width(self) -> float:
+        return (self.hi - self.lo) / 2
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    mode: str
+    wall_s: float
+    computed_tokens: int  # executor tokens in + out actually computed (cache hits cost none)
+    used_tokens: int  # executor tokens in + out the workflows used (what budgets compare: equal in both modes)
+
+
+def common_queries(src: Store, arms: dict[str, str], limit: int | None) -> list[str]:
+    """The first `limit` query ids (sorted) that every arm's round 0 holds workflows for."""
+    sets = []
+    for name, rid in arms.items():
+        if src.read_config(rid) is None:
+            raise ConfigError(f"arm {name}: run {rid!r} not found under {src.root}")
+        sets.append(set(src.read("generations", rid, 0)["query_id"].to_list()))
+    shared = sorted(set.intersection(*sets))
+    if not shared:
+        raise ConfigError(f"the arms {', '.join(arms.values())} share no query")
+    return shared[:limit] if limit else shared
+
+
+def copy_arm(src: Store, dst: Store, run_id: str, queries: list[str]) -> None:
+    """`run_id`'s frozen config, its queries and workflows (those of `queries`) and a rollout manifest into `dst`:
+    a run whose score stage has not run. Nothing is copied twice (a resumed bench)."""
+    if dst.manifest(run_id, 0, "rollout") is not None:
+        return
+    dst.put_text(dst.run_dir(run_id) / "config.yaml", src.read_config(run_id))
+    keep = pl.col("query_id").is_in(queries)
+    gens = src.read("generations", run_id, 0).filter(keep).drop("round", strict=False)  # the partition's column
+    dst.write("queries", src.read("queries", run_id, 0).filter(keep).drop("round", strict=False), run_id, 0)
+    dst.write("generations", gens, run_id, 0)
+    ctx = open_run(None, run_id, 0, None, str(dst.root))
+    dst.write_manifest(run_id, 0, "rollout", ctx.frozen_hash, queries=len(queries), generations=gens.height,
+                       copied_from=str(src.root))
+
+
+def mode_cost(store: Store, mode: str, run_ids: list[str], wall_s: float) -> ModeCost:
+    ids = ", ".join(f"'{r}'" for r in run_ids)
+    row = store.sql("SELECT sum(coalesce(computed_tokens_in, tokens_in) + coalesce(computed_tokens_out, tokens_out)) "
+                    "AS computed, sum(tokens_in + tokens_out) AS used FROM latest_scores "
+                    f"WHERE round = 0 AND run_id IN ({ids})").row(0)
+    return ModeCost(mode, round(wall_s, 1), int(row[0] or 0), int(row[1] or 0))
+
+
+def pair_width(per_query: dict[str, dict[str, float]], a: str, b: str, mode: str) -> PairWidth:
+    shared = sorted(per_query[a].keys() & per_query[b].keys())
+    ci = bootstrap_ci([per_query[a][q] - per_query[b][q] for q in shared])
+    return PairWidth(f"{a} - {b}", mode, ci.mean, ci.lo, ci.hi)
+
+
+def run_crn_bench(src_root: str | Path, arms: dict[str, str], pairs: list[tuple[str, str]], out: str | Path,
+                  queries: int | None = None, sets: list[str] | None = None) -> dict:
+    """The bench (module docstring); returns and writes `<out>/crn.json`. `sets`: overrides for every scoring of
+    both modes (e.g. `executor.serve.dtype=auto` for runs frozen with bf16 on a CPU where it is slow)."""
+    for a, b in pairs:
+        if a not in arms or b not in arms:
+            raise ConfigError(f"pair {a} - {b}: arms are {', '.join(arms)}")
+    src = Store(str(src_root))
+    shared = common_queries(src, arms, queries)
+    widths, costs = [], []
+    for mode, on in MODES.items():
+        dst = Store(str(Path(out) / mode))
+        for rid in arms.values():
+            copy_arm(src, dst, rid, shared)
+        mode_sets = [*(sets or []), f"executor.common_random_numbers={str(on).lower()}"]
+        cfg = open_run(None, next(iter(arms.values())), 0, mode_sets, str(dst.root)).cfg
+        t0 = time.perf_counter()
+        with sharing(cfg, dst.root / "server-logs"):  # one executor server for every arm of the mode
+            for name, rid in arms.items():
+                log.info("crn bench: %s CRN, arm %s (%s), %d queries", mode, name, rid, len(shared))
+                run_stage("score", rid, 0, str(dst.root), mode_sets)
+        costs.append(mode_cost(dst, mode, list(arms.values()), time.perf_counter() - t0))
+        per_query = {name: {q["query_id"]: q["mean_at_l"] for q in eval_summary(dst, rid)["per_query"]}
+                     for name, rid in arms.items()}
+        widths += [pair_width(per_query, a, b, mode) for a, b in pairs]
+    result = {"source": str(src_root), "arms": arms, "queries": len(shared), "sets": sets or [],
+              "widths": [asdict(w) | {"half_width": w.half_width} for w in widths],
+              "ratios": {p: ratio(widths, p) for p in {w.pair for w in widths}},
+              "costs": [asdict(c) for c in costs]}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "crn.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def ratio(widths: list[PairWidth], pair: str) -> float | None:
+    """Half-width with CRN / without, for `pair` (None where the one without is 0)."""
+    by_mode = {w.mode: w.half_width for w in widths if w.pair == pair}
+    return by_mode["with"] / by_mode["without"] if by_mode.get("without") else None

@@ -1,0 +1,74 @@
+"""`pipeline bench crn` (pipeline/perf/crn.py): the copied arms are the source's workflows on the shared queries,
+copied once, and the widths and ratios are the bootstrap's, checked on hand-computed cases. The measurement itself
+(a real executor, minutes to hours) is a bench, in docs/performance.md."""
+
+import uuid
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.config import ConfigError
+from pipeline.perf.crn import PairWidth, common_queries, copy_arm, pair_width, ratio
+from pipeline.run import open_run
+from pipeline.store import Store
+
+
+def _eval_run(root, queries: list[str], per_query: int = 2) -> str:
+    rid = f"ev{uuid.uuid4().hex[:6]}"
+    ctx = open_run("configs/smoke.yaml", rid, 0, [f"store.root={root}"], store_root=str(root))
+    ctx.store.write("queries", [{"query_id": q, "split": "test", "prompt": f"what is {q}?", "reference": "1"}
+                                     for q in queries], rid, 0)
+    ctx.store.write("generations", [{"gen_id": f"{q}-{i}", "query_id": q, "slot": i, "kind": "workflow", "valid": True,
+                                     "text": f"async def solve(problem):\n    return '{q}{i}'"}
+                                    for q in queries for i in range(per_query)], rid, 0)
+    return rid
+
+
+def test_arms_are_copied_on_the_shared_queries_once(tmp_path):
+    src = Store(str(tmp_path / "src"))
+    a, b = _eval_run(src.root, ["q1", "q2", "q3"]), _eval_run(src.root, ["q2", "q3", "q4"])
+    shared = common_queries(src, {"a": a, "b": b}, limit=None)
+    assert shared == ["q2", "q3"]
+    assert common_queries(src, {"a": a, "b": b}, limit=1) == ["q2"]
+    dst = Store(str(tmp_path / "dst"))
+    copy_arm(src, dst, a, shared)
+    copy_arm(src, dst, a, shared)  # a resumed bench copies nothing twice
+    gens = dst.read("generations", a, 0)
+    assert sorted(gens["gen_id"].to_list()) == ["q2-0", "q2-1", "q3-0", "q3-1"]
+    assert sorted(dst.read("queries", a, 0)["query_id"].to_list()) == ["q2", "q3"]
+    assert dst.manifest(a, 0, "rollout")["counts"]["generations"] == 4
+    assert dst.manifest(a, 0, "score") is None  # the score stage is what the bench runs
+    frozen = [open_run(None, a, 0, None, str(s.root)).frozen_hash for s in (src, dst)]
+    assert frozen[0] == frozen[1]
+
+
+def test_missing_or_disjoint_arms_are_refused(tmp_path):
+    src = Store(str(tmp_path / "src"))
+    a, b = _eval_run(src.root, ["q1"]), _eval_run(src.root, ["q2"])
+    with pytest.raises(ConfigError, match="share no query"):
+        common_queries(src, {"a": a, "b": b}, None)
+    with pytest.raises(ConfigError, match="nope.*not found"):
+        common_queries(src, {"a": a, "b": "nope"}, None)
+
+
+def test_widths_and_ratio_by_hand():
+    # differences a - b per query: [1, 0]: mean 0.5; a resample's mean is 0, 0.5 or 1 (each end with p = 1/4), so
+    # the 2.5% and 97.5% quantiles of 10,000 resamples are 0 and 1: half-width 0.5
+    w = pair_width({"a": {"q1": 1.0, "q2": 0.0, "q3": 0.5}, "b": {"q1": 0.0, "q2": 0.0}}, "a", "b", "without")
+    assert (w.pair, w.mean, w.lo, w.hi, w.half_width) == ("a - b", 0.5, 0.0, 1.0, 0.5)  # q3 is in one arm only
+    widths = [w, PairWidth("a - b", "with", 0.5, 0.25, 0.75)]
+    assert ratio(widths, "a - b") == 0.5
+    assert ratio([PairWidth("x - y", "without", 0, 0, 0), PairWidth("x - y", "with", 0, 0, 0)], "x - y") is None
+
+
+def test_the_command_refuses_bad_arms_and_pairs(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "crn", "--store", str(tmp_path), "--arm", "base", "--pair", "a-b",
+                                 "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "NAME=VALUE" in r.output
+    r = CliRunner().invoke(app, ["bench", "crn", "--store", str(tmp_path), "--arm", "my-base=x", "--pair", "a-b",
+                                 "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "may not hold" in r.output
+    r = CliRunner().invoke(app, ["bench", "crn", "--store", str(tmp_path), "--arm", "a=x", "--arm", "b=y",
+                                 "--pair", "a-c", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "pair a - c: arms are a, b" in r.output
