@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import cache
 from pathlib import Path
 from typing import Any, ForwardRef, Literal, get_args
 from urllib.parse import urlsplit
@@ -27,6 +28,32 @@ class _Strict(BaseModel):
     def _upgrade(cls, data: Any) -> Any:
         # a section as an older version saved it, read in today's fields (Upgrades of saved configs, at the end)
         return upgrade_saved(cls, data)
+
+
+# A field, or a section as a whole, that is not what a run computes says so on itself, once:
+# `json_schema_extra=not_hashed(kind)`. The config hash leaves it out (`RunConfig.config_hash`), the resume check
+# (`diff_configs`) too unless its kind is `study`, and docs/config.md notes it; every list of such paths derives from
+# these marks (`not_hashed_paths`).
+NotHashed = Literal["plan", "draw", "study"]
+NOT_HASHED_KINDS: dict[str, str] = {
+    "plan": "which extra runs a study makes and how it pairs them, or how often training saves its progress: no run "
+    "computes differently, so a run resumed with another value is not refused (an experiment can gain references "
+    "after its seeds ran)",
+    "draw": "which draw of the same distribution a row is, or the reuse of a computed one: a row scored with or "
+    "without common random numbers or the cache is a sample of the same thing, so a run resumed with another value "
+    "is not refused and its finished stages stay finished",
+    "study": "a study's plan that its runs carry in their own configs (the evaluations' split, queries and L), or "
+    "where figures are copied to: no stage computes differently, but a run resumed with another value is refused, so "
+    "a study never mixes two plans",
+}
+_NOT_HASHED = "not_hashed"  # the key of the mark in a field's json_schema_extra
+
+
+def not_hashed(kind: NotHashed) -> dict[str, str]:
+    """The mark of a field (or section) that the config hash leaves out; `json_schema_extra=not_hashed("plan")`."""
+    if kind not in NOT_HASHED_KINDS:
+        raise ValueError(f"unknown kind {kind!r}; one of {', '.join(NOT_HASHED_KINDS)}")
+    return {_NOT_HASHED: kind}
 
 
 def server_urls(base_url: str | None, endpoints: list[str]) -> list[str]:
@@ -196,12 +223,15 @@ class ExecutorConfig(_Strict):
         "the rep and the call itself (messages, parameters, identical calls made before), so that two arms making "
         "the same call on the same query and slot get the same sample. Evaluation and reference runs turn it on "
         "(experiment.common_random_numbers); off: training rollouts draw fresh samples.",
+        json_schema_extra=not_hashed("draw"),
     )
-    seed: int = Field(0, description="The executor's common random numbers' seed, shared by every arm they pair.")
+    seed: int = Field(0, description="The executor's common random numbers' seed, shared by every arm they pair.",
+                      json_schema_extra=not_hashed("draw"))
     cache: Literal["auto", "on", "off"] = Field(
         "auto", description="Replies computed once, kept in <store>/cache/executor/ (pipeline.engines.cache): greedy "
         "and seeded calls. auto: for the local executor and a served one (their model and settings are known); on: "
         "also for an endpoint the pipeline does not start (you vouch that its model never changes); off: never.",
+        json_schema_extra=not_hashed("draw"),
     )
 
     @model_validator(mode="after")
@@ -379,7 +409,7 @@ class ScoringConfig(_Strict):
     batch_size: int = Field(16, gt=0, description="Score rows per Parquet part.")
     cache_verdicts: bool = Field(
         True, description="A code grader's verdict on an identical (benchmark, item, answer) computed once, kept in "
-        "<store>/cache/grader/ (timeouts excepted).",
+        "<store>/cache/grader/ (timeouts excepted).", json_schema_extra=not_hashed("draw"),
     )
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Multi-purpose reward weights.")
 
@@ -505,7 +535,7 @@ class TrainingConfig(_Strict):
     seed: int = Field(0, description="Training seed.")
     save_steps: int = Field(
         8, ge=0, description="Save the loop's progress every N optimiser steps, so that a killed train stage resumes "
-        "there, not at step 0 (0: never; local stores only). Changes no result.")
+        "there, not at step 0 (0: never; local stores only). Changes no result.", json_schema_extra=not_hashed("plan"))
 
     @field_validator("objective")
     @classmethod
@@ -547,28 +577,35 @@ class ExperimentConfig(_Strict):
     references: list[str] = Field(
         default_factory=list, description="Baselines (`pipeline baseline` methods, e.g. io, cot_sc, program:<file>) "
         "run after the seeds on the same held-out queries and L, reported with each round's paired difference to them.",
+        json_schema_extra=not_hashed("plan"),
     )
     references_from: str | None = Field(
         None, description="Use the reference runs of this experiment run id (<id>-baseline-<method>, made by `pipeline "
         "baseline --run-id <id>`) instead of making them: experiments that differ only in training (e.g. the learning "
         "rate chosen on dev) share their references. Their benchmark and executor must be this config's.",
+        json_schema_extra=not_hashed("plan"),
     )
     select_split: Literal["dev"] | None = Field(
         None, description="Also run every reference on this split and name the best fixed workflow by it: the highest "
         "Mean@L there, at the trained generator's executor budget and at any (test is never used to choose).",
+        json_schema_extra=not_hashed("plan"),
     )
-    select_queries: int | None = Field(None, gt=0, description="The first N queries of select_split; null: all.")
+    select_queries: int | None = Field(None, gt=0, description="The first N queries of select_split; null: all.",
+                                       json_schema_extra=not_hashed("plan"))
     budget_slack: float = Field(
         0.25, ge=0, description="A reference is at the trained generator's budget when its held-out executor tokens "
         "per query are at most (1 + slack) x those of the last evaluated round (mean over seeds).",
+        json_schema_extra=not_hashed("plan"),
     )
     shared_base: bool = Field(
         False, description="Evaluate the base model once (the first seed's run and sampling seed) and pair every seed "
         "with it: one evaluation less per extra seed, but the base's sampling noise is not resampled across seeds.",
+        json_schema_extra=not_hashed("plan"),
     )
     common_random_numbers: bool = Field(
         True, description="Evaluation and reference runs seed their executor calls (executor.common_random_numbers), "
         "so paired arms share the executor's noise; false: unseeded, to measure what that buys.",
+        json_schema_extra=not_hashed("plan"),
     )
 
 
@@ -617,7 +654,10 @@ class HeadroomConfig(_Strict):
         return registered(v, BUDGET_RULES, "budget rule")
 
 
-class RunConfig(_Strict):
+class ComputeConfig(_Strict):
+    """What a run computes: the sections of a run's YAML file that its stages read, hashed into every stage manifest
+    but for the fields marked `not_hashed`."""
+
     run_id: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Run name (a folder).")
     rounds: int = Field(3, gt=0, description="Rounds of rollout -> score -> curate -> train.")
     store: StoreConfig = Field(default_factory=StoreConfig)
@@ -628,26 +668,15 @@ class RunConfig(_Strict):
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     curation: CurationConfig = Field(default_factory=CurationConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
-    experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
-    smc: SMCConfig = Field(default_factory=SMCConfig)
-    headroom: HeadroomConfig = Field(default_factory=HeadroomConfig)
-    tracking: list[Literal["tensorboard", "mlflow"]] = Field(
-        default_factory=lambda: ["tensorboard"],
-        description="Experiment trackers the run's figures also go to (TRL's `report_to` names; [] or none: only "
-        "the store): training curves per optimiser step, rollout and scoring figures per round, held-out "
-        "evaluations. tensorboard: event files in <store>/<run_id>/tensorboard/; mlflow: a local file store "
-        "<store>/mlruns (needs `pip install -e .[mlflow]`). Rewritten from the store after each round and "
-        "evaluation (pipeline.studies.tracking), so it never holds a number the store does not.",
-    )
 
     @model_validator(mode="after")
-    def _scoring_concurrency(self) -> RunConfig:
+    def _scoring_concurrency(self) -> ComputeConfig:
         if self.scoring.concurrency is None:
             self.scoring.concurrency = self.executor.concurrency if self.executor.kind == "openai" else 2
         return self
 
     @model_validator(mode="after")
-    def _rollout_logprobs(self) -> RunConfig:
+    def _rollout_logprobs(self) -> ComputeConfig:
         # stored log-probs are of the sampling distribution (pipeline.engines.generation.base); π_θ is the model's
         g = self.generator
         if self.training.old_logprobs == "rollout" and (g.temperature != 1.0 or g.top_p != 1.0):
@@ -655,6 +684,25 @@ class RunConfig(_Strict):
                              f"{g.temperature} and {g.top_p}): otherwise the rollout's log-probs are not the "
                              "policy's; use recompute")
         return self
+
+
+class StudyConfig(_Strict):
+    """The studies planned over a run: the sections of a run's YAML file that `pipeline experiment`, `pipeline smc`,
+    `pipeline headroom` and the trackers read. Each is hashed or not by its own mark, not by being here: `smc` is
+    hashed, as it is what the rollout of a `<run>-smc` run computes."""
+
+    experiment: ExperimentConfig = Field(default_factory=ExperimentConfig, json_schema_extra=not_hashed("study"))
+    smc: SMCConfig = Field(default_factory=SMCConfig)
+    headroom: HeadroomConfig = Field(default_factory=HeadroomConfig, json_schema_extra=not_hashed("plan"))
+    tracking: list[Literal["tensorboard", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers the run's figures also go to (TRL's `report_to` names; [] or none: only "
+        "the store): training curves per optimiser step, rollout and scoring figures per round, held-out "
+        "evaluations. tensorboard: event files in <store>/<run_id>/tensorboard/; mlflow: a local file store "
+        "<store>/mlruns (needs `pip install -e .[mlflow]`). Rewritten from the store after each round and "
+        "evaluation (pipeline.studies.tracking), so it never holds a number the store does not.",
+        json_schema_extra=not_hashed("study"),
+    )
 
     @field_validator("tracking", mode="before")
     @classmethod
@@ -665,15 +713,25 @@ class RunConfig(_Strict):
         v = [v] if isinstance(v, str) else v
         return list(dict.fromkeys(v)) if isinstance(v, list) else v
 
+
+class RunConfig(StudyConfig, ComputeConfig):  # bases in this order: ComputeConfig's sections come first
+    """A run's YAML file (and its frozen `<store>/<run_id>/config.yaml`): what the run computes (`ComputeConfig`)
+    and the studies planned over it (`StudyConfig`), each top-level section read into the part that declares it.
+    Readers keep `cfg.experiment` and `cfg.training` alike; `cfg.study` is the study part alone."""
+
+    @property
+    def study(self) -> StudyConfig:
+        """The study sections of this config (the same objects, not copies)."""
+        return StudyConfig.model_construct(**{name: getattr(self, name) for name in StudyConfig.model_fields})
+
     def config_hash(self) -> str:
         """Fingerprint of what the stages compute, kept in every stage manifest. Fields at their default value
         are left out, so a field added to the schema later (at its default) keeps existing runs' manifests valid
-        instead of re-running every finished stage; `experiment` only plans evaluations, `tracking` only copies
-        figures out of the store, `headroom` only plans a study, `training.save_steps` only saves progress and
-        DRAW_ONLY fields only pick which draw a row is or reuse one, so they are left out too."""
+        instead of re-running every finished stage; so are the fields and sections marked `not_hashed` (plans,
+        draws, trackers: `not_hashed_paths()`), and `_legacy_hash_form` hashes a saved config as it was hashed when
+        it was frozen."""
         body = _legacy_hash_form(self, self.model_dump(mode="json", exclude_defaults=True,
-                                                       exclude={"experiment": True, "tracking": True, "headroom": True,
-                                                                "training": {"save_steps"}, **_DRAW_ONLY_EXCLUDE}))
+                                                       exclude=_hash_exclude(type(self))))
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
@@ -745,33 +803,70 @@ def load_config(path: str | Path, sets: list[str] | None = None) -> RunConfig:
     return config_from_dict(data, str(path))
 
 
-# Options that only say which extra runs an experiment makes and how it pairs them, or how often training saves its
-# progress: no run computes differently, so a run resumed with another value of them is not refused (an experiment
-# can gain references after its seeds ran).
-PLAN_ONLY = frozenset({"experiment.references", "experiment.references_from", "experiment.shared_base",
-                       "experiment.select_split", "experiment.select_queries", "experiment.budget_slack",
-                       "experiment.common_random_numbers", "training.save_steps", "headroom.designs",
-                       "headroom.queries", "headroom.reps", "headroom.gate", "headroom.budget_rule"})
+# ---- What the hash leaves out: the fields marked `not_hashed` --------------------------------------------------------
 
 
-# Options that pick which draw of the same distribution a row is, or reuse a computed one: a row scored with or
-# without common random numbers or the cache is a sample of the same thing, so a run resumed with another value of
-# them is not refused and its finished stages stay finished.
-DRAW_ONLY = frozenset({"executor.common_random_numbers", "executor.seed", "executor.cache", "scoring.cache_verdicts"})
-_DRAW_ONLY_EXCLUDE = {section: {p.split(".")[1] for p in DRAW_ONLY if p.split(".")[0] == section}
-                      for section in {p.split(".")[0] for p in DRAW_ONLY}}  # as model_dump's `exclude`
+def _sub_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds (`ServeConfig | None` and a model named before its class is defined
+    included), else None."""
+    kinds = [globals().get(a.__forward_arg__) if isinstance(a, ForwardRef) else a
+             for a in (get_args(annotation) or (annotation,))]
+    found = [a for a in kinds if isinstance(a, type) and issubclass(a, BaseModel)]
+    return found[0] if found else None
+
+
+def _mark(field: Any) -> NotHashed | None:
+    """The `not_hashed` kind a field is marked with, else None."""
+    extra = field.json_schema_extra
+    return extra.get(_NOT_HASHED) if isinstance(extra, dict) else None
+
+
+@cache
+def _marks(model: type[BaseModel], prefix: str = "") -> tuple[tuple[str, NotHashed], ...]:
+    out: list[tuple[str, NotHashed]] = []
+    for name, f in model.model_fields.items():
+        if (kind := _mark(f)) is not None:
+            out.append((prefix + name, kind))
+        if (sub := _sub_model(f.annotation)) is not None:
+            out.extend(_marks(sub, f"{prefix}{name}."))
+    return tuple(out)
+
+
+def not_hashed_paths(model: type[BaseModel] | None = None) -> dict[str, NotHashed]:
+    """The dotted path and kind of every field and section marked `not_hashed` (RunConfig's by default); a marked
+    section is listed as itself, and its fields marked otherwise besides."""
+    return dict(_marks(model or RunConfig))
+
+
+@cache
+def _hash_exclude(model: type[BaseModel]) -> dict[str, Any]:
+    """model_dump's `exclude` of the config hash: the marked fields and sections."""
+    out: dict[str, Any] = {}
+    for name, f in model.model_fields.items():
+        if _mark(f) is not None:
+            out[name] = True
+        elif (sub := _sub_model(f.annotation)) is not None and (inner := _hash_exclude(sub)):
+            out[name] = inner
+    return out
+
+
+PLAN_ONLY = frozenset(p for p, kind in not_hashed_paths().items() if kind == "plan")
+DRAW_ONLY = frozenset(p for p, kind in not_hashed_paths().items() if kind == "draw")
 
 
 def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
-    """Dotted paths whose values differ, PLAN_ONLY and DRAW_ONLY left out (used to refuse silently resuming a run
-    with another config)."""
+    """Dotted paths whose values differ, the fields and sections marked `not_hashed` but for `study` left out (used
+    to refuse silently resuming a run with another config)."""
     out: list[str] = []
+    free = {path for path, kind in _marks(type(a)) if kind != "study"}  # PLAN_ONLY | DRAW_ONLY for a RunConfig
 
     def walk(x: Any, y: Any, prefix: str) -> None:
+        if prefix in free:
+            return
         if isinstance(x, dict) and isinstance(y, dict):
             for k in sorted(set(x) | set(y)):
                 walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
-        elif x != y and prefix not in PLAN_ONLY and prefix not in DRAW_ONLY:
+        elif x != y:
             out.append(prefix)
 
     walk(json.loads(a.model_dump_json()), json.loads(b.model_dump_json()), "")
@@ -847,15 +942,6 @@ def _legacy_hash_form(cfg: RunConfig, body: dict) -> dict:
 # ---- The reference (docs/config.md) -----------------------------------------------------------------------------
 
 
-def _sub_model(annotation: Any) -> type[BaseModel] | None:
-    """The section model a field holds (`ServeConfig | None` and a model named before its class is defined
-    included), else None."""
-    kinds = [globals().get(a.__forward_arg__) if isinstance(a, ForwardRef) else a
-             for a in (get_args(annotation) or (annotation,))]
-    found = [a for a in kinds if isinstance(a, type) and issubclass(a, BaseModel)]
-    return found[0] if found else None
-
-
 def _default_text(field: Any) -> str:
     if field.is_required():
         return "(required)"
@@ -867,28 +953,38 @@ def _default_text(field: Any) -> str:
 
 def config_reference() -> str:
     """docs/config.md: every field of RunConfig under its section's heading, a table of field, default and help
-    (the field's description), as TRL documents GRPOConfig. tests/test_config.py checks the file matches."""
+    (the field's description, and its `not_hashed` mark), as TRL documents GRPOConfig. tests/test_config.py checks
+    the file matches."""
+    study = ", ".join(f"`{name}`" for name in StudyConfig.model_fields)
     out = ["# Config reference", "",
            "Every field of a run's config (`pipeline/config.py`), by section: its default and what it does. Generated "
-           "by `pipeline.config.config_reference()`; `tests/test_config.py` checks this file matches it.", ""]
+           "by `pipeline.config.config_reference()`; `tests/test_config.py` checks this file matches it.", "",
+           f"One file holds both parts of a run's config: the studies planned over the run ({study}: `StudyConfig`) "
+           "and what the run computes (the other sections: `ComputeConfig`). Every field is in the config hash, "
+           "which each stage manifest records, unless it or its section is marked *not hashed* below, by kind:", "",
+           *(f"- *{kind}*: {text}." for kind, text in NOT_HASHED_KINDS.items()), ""]
 
-    def section(model: type[BaseModel], path: str) -> None:
+    def section(model: type[BaseModel], path: str, mark: str | None) -> None:
         leaves, subs = [], []
         for name, f in model.model_fields.items():
             sub = _sub_model(f.annotation)
             (subs if sub else leaves).append((name, f, sub))
         out.extend([f"## {path or 'Run'}", ""])
         doc = (model.__doc__ or "").strip() if model.__doc__ != BaseModel.__doc__ else ""
+        if mark:
+            doc = f"*Not hashed ({mark}): the whole section.* {doc}".strip()
         if doc:
             out.extend([" ".join(doc.split()), ""])
         if leaves:
             out.extend(["| field | default | help |", "|---|---|---|"])
             for name, f, _ in leaves:
                 desc = " ".join((f.description or "").split()).replace("|", "\\|")
+                if (kind := _mark(f)) is not None:
+                    desc += f" *Not hashed ({kind}).*"
                 out.append(f"| `{path + '.' if path else ''}{name}` | {_default_text(f)} | {desc} |")
             out.append("")
-        for name, _f, sub in subs:
-            section(sub, f"{path}.{name}" if path else name)
+        for name, f, sub in subs:
+            section(sub, f"{path}.{name}" if path else name, _mark(f))
 
-    section(RunConfig, "")
+    section(RunConfig, "", None)
     return "\n".join(out).rstrip("\n") + "\n"
