@@ -80,6 +80,11 @@ class ServerSpec:
                "--port", str(port)]
         cmd += ["--enforce-eager"] if self.enforce_eager else []
         cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)] if self.lora_rank else []
+        from pipeline.engines.generation.vllm_offline import cuda_available, no_partial_prefills
+
+        if not cuda_available():  # seeded requests (common random numbers) must never meet a chunked prefill
+            cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
+                    str(no_partial_prefills(self.max_model_len)["max_num_batched_tokens"])]
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:

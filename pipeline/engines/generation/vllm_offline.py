@@ -9,7 +9,9 @@ waiting prompt, vLLM prefills some in chunks and discards the token sampled afte
 that request's seeded generator with `Generator.set_offset`, which torch's CPU generator does not support
 ("CPU Generator does not use offset"; e.g. 8 prompts of ~400 tokens x n=8). On CPU we therefore turn
 chunked prefill off and give a step a budget of the whole context, so a prompt is always prefilled in one
-step and no sampled token is ever discarded; per-request seeds (reproducible samples) stay.
+step and no sampled token is ever discarded; per-request seeds (reproducible samples) stay. The servers
+(pipeline.engines.servers) do the same: the executor's common random numbers are per-request seeds, and a seeded
+request beside a chunked prefill killed a CPU server's engine.
 """
 
 from __future__ import annotations
@@ -56,9 +58,15 @@ def engine_kwargs(model_ref: str, *, dtype: str = "float32", enable_lora: bool =
     )
     if enable_lora:
         kw.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
-    if not cuda_available():  # see the module doc: no partial prefills, so no discarded seeded samples
-        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
+    if not cuda_available():
+        kw.update(no_partial_prefills(max_model_len))
     return kw
+
+
+def no_partial_prefills(max_model_len: int) -> dict[str, Any]:
+    """vLLM engine settings under which a prompt is always prefilled in one step, so no seeded sample is discarded
+    (the module doc: torch's CPU generator cannot rewind). For the offline engine and the servers alike, on CPU."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
 
 
 def cuda_available() -> bool:
