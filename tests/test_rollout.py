@@ -434,6 +434,13 @@ def test_vllm_on_cpu_samples_the_adapter_merged(tmp_path, fake, monkeypatch, smo
     assert not Path(seen["model"]).exists()  # the merged copy is gone with the stage
     df = ctx.store.read("generations", "t", 0)
     assert set(df["model"]) == {"embedded:smollm2-135m-instruct"} and adapter in df["sampling"][0]
+    # generator.merge_adapter: never: the engine loads the base weights and applies the adapter itself
+    seen.clear()
+    ctx = make_ctx(tmp_path / "store2", generator={"backend": "vllm", "adapter": adapter, "batch_size": 2,
+                                                   "merge_adapter": "never"})
+    run_rollout(ctx)
+    assert seen["lora"] is True and seen["model"] == "embedded:smollm2-135m-instruct"
+    assert all(call[2] is not None for call in gens[-1].calls)
 
 
 def test_nearby_seeds_share_no_sample_streams(tmp_path, fake):
