@@ -8,7 +8,7 @@ from prefect import flow
 from flows.artifacts import publish_ablation
 from flows.tasks import submitting_call
 from pipeline.stages.runner import RetryPolicy
-from pipeline.studies.ablation import run_ablation, table
+from pipeline.studies.ablation import run_ablation
 
 
 @flow(name="ablate", flow_run_name="ablate {config}", log_prints=True)
@@ -19,7 +19,7 @@ def ablate(config: str = "configs/learn.yaml", objectives: list[str] | None = No
     Mean@L / Best@L with the base model and the first objective (written under <store>/experiments/)."""
     summary = run_ablation(config, submitting_call(RetryPolicy(retries, retry_delay_s)), objectives, seeds, round,
                            run_id, sets, command=f"prefect flow ablate {config}")
-    print(table(summary))
-    print(f"results: {summary['results']}")
-    publish_ablation(summary, table(summary))
-    return summary
+    print(summary.table())
+    print(f"results: {summary.results}")
+    publish_ablation(summary)
+    return summary.to_dict()

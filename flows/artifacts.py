@@ -23,8 +23,16 @@ import polars as pl
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from pipeline.store import Store
-from pipeline.studies.experiment import METRIC_NAMES, headline
+from pipeline.studies.formatting import metric_name, rounded
 from pipeline.studies.report import round_stats, stage_timings, status_counts
+from pipeline.studies.summaries import (
+    AblationSummary,
+    EvalSummary,
+    ExperimentSummary,
+    MethodsSummary,
+    PairedDiff,
+    RoundDiff,
+)
 
 # the figures of each stage, as (label, round_stats column)
 STAGE_FIGURES = {
@@ -39,19 +47,11 @@ STAGE_FIGURES = {
     "train": [("optimiser steps", "steps"), ("mean loss", "loss"), ("mean KL", "kl"),
               ("mean clip fraction", "clip_frac"), ("tokens", "train_tokens")],
 }
-EVAL_FIGURES = [("Mean@L", "mean_at_l"), ("Best@L", "best_at_l"), ("Majority@L", "majority_at_l"),
-                ("Sel@L", "select_at_l"), ("valid share", "valid_share"),
-                ("generator tokens per query", "gen_tokens_per_query"),
-                ("executor tokens per query", "exec_tokens_per_query")]
 
 
 def artifact_key(*parts: object) -> str:
     """Prefect keys allow lowercase letters, digits and dashes only."""
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(str(p) for p in parts).lower()).strip("-")
-
-
-def num(x):
-    return round(x, 4) if isinstance(x, float) else x
 
 
 def link_to(path) -> str:
@@ -67,7 +67,7 @@ def round_rows(store: Store, run_id: str, k: int) -> list[dict]:
     rows = []
     for stage, figures in STAGE_FIGURES.items():
         rows.append({"stage": stage, "figure": "wall seconds", "value": walls.get(stage)})
-        rows += [{"stage": stage, "figure": label, "value": num(r.get(col))} for label, col in figures]
+        rows += [{"stage": stage, "figure": label, "value": rounded(r.get(col))} for label, col in figures]
         if stage == "score":
             rows.append({"stage": stage, "figure": "status of the latest runs",
                          "value": ", ".join(f"{s} {n}" for s, n in zip(st["status"], st["n"], strict=True))})
@@ -83,56 +83,61 @@ def publish_round(run_id: str, store_root: str, k: int) -> None:
                           description=f"run {run_id} round {k}: mean score {mean}")
 
 
+def figure_rows(summary: EvalSummary, tokens: bool = True) -> dict:
+    """label -> value of an evaluation's figures that it has."""
+    return {label: rounded(v) for label, v in summary.figures(tokens) if v is not None}
+
+
 def publish_evaluation(summary: dict, run_id: str, k: int, split: str) -> None:
-    rows = [{"metric": label, "value": num(summary.get(col))} for label, col in EVAL_FIGURES
-            if summary.get(col) is not None]
-    rows.append({"metric": "status of the latest runs", "value": ", ".join(
-        f"{s} {n}" for s, n in (summary.get("status") or {}).items())})
+    """`summary`: the evaluation's `eval_summary`."""
+    s = EvalSummary.from_dict(summary)
+    rows = [{"metric": label, "value": v} for label, v in figure_rows(s).items()]
+    rows.append({"metric": "status of the latest runs", "value": ", ".join(f"{st} {n}" for st, n in s.status.items())})
     what = "the base model" if k < 0 else f"round {k}'s checkpoint"
-    create_table_artifact(rows, key=artifact_key(summary["eval_run_id"]),
-                          description=f"held-out {split}: {what} of run {run_id} ({summary['eval_run_id']})")
+    create_table_artifact(rows, key=artifact_key(s.eval_run_id),
+                          description=f"held-out {split}: {what} of run {run_id} ({s.eval_run_id})")
 
 
-def paired_rows(paired: list[dict], by: tuple[str, ...] = ("round",)) -> list[dict]:
-    return [{**{b: p[b] for b in by}, "metric": METRIC_NAMES.get(p["metric"], p["metric"]),
-             **({"base": num(p["base"]), "trained": num(p["trained"])} if "base" in p else {}),
-             "difference": num(p["mean"]), "lo": num(p["lo"]), "hi": num(p["hi"]),
-             "lo (resampling queries)": num(p.get("lo_by_query")), "hi (resampling queries)": num(p.get("hi_by_query")),
-             "pairs": p["n"], "level": p["level"]} for p in paired]
+def paired_rows(paired: list[PairedDiff]) -> list[dict]:
+    """Each paired difference as a table row: what it pairs (round; or arm, against [and the other arm's metric]),
+    both arms' means where it has them, the difference with its intervals over pairs and over queries."""
+    return [{**p.pairing(), "metric": metric_name(p.metric),
+             **({"base": rounded(p.base), "trained": rounded(p.trained)} if isinstance(p, RoundDiff) else {}),
+             "difference": rounded(p.mean), "lo": rounded(p.lo), "hi": rounded(p.hi),
+             "lo (resampling queries)": rounded(p.lo_by_query), "hi (resampling queries)": rounded(p.hi_by_query),
+             "pairs": p.n, "level": p.level} for p in paired]
 
 
-def publish_experiment(summary: dict, report: Path | str) -> None:
-    exp = summary["experiment"]
-    create_table_artifact(paired_rows(summary["paired"]), key=artifact_key(exp, "paired"),
-                          description=f"experiment {exp}: trained - base, held-out {summary['split']}, "
-                                      f"L={summary['eval_l']}, seeds {summary['seeds']}")
-    arms = [{"seed": a["seed"], "round": "base" if a["round"] < 0 else a["round"],
-             **{label: num(a.get(col)) for label, col in EVAL_FIGURES[:5] if a.get(col) is not None}}
-            for a in summary["arms"]]
+def publish_experiment(summary: ExperimentSummary, report: Path | str) -> None:
+    exp = summary.experiment
+    create_table_artifact(paired_rows(summary.paired), key=artifact_key(exp, "paired"),
+                          description=f"experiment {exp}: trained - base, held-out {summary.split}, "
+                                      f"L={summary.eval_l}, seeds {summary.seeds}")
+    arms = [{"seed": a.seed, "round": "base" if a.round < 0 else a.round, **figure_rows(a, tokens=False)}
+            for a in summary.arms]
     create_table_artifact(arms, key=artifact_key(exp, "evaluations"),
                           description=f"experiment {exp}: every held-out evaluation")
-    lines = headline(summary) or ["no evaluation yet"]
+    lines = summary.headline() or ["no evaluation yet"]
     create_markdown_artifact("\n".join(f"- {x}" for x in lines) + f"\n\nReport: {link_to(report)}",
                              key=artifact_key(exp, "summary"), description=f"experiment {exp}: the result")
     create_link_artifact(link_to(report), link_text=f"experiment {exp} report", key=artifact_key(exp, "report"))
 
 
-def publish_ablation(summary: dict, markdown_table: str) -> None:
-    exp = summary["experiment"]
-    create_table_artifact(paired_rows(summary["paired"], ("arm", "against")), key=artifact_key(exp, "ablation-paired"),
+def publish_ablation(summary: AblationSummary) -> None:
+    exp = summary.experiment
+    create_table_artifact(paired_rows(summary.paired), key=artifact_key(exp, "ablation-paired"),
                           description=f"ablation {exp}: paired differences per arm")
-    create_markdown_artifact(markdown_table, key=artifact_key(exp, "ablation"), description=f"ablation {exp}")
-    if summary.get("results"):
-        md = Path(str(summary["results"])) / "ablation.md" if "://" not in str(summary["results"]) \
-            else f"{summary['results']}/ablation.md"
+    create_markdown_artifact(summary.table(), key=artifact_key(exp, "ablation"), description=f"ablation {exp}")
+    if summary.results:
+        md = f"{summary.results}/ablation.md" if "://" in summary.results else Path(summary.results) / "ablation.md"
         create_link_artifact(link_to(md), link_text=f"ablation {exp} results", key=artifact_key(exp, "ablation-report"))
 
 
-def publish_methods(summary: dict, markdown_table: str) -> None:
-    exp = summary["experiment"]
-    create_table_artifact(paired_rows(summary["paired"], ("arm", "against", "against_metric")),
-                          key=artifact_key(exp, "methods-paired"), description=f"methods {exp}: paired differences")
-    create_markdown_artifact(markdown_table, key=artifact_key(exp, "methods"), description=f"methods {exp}")
+def publish_methods(summary: MethodsSummary) -> None:
+    exp = summary.experiment
+    create_table_artifact(paired_rows(summary.paired), key=artifact_key(exp, "methods-paired"),
+                          description=f"methods {exp}: paired differences")
+    create_markdown_artifact(summary.table(), key=artifact_key(exp, "methods"), description=f"methods {exp}")
 
 
 def publish_report_link(run_id: str, report: Path | str) -> None:

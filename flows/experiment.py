@@ -8,7 +8,7 @@ from prefect import flow
 from flows.artifacts import publish_experiment, publish_round
 from flows.tasks import submitting_call
 from pipeline.stages.runner import RetryPolicy
-from pipeline.studies.experiment import headline, run_experiment
+from pipeline.studies.experiment import run_experiment
 
 
 @flow(name="experiment", flow_run_name="experiment {config}", log_prints=True)
@@ -25,7 +25,7 @@ def experiment(config: str = "configs/learn.yaml", seeds: int | None = None, run
                              command=f"prefect flow experiment {config}", after_round=publish_round,
                              after_seed=lambda s, out: publish_experiment(s, f"{out}/report.html"),
                              only_seeds=only_seeds, only_references=only_references)
-    for line in headline(summary):
+    for line in summary.headline():
         print(line)
-    print(f"results: {summary['results']}")
-    return {k: v for k, v in summary.items() if k != "per_query"}
+    print(f"results: {summary.results}")
+    return {k: v for k, v in summary.to_dict().items() if k != "per_query"}

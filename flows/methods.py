@@ -8,7 +8,7 @@ from prefect import flow
 from flows.artifacts import publish_methods
 from flows.tasks import submitting_call
 from pipeline.stages.runner import RetryPolicy
-from pipeline.studies.methods import parse_arm_sets, run_methods, table
+from pipeline.studies.methods import parse_arm_sets, run_methods
 
 
 @flow(name="compare-methods", flow_run_name="compare-methods {config}", log_prints=True)
@@ -19,7 +19,7 @@ def compare_methods(config: str = "configs/learn.yaml", methods: list[str] | Non
     Majority@L (Sel@L) with the base model and SPOGW (written under <store>/experiments/<run>-methods/)."""
     summary = run_methods(config, submitting_call(RetryPolicy(retries, retry_delay_s)), methods, seeds, run_id, sets,
                           parse_arm_sets(arm_sets), lr_sweep, command=f"prefect flow compare-methods {config}",
-                          after_seed=lambda s, out: publish_methods(s, table(s)))
-    print(table(summary))
-    print(f"results: {summary['results']}")
-    return {k: v for k, v in summary.items() if k != "per_query"}
+                          after_seed=lambda s, out: publish_methods(s))
+    print(summary.table())
+    print(f"results: {summary.results}")
+    return {k: v for k, v in summary.to_dict().items() if k != "per_query"}

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import polars as pl
 
     from pipeline.stages.runner import StageResult
-    from pipeline.studies.summaries import EvalSummary
+    from pipeline.studies.summaries import AblationSummary, EvalSummary, ExperimentSummary, MethodsSummary
 
 DEFAULT_STORE = StoreConfig.model_fields["root"].default  # where runs live when neither a flag nor a config says
 
@@ -93,10 +93,12 @@ def evaluate(run_id: str, round: int, split: str = "test", store: str | None = N
     return EvalSummary.from_dict(evaluate_tracked(str(store or DEFAULT_STORE), run_id, round, split, list(sets)))
 
 
-def run_study(study: str, config: str | Path, retries: int = 2, **options: Any) -> dict:
+def run_study(study: str, config: str | Path, retries: int = 2,
+              **options: Any) -> ExperimentSummary | AblationSummary | MethodsSummary:
     """A study through the Prefect-free stage caller with `retries` retries of a transient failure: `experiment`
     (pipeline.studies.experiment.run_experiment), `ablation` (ablation.run_ablation) or `methods`
-    (methods.run_methods); `options` are that function's keyword arguments. Returns its summary."""
+    (methods.run_methods); `options` are that function's keyword arguments. Returns its summary (the typed record
+    of pipeline.studies.summaries)."""
     from pipeline.stages.rounds import direct_call
     from pipeline.stages.runner import RetryPolicy
     from pipeline.studies.ablation import run_ablation

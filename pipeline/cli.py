@@ -7,15 +7,17 @@ notebooks use too). Heavy libraries load inside commands so `--help` and `valida
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from pipeline.config import ConfigError, load_config
+
+if TYPE_CHECKING:  # the commands import what they run inside themselves: `pipeline --help` stays fast
+    from pipeline.studies.summaries import AblationSummary, ExperimentSummary, MethodsSummary
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False)
 bench_app = typer.Typer(help="Benchmarks that print numbers (ratios against a baseline in the same run).",
@@ -514,7 +516,6 @@ def ablate(
     the round whose curated data every objective trains on."""
     from pipeline import api
     from pipeline.stages.runner import StageError
-    from pipeline.studies.ablation import table
 
     names = [o.strip() for o in objectives.split(",") if o.strip()] if objectives else None
     try:
@@ -522,7 +523,7 @@ def ablate(
                                 run_id=run_id, sets=sets or [], command=_command())
     except (ConfigError, StageError, ValueError) as e:
         _fail(str(e))
-    typer.echo(table(summary))
+    typer.echo(summary.table())
     _echo_done(summary)
 
 
@@ -551,7 +552,7 @@ def compare_methods(
     <store>/experiments/<run_id>-methods/)."""
     from pipeline import api
     from pipeline.stages.runner import StageError
-    from pipeline.studies.methods import parse_arm_sets, table
+    from pipeline.studies.methods import parse_arm_sets
 
     names = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
     try:
@@ -563,25 +564,18 @@ def compare_methods(
                                 sets=sets or [], arm_sets=parse_arm_sets(arm_sets), lr_sweep=lrs, command=_command())
     except (ConfigError, StageError, ValueError) as e:
         _fail(str(e))
-    typer.echo(table(summary))
+    typer.echo(summary.table())
     _echo_done(summary)
 
 
-def _echo_done(summary: dict) -> None:
-    typer.echo(f"wall time {summary['wall_s']:.0f} s; results: {summary['results']}")
+def _echo_done(summary: ExperimentSummary | AblationSummary | MethodsSummary) -> None:
+    """A study's last line."""
+    typer.echo(f"wall time {summary.wall_s:.0f} s; results: {summary.results}")
 
 
-def _echo_experiment(summary: dict) -> None:
-    from pipeline.studies.experiment import headline
-    from pipeline.studies.formatting import metrics_phrase, num, tokens_phrase
-
-    for a in summary["arms"]:
-        typer.echo(f"seed {a['seed']} {'base model' if a['round'] < 0 else 'round ' + str(a['round'])}: held-out "
-                   f"{metrics_phrase(a['mean_at_l'], a['best_at_l'], a.get('majority_at_l'))}, valid "
-                   f"{num(a['valid_share'], 2)}, "
-                   f"{tokens_phrase(a.get('gen_tokens_per_query'), a.get('exec_tokens_per_query'))}, "
-                   f"status {a['status']}")
-    for line in headline(summary):
+def _echo_experiment(summary: ExperimentSummary) -> None:
+    """Every evaluation of an ExperimentSummary, one line each, then its headline."""
+    for line in [a.line() for a in summary.arms] + summary.headline():
         typer.echo(line)
 
 
@@ -602,11 +596,12 @@ def report(
     from pipeline.studies.experiment import experiment_dir
     from pipeline.studies.formatting import num
     from pipeline.studies.report import build_report, round_stats, stage_timings
+    from pipeline.studies.summaries import ExperimentSummary
 
     st = api.open_store(store)
     exp = experiment_dir(st, run_id) / "experiment.json"
     if not (st.run_dir(run_id) / "config.yaml").is_file() and exp.is_file():
-        _echo_experiment(json.loads(exp.read_text()))
+        _echo_experiment(ExperimentSummary.read(exp))
         typer.echo(f"report: {exp.parent / 'report.html'}")
         try:
             typer.echo(f"queries: {build_experiment_pages(st, exp.parent, query)}")
@@ -694,7 +689,7 @@ def _baseline(config: Path, m: str, run_id: str | None, split: str, sets: list[s
     except (ConfigError, StageError) as e:
         _fail(str(e))
     typer.echo(summ.line())
-    for task, win in summ.extra.get("selected", {}).items():
+    for task, win in (summ.selected or {}).items():
         typer.echo(f"  task {task}: {win['label']} (mean {win['mean_score']:.3f} on {win['queries']} selection "
                    f"queries, run {_selection_run(config, run_id, sets)})")
 

@@ -46,6 +46,23 @@ def test_key_is_what_prefect_accepts():
     assert artifact_key("Demo_2026.11", "round", 0) == "demo-2026-11-round-0"
 
 
+def test_paired_rows_name_what_each_difference_pairs():
+    """A round against the base model (experiment), an arm against another on another metric (compare-methods)."""
+    from flows.artifacts import paired_rows
+    from pipeline.studies.summaries import ArmDiff, RoundDiff
+
+    interval = {"n": 4, "mean": 0.123456, "lo": -0.1, "hi": 0.3, "level": 0.95, "lo_by_query": -0.2}
+    rows = paired_rows([RoundDiff(round=1, metric="best_at_l", base=0.25, trained=1 / 3, **interval),
+                        ArmDiff(arm="two_level", against="spogw", metric="select_at_l", against_metric="mean_at_l",
+                                **interval)])
+    tail = {"difference": 0.1235, "lo": -0.1, "hi": 0.3, "lo (resampling queries)": -0.2,
+            "hi (resampling queries)": None, "pairs": 4, "level": 0.95}
+    assert rows == [{"round": 1, "metric": "Best@L", "base": 0.25, "trained": 0.3333, **tail},
+                    {"arm": "two_level", "against": "spogw", "against_metric": "mean_at_l", "metric": "Sel@L",
+                     **tail}]
+    assert list(rows[0])[:4] == ["round", "metric", "base", "trained"]
+
+
 def test_iterate_publishes_round_tables_evaluations_and_the_report(harness, tmp_path, monkeypatch):
     install_fake_stages(monkeypatch)
     state = iterate(str(write_config(tmp_path, rounds=1)), run_id="It_1", in_process=True, retry_delay_s=0,

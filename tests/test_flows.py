@@ -481,14 +481,14 @@ def test_experiment_trains_each_seed_then_evaluates_base_and_every_round(harness
     e1 = open_run(None, "x-s3-eval-r1", 0, store_root=str(tmp_path / "runs")).cfg
     assert (e1.benchmark.max_queries, e1.rollout.m, e1.benchmark.train_split) == (5, 2, "test")
     assert (e1.rollout.exemplar_run, e1.rollout.exemplar_round, e1.generator.seed) == ("x-s3", 2, 3)
-    mean = [p for p in out["paired"] if p["metric"] == "mean_at_l"]
-    assert [(p["round"], p["n"], p["mean"], p["base"], p["trained"]) for p in mean] == [(0, 4, 0.75, 0.25, 1.0),
-                                                                                        (1, 4, 0.75, 0.25, 1.0)]
-    assert [(x["seed"], x["mean"]) for x in mean[0]["per_seed"]] == [(3, 0.75), (4, 0.75)]
-    assert (mean[0]["lo_by_query"], mean[0]["hi_by_query"]) == (0.5, 1.0)  # queries drawn: means 1, .75 or .5
+    mean = [p for p in out.paired if p.metric == "mean_at_l"]
+    assert [(p.round, p.n, p.mean, p.base, p.trained) for p in mean] == [(0, 4, 0.75, 0.25, 1.0),
+                                                                         (1, 4, 0.75, 0.25, 1.0)]
+    assert [(x.seed, x.mean) for x in mean[0].per_seed] == [(3, 0.75), (4, 0.75)]
+    assert (mean[0].lo_by_query, mean[0].hi_by_query) == (0.5, 1.0)  # queries drawn: means 1, .75 or .5
     # seeds, then queries: both seeds hold differences (1, .5), so a resample is 4 draws from {1, .5}: .5 + k/8 with
     # k ~ Bin(4, 1/2); P(k = 0) = 1/16 > 2.5%, so [0.5, 1.0]
-    assert (mean[0]["lo_seeds_queries"], mean[0]["hi_seeds_queries"]) == (0.5, 1.0)
+    assert (mean[0].lo_seeds_queries, mean[0].hi_seeds_queries) == (0.5, 1.0)
     body = json.loads((experiment_dir(Store(tmp_path / "runs"), "x") / "experiment.json").read_text())
     assert body["seeds"] == [3, 4] and len(body["arms"]) == 6 and len(body["per_query"]) == 12
     assert body["flagged_rewarded"] == {"x-s3": 2, "x-s4": 2}  # one flagged rewarded row per training round

@@ -215,7 +215,7 @@ def test_compare_methods_end_to_end_pairs_by_hand_and_resumes(tmp_path, monkeypa
     assert runs["task_best"]["train_wall_s"] is None
     md = (tmp_path / "experiments" / "cm-methods" / "methods.md").read_text()
     assert "| scoreflow | sample | 1 | 0.625 | 0.625 | 0.625 | n/a | +0.375 [" in md
-    assert out["results"].endswith("cm-methods")
+    assert out.results.endswith("cm-methods")
 
     # resume: a second call trains, rolls out and scores nothing; every stage is skipped by its manifest
     fakes.calls.clear()
@@ -223,7 +223,7 @@ def test_compare_methods_end_to_end_pairs_by_hand_and_resumes(tmp_path, monkeypa
     again = mm.run_methods("configs/smoke.yaml", call, names, seeds=1, run_id="cm", sets=_sets(tmp_path))
     assert fakes.calls == []
     assert [t["skipped"] for t in _timings(st, "cm-spogw-s0")[n_lines:]] == [True] * 4
-    assert [a["mean_at_l"] for a in again["arms"]] == [a["mean_at_l"] for a in body["arms"]]
+    assert [a.mean_at_l for a in again.arms] == [a["mean_at_l"] for a in body["arms"]]
 
 
 def test_lr_sweep_chooses_on_dev_and_trains_the_arm_with_it(tmp_path, monkeypatch):
@@ -235,16 +235,16 @@ def test_lr_sweep_chooses_on_dev_and_trains_the_arm_with_it(tmp_path, monkeypatc
     sets = _sets(tmp_path, "benchmark.train_split=train", "benchmark.dev_share=0.5")
     out = mm.run_methods("configs/smoke.yaml", call, ["spogw"], seeds=1, run_id="sw", sets=sets,
                          lr_sweep=[1e-4, 2e-4, 5e-4])
-    sweep = out["lr_sweep"]["spogw"]
+    sweep = out.lr_sweep["spogw"]
     # the fake checkpoint scores 0.5 below lr 2e-4 and 1.0 from it: 2e-4 and 5e-4 tie, the first listed wins
-    assert [(r["lr"], r["mean_at_l"]) for r in sweep["runs"]] == [(1e-4, 0.5), (2e-4, 1.0), (5e-4, 1.0)]
-    assert (sweep["chosen"], sweep["split"], out["lr"]) == (2e-4, "dev", {"spogw": 2e-4})
-    assert [r["eval_run_id"] for r in sweep["runs"]] == ["sw-spogw-lr0.0001-s0-eval-dev-r0",
+    assert [(r.lr, r.mean_at_l) for r in sweep.runs] == [(1e-4, 0.5), (2e-4, 1.0), (5e-4, 1.0)]
+    assert (sweep.chosen, sweep.split, out.lr) == (2e-4, "dev", {"spogw": 2e-4})
+    assert [r.eval_run_id for r in sweep.runs] == ["sw-spogw-lr0.0001-s0-eval-dev-r0",
                                                           "sw-spogw-lr0.0002-s0-eval-dev-r0",
                                                           "sw-spogw-lr0.0005-s0-eval-dev-r0"]
     assert open_run(None, "sw-spogw-s0", 0, store_root=str(tmp_path)).cfg.training.lr == 2e-4
     held_out = {d.name for d in tmp_path.iterdir() if "-eval-" in d.name}
-    assert {e for e in held_out if "-lr" in e} == {r["eval_run_id"] for r in sweep["runs"]}  # no sweep run on test
+    assert {e for e in held_out if "-lr" in e} == {r.eval_run_id for r in sweep.runs}  # no sweep run on test
     assert json.loads((tmp_path / "experiments" / "sw-methods" / "methods.json").read_text())["lr"] == {"spogw": 2e-4}
 
 
@@ -261,6 +261,6 @@ def test_the_method_of_config_itself_reuses_the_experiment_run_of_its_seed(tmp_p
     assert len(trained) == 1
     fakes.calls.clear()
     out = mm.run_methods("configs/smoke.yaml", call, ["spogw"], seeds=1, run_id="ex", sets=sets)
-    runs = {r["arm"]: r for r in out["per_seed"]}
-    assert (runs["spogw"]["train_run_id"], runs["base"]["eval_run_id"]) == ("ex-s0", "ex-s0-eval-base")
+    runs = {r.arm: r for r in out.per_seed}
+    assert (runs["spogw"].train_run_id, runs["base"].eval_run_id) == ("ex-s0", "ex-s0-eval-base")
     assert fakes.calls == []  # trained and evaluated already by the experiment

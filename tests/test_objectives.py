@@ -293,8 +293,8 @@ def test_ablation_plans_arms_and_pairs_them_by_hand(tmp_path, monkeypatch):
     assert evals == [("ab-s0", -1), ("ab-s0", 0), ("ab-s0-sft_best", 0)]
     arm = open_run(None, "ab-s0-sft_best", 0, None, str(tmp_path)).cfg.training
     assert arm.objective == "sft_best" and arm.data_run == "ab-s0"
-    assert summary["objectives"] == ["iogrpo_mkl", "sft_best"]
-    got = {(p["arm"], p["against"]): p["mean"] for p in summary["paired"] if p["metric"] == "mean_at_l"}
+    assert summary.objectives == ["iogrpo_mkl", "sft_best"]
+    got = {(p.arm, p.against): p.mean for p in summary.paired if p.metric == "mean_at_l"}
     # iogrpo - base: (1 + 0)/2; sft_best - base: (0.5 + 0.5)/2; sft_best - iogrpo: (-0.5 + 0.5)/2
     assert got == {("iogrpo_mkl", "base"): 0.5, ("sft_best", "base"): 0.5, ("sft_best", "iogrpo_mkl"): 0.0}
     md = (tmp_path / "experiments" / "ab-ablation" / "ablation.md").read_text()

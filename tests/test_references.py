@@ -267,11 +267,11 @@ def test_an_experiment_evaluates_the_base_model_and_the_last_round_unless_the_cu
     for config, run in ((path, "z"), (default, "d")):
         out = run_experiment(config, direct_call(RetryPolicy(delay_s=0)))
         assert {r for r, _ in calls if r.startswith(run)} == {f"{run}-s0", f"{run}-s0-eval-base", f"{run}-s0-eval-r2"}
-        assert [p["round"] for p in out["paired"] if p["metric"] == "mean_at_l"] == [2]
+        assert [p.round for p in out.paired if p.metric == "mean_at_l"] == [2]
 
 
 def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fake_stages):
-    from pipeline.studies.experiment import experiment_dir, headline, run_experiment
+    from pipeline.studies.experiment import experiment_dir, run_experiment
 
     calls = fake_stages
     program, tag = f"program:{PROGRAMS / 'expression_eval.py'}", "program-expression_eval"
@@ -279,33 +279,31 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
     # seed 0 alone first (`only_seeds`, as a separate process would): no reference runs beside other seeds
     alone = run_experiment(path, direct_call(RetryPolicy(delay_s=0)), only_seeds=[0])
     assert {r for r, _ in calls} == {"x-s0", "x-s0-eval-base", "x-s0-eval-r0", "x-s0-eval-r1"}
-    assert alone["seeds"] == [0] and alone["references"] == []
+    assert alone.seeds == [0] and alone.references == []
     out = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
     runs = {r for r, _ in calls}
     # the base model is evaluated in seed 0's run only; each reference once, in its derived run
     assert "x-s0-eval-base" in runs and "x-s1-eval-base" not in runs
     assert {"x-baseline-io", "x-baseline-program-expression_eval"} <= runs
-    assert [(a["seed"], a["round"]) for a in out["arms"]] == [(0, -1), (0, 0), (0, 1), (1, 0), (1, 1)]
-    mean = [p for p in out["paired"] if p["metric"] == "mean_at_l"]
+    assert [(a.seed, a.round) for a in out.arms] == [(0, -1), (0, 0), (0, 1), (1, 0), (1, 1)]
+    mean = [p for p in out.paired if p.metric == "mean_at_l"]
     # seed 1's pairs use seed 0's base (0.5), not its own (0.25, never evaluated): 1.0 - 0.5 everywhere
-    assert [(p["round"], p["n"], p["base"], p["trained"], p["mean"]) for p in mean] == [(0, 4, 0.5, 1.0, 0.5),
-                                                                                        (1, 4, 0.5, 1.0, 0.5)]
-    assert [(x["seed"], x["mean"]) for x in mean[0]["per_seed"]] == [(0, 0.5), (1, 0.5)]
-    refs = {r["method"]: r for r in out["references"]}
-    assert (refs["io"]["mean_at_l"], refs["io"]["best_at_l"], refs["io"]["majority_at_l"]) == (0.25, 0.25, 0.25)
-    assert refs[program]["mean_at_l"] == 0.75 and refs[program]["label"] == tag
-    assert refs["io"]["eval_run_id"] == "x-baseline-io"
-    assert refs["io"]["gen_tokens_per_query"] == 0 and refs["io"]["queries"] == 2
-    against = {(p["reference"], p["round"]): p for p in out["paired_references"] if p["metric"] == "mean_at_l"}
+    assert [(p.round, p.n, p.base, p.trained, p.mean) for p in mean] == [(0, 4, 0.5, 1.0, 0.5), (1, 4, 0.5, 1.0, 0.5)]
+    assert [(x.seed, x.mean) for x in mean[0].per_seed] == [(0, 0.5), (1, 0.5)]
+    refs = {r.method: r for r in out.references}
+    assert (refs["io"].mean_at_l, refs["io"].best_at_l, refs["io"].majority_at_l) == (0.25, 0.25, 0.25)
+    assert refs[program].mean_at_l == 0.75 and refs[program].label == tag
+    assert refs["io"].eval_run_id == "x-baseline-io"
+    assert refs["io"].gen_tokens_per_query == 0 and refs["io"].queries == 2
+    against = {(p.reference, p.round): p for p in out.paired_references if p.metric == "mean_at_l"}
     # the base model (seed 0's only) and each round against each reference, the reference the base of every seed
-    assert {k: (p["n"], p["base"], p["trained"], p["mean"]) for k, p in against.items()} == {
+    assert {k: (p.n, p.base, p.trained, p.mean) for k, p in against.items()} == {
         ("io", -1): (2, 0.25, 0.5, 0.25), ("io", 0): (4, 0.25, 1.0, 0.75), ("io", 1): (4, 0.25, 1.0, 0.75),
         (tag, -1): (2, 0.75, 0.5, -0.25), (tag, 0): (4, 0.75, 1.0, 0.25), (tag, 1): (4, 0.75, 1.0, 0.25)}
-    assert against[("io", 0)]["lo_seeds_queries"] == against[("io", 0)]["hi_seeds_queries"] == 0.75
-    curve = [(c["round"], c["n"], c["mean"], [x["seed"] for x in c["per_seed"]]) for c in out["curve"]
-             if c["metric"] == "mean_at_l"]
+    assert against[("io", 0)].lo_seeds_queries == against[("io", 0)].hi_seeds_queries == 0.75
+    curve = [(c.round, c.n, c.mean, [x.seed for x in c.per_seed]) for c in out.curve if c.metric == "mean_at_l"]
     assert curve == [(-1, 2, 0.5, [0]), (0, 4, 1.0, [0, 1]), (1, 4, 1.0, [0, 1])]
-    lines = headline(out)
+    lines = out.headline()
     assert "reference io (x-baseline-io): held-out Mean@L 0.250, Best@L 0.250, Majority@L 0.250, tokens/query " \
            "generator 0 executor 0, executor calls cut at the token cap n/a" in lines
     assert "round 1 vs io, held-out Mean@L: 1.000 vs 0.250, paired difference +0.750 [+0.750, +0.750] (seeds, then " \
@@ -319,7 +317,7 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
     # resumed: every stage of the seeds, evaluations and references is skipped by its manifest
     calls.clear()
     again = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
-    assert calls == [] and again["paired_references"] == out["paired_references"]
+    assert calls == [] and again.paired_references == out.paired_references
 
     # shared_base off (the default) and no references: each seed pairs with its own base, as before. The seeds run
     # in separate calls, seed 1 first: the second call's summary covers both, seed 1's evaluations read from the store
@@ -330,13 +328,13 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
     assert calls == []
     first = run_experiment(ypath, direct_call(RetryPolicy(delay_s=0)), only_seeds=[1])
     assert {r for r, _ in calls} == {"y-s1", "y-s1-eval-base", "y-s1-eval-r0", "y-s1-eval-r1"}
-    assert first["seeds"] == [1]
+    assert first.seeds == [1]
     own = run_experiment(ypath, direct_call(RetryPolicy(delay_s=0)), only_seeds=[0])
-    assert {"y-s0-eval-base", "y-s1-eval-base"} <= {r for r, _ in calls} and own["seeds"] == [0, 1]
-    mean = [p for p in own["paired"] if p["metric"] == "mean_at_l"]
-    assert [(p["round"], p["n"], p["base"], p["mean"]) for p in mean] == [(0, 4, 0.375, 0.625), (1, 4, 0.375, 0.625)]
-    assert [(x["seed"], x["mean"]) for x in mean[0]["per_seed"]] == [(0, 0.5), (1, 0.75)]
-    assert own["references"] == [] and own["paired_references"] == [] and not own["shared_base"]
+    assert {"y-s0-eval-base", "y-s1-eval-base"} <= {r for r, _ in calls} and own.seeds == [0, 1]
+    mean = [p for p in own.paired if p.metric == "mean_at_l"]
+    assert [(p.round, p.n, p.base, p.mean) for p in mean] == [(0, 4, 0.375, 0.625), (1, 4, 0.375, 0.625)]
+    assert [(x.seed, x.mean) for x in mean[0].per_seed] == [(0, 0.5), (1, 0.75)]
+    assert own.references == [] and own.paired_references == [] and not own.shared_base
 
     # another experiment ("w": another learning rate) borrows x's reference runs: it makes none, pairs with them
     calls.clear()
@@ -345,10 +343,9 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
     w.write_text(w.read_text() + "training:\n  lr: 1.0e-05\n")
     theirs = run_experiment(w, direct_call(RetryPolicy(delay_s=0)))
     assert not any("-baseline-" in r for r, _ in calls)
-    borrowed = {r["eval_run_id"] for r in theirs["references"]}
+    borrowed = {r.eval_run_id for r in theirs.references}
     assert borrowed == {"x-baseline-io", "x-baseline-program-expression_eval"}
-    against = {(p["reference"], p["round"]): p["mean"] for p in theirs["paired_references"]
-               if p["metric"] == "mean_at_l"}
+    against = {(p.reference, p.round): p.mean for p in theirs.paired_references if p.metric == "mean_at_l"}
     assert against[("io", 0)] == 0.75 and against[(tag, 0)] == 0.25
     other = _experiment_config(tmp_path, "v", borrow)
     other.write_text(other.read_text() + "executor:\n  max_tokens: 7\n")
@@ -394,8 +391,8 @@ def test_a_finished_seed_is_not_re_entered_when_its_checkpoints_are_gone(tmp_pat
     fake_stages.clear()
     again = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
     assert fake_stages == []
-    assert [(a["seed"], a["round"], a["mean_at_l"]) for a in again["arms"]] == [(0, -1, 0.5), (0, 0, 1.0)]
-    assert again["paired"] == first["paired"]
+    assert [(a.seed, a.round, a.mean_at_l) for a in again.arms] == [(0, -1, 0.5), (0, 0, 1.0)]
+    assert again.paired == first.paired
 
 
 def test_only_references_runs_the_references_and_no_seed(tmp_path, fake_stages):
@@ -408,9 +405,9 @@ def test_only_references_runs_the_references_and_no_seed(tmp_path, fake_stages):
     fake_stages.clear()
     out = run_experiment(path, direct_call(RetryPolicy(delay_s=0)), only_references=True)
     assert {r for r, _ in fake_stages} == {"r-baseline-io"}
-    assert out["seeds"] == [0] and [(r["label"], r["mean_at_l"]) for r in out["references"]] == [("io", 0.25)]
-    assert [(p["round"], p["trained"], p["mean"]) for p in out["paired_references"]
-            if p["metric"] == "mean_at_l"] == [(-1, 0.5, 0.25), (0, 1.0, 0.75)]
+    assert out.seeds == [0] and [(r.label, r.mean_at_l) for r in out.references] == [("io", 0.25)]
+    assert [(p.round, p.trained, p.mean) for p in out.paired_references
+            if p.metric == "mean_at_l"] == [(-1, 0.5, 0.25), (0, 1.0, 0.75)]
     with pytest.raises(ValueError, match="--only-references: not with --only-seed"):
         run_experiment(path, direct_call(RetryPolicy(delay_s=0)), only_seeds=[1], only_references=True)
     bare = _experiment_config(tmp_path, "b", {}, rounds=1)
@@ -429,20 +426,23 @@ def test_an_unknown_reference_fails_before_any_training(tmp_path):
 def test_curve_plot_has_a_line_per_seed_the_mean_and_each_reference(tmp_path):
     """A hand-made summary: 3 seeds (the base shared, so seed 0 only at round -1), rounds 0-2, two references."""
     from pipeline.studies.report import plot_curve
+    from pipeline.studies.summaries import ExperimentSummary
 
     def point(k, means):
         m = sum(means) / len(means)
         return {"round": k, "metric": "mean_at_l", "n": 10 * len(means), "mean": m, "lo": m - 0.05, "hi": m + 0.05,
                 "level": 0.95, "per_seed": [{"seed": s, "mean": v} for s, v in enumerate(means)]}
 
-    summary = {"experiment": "he", "split": "test", "eval_l": 2,
+    def ref(method, mean, **label):
+        return {"method": method, **label, "eval_run_id": f"he-baseline-{method}", "queries": 10, "mean_at_l": mean}
+
+    summary = {"experiment": "he", "seeds": [0, 1, 2], "rounds": 3, "split": "test", "eval_queries": 10, "eval_l": 2,
                "curve": [point(-1, [0.55]), point(0, [0.6, 0.62, 0.58]), point(1, [0.63, 0.6, 0.61]),
                          point(2, [0.65, 0.6, 0.7]), {**point(0, [1.0]), "metric": "best_at_l"}],
-               "references": [{"method": "io", "mean_at_l": 0.561},
-                              {"method": "program:configs/programs/code_best_of_k.py", "label":
-                               "program-code_best_of_k", "mean_at_l": 0.6},
-                              {"method": "cot", "mean_at_l": None}]}  # not evaluated yet: no line
-    fig = plot_curve(summary, tmp_path / "out" / "curve.png")
+               "references": [ref("io", 0.561),
+                              ref("program:configs/programs/code_best_of_k.py", 0.6, label="program-code_best_of_k"),
+                              ref("cot", None)]}  # not evaluated yet: no line
+    fig = plot_curve(ExperimentSummary.from_dict(summary), tmp_path / "out" / "curve.png")
     assert (tmp_path / "out" / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (ax,) = fig.axes
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
@@ -461,9 +461,11 @@ def test_curve_plot_has_a_line_per_seed_the_mean_and_each_reference(tmp_path):
 # ---- the best fixed workflow, chosen on dev ------------------------------------------------------------------------
 
 
-def _ref(label: str, mean: float, tokens: float, pending: int = 0) -> dict:
-    return {"label": label, "eval_run_id": f"r-{label}", "queries": 49, "mean_at_l": mean, "best_at_l": mean,
-            "pending": pending, "exec_tokens_per_query": tokens}
+def _ref(label: str, mean: float, tokens: float, pending: int = 0):
+    from pipeline.studies.summaries import ReferenceArm
+
+    return ReferenceArm(method=label, label=label, eval_run_id=f"r-{label}", queries=49, mean_at_l=mean,
+                        best_at_l=mean, pending=pending, exec_tokens_per_query=tokens)
 
 
 def test_best_fixed_ranks_by_the_choosing_split_and_keeps_to_the_trained_budget():
@@ -474,27 +476,27 @@ def test_best_fixed_ranks_by_the_choosing_split_and_keeps_to_the_trained_budget(
     dev = [_ref("io", 0.367, 0), _ref("example", 0.531, 0), _ref("bo2", 0.541, 0), _ref("bo4", 0.58, 0)]
     test = [_ref("io", 0.561, 1004), _ref("example", 0.606, 1075), _ref("bo2", 0.598, 1229), _ref("bo4", 0.636, 2107)]
     sel = best_fixed(dev, test, 1074, 0.25)  # at most 1,342.5 tokens: bo4 (2,107) is over
-    assert (sel["same_budget"], sel["any_budget"]) == ("bo2", "bo4")
-    assert [(c["label"], c["within_budget"]) for c in sel["candidates"]] == [
+    assert (sel.same_budget, sel.any_budget) == ("bo2", "bo4")
+    assert [(c.label, c.within_budget) for c in sel.candidates] == [
         ("bo4", False), ("bo2", True), ("example", True), ("io", True)]
-    assert sel["candidates"][1]["exec_tokens_per_query"] == 1229  # the held-out split's tokens, not dev's
+    assert sel.candidates[1].exec_tokens_per_query == 1229  # the held-out split's tokens, not dev's
     # a slack of 0.1 (1,181.4 tokens) leaves best of 2 out too
-    assert best_fixed(dev, test, 1074, 0.1)["same_budget"] == "example"
+    assert best_fixed(dev, test, 1074, 0.1).same_budget == "example"
     # an unfinished run on dev is not chosen, and is listed last
     dev[3] = _ref("bo4", 0.58, 0, pending=40)
     sel = best_fixed(dev, test, 1074, 0.25)
-    assert (sel["same_budget"], sel["any_budget"]) == ("bo2", "bo2") and sel["candidates"][-1]["label"] == "bo4"
-    assert sel["unfinished"] == ["bo4"]
+    assert (sel.same_budget, sel.any_budget) == ("bo2", "bo2") and sel.candidates[-1].label == "bo4"
+    assert sel.unfinished == ["bo4"]
     # a tie on dev goes to the cheaper workflow; no trained arm yet: nothing is at its budget
     dev[1] = _ref("example", 0.541, 0)
     sel = best_fixed(dev, test, None, 0.25)
-    assert (sel["same_budget"], sel["any_budget"]) == (None, "example")
+    assert (sel.same_budget, sel.any_budget) == (None, "example")
 
 
 def test_experiment_runs_references_on_dev_and_names_the_best_fixed_workflow(tmp_path, fake_stages):
     """Fake stages: on test IO scores 0.25 and the program 0.75, on dev the other way round (0.9 and 0.5): the
     choice follows dev. A split that holds reported or trained-on queries is refused before any work."""
-    from pipeline.studies.experiment import headline, run_experiment
+    from pipeline.studies.experiment import run_experiment
 
     calls = fake_stages
     program, tag = f"program:{PROGRAMS / 'expression_eval.py'}", "program-expression_eval"
@@ -505,12 +507,11 @@ def test_experiment_runs_references_on_dev_and_names_the_best_fixed_workflow(tmp
     path.write_text(yaml.safe_dump(cfg))
     out = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
     assert {"d-baseline-dev-io", f"d-baseline-dev-{tag}"} <= {r for r, _ in calls}
-    sel = out["selection"]
-    assert (sel["split"], sel["same_budget"], sel["any_budget"], sel["missing"], sel["unfinished"]) == (
-        "dev", "io", "io", [], [])
-    assert [(c["label"], c["mean_at_l"], c["queries"]) for c in sel["candidates"]] == [("io", 0.9, 1), (tag, 0.5, 1)]
-    assert {r["label"]: r["mean_at_l"] for r in out["references"]} == {"io": 0.25, tag: 0.75}  # test unchanged
-    assert "best fixed workflow on dev at any budget: io (dev Mean@L 0.900)" in headline(out)
+    sel = out.selection
+    assert (sel.split, sel.same_budget, sel.any_budget, sel.missing, sel.unfinished) == ("dev", "io", "io", [], [])
+    assert [(c.label, c.mean_at_l, c.queries) for c in sel.candidates] == [("io", 0.9, 1), (tag, 0.5, 1)]
+    assert {r.label: r.mean_at_l for r in out.references} == {"io": 0.25, tag: 0.75}  # test unchanged
+    assert "best fixed workflow on dev at any budget: io (dev Mean@L 0.900)" in out.headline()
     page = (tmp_path / "runs" / "experiments" / "d" / "report.html").read_text()
     assert "<h2>The best fixed workflow, chosen on dev</h2>" in page and "d-baseline-dev-io" in page
 
@@ -521,7 +522,7 @@ def test_experiment_runs_references_on_dev_and_names_the_best_fixed_workflow(tmp
     (tmp_path / "b.yaml").write_text(yaml.safe_dump(borrow))
     theirs = run_experiment(tmp_path / "b.yaml", direct_call(RetryPolicy(delay_s=0)))
     assert not any("-baseline-" in r for r, _ in fake_stages)
-    assert [c["run_id"] for c in theirs["selection"]["candidates"]] == ["d-baseline-dev-io", f"d-baseline-dev-{tag}"]
+    assert [c.run_id for c in theirs.selection.candidates] == ["d-baseline-dev-io", f"d-baseline-dev-{tag}"]
     other = dict(borrow, run_id="c", experiment=dict(borrow["experiment"], select_queries=2))
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(other))
     with pytest.raises(ConfigError, match="run d-baseline-dev-io has another benchmark section .*max_queries"):

@@ -108,7 +108,7 @@ def test_report_unknown_run_is_a_clear_error(store):
 
 def _experiment(paired_extra: dict) -> dict:
     """An experiment.json body: one seed, base and round 0, one paired row (its intervals plus `paired_extra`)."""
-    arm = {"seed": 0, "mean_at_l": 0.25, "best_at_l": 0.5, "valid_share": 1.0, "status": {"ok": 4}}
+    arm = {"seed": 0, "queries": 2, "mean_at_l": 0.25, "best_at_l": 0.5, "valid_share": 1.0, "status": {"ok": 4}}
     paired = {"round": 0, "metric": "mean_at_l", "n": 2, "base": 0.25, "trained": 0.75, "mean": 0.5, "lo": 0.0,
               "hi": 1.0, "level": 0.95, "lo_by_query": 0.0, "hi_by_query": 1.0,
               "per_seed": [{"seed": 0, "n": 2, "mean": 0.5, "lo": 0.0, "hi": 1.0}], **paired_extra}
@@ -131,11 +131,13 @@ def test_experiment_report_headline_interval_and_older_summaries(tmp_path):
     written before it existed still reads, with n/a in its place."""
     from pipeline.studies.experiment import experiment_dir
     from pipeline.studies.report import build_experiment_report
+    from pipeline.studies.summaries import ExperimentSummary
 
-    new = build_experiment_report(_experiment({"lo_seeds_queries": -0.25, "hi_seeds_queries": 1.0}),
+    new = build_experiment_report(ExperimentSummary.from_dict(_experiment({"lo_seeds_queries": -0.25,
+                                                                           "hi_seeds_queries": 1.0})),
                                   tmp_path / "new.html").read_text()
     assert _cells(new, "ci_seeds_queries") == ["[-0.250, +1.000]"] and _cells(new, "ci_pairs") == ["[+0.000, +1.000]"]
-    old = build_experiment_report(_experiment({}), tmp_path / "old.html").read_text()
+    old = build_experiment_report(ExperimentSummary.from_dict(_experiment({})), tmp_path / "old.html").read_text()
     assert _cells(old, "ci_seeds_queries") == ["n/a"] and _cells(old, "ci_queries") == ["[+0.000, +1.000]"]
     st = Store(tmp_path / "runs")
     for name, extra in (("old", {}), ("new", {"lo_seeds_queries": -0.25, "hi_seeds_queries": 1.0})):

@@ -165,7 +165,7 @@ def test_a_re_entered_seed_sets_aside_the_evaluations_of_its_lost_checkpoints(tm
     assert stale(store, "e-s0") == ["e-s0-eval-r0", "e-s0-eval-r1", "round=1"]
     assert texts(store, "e-s0-eval-r0", 0) == [token(store, "e-s0", 0)] * 2
     assert texts(store, "e-s0-eval-r1", 0) == [token(store, "e-s0", 1)] * 2
-    assert [(a["round"], a["queries"]) for a in out["arms"]] == [(-1, 2), (0, 2), (1, 2)]
+    assert [(a.round, a.queries) for a in out.arms] == [(-1, 2), (0, 2), (1, 2)]
 
     # finished now: without its weights again, not re-entered, nothing moved
     for k in (0, 1):

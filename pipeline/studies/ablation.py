@@ -27,16 +27,10 @@ from pipeline.core.objectives import OBJECTIVES, get_objective
 from pipeline.run import open_run
 from pipeline.store import Store, store_for
 from pipeline.studies.evaluate import eval_run_id, eval_sets, eval_summary
-from pipeline.studies.experiment import (
-    BASE,
-    METRIC_NAMES,
-    compared_metrics,
-    mean_or_none,
-    paired_interval,
-    plan,
-)
-from pipeline.studies.formatting import num, round_s
+from pipeline.studies.experiment import compared_metrics, mean_or_none, paired_interval, plan
+from pipeline.studies.formatting import round_s
 from pipeline.studies.report import write_study
+from pipeline.studies.summaries import BASE, BASE_ARM, AblationArm, AblationSummary, ArmDiff
 from pipeline.studies.tracking import evaluate_tracked
 
 log = logging.getLogger("pipeline.studies.ablation")
@@ -55,29 +49,28 @@ def ablation_dir(store: Store, run_id: str) -> Path:
     return store.root / "experiments" / f"{run_id}-ablation"
 
 
-def summarise(store: Store, cfg, objectives: list[str], seeds: list[int], round: int) -> dict:
+def summarise(store: Store, cfg, objectives: list[str], seeds: list[int], round: int) -> AblationSummary:
     """Per arm: its evaluations' means; per arm and metric: paired differences to the base model and to the
     reference arm (`objectives[0]`)."""
     split, ex = cfg.experiment.eval_split, cfg.experiment
     per_query: dict[tuple[int, str], dict[str, dict]] = {}  # (seed, arm) -> query -> row; arm "base" or objective
     for s in seeds:
         src = plan(cfg, [s])[0].run_id
-        runs = {"base": eval_run_id(src, BASE, split)} | {
+        runs = {BASE_ARM: eval_run_id(src, BASE, split)} | {
             o: eval_run_id(arm_run_id(src, o, objectives[0]), round, split) for o in objectives}
         for arm, eid in runs.items():
             if (store.run_dir(eid) / "config.yaml").is_file():
                 per_query[(s, arm)] = {q["query_id"]: q for q in eval_summary(store, eid)["per_query"]}
     arms, paired = [], []
-    for arm in ["base", *objectives]:
+    for arm in [BASE_ARM, *objectives]:
         rows = [q for (s, a), qs in per_query.items() if a == arm for q in qs.values()]
         if not rows:
             continue
         means = {m: mean_or_none([q[m] for q in rows if q.get(m) is not None]) for m in compared_metrics(cfg)}
-        arms.append({"arm": arm, "n": len(rows), "valid_share": mean_or_none([q["valid_share"] for q in rows
-                                                                         if q.get("valid_share") is not None]),
-                     **means})
+        arms.append(AblationArm(arm=arm, n=len(rows), valid_share=mean_or_none(
+            [q["valid_share"] for q in rows if q.get("valid_share") is not None]), **means))
     for arm in objectives:
-        for against in dict.fromkeys(["base", objectives[0]]):
+        for against in dict.fromkeys([BASE_ARM, objectives[0]]):
             if against == arm:
                 continue
             for metric in compared_metrics(cfg):
@@ -89,40 +82,21 @@ def summarise(store: Store, cfg, objectives: list[str], seeds: list[int], round:
                         b = {q: r[metric] for q, r in theirs.items() if r.get(metric) is not None}
                         pairs += [(s, q, d) for q, d in paired_differences(a, b).items()]
                 if pairs:
-                    paired.append({"arm": arm, "against": against, "metric": metric,
-                                   **paired_interval(pairs, seeds, ex)})
-    return {"experiment": cfg.run_id, "round": round, "objectives": objectives, "seeds": seeds, "split": split,
-            "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "arms": arms, "paired": paired}
+                    paired.append(ArmDiff(arm=arm, against=against, metric=metric,
+                                          **paired_interval(pairs, seeds, ex)))
+    return AblationSummary(experiment=cfg.run_id, round=round, objectives=objectives, seeds=seeds, split=split,
+                           eval_queries=ex.eval_queries, eval_l=ex.eval_l, arms=arms, paired=paired)
 
 
-def table(summary: dict) -> str:
-    """The Markdown table of docs/objectives.md: per arm, held-out means and paired differences with intervals."""
-    metrics = [m for m in ("mean_at_l", "best_at_l") if any(a.get(m) is not None for a in summary["arms"])]
-    ref = summary["objectives"][0]
-    head = ["arm"] + [METRIC_NAMES[m] for m in metrics] + [f"{METRIC_NAMES[m]} vs {who}" for m in metrics
-                                                          for who in ("base", ref)] + ["valid"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for a in summary["arms"]:
-        cells = [a["arm"] + ("" if a["arm"] == "base" else f" ({get_objective(a['arm']).kind} rows)")]
-        cells += [num(a.get(m)) for m in metrics]
-        for m in metrics:
-            for who in ("base", ref):
-                p = next((p for p in summary["paired"] if p["arm"] == a["arm"] and p["against"] == who
-                          and p["metric"] == m), None)
-                cells.append("" if p is None else f"{p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]")
-        cells.append(num(a.get("valid_share"), 2))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def write_results(store: Store, summary: dict, extra: dict) -> Path:
-    dest = ablation_dir(store, summary["experiment"])
-    return write_study(store, dest, "ablation", {**summary, **extra}, table(summary))
+def write_results(store: Store, summary: AblationSummary, extra: dict) -> Path:
+    """ablation.json (the summary, then the run's facts in `extra`) and ablation.md (its table)."""
+    dest = ablation_dir(store, summary.experiment)
+    return write_study(store, dest, "ablation", summary.to_dict() | extra, summary.table())
 
 
 def run_ablation(config: str | Path, call, objectives: list[str] | None = None, seeds: int | None = None,
                  round: int = 0, run_id: str | None = None, sets: list[str] | None = None,
-                 command: str | None = None) -> dict:
+                 command: str | None = None) -> AblationSummary:
     """Source rounds, then one arm per objective, each evaluated, through `call` (a stage caller)."""
     from pipeline.stages import ROUND_STAGES
     from pipeline.stages.rounds import study_config
@@ -137,7 +111,7 @@ def run_ablation(config: str | Path, call, objectives: list[str] | None = None, 
     if round < 0:
         raise ValueError(f"--round must be >= 0, got {round}")
     store, split = store_for(cfg.store), cfg.experiment.eval_split
-    t0, done, summary, walls = time.perf_counter(), [], {}, {}
+    t0, done, walls = time.perf_counter(), [], {}
     for sp in plan(cfg, list(range(seeds)) if seeds is not None else None):
         t_seed = time.perf_counter()
         src = sp.run_id
@@ -160,7 +134,7 @@ def run_ablation(config: str | Path, call, objectives: list[str] | None = None, 
         summary = summarise(store, cfg, objectives, done, round)
         out = write_results(store, summary, {"command": command, "seed_wall_s": walls, "config": str(path),
                                              "sets": sets, "wall_s": round_s(time.perf_counter() - t0)})
-        log.info("after seed %d:\n%s", sp.seed, table(summary))
-    summary["results"] = str(out)
-    summary["wall_s"] = round_s(time.perf_counter() - t0)
+        log.info("after seed %d:\n%s", sp.seed, summary.table())
+    summary.results = str(out)
+    summary.wall_s = round_s(time.perf_counter() - t0)
     return summary

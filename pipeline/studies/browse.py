@@ -12,7 +12,6 @@ All rows come from the store's tables and views (generations, `generation_scores
 from __future__ import annotations
 
 import html
-import json
 import re
 import zlib
 from pathlib import Path
@@ -21,6 +20,8 @@ import polars as pl
 
 from pipeline.engines.workflow import extract_code
 from pipeline.store import Store
+from pipeline.studies.formatting import round_name
+from pipeline.studies.summaries import BASE, ExperimentSummary
 
 STYLE = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
          "padding:3px 8px;text-align:right}.cols{display:grid;grid-template-columns:1fr 1fr;gap:2em}"
@@ -197,11 +198,11 @@ def build_run_pages(store: Store, run_id: str, round: int | None = None, query: 
 def build_experiment_pages(store: Store, exp_dir: Path, query: str | None = None) -> Path:
     """Base versus trained, side by side, per (seed, trained round, held-out query) of an experiment
     (<store>/experiments/<id>/experiment.json); pages in its browse/ folder; returns the index."""
-    summary = json.loads((exp_dir / "experiment.json").read_text())
-    arms = {(a["seed"], a["round"]): a["eval_run_id"] for a in summary["arms"]}
-    per_query = pl.DataFrame(summary["per_query"]) if summary["per_query"] else pl.DataFrame()
+    summary = ExperimentSummary.read(exp_dir / "experiment.json")
+    arms = {(a.seed, a.round): a.eval_run_id for a in summary.arms}
+    per_query = pl.DataFrame(summary.per_query) if summary.per_query else pl.DataFrame()
     if not per_query.height or (query is not None and query not in per_query["query_id"].to_list()):
-        raise FileNotFoundError(f"experiment {summary['experiment']!r} has no held-out evaluation"
+        raise FileNotFoundError(f"experiment {summary.experiment!r} has no held-out evaluation"
                                 + (f" of query {query!r}" if query else ""))
     rows, names = [], []
     gens = {rid: workflows(store, rid, 0, query) for rid in arms.values()}
@@ -218,7 +219,7 @@ def build_experiment_pages(store: Store, exp_dir: Path, query: str | None = None
                     (pl.col("seed") == seed) & (pl.col("query_id") == q)).to_dicts()}
                 cols = "".join(f"<div><h2>{label}: {html.escape(rid)}</h2>"
                                f"{workflow_cards(gens[rid].get(q, []), f'scores-{i}')}</div>"
-                               for i, (label, rid) in enumerate((("base model", base), (f"round {k}", trained))))
+                               for i, (label, rid) in enumerate(((round_name(BASE), base), (round_name(k), trained))))
                 name = page_name("s", seed, "r", k, q)
                 body = ("<p><a href='index.html'>all queries</a> · <a href='../report.html'>experiment report</a></p>"
                         + query_text(store, trained, 0, q) + f"<div class='cols'>{cols}</div>")
@@ -227,6 +228,6 @@ def build_experiment_pages(store: Store, exp_dir: Path, query: str | None = None
                              "trained_mean_at_l": m.get(k)})
                 names.append(name)
         if query is None:
-            (out / "index.html").write_text(page(f"experiment {summary['experiment']}: held-out queries",
+            (out / "index.html").write_text(page(f"experiment {summary.experiment}: held-out queries",
                                                  index_table(pl.DataFrame(rows), names)))
     return exp_dir / "browse" / (names[0] if query is not None else "index.html")

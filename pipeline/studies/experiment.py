@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import polars as pl
@@ -58,12 +58,21 @@ from pipeline.store import Store, store_for
 from pipeline.store.views import flagged_rewarded
 from pipeline.studies.baselines import baseline_changes, baseline_run_id, check_method, method_tag, run_baseline
 from pipeline.studies.evaluate import EVAL_STAGES, derived_run_sets, eval_run_id, eval_sets, eval_summary
-from pipeline.studies.formatting import metrics_phrase, num, tokens_phrase
-from pipeline.studies.report import build_experiment_report, span, stage_timings
+from pipeline.studies.report import build_experiment_report, stage_timings
+from pipeline.studies.summaries import (
+    BASE,
+    Candidate,
+    CurvePoint,
+    ExperimentArm,
+    ExperimentSummary,
+    ReferenceArm,
+    RoundDiff,
+    SeedDiff,
+    SeedMean,
+    Selection,
+)
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
 
-BASE = -1  # the round index of the base model in evaluations
-METRIC_NAMES = {"mean_at_l": "Mean@L", "best_at_l": "Best@L", "majority_at_l": "Majority@L", "select_at_l": "Sel@L"}
 log = logging.getLogger("pipeline.studies.experiment")
 
 
@@ -136,9 +145,10 @@ def query_values(per_query: list[dict], seed: int, round: int, metric: str) -> d
 
 
 def pair_rows(cfg: RunConfig, seeds: list[int], per_query: list[dict], rounds: list[int], metrics: tuple[str, ...],
-              base_of) -> list[dict]:
+              base_of, reference: str | None = None) -> list[RoundDiff]:
     """Per round of `rounds` and metric: round k minus `base_of(seed, metric)` (query -> value) per (seed, query),
-    pooled over seeds (`paired_interval`), with both arms' means."""
+    pooled over seeds (`paired_interval`), with both arms' means; `reference`: the arm `base_of` reads, if not the
+    base model."""
     rows = []
     for k in rounds:
         for metric in metrics:
@@ -146,14 +156,14 @@ def pair_rows(cfg: RunConfig, seeds: list[int], per_query: list[dict], rounds: l
             arm = {s: query_values(per_query, s, k, metric) for s in seeds}
             pairs = [(s, q, d) for s in seeds for q, d in paired_differences(arm[s], base[s]).items()]
             if pairs:
-                rows.append({"round": k, "metric": metric,
-                             "base": mean_or_none([v for b in base.values() for v in b.values()]),
-                             "trained": mean_or_none([v for x in arm.values() for v in x.values()]),
-                             **paired_interval(pairs, seeds, cfg.experiment)})
+                rows.append(RoundDiff(reference=reference, round=k, metric=metric,
+                                      base=mean_or_none([v for b in base.values() for v in b.values()]),
+                                      trained=mean_or_none([v for x in arm.values() for v in x.values()]),
+                                      **paired_interval(pairs, seeds, cfg.experiment)))
     return rows
 
 
-def curve(cfg: RunConfig, seeds: list[int], per_query: list[dict]) -> list[dict]:
+def curve(cfg: RunConfig, seeds: list[int], per_query: list[dict]) -> list[CurvePoint]:
     """Per evaluated round and metric: the mean over (seed, query) with its seeds-then-queries interval, and each
     seed's own mean (the report's held-out curve)."""
     ex, rows = cfg.experiment, []
@@ -163,9 +173,9 @@ def curve(cfg: RunConfig, seeds: list[int], per_query: list[dict]) -> list[dict]
             if by_seed:
                 ci = hierarchical_ci([(s, q, x) for s, v in by_seed.items() for q, x in v.items()], ex.bootstrap,
                                      ex.ci_level, seed=0)
-                rows.append({"round": k, "metric": metric, "n": ci.n, "mean": ci.mean, "lo": ci.lo, "hi": ci.hi,
-                             "level": ci.level, "per_seed": [{"seed": s, "mean": mean_or_none(list(v.values()))}
-                                                             for s, v in by_seed.items()]})
+                rows.append(CurvePoint(round=k, metric=metric, **asdict(ci),
+                                       per_seed=[SeedMean(seed=s, mean=mean_or_none(list(v.values())))
+                                                 for s, v in by_seed.items()]))
     return rows
 
 
@@ -215,49 +225,47 @@ def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[
                                   "experiment.references_from")
 
 
-def references(store: Store, cfg: RunConfig, split: str | None = None) -> list[dict]:
+def references(store: Store, cfg: RunConfig, split: str | None = None) -> list[ReferenceArm]:
     """`eval_summary` of each `experiment.references` baseline run on `split` (default: the held-out one) that
     exists, with its `method` and `label` (the method, or `program-<file stem>`)."""
     runs = reference_runs(cfg, split)
-    return [{"method": m, "label": method_tag(m), **eval_summary(store, rid)} for m, rid in runs.items()
-            if (store.run_dir(rid) / "config.yaml").is_file()]
+    return [ReferenceArm.from_dict({"method": m, "label": method_tag(m), **eval_summary(store, rid)})
+            for m, rid in runs.items() if (store.run_dir(rid) / "config.yaml").is_file()]
 
 
-def best_fixed(chosen_on: list[dict], held_out: list[dict], budget: float | None, slack: float) -> dict:
+def best_fixed(chosen_on: list[ReferenceArm], held_out: list[ReferenceArm], budget: float | None,
+               slack: float) -> Selection:
     """The best fixed workflow, chosen on another split than the held-out one. `chosen_on`, `held_out`: the
     references' summaries on each split (`references`); `budget`: the trained generator's held-out executor tokens
     per query. Candidates: the references whose run on the choosing split is finished (no pending workflow), ranked
     by Mean@L there (ties: fewer held-out executor tokens, then the label). `same_budget`: the first whose held-out
     executor tokens per query are at most (1 + slack) x budget (none without a budget); `any_budget`: the first."""
-    tokens = {r["label"]: r.get("exec_tokens_per_query") for r in held_out}
-    rows = [{"label": r["label"], "run_id": r["eval_run_id"], "queries": r["queries"], "mean_at_l": r["mean_at_l"],
-             "best_at_l": r["best_at_l"], "pending": r["pending"], "exec_tokens_per_query": tokens.get(r["label"])}
+    tokens = {r.label: r.exec_tokens_per_query for r in held_out}
+    rows = [Candidate(label=r.label, run_id=r.eval_run_id, queries=r.queries, mean_at_l=r.mean_at_l,
+                      best_at_l=r.best_at_l, pending=r.pending, exec_tokens_per_query=(t := tokens.get(r.label)),
+                      within_budget=budget is not None and t is not None and t <= (1 + slack) * budget)
             for r in chosen_on]
-    for r in rows:
-        r["within_budget"] = budget is not None and r["exec_tokens_per_query"] is not None \
-            and r["exec_tokens_per_query"] <= (1 + slack) * budget
-    ranked = sorted((r for r in rows if not r["pending"] and r["queries"] and r["mean_at_l"] is not None),
-                    key=lambda r: (-r["mean_at_l"], r["exec_tokens_per_query"] or 0.0, r["label"]))
+    ranked = sorted((r for r in rows if not r.pending and r.queries and r.mean_at_l is not None),
+                    key=lambda r: (-r.mean_at_l, r.exec_tokens_per_query or 0.0, r.label))
     unfinished = [r for r in rows if r not in ranked]
-    return {"budget_exec_tokens_per_query": budget, "slack": slack,
-            "same_budget": next((r["label"] for r in ranked if r["within_budget"]), None),
-            "any_budget": ranked[0]["label"] if ranked else None, "candidates": ranked + unfinished,
-            "unfinished": [r["label"] for r in unfinished]}
+    return Selection(budget_exec_tokens_per_query=budget, slack=slack,
+                     same_budget=next((r.label for r in ranked if r.within_budget), None),
+                     any_budget=ranked[0].label if ranked else None, candidates=ranked + unfinished,
+                     unfinished=[r.label for r in unfinished])
 
 
-def selection(store: Store, cfg: RunConfig, arms: list[dict], refs: list[dict]) -> dict | None:
+def selection(store: Store, cfg: RunConfig, arms: list[ExperimentArm], refs: list[ReferenceArm]) -> Selection | None:
     """`best_fixed` on `experiment.select_split`, the budget the last evaluated round's executor tokens per query
     (mean over seeds); the references not run there yet listed as `missing`. None without a select_split."""
     ex = cfg.experiment
     if ex.select_split is None:
         return None
     last = max(eval_rounds(cfg))
-    spent = [a["exec_tokens_per_query"] for a in arms if a["round"] == last and a["exec_tokens_per_query"] is not None]
+    spent = [a.exec_tokens_per_query for a in arms if a.round == last and a.exec_tokens_per_query is not None]
     chosen_on = references(store, cfg, ex.select_split)
-    done = {r["method"] for r in chosen_on}
-    return {"split": ex.select_split, "last_round": last, **best_fixed(chosen_on, refs, mean_or_none(spent),
-                                                                         ex.budget_slack),
-            "missing": [method_tag(m) for m in ex.references if m not in done]}
+    done = {r.method for r in chosen_on}
+    return replace(best_fixed(chosen_on, refs, mean_or_none(spent), ex.budget_slack), split=ex.select_split,
+                   last_round=last, missing=[method_tag(m) for m in ex.references if m not in done])
 
 
 def evaluated(store: Store, cfg: RunConfig, seed: int, seeds: list[int]) -> bool:
@@ -285,7 +293,7 @@ def set_aside_evaluations(store: Store, cfg: RunConfig, sp: SeedPlan, seeds: lis
     return stale
 
 
-def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
+def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSummary:
     """Per (seed, evaluated round): the eval run's summary; per round k >= 0 and metric: the pooled paired
     difference to the base model with its bootstrap interval (the first seed's base for every seed when
     `shared_base`); the curve over rounds; each reference's summary and every round's paired difference to it (the
@@ -298,22 +306,22 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> dict:
             if not (store.run_dir(eid) / "config.yaml").is_file():
                 continue
             summ = eval_summary(store, eid)
-            arms.append({"seed": s, "round": k, **{key: v for key, v in summ.items() if key != "per_query"}})
+            arms.append(ExperimentArm.of(s, k, summ))
             per_query += [{"seed": s, "round": k, **q} for q in summ["per_query"]]
     base_seed = (lambda s: seeds[0]) if ex.shared_base else (lambda s: s)
     paired = pair_rows(cfg, seeds, per_query, [k for k in eval_rounds(cfg) if k != BASE], compared_metrics(cfg),
                        lambda s, m: query_values(per_query, base_seed(s), BASE, m))
     refs = references(store, cfg)
-    against = [{"reference": r["label"], **row} for r in refs for row in pair_rows(
+    against = [row for r in refs for row in pair_rows(
         cfg, seeds, per_query, eval_rounds(cfg), METRICS,
-        lambda s, m, r=r: {q["query_id"]: q[m] for q in r["per_query"] if q.get(m) is not None})]
+        lambda s, m, r=r: {q["query_id"]: q[m] for q in r.per_query if q.get(m) is not None}, r.label)]
     # training runs' rewarded samples whose code touched the harness's surface (docs/sandbox.md, scores.flags)
     flagged = {seed_run_id(cfg.run_id, s): flagged_rewarded(store, seed_run_id(cfg.run_id, s)) for s in seeds}
-    return {"experiment": cfg.run_id, "seeds": seeds, "rounds": cfg.rounds, "split": split,
-            "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "shared_base": ex.shared_base, "arms": arms,
-            "paired": paired, "curve": curve(cfg, seeds, per_query), "references": refs,
-            "paired_references": against, "selection": selection(store, cfg, arms, refs), "per_query": per_query,
-            "flagged_rewarded": flagged}
+    return ExperimentSummary(experiment=cfg.run_id, seeds=seeds, rounds=cfg.rounds, split=split,
+                             eval_queries=ex.eval_queries, eval_l=ex.eval_l, shared_base=ex.shared_base, arms=arms,
+                             paired=paired, curve=curve(cfg, seeds, per_query), references=refs,
+                             paired_references=against, selection=selection(store, cfg, arms, refs),
+                             per_query=per_query, flagged_rewarded=flagged)
 
 
 def status(store: Store, cfg: RunConfig, seeds: list[int]) -> list[dict]:
@@ -363,14 +371,14 @@ def status_table(rows: list[dict]) -> pl.DataFrame:
 
 def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], ex) -> dict:
     """(seed, query, arm - base) differences -> their mean with the seeds-then-queries interval (the headline),
-    the intervals over pairs and over queries, and each seed's own mean and interval (in `seeds` order)."""
+    the intervals over pairs and over queries, and each seed's own mean and interval (in `seeds` order): the fields
+    of a PairedDiff, for the paired row (RoundDiff, ArmDiff) that holds them."""
     diffs = [d for _, _, d in pairs]
     ci = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0)
     by_query = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0, clusters=[q for _, q, _ in pairs])
     hier = hierarchical_ci(pairs, ex.bootstrap, ex.ci_level, seed=0)
     mine = seed_intervals(pairs, ex.bootstrap, ex.ci_level, seed=0)
-    per_seed = [{"seed": s, "n": c.n, "mean": c.mean, "lo": c.lo, "hi": c.hi}
-                for s in seeds if (c := mine.get(s)) is not None]
+    per_seed = [SeedDiff(seed=s, n=c.n, mean=c.mean, lo=c.lo, hi=c.hi) for s in seeds if (c := mine.get(s)) is not None]
     return {**asdict(ci), "lo_seeds_queries": hier.lo, "hi_seeds_queries": hier.hi, "lo_by_query": by_query.lo,
             "hi_by_query": by_query.hi, "per_seed": per_seed}
 
@@ -380,72 +388,24 @@ def mean_or_none(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def write_results(store: Store, summary: dict, extra: dict | None = None) -> Path:
-    """experiment.json, per_query.csv and report.html under <store>/experiments/<run_id>/; returns the folder."""
-    dest = experiment_dir(store, summary["experiment"])
-    body = {**summary, **(extra or {})}
+def write_results(store: Store, summary: ExperimentSummary, extra: dict | None = None) -> Path:
+    """experiment.json (the summary, then the run's facts in `extra`), per_query.csv and report.html under
+    <store>/experiments/<run_id>/; returns the folder."""
+    dest = experiment_dir(store, summary.experiment)
     with store.output_dir(dest) as out:  # on object storage: written locally, then uploaded file by file
         tmp = out / ".experiment.json.tmp"
-        tmp.write_text(json.dumps(body, indent=1, default=str))
+        tmp.write_text(json.dumps(summary.to_dict() | (extra or {}), indent=1, default=str))
         tmp.replace(out / "experiment.json")
-        if summary["per_query"]:
-            pl.DataFrame(summary["per_query"]).write_csv(out / "per_query.csv")
-        build_experiment_report(body, out / "report.html")
+        if summary.per_query:
+            pl.DataFrame(summary.per_query).write_csv(out / "per_query.csv")
+        build_experiment_report(summary, out / "report.html")
     return dest
-
-
-def headline(summary: dict) -> list[str]:
-    """Lines a person reads first: per evaluated round and metric, held-out base -> trained with the paired
-    difference and its seeds-then-queries interval, the pooled intervals beside it, then one line per seed."""
-    lines = []
-    for p in summary["paired"]:
-        name = METRIC_NAMES.get(p["metric"], p["metric"])
-        lines.append(
-            f"round {p['round']} vs base, held-out {name} (L={summary['eval_l']}, {p['n']} seed x query pairs): "
-            f"base {p['base']:.3f} -> trained {p['trained']:.3f}, paired difference {p['mean']:+.3f} "
-            f"{span(p, 'lo_seeds_queries', 'hi_seeds_queries')} {int(round(100 * p['level']))}% bootstrap CI "
-            f"resampling seeds, then queries (pairs: {span(p, 'lo', 'hi')}; queries: "
-            f"{span(p, 'lo_by_query', 'hi_by_query')})")
-        lines += [f"  seed {x['seed']}: {x['mean']:+.3f} {span(x, 'lo', 'hi')} over {x['n']} queries"
-                  for x in p.get("per_seed", [])]
-    cut: dict[int, list[float]] = {}  # executor calls with a reply cut at the token cap, per arm
-    for a in summary.get("arms", []):
-        if a.get("truncated_share") is not None:
-            cut.setdefault(a["round"], []).append(a["truncated_share"])
-    if cut:
-        lines.append("executor calls cut at the token cap, held out (mean over seeds): " + ", ".join(
-            f"{'base' if k == BASE else f'round {k}'} {sum(v) / len(v):.3f}" for k, v in sorted(cut.items())))
-    for r in summary.get("references", []):  # older summaries lack them
-        lines.append(f"reference {r.get('label', r['method'])} ({r['eval_run_id']}): held-out "
-                     f"{metrics_phrase(r['mean_at_l'], r['best_at_l'], r.get('majority_at_l'))}, "
-                     f"{tokens_phrase(r.get('gen_tokens_per_query'), r.get('exec_tokens_per_query'))}, "
-                     f"executor calls cut at the token cap "
-                     f"{num(r.get('truncated_share'))}")
-    for p in summary.get("paired_references", []):
-        if p["metric"] == "mean_at_l":
-            arm = "base model" if p["round"] == BASE else f"round {p['round']}"
-            lines.append(f"{arm} vs {p['reference']}, held-out Mean@L: {num(p['trained'])} vs {num(p['base'])}, "
-                         f"paired difference {p['mean']:+.3f} {span(p, 'lo_seeds_queries', 'hi_seeds_queries')} "
-                         f"(seeds, then queries; {p['n']} pairs)")
-    if sel := summary.get("selection"):
-        budget = sel["budget_exec_tokens_per_query"]
-        within = "n/a" if budget is None else f"<= {(1 + sel['slack']) * budget:.0f}"
-        means = {c["label"]: c["mean_at_l"] for c in sel["candidates"]}
-        for key, what in (("same_budget", f"at the trained generator's executor budget ({within} tokens/query)"),
-                          ("any_budget", "at any budget")):
-            pick = sel[key]
-            lines.append(f"best fixed workflow on {sel['split']} {what}: " + (
-                "none" if pick is None else f"{pick} ({sel['split']} Mean@L {num(means[pick])})"))
-        if left := sel["missing"] + sel["unfinished"]:
-            lines.append(f"not chosen from (not run or not finished on {sel['split']}): {', '.join(left)}")
-    if "flagged_rewarded" in summary:  # older summaries lack it
-        lines.append(f"flagged rewarded training runs (scores.flags): {summary['flagged_rewarded']}")
-    return lines
 
 
 def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: str | None = None,
                    sets: list[str] | None = None, command: str | None = None, after_round=None,
-                   after_seed=None, only_seeds: list[int] | None = None, only_references: bool = False) -> dict:
+                   after_seed=None, only_seeds: list[int] | None = None,
+                   only_references: bool = False) -> ExperimentSummary:
     """Train and evaluate every seed through `call` (a stage caller), then write the summary; returns it.
     `after_round(run_id, store_root, k)` runs after each round of a seed run, `after_seed(summary, results folder)`
     after each seed's summary is written and after the references' (the experiment flow publishes both as Prefect
@@ -474,11 +434,11 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                                                    else "the config's experiment.references is empty"))
     mine = [] if only_references else [p for p in plans if only_seeds is None or p.seed in only_seeds]
 
-    def publish(when: str) -> tuple[dict, Path]:
+    def publish(when: str) -> tuple[ExperimentSummary, Path]:
         ready = [s for s in order if s in done or evaluated(store, cfg, s, order)]  # in plan order: shared_base
         summary = summarise(store, cfg, ready)
         out = write_results(store, summary, extra | {"wall_s": round(time.perf_counter() - t0, 1)})
-        for line in headline(summary):
+        for line in summary.headline():
             log.info("%s: %s", when, line)
         if after_seed is not None:
             after_seed(summary, out)
@@ -522,6 +482,6 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
             summary, out = publish("after the references")
     if out is None:  # every seed of the plan was finished already, and no reference to run
         summary, out = publish("from the store")
-    summary["results"] = str(out)
-    summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    summary.results = str(out)
+    summary.wall_s = round(time.perf_counter() - t0, 1)
     return summary

@@ -63,8 +63,6 @@ from pipeline.store import Store, store_for
 from pipeline.studies.baselines import TASK_BEST, run_baseline, run_fixed, selection_split
 from pipeline.studies.evaluate import EVAL_STAGES, eval_summary, open_eval_run
 from pipeline.studies.experiment import (
-    BASE,
-    METRIC_NAMES,
     SeedPlan,
     eval_sets,
     mean_or_none,
@@ -73,9 +71,22 @@ from pipeline.studies.experiment import (
     seed_run_id,
     splits_overlap,
 )
-from pipeline.studies.formatting import num, round_s
-from pipeline.studies.report import span, stage_timings, write_study
+from pipeline.studies.formatting import round_s
+from pipeline.studies.report import stage_timings, write_study
 from pipeline.studies.smc import run_smc
+from pipeline.studies.summaries import (
+    BASE,
+    BASE_ARM,
+    REFERENCE_ARM,
+    ArmDiff,
+    ArmRun,
+    EvalSummary,
+    LrSweep,
+    MethodArm,
+    MethodSeedRow,
+    MethodsSummary,
+    SweepRun,
+)
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
 
 log = logging.getLogger("pipeline.studies.methods")
@@ -83,8 +94,6 @@ log = logging.getLogger("pipeline.studies.methods")
 # how an arm is evaluated on the held-out split (module doc)
 SAMPLE, REFINED, SMC, TASK_BEST_EVAL = "sample", "refined", "smc", TASK_BEST
 EVALUATIONS = (SAMPLE, REFINED, SMC, TASK_BEST_EVAL)
-REFERENCE_ARM = "spogw"  # every arm is also paired with this one
-BASE_ARM = "base"
 ALL_METRICS = (*METRICS, "select_at_l")
 # held-out scores are the benchmark metric: no reward shaping in any evaluation
 METRIC_ONLY = ("scoring.reward.complexity_weight=0", "scoring.reward.cost_weight=0",
@@ -271,9 +280,9 @@ def evaluate_refined(store: Store, arm_run: str, round: int, arm_cfg: RunConfig,
         call(stage=stage, run_id=ctx.run_id, round=0, store_root=root, sets=vsets)
     choice = refined_workflow(store, ctx.run_id)
     # the test run holds the chosen program L times per query, scored as a flat workflow (its run is flat)
-    summ = run_fixed(frozen_config(store, arm_run), REFINED, call, arm_run, split, [*METRIC_ONLY, "rollout.mode=flat"],
-                     choice["code"])
-    return {"eval_run_id": summ["eval_run_id"], "validation_run_id": ctx.run_id, "validation_split": val,
+    summ = EvalSummary.from_dict(run_fixed(frozen_config(store, arm_run), REFINED, call, arm_run, split,
+                                           [*METRIC_ONLY, "rollout.mode=flat"], choice["code"]))
+    return {"eval_run_id": summ.eval_run_id, "validation_run_id": ctx.run_id, "validation_split": val,
             "selected": {k: v for k, v in choice.items() if k != "code"}}
 
 
@@ -293,13 +302,14 @@ def run_reference(m: Method, evaluation: str, store: Store, cfg: RunConfig, sp: 
     split, config = cfg.experiment.eval_split, frozen_config(store, base)
     if evaluation == SMC:
         own = [f"smc.seed={sp.seed}", f"smc.N={cfg.experiment.eval_l}", *METRIC_ONLY, *m.sets, *extra]
-        return {"eval_run_id": run_smc(config, call, seed_run_id(cfg.run_id, sp.seed), split, own)["eval_run_id"]}
-    s = run_baseline(config, TASK_BEST, call, cfg.run_id, split, [*METRIC_ONLY, *m.sets, *extra])
-    return {"eval_run_id": s["eval_run_id"], "selected": s["selected"]}
+        return {"eval_run_id": EvalSummary.from_dict(run_smc(config, call, seed_run_id(cfg.run_id, sp.seed), split,
+                                                             own)).eval_run_id}
+    s = EvalSummary.from_dict(run_baseline(config, TASK_BEST, call, cfg.run_id, split, [*METRIC_ONLY, *m.sets, *extra]))
+    return {"eval_run_id": s.eval_run_id, "selected": s.selected}
 
 
 def sweep_lr(path: Path, cfg: RunConfig, chosen: list[Method], sets: list[str], arm_sets: dict[str, list[str]],
-             lrs: list[float], sp: SeedPlan, call) -> dict:
+             lrs: list[float], sp: SeedPlan, call) -> dict[str, LrSweep]:
     """One round per (trained method, learning rate) on seed `sp`, each evaluated on dev; per method the runs and
     the chosen lr (the best dev Mean@L, ties: the first listed)."""
     from pipeline.stages.rounds import run_rounds
@@ -317,20 +327,21 @@ def sweep_lr(path: Path, cfg: RunConfig, chosen: list[Method], sets: list[str], 
             own = [*method_sets(m, sets, sp.sets, None, arm_sets.get(m.name)), "rounds=1", f"training.lr={lr}"]
             log.info("lr sweep: %s at lr %g (%s)", m.name, lr, rid)
             run_rounds(path, 1, rid, call, sets=own, observer=TRACKERS)
-            summ = evaluate_tracked(str(store.root), rid, 0, "dev", arm_eval_sets(load_config(path, own)), call)
-            rows.append({"lr": lr, "run_id": rid, "eval_run_id": summ["eval_run_id"], "queries": summ["queries"],
-                         "mean_at_l": summ["mean_at_l"], "best_at_l": summ["best_at_l"],
-                         "train_wall_s": train_wall_s(store, rid)})
-        scored = [r for r in rows if r["mean_at_l"] is not None]
-        best = max(scored, key=lambda r: r["mean_at_l"]) if scored else None  # max keeps the first of equal ones
-        out[m.name] = {"split": "dev", "seed": sp.seed, "runs": rows, "chosen": None if best is None else best["lr"]}
+            summ = EvalSummary.from_dict(evaluate_tracked(str(store.root), rid, 0, "dev",
+                                                          arm_eval_sets(load_config(path, own)), call))
+            rows.append(SweepRun(lr=lr, run_id=rid, eval_run_id=summ.eval_run_id, queries=summ.queries,
+                                 mean_at_l=summ.mean_at_l, best_at_l=summ.best_at_l,
+                                 train_wall_s=train_wall_s(store, rid)))
+        scored = [r for r in rows if r.mean_at_l is not None]
+        best = max(scored, key=lambda r: r.mean_at_l) if scored else None  # max keeps the first of equal ones
+        out[m.name] = LrSweep(split="dev", seed=sp.seed, runs=rows, chosen=None if best is None else best.lr)
     return out
 
 
 def run_methods(config: str | Path, call, methods: list[str] | None = None, seeds: int | None = None,
                 run_id: str | None = None, sets: list[str] | None = None, arm_sets: dict[str, list[str]] | None = None,
                 lr_sweep: list[float] | None = None, command: str | None = None,
-                after_seed: Callable[[dict, Path], None] | None = None) -> dict:
+                after_seed: Callable[[MethodsSummary, Path], None] | None = None) -> MethodsSummary:
     """The comparison (module doc) through `call` (a stage caller); returns the summary. `after_seed(summary,
     results folder)` runs after each seed's summary is written."""
     from pipeline.stages.rounds import run_rounds, study_config
@@ -357,12 +368,11 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
     with sharing(cfg, methods_dir(store, cfg.run_id) / "server-logs"):
         t0 = time.perf_counter()
         sweep = sweep_lr(path, cfg, chosen, sets, arm_sets, list(lr_sweep), plans[0], call) if lr_sweep else {}
-        lrs = {name: s["chosen"] for name, s in sweep.items()}
-        records: list[dict] = []
+        lrs = {name: s.chosen for name, s in sweep.items()}
+        records: list[ArmRun] = []
         shared: dict[tuple[str, str], dict] = {}  # references' runs by (method, evaluation); unseeded: the one run
         walls: dict[int, float] = {}
         done: list[int] = []
-        summary: dict = {}
         for sp in plans:
             t_seed = time.perf_counter()
             seed_cfg = load_config(path, sets + sp.sets)
@@ -373,9 +383,9 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
             base = exp_run if same_base else base_run_id(cfg.run_id, sp.seed)
             open_run(path, base, 0, sets + sp.sets)  # frozen, never trained: the base model's evaluation run's parent
             log.info("seed %d: evaluating the base model on %s", sp.seed, split)
-            b = evaluate_tracked(root, base, BASE, split, arm_eval_sets(cfg), call)
-            records.append({"arm": BASE_ARM, "method": BASE_ARM, "evaluation": SAMPLE, "seed": sp.seed,
-                            "eval_run_id": b["eval_run_id"], "train_run_id": None})
+            b = EvalSummary.from_dict(evaluate_tracked(root, base, BASE, split, arm_eval_sets(cfg), call))
+            records.append(ArmRun(arm=BASE_ARM, method=BASE_ARM, evaluation=SAMPLE, seed=sp.seed, train_run_id=None,
+                                  eval_run_id=b.eval_run_id))
             for m in chosen:
                 extra = arm_sets.get(m.name, [])
                 if not m.trained:
@@ -383,8 +393,8 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                         if m.seeded or (m.name, ev) not in shared:
                             log.info("seed %d: reference %s", sp.seed, m.name)
                             shared[(m.name, ev)] = run_reference(m, ev, store, cfg, sp, extra, call, base)
-                        records.append({"arm": m.arm(ev), "method": m.name, "evaluation": ev, "seed": sp.seed,
-                                        "train_run_id": None, **shared[(m.name, ev)]})
+                        records.append(ArmRun(arm=m.arm(ev), method=m.name, evaluation=ev, seed=sp.seed,
+                                              train_run_id=None, **shared[(m.name, ev)]))
                     continue
                 own = method_sets(m, sets, sp.sets, lrs.get(m.name), extra)
                 arm_cfg = load_config(path, own)
@@ -396,24 +406,24 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                 for ev in m.evaluations:
                     log.info("seed %d: evaluating %s (%s) on %s", sp.seed, m.name, ev, split)
                     if ev == SAMPLE:
-                        got = {"eval_run_id": evaluate_tracked(root, arm, last, split, arm_eval_sets(arm_cfg),
-                                                               call)["eval_run_id"]}
+                        got = {"eval_run_id": EvalSummary.from_dict(evaluate_tracked(
+                            root, arm, last, split, arm_eval_sets(arm_cfg), call)).eval_run_id}
                     else:
                         got = evaluate_refined(store, arm, last, arm_cfg, split, call)
-                    records.append({"arm": m.arm(ev), "method": m.name, "evaluation": ev, "seed": sp.seed,
-                                    "train_run_id": arm, **got})
+                    records.append(ArmRun(arm=m.arm(ev), method=m.name, evaluation=ev, seed=sp.seed,
+                                          train_run_id=arm, **got))
             walls[sp.seed] = round_s(time.perf_counter() - t_seed)
             done.append(sp.seed)
             summary = summarise(store, cfg, [m.name for m in chosen], records, done)
-            summary |= {"lr_sweep": sweep, "lr": lrs}
+            summary.lr_sweep, summary.lr = sweep, lrs
             out = write_results(store, summary, {"command": command, "config": str(path), "sets": sets,
                                                  "arm_sets": arm_sets, "seed_wall_s": walls,
                                                  "wall_s": round_s(time.perf_counter() - t0)})
-            log.info("after seed %d:\n%s", sp.seed, table(summary))
+            log.info("after seed %d:\n%s", sp.seed, summary.table())
             if after_seed is not None:
                 after_seed(summary, out)
-        summary["results"] = str(out)
-        summary["wall_s"] = round_s(time.perf_counter() - t0)
+        summary.results = str(out)
+        summary.wall_s = round_s(time.perf_counter() - t0)
         return summary
 
 
@@ -426,116 +436,84 @@ def _tokens(row: dict, side: str) -> float | None:
 
 
 def _metrics(rows: list[dict]) -> dict:
-    """Means over rows of each metric some row has (Sel@L only where the arm selects)."""
-    out = {m: mean_or_none([r[m] for r in rows if r.get(m) is not None]) for m in ALL_METRICS}
-    return {m: v for m, v in out.items() if v is not None or m != "select_at_l"}
+    """Means over rows of each metric (None where no row has it: Sel@L of an arm that does not select, which its
+    record leaves out)."""
+    return {m: mean_or_none([r[m] for r in rows if r.get(m) is not None]) for m in ALL_METRICS}
 
 
-def summarise(store: Store, cfg: RunConfig, methods: list[str], records: list[dict], seeds: list[int]) -> dict:
+def summarise(store: Store, cfg: RunConfig, methods: list[str], records: list[ArmRun],
+              seeds: list[int]) -> MethodsSummary:
     """Per (arm, seed, query) numbers from the evaluation runs of `records`; per arm their means, tokens and training
     wall time; per arm, other arm (base, spogw) and metric the pooled paired difference with its intervals."""
-    ex = cfg.experiment
-    summaries: dict[str, dict] = {}
+    summaries: dict[str, EvalSummary] = {}
     per_query, per_seed = [], []
     for rec in records:
-        eid = rec["eval_run_id"]
-        if eid not in summaries:
-            summaries[eid] = eval_summary(store, eid)
-        summ = summaries[eid]
-        rows = [{"arm": rec["arm"], "seed": rec["seed"], "query_id": q["query_id"],
-                 **{m: q.get(m) for m in ALL_METRICS}, "valid_share": q.get("valid_share"),
-                 "gen_tokens": _tokens(q, "gen"), "exec_tokens": _tokens(q, "exec")} for q in summ["per_query"]]
+        if rec.eval_run_id not in summaries:
+            summaries[rec.eval_run_id] = EvalSummary.from_dict(eval_summary(store, rec.eval_run_id))
+        rows, row = seed_rows(store, rec, summaries[rec.eval_run_id])
         per_query += rows
-        walls = {"train_wall_s": train_wall_s(store, rec["train_run_id"]) if rec["train_run_id"] else None}
-        if rec.get("validation_run_id"):
-            walls["select_wall_s"] = train_wall_s(store, rec["validation_run_id"])
-        per_seed.append({**rec, "queries": summ["queries"], **_metrics(rows),
-                         "valid_share": summ["valid_share"], "gen_tokens_per_query": summ["gen_tokens_per_query"],
-                         "exec_tokens_per_query": summ["exec_tokens_per_query"], **walls})
-    order = list(dict.fromkeys(r["arm"] for r in records))
-    arms = []
-    for arm in order:
-        rows = [q for q in per_query if q["arm"] == arm]
-        mine = [p for p in per_seed if p["arm"] == arm]
-        arms.append({"arm": arm, "method": mine[0]["method"], "evaluation": mine[0]["evaluation"],
-                     "seeds": [p["seed"] for p in mine], "n": len(rows), **_metrics(rows),
-                     "valid_share": mean_or_none([q["valid_share"] for q in rows if q["valid_share"] is not None]),
-                     "gen_tokens_per_query": mean_or_none([q["gen_tokens"] for q in rows
-                                                           if q["gen_tokens"] is not None]),
-                     "exec_tokens_per_query": mean_or_none([q["exec_tokens"] for q in rows
-                                                            if q["exec_tokens"] is not None]),
-                     "train_wall_s": mean_or_none([p["train_wall_s"] for p in mine if p["train_wall_s"] is not None]),
-                     **({"select_wall_s": mean_or_none([p["select_wall_s"] for p in mine])}
-                        if any("select_wall_s" in p for p in mine) else {})})
-    has = {a["arm"]: {m for m in ALL_METRICS if a.get(m) is not None} for a in arms}
+        per_seed.append(row)
+    arms = [arm_means(arm, [q for q in per_query if q["arm"] == arm], [p for p in per_seed if p.arm == arm])
+            for arm in dict.fromkeys(r.arm for r in records)]
+    ex = cfg.experiment
+    return MethodsSummary(experiment=cfg.run_id, methods=methods, seeds=seeds, rounds=cfg.rounds,
+                          split=ex.eval_split, eval_queries=ex.eval_queries, eval_l=ex.eval_l, arms=arms,
+                          paired=paired_arms(arms, per_query, seeds, ex), per_seed=per_seed, per_query=per_query)
+
+
+def seed_rows(store: Store, rec: ArmRun, summ: EvalSummary) -> tuple[list[dict], MethodSeedRow]:
+    """One arm's evaluation for one seed: its per-query rows (metrics, valid share, tokens) and its row."""
+    rows = [{"arm": rec.arm, "seed": rec.seed, "query_id": q["query_id"], **{m: q.get(m) for m in ALL_METRICS},
+             "valid_share": q.get("valid_share"), "gen_tokens": _tokens(q, "gen"), "exec_tokens": _tokens(q, "exec")}
+            for q in summ.per_query]
+    row = MethodSeedRow(**rec.field_values(), queries=summ.queries, **_metrics(rows), valid_share=summ.valid_share,
+                        gen_tokens_per_query=summ.gen_tokens_per_query,
+                        exec_tokens_per_query=summ.exec_tokens_per_query,
+                        train_wall_s=train_wall_s(store, rec.train_run_id) if rec.train_run_id else None,
+                        select_wall_s=train_wall_s(store, rec.validation_run_id) if rec.validation_run_id else None)
+    return rows, row
+
+
+def arm_means(arm: str, rows: list[dict], mine: list[MethodSeedRow]) -> MethodArm:
+    """An arm over its seeds: means of its per-query rows `rows`, mean wall seconds of its seeds' rows `mine`."""
+
+    def mean_of(key: str) -> float | None:
+        return mean_or_none([q[key] for q in rows if q[key] is not None])
+
+    return MethodArm(arm=arm, method=mine[0].method, evaluation=mine[0].evaluation, seeds=[p.seed for p in mine],
+                     n=len(rows), **_metrics(rows), valid_share=mean_of("valid_share"),
+                     gen_tokens_per_query=mean_of("gen_tokens"), exec_tokens_per_query=mean_of("exec_tokens"),
+                     train_wall_s=mean_or_none([p.train_wall_s for p in mine if p.train_wall_s is not None]),
+                     select_wall_s=mean_or_none([p.select_wall_s for p in mine if p.select_wall_s is not None]))
+
+
+def paired_arms(arms: list[MethodArm], per_query: list[dict], seeds: list[int], ex) -> list[ArmDiff]:
+    """Per arm, other arm (base, spogw) and metric the arm has: the pooled paired difference per (seed, query);
+    Sel@L against the other arm's Mean@L where it has no Sel@L."""
+    has = {a.arm: {m for m in ALL_METRICS if getattr(a, m) is not None} for a in arms}
     paired = []
     for a in arms:
         for against in (BASE_ARM, REFERENCE_ARM):
-            if against == a["arm"] or against not in has or a["arm"] == BASE_ARM:
+            if against == a.arm or against not in has or a.arm == BASE_ARM:
                 continue
-            for metric in [m for m in ALL_METRICS if m in has[a["arm"]]]:
+            for metric in [m for m in ALL_METRICS if m in has[a.arm]]:
                 theirs = metric if metric in has[against] else "mean_at_l" if metric == "select_at_l" else None
                 if theirs is None:
                     continue
                 pairs = []
                 for s in seeds:
                     mine = {q["query_id"]: q[metric] for q in per_query
-                            if q["arm"] == a["arm"] and q["seed"] == s and q[metric] is not None}
+                            if q["arm"] == a.arm and q["seed"] == s and q[metric] is not None}
                     other = {q["query_id"]: q[theirs] for q in per_query
                              if q["arm"] == against and q["seed"] == s and q[theirs] is not None}
                     pairs += [(s, q, d) for q, d in paired_differences(mine, other).items()]
                 if pairs:
-                    paired.append({"arm": a["arm"], "against": against, "metric": metric, "against_metric": theirs,
-                                   **paired_interval(pairs, seeds, ex)})
-    return {"experiment": cfg.run_id, "methods": methods, "seeds": seeds, "rounds": cfg.rounds,
-            "split": ex.eval_split, "eval_queries": ex.eval_queries, "eval_l": ex.eval_l, "arms": arms,
-            "paired": paired, "per_seed": per_seed, "per_query": per_query}
+                    paired.append(ArmDiff(arm=a.arm, against=against, metric=metric, against_metric=theirs,
+                                          **paired_interval(pairs, seeds, ex)))
+    return paired
 
 
-def _diff(summary: dict, arm: str, against: str, metric: str) -> str:
-    p = next((p for p in summary["paired"] if (p["arm"], p["against"], p["metric"]) == (arm, against, metric)), None)
-    return "" if p is None else f"{p['mean']:+.3f} {span(p, 'lo_seeds_queries', 'hi_seeds_queries')}"
-
-
-def table(summary: dict) -> str:
-    """The Markdown of docs/methods.md: per arm the held-out means and paired differences (seeds-then-queries
-    intervals), every paired difference, per seed rows, and the learning-rate sweep."""
-    sel = any(a.get("select_at_l") is not None for a in summary["arms"])
-    metrics = [*METRICS, *(["select_at_l"] if sel else [])]
-    head = ["arm", "evaluation", "seeds", *[METRIC_NAMES[m] for m in metrics], "Mean@L vs base",
-            f"Mean@L vs {REFERENCE_ARM}", "generator tokens/query", "executor tokens/query", "training s/seed", "valid"]
-    lines = [f"Held-out {summary['split']}, {summary['eval_queries']} queries, L = {summary['eval_l']}, seeds "
-             f"{summary['seeds']}, {summary['rounds']} round(s); differences: mean [95% interval resampling seeds, "
-             "then queries].", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for a in summary["arms"]:
-        cells = [a["arm"], a["evaluation"], str(len(a["seeds"])), *[num(a.get(m)) for m in metrics],
-                 _diff(summary, a["arm"], BASE_ARM, "mean_at_l"), _diff(summary, a["arm"], REFERENCE_ARM, "mean_at_l"),
-                 num(a.get("gen_tokens_per_query"), 0), num(a.get("exec_tokens_per_query"), 0),
-                 num(a.get("train_wall_s"), 0), num(a.get("valid_share"), 2)]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| arm | against | metric | difference | interval: seeds, queries | interval: pairs | pairs |",
-              "|---|---|---|---|---|---|---|"]
-    for p in summary["paired"]:
-        name = METRIC_NAMES[p["metric"]] + ("" if p["against_metric"] == p["metric"]
-                                            else f" vs {METRIC_NAMES[p['against_metric']]}")
-        lines.append(f"| {p['arm']} | {p['against']} | {name} | {p['mean']:+.3f} | "
-                     f"{span(p, 'lo_seeds_queries', 'hi_seeds_queries')} | {span(p, 'lo', 'hi')} | {p['n']} |")
-    lines += ["", "| arm | seed | " + " | ".join(METRIC_NAMES[m] for m in metrics)
-              + " | generator tokens/query | executor tokens/query | training s | evaluation run |",
-              "|" + "---|" * (len(metrics) + 6)]
-    for p in summary["per_seed"]:
-        lines.append(f"| {p['arm']} | {p['seed']} | " + " | ".join(num(p.get(m)) for m in metrics)
-                     + f" | {num(p.get('gen_tokens_per_query'), 0)} | {num(p.get('exec_tokens_per_query'), 0)} | "
-                     f"{num(p.get('train_wall_s'), 0)} | {p['eval_run_id']} |")
-    if summary.get("lr_sweep"):
-        lines += ["", "| method | lr | dev Mean@L | dev Best@L | run | chosen |", "|---|---|---|---|---|---|"]
-        for name, s in summary["lr_sweep"].items():
-            for r in s["runs"]:
-                lines.append(f"| {name} | {r['lr']:g} | {num(r['mean_at_l'])} | {num(r['best_at_l'])} | "
-                             f"{r['run_id']} | {'yes' if r['lr'] == s['chosen'] else ''} |")
-    return "\n".join(lines)
-
-
-def write_results(store: Store, summary: dict, extra: dict) -> Path:
-    dest = methods_dir(store, summary["experiment"])
-    return write_study(store, dest, "methods", {**summary, **extra}, table(summary))
+def write_results(store: Store, summary: MethodsSummary, extra: dict) -> Path:
+    """methods.json (the summary, then the run's facts in `extra`) and methods.md (its tables)."""
+    dest = methods_dir(store, summary.experiment)
+    return write_study(store, dest, "methods", summary.to_dict() | extra, summary.table())

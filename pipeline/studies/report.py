@@ -14,6 +14,8 @@ import polars as pl
 
 from pipeline.store import Store, round_stats
 from pipeline.store.schema import STATUSES
+from pipeline.studies.formatting import num
+from pipeline.studies.summaries import ExperimentSummary, ReferenceArm, RoundDiff
 
 
 # Per round: generations and valid share, workflow scores (`generation_scores`), executor usage, generator and
@@ -160,57 +162,51 @@ def build_report(store: Store, run_id: str, out: Path | None = None) -> Path:
     return out
 
 
-def span(p: dict, lo: str, hi: str) -> str:
-    """"[lo, hi]" of a paired row's interval keys, or n/a when the row has none (a summary written before them)."""
-    if p.get(lo) is None or p.get(hi) is None:
-        return "n/a"
-    return f"[{p[lo]:+.3f}, {p[hi]:+.3f}]"
-
-
-PAIRED_COLUMNS = ("round", "metric", "n", "base", "trained", "mean", "level")
-INTERVALS = {"ci_seeds_queries": ("lo_seeds_queries", "hi_seeds_queries"), "ci_pairs": ("lo", "hi"),
-             "ci_queries": ("lo_by_query", "hi_by_query")}  # table column -> the summary's keys; headline first
-
-
-def paired_row(p: dict) -> dict:
+def paired_row(p: RoundDiff) -> dict:
     """A paired row of the summary as the report's table shows it: the numbers, each interval as "[lo, hi]" text
-    (n/a when missing), and the bounds themselves for the plot."""
-    row = {k: p.get(k) for k in PAIRED_COLUMNS}
-    row |= {col: span(p, lo, hi) for col, (lo, hi) in INTERVALS.items()}
-    return row | {k: p.get(k) for keys in INTERVALS.values() for k in keys}
+    (n/a when missing; the seeds-then-queries one, the headline, first), and the bounds themselves for the plot."""
+    return {"round": p.round, "metric": p.metric, "n": p.n, "base": p.base, "trained": p.trained, "mean": p.mean,
+            "level": p.level, "ci_seeds_queries": p.ci_seeds_queries, "ci_pairs": p.ci_pairs,
+            "ci_queries": p.ci_queries, "lo_seeds_queries": p.lo_seeds_queries, "hi_seeds_queries": p.hi_seeds_queries,
+            "lo": p.lo, "hi": p.hi, "lo_by_query": p.lo_by_query, "hi_by_query": p.hi_by_query}
+
+
+def reference_row(r: ReferenceArm) -> dict:
+    """A reference arm as the report's table shows it."""
+    return {"label": r.label, "eval_run_id": r.eval_run_id, "queries": r.queries, "mean_at_l": r.mean_at_l,
+            "best_at_l": r.best_at_l, "majority_at_l": r.majority_at_l, "valid_share": r.valid_share,
+            "gen_tokens_per_query": r.gen_tokens_per_query, "exec_tokens_per_query": r.exec_tokens_per_query,
+            "exec_calls_per_query": r.exec_calls_per_query, "truncated_share": r.truncated_share}
 
 
 CURVE_PNG = "curve.png"  # the held-out curve over rounds, next to an experiment's report.html
-REFERENCE_COLUMNS = ("label", "eval_run_id", "queries", "mean_at_l", "best_at_l", "majority_at_l", "valid_share",
-                     "gen_tokens_per_query", "exec_tokens_per_query", "exec_calls_per_query", "truncated_share")
 
 
-def plot_curve(summary: dict, out: Path):
+def plot_curve(summary: ExperimentSummary, out: Path):
     """The held-out Mean@L over rounds of an experiment summary (its `curve` and `references`) as a PNG at `out`:
     x = rounds of training (0: the base model), the mean over seeds with its seeds-then-queries interval as error
     bars, each seed as a thin line, each reference as a labelled horizontal line. Returns the matplotlib Figure."""
     from matplotlib.figure import Figure
 
-    rows = sorted((c for c in summary.get("curve", []) if c["metric"] == "mean_at_l"), key=lambda c: c["round"])
-    x = [c["round"] + 1 for c in rows]
+    rows = sorted((c for c in summary.curve if c.metric == "mean_at_l"), key=lambda c: c.round)
+    x = [c.round + 1 for c in rows]
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
-    for s in sorted({p["seed"] for c in rows for p in c["per_seed"]}):
-        pts = [(c["round"] + 1, p["mean"]) for c in rows for p in c["per_seed"] if p["seed"] == s]
+    for s in sorted({p.seed for c in rows for p in c.per_seed}):
+        pts = [(c.round + 1, p.mean) for c in rows for p in c.per_seed if p.seed == s]
         ax.plot([u for u, _ in pts], [v for _, v in pts], linewidth=0.8, alpha=0.6, marker=".", label=f"seed {s}")
-    level = int(round(100 * rows[0]["level"])) if rows else 95
-    ax.errorbar(x, [c["mean"] for c in rows], yerr=[[c["mean"] - c["lo"] for c in rows],
-                                                   [c["hi"] - c["mean"] for c in rows]],
+    level = int(round(100 * rows[0].level)) if rows else 95
+    ax.errorbar(x, [c.mean for c in rows], yerr=[[c.mean - c.lo for c in rows], [c.hi - c.mean for c in rows]],
                 color="black", linewidth=2, marker="o", capsize=0,
                 label=f"mean over seeds, {level}% CI (seeds, then queries)")
-    refs = [r for r in summary.get("references", []) if r.get("mean_at_l") is not None]
+    refs = [r for r in summary.references if r.mean_at_l is not None]
     for i, r in enumerate(refs):
-        ax.axhline(r["mean_at_l"], linestyle="--", linewidth=1.2, color=f"C{(i + 3) % 10}",
-                   label=f"{r.get('label', r['method'])} ({r['mean_at_l']:.3f})")
+        ax.axhline(r.mean_at_l, linestyle="--", linewidth=1.2, color=f"C{(i + 3) % 10}",
+                   label=f"{r.name} ({num(r.mean_at_l)})")
     ax.set_xticks(x, ["base" if k == 0 else str(k) for k in x])
     ax.set_xlabel("rounds of training (base: the base model)")
-    ax.set_ylabel(f"held-out Mean@L (L = {summary.get('eval_l')})")
-    ax.set_title(f"experiment {summary.get('experiment')}: {summary.get('split')} split", fontsize="medium")
+    ax.set_ylabel(f"held-out Mean@L (L = {summary.eval_l})")
+    ax.set_title(f"experiment {summary.experiment}: {summary.split} split", fontsize="medium")
     # beside the axes, not on them: the lines cluster where the legend would otherwise go
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -218,22 +214,21 @@ def plot_curve(summary: dict, out: Path):
     return fig
 
 
-def reference_tables(summary: dict) -> str:
+def reference_tables(summary: ExperimentSummary) -> str:
     """HTML of the experiment's reference arms, every round's paired difference to them and the best fixed workflow
     chosen on another split (`selection`; none: empty)."""
-    refs = [{k: r.get(k) for k in REFERENCE_COLUMNS} for r in summary.get("references", [])]
-    pairs = [{"reference": p["reference"], **paired_row(p)} for p in summary.get("paired_references", [])]
+    refs = [reference_row(r) for r in summary.references]
+    pairs = [{"reference": p.reference, **paired_row(p)} for p in summary.paired_references]
     if not refs:
         return ""
     chosen = ""
-    if sel := summary.get("selection"):
-        budget = sel["budget_exec_tokens_per_query"]
-        cands = sel["candidates"]
-        chosen = (f"<h2>The best fixed workflow, chosen on {sel['split']}</h2><p>the highest {sel['split']} Mean@L: "
+    if sel := summary.selection:
+        cands = [c.to_dict() for c in sel.candidates]
+        chosen = (f"<h2>The best fixed workflow, chosen on {sel.split}</h2><p>the highest {sel.split} Mean@L: "
                   f"at the trained generator's executor budget (held-out executor tokens per query at most "
-                  f"(1 + {sel['slack']}) × {'n/a' if budget is None else f'{budget:.0f}'}, round {sel['last_round']}"
-                  f"): <b>{sel['same_budget']}</b>; at any budget: <b>{sel['any_budget']}</b>; not run or not "
-                  f"finished there: {', '.join(sel['missing'] + sel['unfinished']) or 'none'}</p>"
+                  f"(1 + {sel.slack}) × {num(sel.budget_exec_tokens_per_query, 0)}, round {sel.last_round}"
+                  f"): <b>{sel.same_budget}</b>; at any budget: <b>{sel.any_budget}</b>; not run or not "
+                  f"finished there: {', '.join(sel.missing + sel.unfinished) or 'none'}</p>"
                   f"{_table(pl.DataFrame(cands)) if cands else ''}")
     return (f"<h2>References</h2><p>baselines on the same held-out queries and L (experiment.references)</p>"
             f"{_table(pl.DataFrame(refs))}<h2>Paired differences to the references</h2><p>round (-1: the base "
@@ -241,17 +236,18 @@ def reference_tables(summary: dict) -> str:
             f"reference's mean</p>{_table(pl.DataFrame(pairs)) if pairs else ''}{chosen}")
 
 
-def build_experiment_report(summary: dict, out: Path) -> Path:
+def build_experiment_report(summary: ExperimentSummary, out: Path) -> Path:
     """HTML page of a learning experiment (pipeline.studies.experiment): the paired differences with their intervals
     (table and plot), the held-out curve over rounds with the references (`plot_curve`, a PNG beside the page), the
     references' numbers, the held-out numbers of every (seed, round) evaluation and the config's key numbers."""
     import plotly.graph_objects as go
 
-    paired = pl.DataFrame([paired_row(p) for p in summary["paired"]]) if summary["paired"] else pl.DataFrame()
-    per_seed = pl.DataFrame([{"round": p["round"], "metric": p["metric"], **x} for p in summary["paired"]
-                             for x in p.get("per_seed", [])])
-    arms = pl.DataFrame([{k: v for k, v in a.items() if k != "status"} | {"status": json.dumps(a.get("status"))}
-                         for a in summary["arms"]]) if summary["arms"] else pl.DataFrame()
+    paired = pl.DataFrame([paired_row(p) for p in summary.paired]) if summary.paired else pl.DataFrame()
+    per_seed = pl.DataFrame([{"round": p.round, "metric": p.metric, **x.to_dict()} for p in summary.paired
+                             for x in p.per_seed])
+    # the evaluations' stored keys (older summaries have fewer), the status counts as one JSON cell
+    arms = pl.DataFrame([{k: v for k, v in a.to_dict().items() if k != "status"} | {"status": json.dumps(a.status)}
+                         for a in summary.arms]) if summary.arms else pl.DataFrame()
     parts = []
     if paired.height:
         fig = go.Figure()
@@ -278,20 +274,21 @@ def build_experiment_report(summary: dict, out: Path) -> Path:
                           height=380, margin={"t": 30})
         parts.append("<h2>Held-out score per seed</h2>" + fig.to_html(full_html=False, include_plotlyjs=not parts))
     curve = ""
-    if any(c["metric"] == "mean_at_l" for c in summary.get("curve", [])):
+    if any(c.metric == "mean_at_l" for c in summary.curve):
         plot_curve(summary, out.parent / CURVE_PNG)
-        rows = [{k: c[k] for k in ("round", "metric", "n", "mean", "lo", "hi")} for c in summary["curve"]]
+        rows = [{"round": c.round, "metric": c.metric, "n": c.n, "mean": c.mean, "lo": c.lo, "hi": c.hi}
+                for c in summary.curve]
         curve = (f"<h2>Held-out score over rounds</h2><p><img src='{CURVE_PNG}' alt='held-out Mean@L over rounds'>"
                  f"</p><p>mean over (seed, query); lo, hi: the seeds-then-queries interval</p>"
                  f"{_table(pl.DataFrame(rows))}")
-    title = f"experiment {summary['experiment']}"
+    title = f"experiment {summary.experiment}"
     page = (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>body{{font-family:sans-serif;margin:2em}}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style>"
         f"</head><body><h1>{html.escape(title)}</h1>"
-        f"<p>seeds {summary['seeds']}, {summary['rounds']} round(s), held-out split {summary['split']}: "
-        f"{summary['eval_queries']} queries x L={summary['eval_l']} workflows</p>"
+        f"<p>seeds {summary.seeds}, {summary.rounds} round(s), held-out split {summary.split}: "
+        f"{summary.eval_queries} queries x L={summary.eval_l} workflows</p>"
         f"<h2>Paired differences</h2><p>trained − base per (seed, query), pooled; ci_seeds_queries (the headline): "
         f"bootstrap resampling seeds, then queries within each drawn seed; ci_pairs: over pairs; ci_queries: over "
         f"queries (all seeds of a drawn query together); n/a: not in this summary (written before it existed)</p>"

@@ -1,17 +1,121 @@
-"""An evaluation's summary as a typed record: what `eval_summary` computes for any run whose round 0 holds
-workflows (a checkpoint held out, a baseline, SMC, plain sampling), the line every command prints for it, and the
-dict it is stored as (`to_dict` gives back exactly the dict it was read from, so JSON written before stays the
-same byte for byte)."""
+"""Study results as typed records: an evaluation's summary (`EvalSummary`: what `eval_summary` computes for any run
+whose round 0 holds workflows), the learning experiment's (`ExperimentSummary`), the objective ablation's
+(`AblationSummary`) and the methods comparison's (`MethodsSummary`), with the parts of a fixed shape they share: a
+paired difference with its intervals (`PairedDiff`, per round `RoundDiff` or per arm `ArmDiff`), a reference arm, a
+point of the held-out curve, the best fixed workflow's choice, an arm's row.
+
+Each is built where its study computes it, read back with `from_dict` from the JSON the study wrote, and formats its
+own lines (pipeline.studies.formatting). `to_dict` gives back exactly the dict a record was read from, keys in their
+order, so JSON written before stays the same byte for byte; a key the stored dict lacks (written before that figure
+existed) reads as the field's default, and a key no field names is kept in `extra` (e.g. a study's run facts: its
+command, config, --set and wall seconds)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import json
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import ClassVar, Self
 
-from pipeline.studies.formatting import metrics_phrase, num, tokens_phrase
+from pipeline.core.learning import METRICS
+from pipeline.core.objectives import get_objective
+from pipeline.studies.formatting import (
+    metric_name,
+    metrics_phrase,
+    num,
+    round_name,
+    signed,
+    span,
+    tokens_phrase,
+)
+
+BASE = -1  # the round index of the base model in evaluations
+BASE_ARM = "base"  # the base model's arm in the ablation and the methods comparison
+REFERENCE_ARM = "spogw"  # the methods comparison pairs every arm with this one too
 
 
-@dataclass
-class EvalSummary:
+# ---- the record: a stored dict as a dataclass ------------------------------------------------------------------------
+
+
+def _plain(value):
+    """A record's value as JSON holds it: records as dicts, in lists and dicts too."""
+    if isinstance(value, Record):
+        return value.to_dict()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+@dataclass(kw_only=True)
+class Record:
+    """The dict a study stores, as a dataclass (module doc). A subclass names its nested records in NESTED (a record,
+    or a list of them) and KEYED (a dict of them); a record built here (not read) gives its fields in LEAD's order
+    first, then in their own, leaving out an OPTIONAL one while it holds its default (a key today's summaries only
+    write where it applies)."""
+
+    # keys no field names, in their order
+    extra: dict = field(default_factory=dict)
+    # the stored dict's key order, so that to_dict rebuilds it as it was; empty for a record built here
+    order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    NESTED: ClassVar[dict[str, type[Record]]] = {}
+    KEYED: ClassVar[dict[str, type[Record]]] = {}
+    LEAD: ClassVar[tuple[str, ...]] = ()
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The stored keys a field holds, in the fields' order."""
+        return [f.name for f in fields(cls) if f.name not in ("extra", "order")]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Self:
+        """Read a stored dict; a key it lacks (written before that figure existed) reads as its default."""
+        names = set(cls.names())
+        return cls(**{k: cls._read(k, v) for k, v in d.items() if k in names},
+                   extra={k: v for k, v in d.items() if k not in names}, order=tuple(d))
+
+    @classmethod
+    def read(cls, path: Path) -> Self:
+        """A study's stored JSON file (experiment.json, ...)."""
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def _read(cls, name: str, value):
+        if value is None:
+            return None
+        if name in cls.KEYED:
+            return {k: cls.KEYED[name].from_dict(v) for k, v in value.items()}
+        kind = cls.NESTED.get(name)
+        if kind is None:
+            return value
+        return [kind.from_dict(v) for v in value] if isinstance(value, list) else kind.from_dict(value)
+
+    def to_dict(self) -> dict:
+        merged = {n: _plain(getattr(self, n)) for n in self.names()} | self.extra
+        keys = self.order or self._built_keys()
+        return {k: merged[k] for k in keys if k in merged} | {k: v for k, v in self.extra.items() if k not in keys}
+
+    def _built_keys(self) -> list[str]:
+        defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()
+                    for f in fields(self) if f.name in self.OPTIONAL}
+        names = [*self.LEAD, *(n for n in self.names() if n not in self.LEAD)]
+        return [n for n in names if n not in defaults or getattr(self, n) != defaults[n]]
+
+    def field_values(self) -> dict:
+        """Field -> value, records kept as they are (to build a record that extends this one)."""
+        return {n: getattr(self, n) for n in self.names()}
+
+
+# ---- an evaluation ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class EvalSummary(Record):
+    """What `eval_summary` (pipeline.studies.evaluate) computes for a run whose round 0 holds workflows."""
+
     eval_run_id: str
     queries: int
     mean_at_l: float | None = None
@@ -29,35 +133,522 @@ class EvalSummary:
     truncated_share: float | None = None
     status: dict[str, int] = field(default_factory=dict)
     per_query: list[dict] = field(default_factory=list)
-    # keys beyond the common ones, in their order: `select_at_l` (two-level runs), `selected` (task-best), ...
-    extra: dict = field(default_factory=dict)
-    # the stored dict's key order, so that to_dict rebuilds it as it was
-    order: tuple[str, ...] = field(default=(), repr=False, compare=False)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> EvalSummary:
-        """Read a stored summary; a key it lacks (written before that figure existed) reads as its default."""
-        names = {f.name for f in fields(cls)} - {"extra", "order"}
-        return cls(**{k: v for k, v in d.items() if k in names},
-                   extra={k: v for k, v in d.items() if k not in names}, order=tuple(d))
-
-    def to_dict(self) -> dict:
-        merged = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "order")}
-        merged.update(self.extra)
-        if not self.order:  # built here, not read: every field
-            return merged
-        return ({k: merged[k] for k in self.order if k in merged}
-                | {k: v for k, v in self.extra.items() if k not in self.order})
+    # `extra` holds the keys beyond the common ones, in their order: `select_at_l` (two-level runs), `selected`
+    # (task-best), ...
 
     @property
     def select_at_l(self) -> float | None:
         return self.extra.get("select_at_l")
 
-    def line(self, more: str = "") -> str:
-        """`<run>: N queries, Mean@L .., Best@L ..[, Sel@L ..], Majority@L .., valid .., tokens/query ..[, more],
-        status {...}`: the one line each command prints for an evaluation."""
+    @property
+    def selected(self) -> dict | None:
+        """task_best's choice per task (pipeline.studies.baselines)."""
+        return self.extra.get("selected")
+
+    def phrase(self, more: str = "") -> str:
+        """`Mean@L .., Best@L ..[, Sel@L ..], Majority@L .., valid .., tokens/query ..[, more], status {...}`."""
         metrics = metrics_phrase(self.mean_at_l, self.best_at_l, self.majority_at_l, self.select_at_l,
                                  "select_at_l" in self.extra)
-        return (f"{self.eval_run_id}: {self.queries} queries, {metrics}, valid {num(self.valid_share, 2)}, "
+        return (f"{metrics}, valid {num(self.valid_share, 2)}, "
                 f"{tokens_phrase(self.gen_tokens_per_query, self.exec_tokens_per_query)}"
                 f"{', ' + more if more else ''}, status {self.status}")
+
+    def line(self, more: str = "") -> str:
+        """`<run>: N queries, <phrase>`: the one line each command prints for an evaluation."""
+        return f"{self.eval_run_id}: {self.queries} queries, {self.phrase(more)}"
+
+    def figures(self, tokens: bool = True) -> list[tuple[str, float | None]]:
+        """(label, value) of what a table shows of it: the metrics (Sel@L too), the valid share[, tokens per
+        query]."""
+        out = [(metric_name(m), getattr(self, m)) for m in (*METRICS, "select_at_l")]
+        out.append(("valid share", self.valid_share))
+        if tokens:
+            out += [("generator tokens per query", self.gen_tokens_per_query),
+                    ("executor tokens per query", self.exec_tokens_per_query)]
+        return out
+
+
+@dataclass(kw_only=True)
+class ExperimentArm(EvalSummary):
+    """One seed's evaluation of one round (BASE: the base model), without its per-query rows (the experiment keeps
+    them in its own `per_query`, with the seed and round)."""
+
+    seed: int
+    round: int
+    LEAD = ("seed", "round")
+    OPTIONAL = ("per_query",)
+
+    @classmethod
+    def of(cls, seed: int, round: int, summary: dict) -> ExperimentArm:
+        """From the evaluation's `eval_summary`, keys in its order."""
+        return cls.from_dict({"seed": seed, "round": round, **{k: v for k, v in summary.items() if k != "per_query"}})
+
+    def line(self, more: str = "") -> str:
+        return f"seed {self.seed} {round_name(self.round)}: held-out {self.phrase(more)}"
+
+
+@dataclass(kw_only=True)
+class ReferenceArm(EvalSummary):
+    """A baseline on the experiment's split, queries and L (pipeline.studies.baselines), named by its method and
+    label (the method, or `program-<file stem>`), with its per-query rows."""
+
+    method: str
+    label: str | None = None
+    LEAD = ("method", "label")
+
+    @property
+    def name(self) -> str:
+        return self.label or self.method
+
+    def line(self, more: str = "") -> str:
+        return (f"reference {self.name} ({self.eval_run_id}): held-out "
+                f"{metrics_phrase(self.mean_at_l, self.best_at_l, self.majority_at_l)}, "
+                f"{tokens_phrase(self.gen_tokens_per_query, self.exec_tokens_per_query)}"
+                f"{', ' + more if more else ''}, executor calls cut at the token cap {num(self.truncated_share)}")
+
+
+# ---- paired differences ----------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SeedDiff(Record):
+    """One seed's own mean paired difference, with its interval over its queries."""
+
+    seed: int
+    n: int
+    mean: float
+    lo: float
+    hi: float
+
+    def line(self) -> str:
+        return f"  seed {self.seed}: {signed(self.mean)} {span(self.lo, self.hi)} over {self.n} queries"
+
+
+@dataclass(kw_only=True)
+class PairedDiff(Record):
+    """Differences per (seed, query) pooled (pipeline.studies.experiment.paired_interval): the mean with the
+    bootstrap interval over pairs (`lo`, `hi`), resampling seeds then queries (the headline; summaries written
+    before it lack it) and over queries, and each seed's own."""
+
+    n: int
+    mean: float
+    lo: float
+    hi: float
+    level: float
+    lo_seeds_queries: float | None = None
+    hi_seeds_queries: float | None = None
+    lo_by_query: float | None = None
+    hi_by_query: float | None = None
+    per_seed: list[SeedDiff] = field(default_factory=list)
+    NESTED = {"per_seed": SeedDiff}
+
+    @property
+    def ci_seeds_queries(self) -> str:
+        return span(self.lo_seeds_queries, self.hi_seeds_queries)
+
+    @property
+    def ci_pairs(self) -> str:
+        return span(self.lo, self.hi)
+
+    @property
+    def ci_queries(self) -> str:
+        return span(self.lo_by_query, self.hi_by_query)
+
+    def phrase(self) -> str:
+        """`+0.125 [+0.050, +0.200]`: the mean and the headline interval."""
+        return f"{signed(self.mean)} {self.ci_seeds_queries}"
+
+    def pairing(self) -> dict:
+        """What it pairs, besides the metric (a table row's first cells)."""
+        raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class RoundDiff(PairedDiff):
+    """Round `round`'s evaluations (BASE: the base model's) minus the base model's, or minus a `reference` arm's, on
+    one metric; `base` and `trained`: both sides' means."""
+
+    reference: str | None = None
+    round: int
+    metric: str
+    base: float | None
+    trained: float | None
+    LEAD = ("reference", "round", "metric", "base", "trained")
+    OPTIONAL = ("reference",)
+
+    def pairing(self) -> dict:
+        return ({"reference": self.reference} if self.reference is not None else {}) | {"round": self.round}
+
+    def versus_base(self, eval_l: int) -> str:
+        return (f"round {self.round} vs base, held-out {metric_name(self.metric)} (L={eval_l}, {self.n} seed x "
+                f"query pairs): base {num(self.base)} -> trained {num(self.trained)}, paired difference "
+                f"{self.phrase()} {int(round(100 * self.level))}% bootstrap CI resampling seeds, then queries (pairs: "
+                f"{self.ci_pairs}; queries: {self.ci_queries})")
+
+    def versus_reference(self) -> str:
+        return (f"{round_name(self.round)} vs {self.reference}, held-out {metric_name(self.metric)}: "
+                f"{num(self.trained)} vs {num(self.base)}, paired difference {self.phrase()} (seeds, then queries; "
+                f"{self.n} pairs)")
+
+
+@dataclass(kw_only=True)
+class ArmDiff(PairedDiff):
+    """Arm `arm` minus arm `against` on `metric` (the methods comparison: on `against_metric` of the other arm,
+    Mean@L where it has no Sel@L)."""
+
+    arm: str
+    against: str
+    metric: str
+    against_metric: str | None = None
+    LEAD = ("arm", "against", "metric", "against_metric")
+    OPTIONAL = ("against_metric",)
+
+    def pairing(self) -> dict:
+        return {"arm": self.arm, "against": self.against} | (
+            {"against_metric": self.against_metric} if self.against_metric is not None else {})
+
+
+def find_diff(paired: list[ArmDiff], arm: str, against: str, metric: str) -> ArmDiff | None:
+    return next((p for p in paired if (p.arm, p.against, p.metric) == (arm, against, metric)), None)
+
+
+# ---- the learning experiment (pipeline.studies.experiment) -----------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SeedMean(Record):
+    seed: int
+    mean: float | None
+
+
+@dataclass(kw_only=True)
+class CurvePoint(Record):
+    """A point of the held-out curve: round `round`'s mean over (seed, query) on `metric` with its seeds-then-queries
+    interval, and each seed's mean."""
+
+    round: int
+    metric: str
+    n: int
+    mean: float
+    lo: float
+    hi: float
+    level: float
+    per_seed: list[SeedMean] = field(default_factory=list)
+    NESTED = {"per_seed": SeedMean}
+
+
+@dataclass(kw_only=True)
+class Candidate(Record):
+    """A reference as a candidate best fixed workflow: its run on the choosing split, and its held-out executor
+    tokens per query."""
+
+    label: str
+    run_id: str
+    queries: int
+    mean_at_l: float | None
+    best_at_l: float | None
+    pending: int
+    exec_tokens_per_query: float | None
+    within_budget: bool
+
+
+@dataclass(kw_only=True)
+class Selection(Record):
+    """The best fixed workflow chosen on `split` (pipeline.studies.experiment.best_fixed): at the trained
+    generator's executor budget (round `last_round`'s, with `slack`) and at any."""
+
+    split: str | None = None
+    last_round: int | None = None
+    budget_exec_tokens_per_query: float | None
+    slack: float
+    same_budget: str | None
+    any_budget: str | None
+    candidates: list[Candidate]
+    unfinished: list[str]
+    missing: list[str] = field(default_factory=list)
+    NESTED = {"candidates": Candidate}
+
+    def lines(self) -> list[str]:
+        b = self.budget_exec_tokens_per_query
+        limit = None if b is None else (1 + self.slack) * b
+        within = ("" if limit is None else "<= ") + num(limit, 0)
+        means = {c.label: c.mean_at_l for c in self.candidates}
+        out = [f"best fixed workflow on {self.split} {what}: "
+               + ("none" if pick is None else f"{pick} ({self.split} Mean@L {num(means[pick])})")
+               for pick, what in ((self.same_budget, f"at the trained generator's executor budget ({within} "
+                                                     "tokens/query)"), (self.any_budget, "at any budget"))]
+        if left := self.missing + self.unfinished:
+            out.append(f"not chosen from (not run or not finished on {self.split}): {', '.join(left)}")
+        return out
+
+
+@dataclass(kw_only=True)
+class ExperimentSummary(Record):
+    """experiment.json (pipeline.studies.experiment.summarise; the run's facts, command to wall seconds, in
+    `extra`). Summaries written before the references, the curve or the choice lack them."""
+
+    experiment: str
+    seeds: list[int]
+    rounds: int
+    split: str
+    eval_queries: int | None
+    eval_l: int
+    shared_base: bool = False
+    arms: list[ExperimentArm] = field(default_factory=list)
+    paired: list[RoundDiff] = field(default_factory=list)
+    curve: list[CurvePoint] = field(default_factory=list)
+    references: list[ReferenceArm] = field(default_factory=list)
+    paired_references: list[RoundDiff] = field(default_factory=list)
+    selection: Selection | None = None
+    per_query: list[dict] = field(default_factory=list)  # per (seed, round, query): the evaluations' rows
+    flagged_rewarded: dict[str, int] | None = None
+    results: str | None = None  # the folder written; returned, not stored
+    wall_s: float | None = None  # stored with the run's facts
+    NESTED = {"arms": ExperimentArm, "paired": RoundDiff, "curve": CurvePoint, "references": ReferenceArm,
+              "paired_references": RoundDiff, "selection": Selection}
+    OPTIONAL = ("results", "wall_s")
+
+    def headline(self) -> list[str]:
+        """Lines a person reads first: per evaluated round and metric, held-out base -> trained with the paired
+        difference and its seeds-then-queries interval, the pooled intervals beside it, then one line per seed;
+        the share of executor replies cut at the token cap; each reference and every round against it; the best
+        fixed workflow; the flagged rewarded training samples."""
+        lines = []
+        for p in self.paired:
+            lines += [p.versus_base(self.eval_l), *(x.line() for x in p.per_seed)]
+        if cut := self.truncation():
+            lines.append(cut)
+        lines += [r.line() for r in self.references]
+        lines += [p.versus_reference() for p in self.paired_references if p.metric == "mean_at_l"]
+        if self.selection is not None:
+            lines += self.selection.lines()
+        if self.flagged_rewarded is not None:  # older summaries lack it
+            lines.append(f"flagged rewarded training runs (scores.flags): {self.flagged_rewarded}")
+        return lines
+
+    def truncation(self) -> str | None:
+        """Executor calls with a reply cut at the token cap, held out, per round (mean over seeds); None where no
+        arm has the share (summaries written before it)."""
+        cut: dict[int, list[float]] = {}
+        for a in self.arms:
+            if a.truncated_share is not None:
+                cut.setdefault(a.round, []).append(a.truncated_share)
+        if not cut:
+            return None
+        return "executor calls cut at the token cap, held out (mean over seeds): " + ", ".join(
+            f"{'base' if k == BASE else f'round {k}'} {num(sum(v) / len(v))}" for k, v in sorted(cut.items()))
+
+
+# ---- the objective ablation (pipeline.studies.ablation) --------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class AblationArm(Record):
+    """An arm (`base`, or an objective) over seeds x queries: held-out means and valid share."""
+
+    arm: str
+    n: int
+    valid_share: float | None
+    mean_at_l: float | None = None
+    best_at_l: float | None = None
+    majority_at_l: float | None = None
+    select_at_l: float | None = None
+    OPTIONAL = ("select_at_l",)
+
+
+@dataclass(kw_only=True)
+class AblationSummary(Record):
+    """ablation.json (pipeline.studies.ablation.summarise; the run's facts in `extra`)."""
+
+    experiment: str
+    round: int
+    objectives: list[str]
+    seeds: list[int]
+    split: str
+    eval_queries: int | None
+    eval_l: int
+    arms: list[AblationArm] = field(default_factory=list)
+    paired: list[ArmDiff] = field(default_factory=list)
+    results: str | None = None
+    wall_s: float | None = None
+    NESTED = {"arms": AblationArm, "paired": ArmDiff}
+    OPTIONAL = ("results", "wall_s")
+
+    def table(self) -> str:
+        """The Markdown table of docs/objectives.md: per arm, held-out means and paired differences with their
+        intervals over pairs."""
+        metrics = [m for m in ("mean_at_l", "best_at_l") if any(getattr(a, m) is not None for a in self.arms)]
+        ref = self.objectives[0]
+        head = ["arm", *map(metric_name, metrics), *(f"{metric_name(m)} vs {who}" for m in metrics
+                                                     for who in (BASE_ARM, ref)), "valid"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for a in self.arms:
+            cells = [a.arm + ("" if a.arm == BASE_ARM else f" ({get_objective(a.arm).kind} rows)")]
+            cells += [num(getattr(a, m)) for m in metrics]
+            for m in metrics:
+                for who in (BASE_ARM, ref):
+                    p = find_diff(self.paired, a.arm, who, m)
+                    cells.append("" if p is None else f"{signed(p.mean)} {p.ci_pairs}")
+            cells.append(num(a.valid_share, 2))
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+# ---- the methods comparison (pipeline.studies.methods) ---------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ArmRun(Record):
+    """The runs behind one arm's evaluation for one seed: the training run (none for a reference) and the held-out
+    evaluation run; W4S's refined arm adds its validation run and the workflow chosen there, task_best its
+    programs."""
+
+    arm: str
+    method: str
+    evaluation: str
+    seed: int
+    train_run_id: str | None
+    eval_run_id: str
+    validation_run_id: str | None = None
+    validation_split: str | None = None
+    selected: dict | None = None
+    OPTIONAL = ("validation_run_id", "validation_split", "selected")
+
+
+@dataclass(kw_only=True)
+class ArmNumbers(Record):
+    """An arm's held-out numbers, for one seed or over its seeds: means (Sel@L only where the arm selects), valid
+    share, tokens per query, wall seconds of training and (W4S's refined arm) of validation."""
+
+    mean_at_l: float | None = None
+    best_at_l: float | None = None
+    majority_at_l: float | None = None
+    select_at_l: float | None = None
+    valid_share: float | None = None
+    gen_tokens_per_query: float | None = None
+    exec_tokens_per_query: float | None = None
+    train_wall_s: float | None = None
+    select_wall_s: float | None = None
+    OPTIONAL = ("select_at_l", "select_wall_s")
+
+
+@dataclass(kw_only=True)
+class MethodSeedRow(ArmRun, ArmNumbers):
+    """An arm's runs and numbers for one seed."""
+
+    queries: int
+    LEAD = (*ArmRun.names(), "queries")
+    OPTIONAL = (*ArmRun.OPTIONAL, *ArmNumbers.OPTIONAL)
+
+
+@dataclass(kw_only=True)
+class MethodArm(ArmNumbers):
+    """An arm over its seeds x queries (wall seconds: the mean over seeds)."""
+
+    arm: str
+    method: str
+    evaluation: str
+    seeds: list[int]
+    n: int
+    LEAD = ("arm", "method", "evaluation", "seeds", "n")
+
+
+@dataclass(kw_only=True)
+class SweepRun(Record):
+    """One learning rate of the sweep: its one-round run and that run's dev evaluation."""
+
+    lr: float
+    run_id: str
+    eval_run_id: str
+    queries: int
+    mean_at_l: float | None
+    best_at_l: float | None
+    train_wall_s: float
+
+
+@dataclass(kw_only=True)
+class LrSweep(Record):
+    """A method's learning-rate sweep on `split` (seed `seed`) and the rate chosen (None: no run scored)."""
+
+    split: str
+    seed: int
+    runs: list[SweepRun]
+    chosen: float | None
+    NESTED = {"runs": SweepRun}
+
+
+@dataclass(kw_only=True)
+class MethodsSummary(Record):
+    """methods.json (pipeline.studies.methods.summarise; the run's facts in `extra`)."""
+
+    experiment: str
+    methods: list[str]
+    seeds: list[int]
+    rounds: int
+    split: str
+    eval_queries: int | None
+    eval_l: int
+    arms: list[MethodArm] = field(default_factory=list)
+    paired: list[ArmDiff] = field(default_factory=list)
+    per_seed: list[MethodSeedRow] = field(default_factory=list)
+    per_query: list[dict] = field(default_factory=list)  # per (arm, seed, query): metrics and tokens
+    lr_sweep: dict[str, LrSweep] = field(default_factory=dict)
+    lr: dict[str, float | None] = field(default_factory=dict)
+    results: str | None = None
+    wall_s: float | None = None
+    NESTED = {"arms": MethodArm, "paired": ArmDiff, "per_seed": MethodSeedRow}
+    KEYED = {"lr_sweep": LrSweep}
+    OPTIONAL = ("results", "wall_s")
+
+    def table(self) -> str:
+        """The Markdown of docs/methods.md: per arm the held-out means and paired differences (seeds-then-queries
+        intervals), every paired difference, per seed rows, and the learning-rate sweep."""
+        sel = any(a.select_at_l is not None for a in self.arms)
+        metrics = [*METRICS, *(["select_at_l"] if sel else [])]
+        return "\n".join([*self._arms_table(metrics), "", *self._paired_table(), "", *self._seeds_table(metrics),
+                          *self._sweep_table()])
+
+    def _diff(self, arm: str, against: str) -> str:
+        p = find_diff(self.paired, arm, against, "mean_at_l")
+        return "" if p is None else p.phrase()
+
+    def _arms_table(self, metrics: list[str]) -> list[str]:
+        head = ["arm", "evaluation", "seeds", *map(metric_name, metrics), "Mean@L vs base",
+                f"Mean@L vs {REFERENCE_ARM}", "generator tokens/query", "executor tokens/query", "training s/seed",
+                "valid"]
+        lines = [f"Held-out {self.split}, {self.eval_queries} queries, L = {self.eval_l}, seeds {self.seeds}, "
+                 f"{self.rounds} round(s); differences: mean [95% interval resampling seeds, then queries].", "",
+                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for a in self.arms:
+            cells = [a.arm, a.evaluation, str(len(a.seeds)), *(num(getattr(a, m)) for m in metrics),
+                     self._diff(a.arm, BASE_ARM), self._diff(a.arm, REFERENCE_ARM), num(a.gen_tokens_per_query, 0),
+                     num(a.exec_tokens_per_query, 0), num(a.train_wall_s, 0), num(a.valid_share, 2)]
+            lines.append("| " + " | ".join(cells) + " |")
+        return lines
+
+    def _paired_table(self) -> list[str]:
+        lines = ["| arm | against | metric | difference | interval: seeds, queries | interval: pairs | pairs |",
+                 "|---|---|---|---|---|---|---|"]
+        for p in self.paired:
+            name = metric_name(p.metric) + ("" if p.against_metric == p.metric
+                                            else f" vs {metric_name(p.against_metric)}")
+            lines.append(f"| {p.arm} | {p.against} | {name} | {signed(p.mean)} | {p.ci_seeds_queries} | "
+                         f"{p.ci_pairs} | {p.n} |")
+        return lines
+
+    def _seeds_table(self, metrics: list[str]) -> list[str]:
+        lines = ["| arm | seed | " + " | ".join(map(metric_name, metrics))
+                 + " | generator tokens/query | executor tokens/query | training s | evaluation run |",
+                 "|" + "---|" * (len(metrics) + 6)]
+        lines += [f"| {p.arm} | {p.seed} | " + " | ".join(num(getattr(p, m)) for m in metrics)
+                  + f" | {num(p.gen_tokens_per_query, 0)} | {num(p.exec_tokens_per_query, 0)} | "
+                  f"{num(p.train_wall_s, 0)} | {p.eval_run_id} |" for p in self.per_seed]
+        return lines
+
+    def _sweep_table(self) -> list[str]:
+        if not self.lr_sweep:
+            return []
+        lines = ["", "| method | lr | dev Mean@L | dev Best@L | run | chosen |", "|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {r.lr:g} | {num(r.mean_at_l)} | {num(r.best_at_l)} | {r.run_id} | "
+                  f"{'yes' if r.lr == s.chosen else ''} |" for name, s in self.lr_sweep.items() for r in s.runs]
+        return lines
