@@ -385,16 +385,16 @@ def _named(values: list[str], what: str) -> dict[str, str]:
 
 @bench_app.command("crn")
 def bench_crn(
-    store: Annotated[str, typer.Option("--store", help="Store holding the arms' evaluation runs.")],
     arms: Annotated[list[str], typer.Option("--arm", help="NAME=RUN_ID: an evaluation run (repeatable).")],
     pairs: Annotated[list[str], typer.Option("--pair", help="A-B: a paired difference of two arms (repeatable).")],
     out: Annotated[Path, typer.Option(help="Scratch store of the re-scored copies, and crn.json.")],
     queries: Annotated[int | None, typer.Option(min=1, help="The first N queries every arm has (default all).")]
     = None,
+    store: StoreOpt = None,
     sets: SetOpt = None,
 ) -> None:
-    """Re-score stored evaluation runs' workflows without and with common random numbers (the same calls: the same
-    budget) and print each pair's interval half-width both ways."""
+    """Re-score stored evaluation runs' workflows (the arms, in --store) without and with common random numbers (the
+    same calls: the same budget) and print each pair's interval half-width both ways."""
     from pipeline.perf.crn import run_crn_bench
     from pipeline.studies.formatting import num
 
@@ -405,7 +405,7 @@ def bench_crn(
     if any(len(p) != 2 for p in split):
         raise typer.BadParameter(f"--pair: expected A-B, got {pairs}")
     try:
-        result = run_crn_bench(store, named, split, out, queries, sets or [])
+        result = run_crn_bench(store or "data/runs", named, split, out, queries, sets or [])
     except ConfigError as e:
         _fail(str(e))
     for w in result["widths"]:
