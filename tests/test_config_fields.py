@@ -114,15 +114,17 @@ def test_budget_slack_sets_which_reference_is_at_the_budget():
     one on the choosing split spends 120, so it is at the budget with slack 0.25 and not with 0.1 (then the runner-up
     at 90 is)."""
     from pipeline.studies.experiment import best_fixed
+    from pipeline.studies.summaries import ReferenceArm
 
     def ref(label, mean, tokens):
-        return {"label": label, "eval_run_id": label, "queries": 4, "mean_at_l": mean, "best_at_l": mean,
-                "pending": 0, "exec_tokens_per_query": tokens}
+        return ReferenceArm.from_dict({"method": label, "label": label, "eval_run_id": label, "queries": 4,
+                                       "mean_at_l": mean,
+                                       "best_at_l": mean, "pending": 0, "exec_tokens_per_query": tokens})
 
     refs = [ref("a", 0.8, 120.0), ref("b", 0.6, 90.0)]
     for slack, same in ((0.25, "a"), (0.1, "b")):
         s = _cfg(experiment={"budget_slack": slack}).experiment.budget_slack
-        assert best_fixed(refs, refs, 100.0, s)["same_budget"] == same
+        assert best_fixed(refs, refs, 100.0, s).same_budget == same
 
 
 def test_ci_level_sets_the_intervals_level():
@@ -135,7 +137,7 @@ def test_ci_level_sets_the_intervals_level():
     out = {}
     for level in (0.5, 0.95):
         cfg = _cfg(experiment={"ci_level": level, "bootstrap": 500, "eval_rounds": "last"}, rounds=1)
-        (row,) = [r for r in curve(cfg, [0, 1], per_query) if r["metric"] == "mean_at_l"]
+        (row,) = [r for r in curve(cfg, [0, 1], per_query) if r.metric == "mean_at_l"]
         out[level] = row
-        assert row["level"] == level
-    assert out[0.5]["hi"] - out[0.5]["lo"] < out[0.95]["hi"] - out[0.95]["lo"]
+        assert row.level == level
+    assert out[0.5].hi - out[0.5].lo < out[0.95].hi - out[0.95].lo
