@@ -4,7 +4,6 @@ child) under the real watchdog; the kill -9 test runs once more with vLLM servin
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import os
@@ -236,41 +235,6 @@ def test_kill_9_of_a_stage_child_takes_its_server_with_it(tmp_path, engine):
     finally:
         if child.poll() is None:
             child.kill()
-
-
-def test_the_session_vllm_server_is_reused_by_a_served_executor(tmp_path, vllm_server):
-    """A served executor whose port is the session server's, same model name: used as it is, left running."""
-    port = int(vllm_server.rsplit(":", 1)[1].split("/")[0])
-    cfg = load_config(served_config(tmp_path, f"{{port: {port}}}"), ["executor.model=smol"])
-    with serving(cfg, ["executor"], tmp_path / "logs") as served:
-        assert served.executor.base_url == vllm_server
-    assert "smol" in servers.served_models(vllm_server[: -len("/v1")])
-
-
-def test_seeded_samples_beside_long_prompts_leave_the_cpu_server_alive(vllm_server):
-    """Common random numbers send a seed with every sampled executor call. With chunked prefill, vLLM discards the
-    token sampled after a partial prefill and rewinds the request's generator (`set_offset`), which a CPU generator
-    cannot: the engine died ("CPU Generator does not use offset") and every call after it failed. 12 prompts of
-    ~650 tokens at once overflow a 2048-token step, so chunking would split one; all 12 must answer."""
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=vllm_server, api_key="EMPTY", max_retries=0, timeout=600)
-    filler = " ".join(f"item{i}" for i in range(180))  # ~620 tokens
-
-    async def one(i: int) -> str:
-        r = await client.chat.completions.create(
-            model="smol", messages=[{"role": "user", "content": f"List {i}: {filler}. Name the first item."}],
-            temperature=1.0, max_tokens=4, seed=1000 + i)
-        return r.choices[0].message.content
-
-    async def go():
-        try:
-            return await asyncio.gather(*(one(i) for i in range(12)))
-        finally:
-            await client.close()
-
-    assert len(asyncio.run(go())) == 12
-    assert "smol" in servers.served_models(vllm_server[: -len("/v1")])  # the engine is still up
 
 
 # ---- one executor server for the stages of a command -----------------------------------------------------------

@@ -6,6 +6,8 @@ Skips cleanly where `import vllm` fails or SKIP_VLLM=1. One offline engine and o
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from conftest import vllm_or_skip
@@ -17,11 +19,15 @@ except pytest.skip.Exception as e:
 import vllm  # noqa: E402
 from test_generation import MODEL, QUESTIONS, chat_prompts, make_adapter, teacher_forced
 from test_rollout import TinyBench, make_ctx
+from test_servers import served_config
 
 import pipeline.stages.rollout as rollout
-from pipeline.config import GeneratorConfig
+from pipeline.config import ExecutorConfig, GeneratorConfig, PriceConfig, load_config
+from pipeline.engines import servers
+from pipeline.engines.executors import OpenAIExecutor
 from pipeline.engines.generation import GenerationError, Sampling, make_generator
 from pipeline.engines.generation.vllm_offline import VLLMGenerator, cpu_defaults, engine_kwargs
+from pipeline.engines.servers import serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 TOL = 1e-3  # fp32 on both sides
@@ -249,3 +255,68 @@ def test_a_server_dying_mid_rollout_hands_its_prompts_over(server, second_server
         assert [ep.url for ep in gen.endpoints if ep.failed] == [url2]
     assert [len(row) for row in rows] == [1] * 4 and all(row[0].token_ids for row in rows)
     assert f"generator endpoint {url2} failed" in caplog.text
+
+
+# ---- the session's server (conftest.vllm_server) seen from the executor and the server manager: in this file, so
+# one xdist worker starts it once for the suite ---------------------------------------------------------------------
+
+
+def test_openai_executor_against_vllm(vllm_server, shared_sandbox):
+    from pipeline.engines.sandbox import Limits, run_workflow
+
+    cfg = ExecutorConfig(kind="openai", model="smol", base_url=vllm_server, max_tokens=16, timeout_s=120,
+                         concurrency=2, prices=PriceConfig(input_per_mtok=1.0, output_per_mtok=2.0))
+    ex = OpenAIExecutor(cfg)
+    code = ("import asyncio\nasync def solve(problem):\n"
+            "    outs = await asyncio.gather(*(llm(problem, role='You are terse.') for _ in range(3)))\n"
+            "    more = await llm(problem, n=2)\n"
+            "    return '|'.join([o[0] for o in outs] + more)\n")
+
+    async def go():
+        try:
+            return await run_workflow(code, "What is the capital of France?", executor=ex,
+                                      limits=Limits(timeout_s=300, max_llm_calls=4), sandbox=shared_sandbox)
+        finally:
+            await ex.aclose()
+    r = asyncio.run(go())
+    assert r.status == "ok", r.error
+    texts = r.answer.split("|")
+    assert len(texts) == 5 and texts[0] == texts[1] == texts[2] != ""  # temperature 0: greedy
+    assert texts[3] == texts[4]  # n=2 at temperature 0
+    assert r.llm_calls == 4 and r.tokens_in > 20 and 0 < r.tokens_out <= 4 * 16 + 16
+    assert r.cost_usd == pytest.approx((r.tokens_in * 1.0 + r.tokens_out * 2.0) / 1e6)
+
+
+def test_the_session_vllm_server_is_reused_by_a_served_executor(tmp_path, vllm_server):
+    """A served executor whose port is the session server's, same model name: used as it is, left running."""
+    port = int(vllm_server.rsplit(":", 1)[1].split("/")[0])
+    cfg = load_config(served_config(tmp_path, f"{{port: {port}}}"), ["executor.model=smol"])
+    with serving(cfg, ["executor"], tmp_path / "logs") as served:
+        assert served.executor.base_url == vllm_server
+    assert "smol" in servers.served_models(vllm_server[: -len("/v1")])
+
+
+def test_seeded_samples_beside_long_prompts_leave_the_cpu_server_alive(vllm_server):
+    """Common random numbers send a seed with every sampled executor call. With chunked prefill, vLLM discards the
+    token sampled after a partial prefill and rewinds the request's generator (`set_offset`), which a CPU generator
+    cannot: the engine died ("CPU Generator does not use offset") and every call after it failed. 12 prompts of
+    ~650 tokens at once overflow a 2048-token step, so chunking would split one; all 12 must answer."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=vllm_server, api_key="EMPTY", max_retries=0, timeout=600)
+    filler = " ".join(f"item{i}" for i in range(180))  # ~620 tokens
+
+    async def one(i: int) -> str:
+        r = await client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": f"List {i}: {filler}. Name the first item."}],
+            temperature=1.0, max_tokens=4, seed=1000 + i)
+        return r.choices[0].message.content
+
+    async def go():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(12)))
+        finally:
+            await client.close()
+
+    assert len(asyncio.run(go())) == 12
+    assert "smol" in servers.served_models(vllm_server[: -len("/v1")])  # the engine is still up
