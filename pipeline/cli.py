@@ -396,7 +396,6 @@ def bench_crn(
     """Re-score stored evaluation runs' workflows (the arms, in --store) without and with common random numbers (the
     same calls: the same budget) and print each pair's interval half-width both ways."""
     from pipeline.perf.crn import run_crn_bench
-    from pipeline.studies.formatting import num
 
     named = _named(arms, "--arm")
     if bad := [n for n in named if "-" in n]:
@@ -408,14 +407,8 @@ def bench_crn(
         result = run_crn_bench(store or "data/runs", named, split, out, queries, sets or [])
     except ConfigError as e:
         _fail(str(e))
-    for w in result["widths"]:
-        typer.echo(f"{w['mode']:>7} CRN  {w['pair']}: {num(w['mean'])} [{num(w['lo'])}, {num(w['hi'])}], "
-                   f"half-width {num(w['half_width'])}")
-    for pair, r in result["ratios"].items():
-        typer.echo(f"{pair}: half-width with / without CRN {num(r, 2)}")
-    for c in result["costs"]:
-        typer.echo(f"{c['mode']:>7} CRN  executor tokens computed {c['computed_tokens']} of {c['used_tokens']} used, "
-                   f"wall {c['wall_s']} s")
+    for line in result.lines():
+        typer.echo(line)
     typer.echo(f"written: {out / 'crn.json'}")
 
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.config import ConfigError
-from pipeline.perf.crn import PairWidth, common_queries, copy_arm, pair_width, ratio
+from pipeline.perf.crn import CrnResult, ModeCost, PairWidth, common_queries, copy_arm, pair_width, ratio
 from pipeline.run import open_run
 from pipeline.store import Store
 
@@ -60,6 +60,12 @@ def test_widths_and_ratio_by_hand():
     widths = [w, PairWidth("a - b", "with", 0.5, 0.25, 0.75)]
     assert ratio(widths, "a - b") == 0.5
     assert ratio([PairWidth("x - y", "without", 0, 0, 0), PairWidth("x - y", "with", 0, 0, 0)], "x - y") is None
+    r = CrnResult("s", {"a": "ra", "b": "rb"}, 2, [], widths, [ModeCost("with", 1.5, 300, 900)])
+    assert r.to_dict()["ratios"] == {"a - b": 0.5} and r.to_dict()["widths"][1]["half_width"] == 0.25
+    assert r.lines() == ["without CRN  a - b: 0.500 [0.000, 1.000], half-width 0.500",
+                         "   with CRN  a - b: 0.500 [0.250, 0.750], half-width 0.250",
+                         "a - b: half-width with / without CRN 0.50",
+                         "   with CRN  executor tokens computed 300 of 900 used, wall 1.5 s"]
 
 
 def test_the_command_refuses_bad_arms_and_pairs(tmp_path):

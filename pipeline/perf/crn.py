@@ -31,6 +31,7 @@ from pipeline.run import open_run
 from pipeline.stages.runner import run_stage
 from pipeline.store import Store
 from pipeline.studies.evaluate import eval_summary
+from pipeline.studies.formatting import num, round_s
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,37 @@ class ModeCost:
     wall_s: float
     computed_tokens: int  # executor tokens in + out actually computed (cache hits cost none)
     used_tokens: int  # executor tokens in + out the workflows used (what budgets compare: equal in both modes)
+
+
+@dataclass(frozen=True)
+class CrnResult:
+    """What the bench measured: each pair's interval per mode, the half-width ratios, each mode's cost."""
+
+    source: str
+    arms: dict[str, str]
+    queries: int
+    sets: list[str]
+    widths: list[PairWidth]
+    costs: list[ModeCost]
+
+    @property
+    def ratios(self) -> dict[str, float | None]:
+        """Half-width with CRN / without, per pair (None where the one without is 0)."""
+        return {p: ratio(self.widths, p) for p in dict.fromkeys(w.pair for w in self.widths)}
+
+    def to_dict(self) -> dict:
+        """As crn.json holds it."""
+        return {"source": self.source, "arms": self.arms, "queries": self.queries, "sets": self.sets,
+                "widths": [asdict(w) | {"half_width": w.half_width} for w in self.widths],
+                "ratios": self.ratios, "costs": [asdict(c) for c in self.costs]}
+
+    def lines(self) -> list[str]:
+        """What `pipeline bench crn` prints."""
+        return ([f"{w.mode:>7} CRN  {w.pair}: {num(w.mean)} [{num(w.lo)}, {num(w.hi)}], half-width "
+                 f"{num(w.half_width)}" for w in self.widths]
+                + [f"{pair}: half-width with / without CRN {num(r, 2)}" for pair, r in self.ratios.items()]
+                + [f"{c.mode:>7} CRN  executor tokens computed {c.computed_tokens} of {c.used_tokens} used, wall "
+                   f"{c.wall_s} s" for c in self.costs])
 
 
 def common_queries(src: Store, arms: dict[str, str], limit: int | None) -> list[str]:
@@ -91,7 +123,7 @@ def mode_cost(store: Store, mode: str, run_ids: list[str], wall_s: float) -> Mod
     row = store.sql("SELECT sum(coalesce(computed_tokens_in, tokens_in) + coalesce(computed_tokens_out, tokens_out)) "
                     "AS computed, sum(tokens_in + tokens_out) AS used FROM latest_scores "
                     f"WHERE round = 0 AND run_id IN ({ids})").row(0)
-    return ModeCost(mode, round(wall_s, 1), int(row[0] or 0), int(row[1] or 0))
+    return ModeCost(mode, round_s(wall_s), int(row[0] or 0), int(row[1] or 0))
 
 
 def pair_width(per_query: dict[str, dict[str, float]], a: str, b: str, mode: str) -> PairWidth:
@@ -101,7 +133,7 @@ def pair_width(per_query: dict[str, dict[str, float]], a: str, b: str, mode: str
 
 
 def run_crn_bench(src_root: str | Path, arms: dict[str, str], pairs: list[tuple[str, str]], out: str | Path,
-                  queries: int | None = None, sets: list[str] | None = None) -> dict:
+                  queries: int | None = None, sets: list[str] | None = None) -> CrnResult:
     """The bench (module docstring); returns and writes `<out>/crn.json`. `sets`: overrides for every scoring of
     both modes (e.g. `executor.serve.dtype=auto` for runs frozen with bf16 on a CPU where it is slow)."""
     for a, b in pairs:
@@ -125,12 +157,9 @@ def run_crn_bench(src_root: str | Path, arms: dict[str, str], pairs: list[tuple[
         per_query = {name: {q["query_id"]: q["mean_at_l"] for q in eval_summary(dst, rid)["per_query"]}
                      for name, rid in arms.items()}
         widths += [pair_width(per_query, a, b, mode) for a, b in pairs]
-    result = {"source": str(src_root), "arms": arms, "queries": len(shared), "sets": sets or [],
-              "widths": [asdict(w) | {"half_width": w.half_width} for w in widths],
-              "ratios": {p: ratio(widths, p) for p in {w.pair for w in widths}},
-              "costs": [asdict(c) for c in costs]}
+    result = CrnResult(str(src_root), arms, len(shared), list(sets or []), widths, costs)
     Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "crn.json").write_text(json.dumps(result, indent=2))
+    (Path(out) / "crn.json").write_text(json.dumps(result.to_dict(), indent=2))
     return result
 
 
