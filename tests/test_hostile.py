@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import uuid
 from pathlib import Path
@@ -208,6 +209,15 @@ def test_killing_its_parent(sandbox):
     # kill(-1) reaches only processes of its own uid (not itself): the neighbour and the zygote live on
     r = run_next_to_benign(sandbox, "import os, signal\nasync def solve(problem):\n    os.kill(-1, signal.SIGKILL)\n")
     assert r.status == "exec_error" and "returned None" in r.error
+
+
+def test_a_run_dies_with_its_zygote(sandbox):
+    # the parent-death signal must survive the uid drop (a uid change clears one set before it), or a run
+    # forked just before its zygote left would outlive it
+    code = ("import ctypes, signal\nasync def solve(problem):\n    v = ctypes.c_int(-1)\n"
+            "    ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0)\n    return str(v.value)\n")  # PR_GET_PDEATHSIG
+    r = asyncio.run(run_workflow(code, "x", limits=LIMITS, sandbox=sandbox))
+    assert r.status == "ok" and r.answer == str(int(signal.SIGKILL)), r
 
 
 def test_recursion_bombs(sandbox):

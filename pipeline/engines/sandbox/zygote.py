@@ -142,12 +142,13 @@ class Zygote:
         status = socket.socket(fileno=status_fd)
         uid = int(req["uid"]) if self.privileged else os.getuid()
         workdir = self._workdir(uid, int(req["limits"]["disk_mb"]))
+        zygote = os.getpid()
         pid = os.fork()
         if pid == 0:  # child: never returns
             try:
                 self.ctl.close()
                 status.close()
-                _child_setup(uid, workdir, req["limits"], self.privileged)
+                _child_setup(uid, workdir, req["limits"], self.privileged, zygote)
                 child.main(run_fd, req.get("mode", "workflow"))
             finally:
                 os._exit(70)
@@ -253,6 +254,10 @@ class Zygote:
 
     def kill_all(self) -> None:
         for pid, run in list(self.runs.items()):
+            # the pid itself too: a run forked just before the parent left may not have its own group or
+            # uid yet, so neither the group kill nor the uid sweep would reach it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
             _kill_group(pid)
             self.sweep(run, pid)
             self._cleanup_workdir(run["workdir"])
@@ -370,13 +375,12 @@ def _send(sock: socket.socket, msg: dict) -> None:
     sock.send(json.dumps(msg).encode())
 
 
-def _child_setup(uid: int, workdir: str, limits: dict, privileged: bool) -> None:
+def _child_setup(uid: int, workdir: str, limits: dict, privileged: bool, zygote: int) -> None:
     """In the forked child, before any untrusted code: session, signals, limits, identity, env."""
     os.setsid()
     signal.set_wakeup_fd(-1)
     for s in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(s, signal.SIG_DFL)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries cannot regain privileges
     cpu = int(limits["cpu_s"])
     mb = 1024 * 1024
@@ -392,6 +396,11 @@ def _child_setup(uid: int, workdir: str, limits: dict, privileged: bool) -> None
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+    # after the uid change, which clears a parent-death signal set before it (prctl(2)); and a zygote
+    # that left before this line would never send it, hence the parent check
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != zygote:
+        os._exit(70)
     os.chdir(workdir)
     os.environ.clear()
     os.environ.update({"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
