@@ -21,6 +21,7 @@ from pipeline.engines.executors import (
     LocalExecutor,
     OpenAIExecutor,
     RetryAfterWait,
+    SequenceWindow,
     cost_usd,
     make_executor,
     parse_retry_after,
@@ -269,6 +270,95 @@ def test_a_request_for_n_samples_takes_n_of_the_concurrency_slots():
         assert gauge.max == 2  # two requests of 2 fill the 4 slots; a third never joins them
     finally:
         server.close()
+
+
+def test_the_sequence_window_halves_once_per_epoch_and_widens_by_one_per_window():
+    async def go():
+        w = SequenceWindow(32)
+        epochs = [await w.acquire(4) for _ in range(8)]  # 32 sequences in flight, all in epoch 0
+        assert epochs == [0] * 8 and w.used == 32
+        await w.release(4, 0, timed_out=True)  # the first timeout of epoch 0: 32 -> 16
+        assert (w.limit, w.epoch) == (16, 1)
+        await w.release(4, 0, timed_out=True)  # the same wave's timeout: no second halving
+        assert (w.limit, w.epoch) == (16, 1)
+        for _ in range(6):  # 24 sequences finish: the window widens by one per 16 (16 -> 17, then 8 counted)
+            await w.release(4, 0, timed_out=False)
+        assert (w.limit, w.used) == (17, 0)
+        assert await w.acquire(17) == 1 and w.used == 17  # a call started now is in epoch 1
+        late = asyncio.ensure_future(w.acquire(1))  # the window is full: it waits
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not late.done()
+        await w.release(17, 1, timed_out=True)  # a timeout of the current epoch halves again: 17 -> 8
+        assert await late == 2 and w.limit == 8
+        await w.release(1, 2, timed_out=False)
+        assert await w.acquire(20) == 2  # larger than the window: runs alone once nothing is in flight
+        assert w.used == 20
+    asyncio.run(go())
+
+
+class _CongestedServer:
+    """A stand-in openai client: a request times out when more than `capacity` sequences were in flight at any
+    time of its life (each lives a fixed number of event-loop turns: the outcome does not depend on the clock)."""
+
+    def __init__(self, capacity: int):
+        import httpx
+        import openai
+
+        self.capacity, self.live, self.calls = capacity, [], 0
+        self.base_url = "http://congested/v1"
+        self.error = openai.APITimeoutError(request=httpx.Request("POST", self.base_url))
+        self.chat = type("Chat", (), {"completions": type("C", (), {"create": self.create})()})()
+
+    async def create(self, model, messages, temperature, n, max_tokens, **kw):
+        from types import SimpleNamespace
+
+        self.calls += 1
+        me = {"n": n, "max": 0}
+        self.live.append(me)
+        for _ in range(20):
+            now = sum(r["n"] for r in self.live)
+            for r in self.live:
+                r["max"] = max(r["max"], now)
+            await asyncio.sleep(0)
+        self.live.remove(me)
+        if me["max"] > self.capacity:
+            raise self.error
+        choice = SimpleNamespace(message=SimpleNamespace(content="ok"), finish_reason="stop")
+        return SimpleNamespace(choices=[choice] * n, usage=SimpleNamespace(prompt_tokens=1, completion_tokens=1))
+
+    async def close(self):
+        pass
+
+
+def test_calls_that_time_out_together_narrow_the_window_until_they_fit(monkeypatch):
+    """32 calls on a server that serves 8 sequences in time: with a fixed window of 32 every attempt of every call
+    times out (the livelock of docs/learning.md); the window halves on each wave (32 -> 16 -> 8 ...) and all
+    finish."""
+    def run() -> tuple[list, OpenAIExecutor, _CongestedServer]:
+        ex = executor("http://congested/v1", concurrency=32, max_retries=3)
+        fake = _CongestedServer(capacity=8)
+        ex.clients = [fake]
+
+        async def go():
+            return await asyncio.gather(*(ex.complete(MSG) for _ in range(32)), return_exceptions=True)
+        return asyncio.run(go()), ex, fake
+
+    replies, ex, fake = run()
+    assert [r.texts for r in replies] == [["ok"]] * 32
+    assert ex._window.epoch >= 2  # at least two halvings: 32 sequences of one wave, then 16, then at most 8
+    assert ex._window.limit <= 8  # it ends within what the server serves in time
+    assert 32 + 16 <= fake.calls < 32 * 4  # waves 1 and 2 timed out whole; far fewer than every attempt
+
+    monkeypatch.setattr(SequenceWindow, "release", _fixed_release)  # the premise: a fixed window never finishes
+    replies, _, fake = run()
+    assert all(isinstance(r, ExecutorError) for r in replies) and fake.calls == 32 * 4
+
+
+async def _fixed_release(self, k, epoch, timed_out):
+    self.used -= k
+    async with self._cond:
+        self._cond.notify_all()
 
 
 def test_backoff_and_retry_after_parsing(monkeypatch):

@@ -21,6 +21,7 @@ import email.utils
 import hashlib
 import itertools
 import json
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +31,7 @@ from typing import Any
 from pipeline.config import ExecutorConfig, PriceConfig, server_urls
 
 MAX_RETRY_AFTER_S = 120.0
+log = logging.getLogger(__name__)
 
 
 class ExecutorError(RuntimeError):
@@ -142,6 +144,50 @@ def retryable(e: BaseException) -> bool:
     return isinstance(e, openai.APIConnectionError | openai.APIResponseValidationError | TimeoutError | ValueError)
 
 
+def _is_timeout(e: BaseException) -> bool:
+    import openai
+
+    return isinstance(e, TimeoutError | openai.APITimeoutError)
+
+
+class SequenceWindow:
+    """How many sequences may be in flight on the executor servers: at most `cap` (executor.concurrency), halved
+    when a call times out, widened by one per window of calls that finish (additive increase, multiplicative
+    decrease, as TCP's congestion window). A fixed window livelocked a 2-core server: 32 sampled sequences shared
+    ~40 tokens/s, so a 384-token reply outlasted the 240 s call timeout, was aborted, retried, and outlasted it
+    again (docs/learning.md). Only a call that started in the current epoch halves the window: the calls that
+    all started together and time out together count as one signal, not 32. Callers take their slots in arrival
+    order; a call larger than the window runs once nothing else is in flight."""
+
+    def __init__(self, cap: int):
+        self.cap = self.limit = cap
+        self.used = self.epoch = self._done = 0
+        self._cond: asyncio.Condition | None = None
+        self._queue: asyncio.Lock | None = None
+
+    async def acquire(self, k: int) -> int:
+        """Wait for `k` slots; returns the epoch the call starts in."""
+        if self._cond is None:  # bound to the running loop at first use
+            self._cond, self._queue = asyncio.Condition(), asyncio.Lock()
+        async with self._queue, self._cond:
+            await self._cond.wait_for(lambda: self.used == 0 or self.used + k <= self.limit)
+            self.used += k
+            return self.epoch
+
+    async def release(self, k: int, epoch: int, timed_out: bool) -> None:
+        self.used -= k
+        if timed_out and epoch == self.epoch:
+            self.limit, self.epoch, self._done = max(1, self.limit // 2), self.epoch + 1, 0
+            log.warning("an executor call timed out: at most %d sequences in flight from now (executor.concurrency "
+                        "%d; widened again as calls finish)", self.limit, self.cap)
+        elif not timed_out and self.limit < self.cap:
+            self._done += k
+            if self._done >= self.limit:
+                self.limit, self._done = self.limit + 1, 0
+        async with self._cond:  # the counts above are already right if this wait is cancelled
+            self._cond.notify_all()
+
+
 class Executor:
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
                        max_tokens: int | None = None, seed: int | None = None) -> ExecutorReply:
@@ -168,8 +214,7 @@ class OpenAIExecutor(Executor):
         self.clients = [openai.AsyncOpenAI(base_url=u, api_key=key, max_retries=0, timeout=cfg.timeout_s)
                         for u in urls]
         self._next = itertools.cycle(range(len(urls)))
-        self._sem: asyncio.Semaphore | None = None
-        self._taking: asyncio.Lock | None = None
+        self._window: SequenceWindow | None = None
 
     async def _once(self, messages: list[dict], temperature: float, n: int, asked: int,
                     max_tokens: int | None, seed: int | None) -> ExecutorReply:
@@ -198,27 +243,28 @@ class OpenAIExecutor(Executor):
 
     @contextlib.asynccontextmanager
     async def _slots(self, n: int):
-        """Hold one of `executor.concurrency` slots per sequence the server will decode: a request for n samples is
+        """Hold one slot of the sequence window per sequence the server will decode: a request for n samples is
         n sequences on the server, and counting it as one let 32 CoT-SC calls (n = 5) put 160 sequences in flight,
-        each so slow that it met the call timeout, was retried, and met it again. One caller takes its slots at a
-        time (`_taking`), so two large requests never each hold half of what both need."""
+        each so slow that it met the call timeout, was retried, and met it again. A call that times out narrows
+        the window (`SequenceWindow`)."""
+        if self._window is None:
+            self._window = SequenceWindow(self.cfg.concurrency)
         k = min(n, self.cfg.concurrency)
-        async with self._taking:
-            for _ in range(k):
-                await self._sem.acquire()
+        epoch = await self._window.acquire(k)
+        timed_out = False
         try:
             yield
+        except Exception as e:
+            timed_out = _is_timeout(e)
+            raise
         finally:
-            for _ in range(k):
-                self._sem.release()
+            await self._window.release(k, epoch, timed_out)
 
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
                        max_tokens: int | None = None, seed: int | None = None) -> ExecutorReply:
         import tenacity
 
         cfg = self.cfg
-        if self._sem is None:
-            self._sem, self._taking = asyncio.Semaphore(cfg.concurrency), asyncio.Lock()
         temperature = cfg.temperature if temperature is None else temperature
         # Greedy answers are identical: ask once (vLLM refuses n > 1 at temperature 0) and repeat.
         asked = 1 if temperature == 0 else n
