@@ -208,8 +208,9 @@ class ExecutorConfig(_Strict):
     temperature: float = Field(0.0, ge=0, description="Executor sampling temperature (paper: 0).")
     max_tokens: int = Field(256, gt=0, description="Completion cap per executor call.")
     concurrency: int = Field(
-        32, gt=0, description="Executor sequences in flight at once, a request for n samples counting n (32: the "
-        "most tokens/s a vLLM CPU server gave here, `pipeline bench executor`, docs/performance.md).",
+        32, gt=0, description="Most executor sequences in flight at once, a request for n samples counting n (32: "
+        "the most tokens/s a vLLM CPU server gave here, `pipeline bench executor`, docs/performance.md); halved "
+        "while calls time out, widened again as they finish.",
     )
     max_retries: int = Field(4, ge=0, description="Retries on 429/5xx/timeouts/connection errors.")
     timeout_s: float = Field(60.0, gt=0, description="Per-call timeout in seconds.")
