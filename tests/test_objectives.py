@@ -210,7 +210,9 @@ def test_each_objective_trains_a_checkpoint_the_next_round_loads(tmp_path, tiny_
     ctx = _ctx(tmp_path, sets)
     _round(ctx, [1.0, 0.0, 0.0])
     before = _logps(ctx, None)
-    res = run_stage("train", ctx.run_id, 0, str(ctx.store.root))
+    # in this process: the train stage's own child process (isolate, the default) is test_parallel_train.py's
+    # one-process run; here it would only import torch and load the model again for each objective
+    res = run_stage("train", ctx.run_id, 0, str(ctx.store.root), isolate=False)
     assert res.counts["objective"] == objective and res.counts["sequences"] > 0
     ckpt = ctx.store.checkpoint_dir(ctx.run_id, 0)
     assert adapter_complete(ckpt)

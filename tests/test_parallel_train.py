@@ -134,9 +134,10 @@ def test_kill_one_rank_fails_the_stage_and_the_retry_resumes(tmp_path, tiny_mode
     from pipeline.stages.progress import progress_path
     from pipeline.stages.runner import StageError, run_stage
 
-    # 120 steps, progress saved after every 10th: the saved progress is the test's clock, so the kill lands inside
-    # the loop on any CPU (a CPU-seconds trigger landed after the loop on a fast one)
-    ctx = _curated_round(tmp_path, tiny_model, epochs=40, extra=("training.save_steps=10",))
+    # 60 steps, progress saved after every 5th: the saved progress is the test's clock, so the kill lands inside
+    # the loop on any CPU (a CPU-seconds trigger landed after the loop on a fast one): at the first saved step at
+    # the latest, with 55 of the 60 steps (each an all-reduce both ranks wait on) still to run
+    ctx = _curated_round(tmp_path, tiny_model, epochs=20, extra=("training.save_steps=5",))
     one = _train(ctx, monkeypatch, 1)
     ctx.store.clear_manifest(ctx.run_id, 0, "train")
     saved = progress_path(ctx.store, ctx.run_id, 0)
@@ -154,13 +155,13 @@ def test_kill_one_rank_fails_the_stage_and_the_retry_resumes(tmp_path, tiny_mode
 
     t = threading.Thread(target=attempt)
     t.start()
-    # rank 0 has saved step 10's progress: both ranks are past step 10's all-reduce and 110 steps from the end
+    # rank 0 has saved step 5's progress: both ranks are past step 5's all-reduce and 55 steps from the end
     deadline, victim = time.monotonic() + 300, None
     while victim is None and time.monotonic() < deadline and t.is_alive():
         if saved.exists():
             victim = _ranks(marker).get(1)
         time.sleep(0.02)
-    assert victim is not None, "rank 1 never reached step 10"
+    assert victim is not None, "rank 1 never reached step 5"
     os.kill(victim, signal.SIGKILL)
     t.join(timeout=300)
     assert not t.is_alive() and len(failure) == 1
@@ -171,7 +172,7 @@ def test_kill_one_rank_fails_the_stage_and_the_retry_resumes(tmp_path, tiny_mode
     assert not ctx.store.checkpoint_complete(ctx.run_id, 0)  # no checkpoint, half-written or whole
     assert ctx.store.read("train_metrics", ctx.run_id, 0).height == 0
     at = torch.load(saved, weights_only=False)["next_step"]
-    assert at % 10 == 0 and 10 <= at < 120, at  # killed inside the loop
+    assert at % 5 == 0 and 5 <= at < 60, at  # killed inside the loop
     # the retry (what RetryPolicy does next) resumes at the saved step and ends with the one-process result
     two = _train(ctx, monkeypatch, 2)
     _assert_same_training(one, two)

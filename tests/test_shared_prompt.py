@@ -67,19 +67,11 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("layout", ["split", "packed"])
-def test_shared_prompt_forward_equals_one_forward_per_sequence(lora_smol, layout):
-    """fp32, the embedded model: per-token log-probs as close to the exact (float64) values as today's path (one
-    forward per sequence) is, every LoRA gradient within 1e-4 relative, with and without gradient checkpointing.
-    The bound is derived, not measured on one machine: both paths evaluate the same function in fp32 (the float64
-    test below shows the maths is the same to 1e-10), so each is off from the exact value by fp32 rounding alone,
-    whose size follows the CPU's kernels (today's path is off by ~1e-5 on average here, more on AVX2 than on AMX).
-    Two orderings of the same fp32 sums have errors of the same order, so the shared pass may be off by at most
-    ROUNDING_FACTOR times today's path's own error, mean and max, on the same machine; giving one sequence the
-    other prompt's row moves log-probs by 4.3 at most and 0.18 on average, five orders of magnitude above. The
-    prompt pass runs once per distinct prompt (2 rows for 5 sequences); the k/v LoRA gradients include the
-    completions' pull on the prompt's keys and values (detaching them was measured at 0.3 relative error). The
-    packed layout (`training.prompt_layout`: a prompt and its completions in one row) is held to the same bounds."""
+@pytest.fixture(scope="module")
+def per_sequence(lora_smol):
+    """Today's path on `lora_smol`, computed once for both layouts (the model's weights never change): per-token
+    weights `w`, the exact (float64) per-token log-probs, today's fp32 error against them (one forward per
+    sequence) and the LoRA gradients of the w-weighted log-prob sum."""
     import copy
 
     model, seqs = lora_smol
@@ -93,6 +85,26 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(lora_smol, layout
     today = torch.cat([(lp.detach().double() - ex).abs() for lp, ex in zip(want, exact, strict=True)])
     sum((lp * wi).sum() for lp, wi in zip(want, w, strict=True)).backward()
     want_g = _grads(model)
+    model.zero_grad()
+    return w, exact, today, want_g
+
+
+@pytest.mark.parametrize("layout", ["split", "packed"])
+def test_shared_prompt_forward_equals_one_forward_per_sequence(lora_smol, per_sequence, layout):
+    """fp32, the embedded model: per-token log-probs as close to the exact (float64) values as today's path (one
+    forward per sequence) is, every LoRA gradient within 1e-4 relative, with and without gradient checkpointing.
+    The bound is derived, not measured on one machine: both paths evaluate the same function in fp32 (the float64
+    test below shows the maths is the same to 1e-10), so each is off from the exact value by fp32 rounding alone,
+    whose size follows the CPU's kernels (today's path is off by ~1e-5 on average here, more on AVX2 than on AMX).
+    Two orderings of the same fp32 sums have errors of the same order, so the shared pass may be off by at most
+    ROUNDING_FACTOR times today's path's own error, mean and max, on the same machine; giving one sequence the
+    other prompt's row moves log-probs by 4.3 at most and 0.18 on average, five orders of magnitude above. The
+    prompt pass runs once per distinct prompt (2 rows for 5 sequences); the k/v LoRA gradients include the
+    completions' pull on the prompt's keys and values (detaching them was measured at 0.3 relative error). The
+    packed layout (`training.prompt_layout`: a prompt and its completions in one row) is held to the same bounds.
+    Today's path (exact values, its error, its gradients) is the module's `per_sequence`, shared by both layouts."""
+    model, seqs = lora_smol
+    w, exact, today, want_g = per_sequence
     batch = pass_batch(seqs, 0, "cpu", layout)
     if layout == "split":
         assert batch.prompt_ids.shape[0] == 2 and batch.prompt_of.tolist() == [0, 0, 0, 1, 1]
@@ -118,18 +130,27 @@ def test_shared_prompt_forward_equals_one_forward_per_sequence(lora_smol, layout
     model.get_base_model().gradient_checkpointing_disable()
 
 
-@pytest.mark.parametrize("layout", ["split", "packed"])
-def test_shared_prompt_forward_is_exact_in_float64(lora_smol, layout):
-    """The same sequences in float64: log-probs agree to 1e-10 (fp32 rounding is gone), so the shared pass computes
-    today's maths; a wrong position, mask or prompt row would be off by far more than 1e-3."""
+@pytest.fixture(scope="module")
+def base_float64(lora_smol):
+    """The base model in float64 and today's path's log-probs of `lora_smol`'s sequences under it (both layouts')."""
     from pipeline.engines.models import load_causal_lm
 
     _, seqs = lora_smol
     lm = load_causal_lm(MODEL, dtype="float32", device="cpu").double().eval()
     with torch.no_grad():
+        full = [_full_logprobs(lm, s) for s in seqs]
+    return lm, full
+
+
+@pytest.mark.parametrize("layout", ["split", "packed"])
+def test_shared_prompt_forward_is_exact_in_float64(lora_smol, base_float64, layout):
+    """The same sequences in float64: log-probs agree to 1e-10 (fp32 rounding is gone), so the shared pass computes
+    today's maths; a wrong position, mask or prompt row would be off by far more than 1e-3."""
+    _, seqs = lora_smol
+    lm, full = base_float64
+    with torch.no_grad():
         got = completion_logprobs(lm, pass_batch(seqs, 0, "cpu", layout))
-        worst = max(float((got[b, : len(s.completion_ids)] - _full_logprobs(lm, s)).abs().max())
-                    for b, s in enumerate(seqs))
+        worst = max(float((got[b, : len(s.completion_ids)] - full[b]).abs().max()) for b, s in enumerate(seqs))
     assert worst < 1e-10, worst
 
 

@@ -55,11 +55,10 @@ def test_completion_logprobs_match_full_logits():
 
 
 @pytest.fixture(scope="module")
-def samples():
-    """4 sampled completions per question, with generation-time logprobs (raw distribution)."""
-    from pipeline.engines.models import load_causal_lm, load_tokenizer
-
-    tok, lm = load_tokenizer(MODEL), load_causal_lm(MODEL, dtype="float32", device="cpu")
+def samples(smol_tokenizer, smol_lm):
+    """4 sampled completions per question, with generation-time logprobs (raw distribution), from the session's
+    embedded model (fp32, eval: what load_causal_lm(MODEL, dtype="float32") gives; sampling changes no weight)."""
+    tok, lm = smol_tokenizer, smol_lm
     torch.manual_seed(0)
     out = []
     for q, question in enumerate(QUESTIONS):
@@ -96,16 +95,8 @@ def _seed_round(ctx, samples) -> None:
                                 "status": "ok", "score": SCORES[s["slot"]]} for s in samples], ctx.run_id, ctx.round)
 
 
-def _mean_logp(adapter, samples) -> dict[str, float]:
-    """Mean per-token logprob of each sample under the base model (+ adapter)."""
-    from peft import PeftModel
-
-    from pipeline.engines.models import load_causal_lm
-
-    lm = load_causal_lm(MODEL, dtype="float32", device="cpu")
-    if adapter is not None:
-        lm = PeftModel.from_pretrained(lm, str(adapter))
-    lm.eval()
+def _mean_logp(lm, samples) -> dict[str, float]:
+    """Mean per-token logprob of each sample under `lm` (in eval mode)."""
     seqs = [TrainSequence(s["gen_id"], s["prompt_token_ids"], s["token_ids"], 0.0, None) for s in samples]
     with torch.no_grad():
         lp = completion_logprobs(lm, collate(seqs, pad_id=0))
@@ -113,20 +104,26 @@ def _mean_logp(adapter, samples) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_mechanism_curate_then_train_moves_logprobs(tmp_path, samples):
+def test_mechanism_curate_then_train_moves_logprobs(tmp_path, samples, smol_lm):
+    """One epoch of the curated round (8 kept groups of 2, 16 sequences): 4 steps of 4 sequences at lr 3e-3."""
+    from peft import PeftModel
+
+    from pipeline.engines.models import load_causal_lm
     from pipeline.stages.curate import run_curate
     from pipeline.stages.train import run_train
 
-    ctx = _open(tmp_path, ["training.lr=3e-3", "training.epochs=3", "training.lora_dropout=0.0",
+    ctx = _open(tmp_path, ["training.lr=3e-3", "training.epochs=1", "training.lora_dropout=0.0",
                            "training.micro_batch_size=4"])
     _seed_round(ctx, samples)
     cur = run_curate(ctx)
     assert cur["groups_kept"] == 8 and cur["queries_left_out"] == 0
     counts = run_train(ctx)
-    assert counts["sequences"] == 16 and counts["steps"] == 12
+    assert counts["sequences"] == 16 and counts["steps"] == 4
     # the trainer's fp32 old logprobs agree with the sampler's raw logprobs
     assert counts["logp_mismatch"] < 1e-3
-    before, after = _mean_logp(None, samples), _mean_logp(ctx.store.checkpoint_dir(ctx.run_id, 0), samples)
+    tuned = PeftModel.from_pretrained(load_causal_lm(MODEL, dtype="float32", device="cpu"),
+                                      str(ctx.store.checkpoint_dir(ctx.run_id, 0))).eval()
+    before, after = _mean_logp(smol_lm, samples), _mean_logp(tuned, samples)
     pos = [s["gen_id"] for s in samples if SCORES[s["slot"]] == 1.0]
     neg = [s["gen_id"] for s in samples if SCORES[s["slot"]] == 0.0]
     mean = lambda d, ids: float(np.mean([d[i] for i in ids]))  # noqa: E731
@@ -136,7 +133,7 @@ def test_mechanism_curate_then_train_moves_logprobs(tmp_path, samples):
     assert mean(after, neg) < mean(before, neg)
     # the store holds one metrics row per step and the checkpoint row
     m = ctx.store.read("train_metrics", ctx.run_id, 0)
-    assert sorted(m["step"].to_list()) == list(range(12))
+    assert sorted(m["step"].to_list()) == list(range(4))
     # KL(π_old‖π_θ) on π_old's samples: none before the first update, some after it (π_old is the round's start)
     kl_old = m.sort("step")["kl_old"].to_list()
     assert kl_old[0] == 0.0 and min(kl_old[1:]) > 0.0

@@ -21,6 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 def test_two_level_config_runs_a_round_of_every_stage(tmp_path):
     data = yaml.safe_load((REPO / "configs" / "two-level.yaml").read_text())
     data["store"] = {"root": str(tmp_path / "runs")}
+    # shorter samples than the demo's (every one of which runs to its cap: 48-token plans, 64-token workflows): a
+    # decode step costs the same whatever the text, and nothing below depends on what the plans or workflows say
+    # (a plan is valid when not empty; an invalid workflow is still scored, 0, curated and trained on)
+    data["rollout"]["max_plan_tokens"] = 16
+    data["generator"]["max_new_tokens"] = 32
     cfg = tmp_path / "two-level.yaml"
     cfg.write_text(yaml.safe_dump(data))
     out = run_rounds(cfg, 1, "tl", direct_call(isolate=False))
