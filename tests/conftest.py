@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import socket
 import time
@@ -103,11 +104,18 @@ def vllm_or_skip() -> None:
 
 def smol_server_spec():
     """The tests' vLLM server (pipeline.engines.servers): the embedded model as `smol` in fp32 (logprobs comparable with
-    transformers), LoRA adapters loadable at run time, a 1 GiB KV cache, a free port."""
+    transformers), LoRA adapters loadable at run time, a 1 GiB KV cache, a free port. Its engine core runs the model
+    in its own process (vLLM's uniprocess executor, as the offline engine does) instead of spawning a worker process:
+    each vLLM process imports torch and vLLM again (~20 s of CPU here), and the API the tests talk to is the same."""
     from pipeline.engines.servers import ServerSpec
 
-    return ServerSpec(EMBEDDED_MODEL, "smol", dtype="float32", max_model_len=1024, kv_cache_gb=1, lora_rank=8,
-                      extra_args=("--logprobs-mode", "processed_logprobs"), start_timeout_s=400)
+    @dataclasses.dataclass(frozen=True)
+    class InProcessWorker(ServerSpec):
+        def env(self) -> dict[str, str]:
+            return {**super().env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+    return InProcessWorker(EMBEDDED_MODEL, "smol", dtype="float32", max_model_len=1024, kv_cache_gb=1, lora_rank=8,
+                           extra_args=("--logprobs-mode", "processed_logprobs"), start_timeout_s=400)
 
 
 def launch_vllm_server(log):

@@ -401,39 +401,49 @@ def test_exemplars_switch_off_gives_round0_prompts_in_every_round(tmp_path, fake
 def test_vllm_on_cpu_samples_the_adapter_merged(tmp_path, fake, monkeypatch, smol_lm):
     """vLLM's LoRA kernels are ~8x slower than the base model on CPU: the rollout merges the round's adapter into
     a temporary copy of the base weights, starts the engine on it without LoRA, and removes it afterwards. The
-    merged model computes what base + adapter computes."""
+    merged model computes what base + adapter computes: checked on the very folder the rollout handed the engine
+    (one merge, the stage's own, instead of a second merge_adapter call made by the test)."""
+    from peft import PeftModel
     from test_generation import make_adapter
 
-    from pipeline.engines.models import load_causal_lm, merge_adapter
+    from pipeline.engines.models import load_causal_lm
 
     adapter = make_adapter(tmp_path / "lora", seed=2, scale=0.05)
-    merged = merge_adapter("embedded:smollm2-135m-instruct", adapter, tmp_path / "merged")
-    from peft import PeftModel
-
     ids = torch.tensor([[1, 450, 3290, 310, 2]])
-    peft_lm = PeftModel.from_pretrained(load_causal_lm("embedded:smollm2-135m-instruct", device="cpu"), adapter)
-    with torch.no_grad():
-        want = peft_lm(ids).logits
-        got = load_causal_lm(str(merged), device="cpu")(ids).logits
-        base = smol_lm(ids).logits
-    assert torch.allclose(got, want, atol=1e-4) and not torch.allclose(base, want, atol=1e-2)
-
     gens = fake()
     seen = {}
-    monkeypatch.setattr(rollout, "make_generator", lambda cfg, enable_lora=False, **_: (
+
+    def make(cfg, enable_lora=False, **_):
         seen.update(model=cfg.model, lora=enable_lora, exists=Path(cfg.model, "config.json").is_file())
-        or gens.append(FakeGen()) or gens[-1]))
-    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "cache"))
+        if not enable_lora:  # the merged folder exists only while the stage runs: its logits now
+            with torch.no_grad():
+                seen["logits"] = load_causal_lm(cfg.model, device="cpu")(ids).logits
+        gens.append(FakeGen())
+        return gens[-1]
+
+    monkeypatch.setattr(rollout, "make_generator", make)
     import pipeline.engines.models
 
+    # the merged copies go to a cache of this test's own; its embedded model is the real cache's, already converted
+    # (smol_lm), linked in: an empty cache would convert the GGUF again (~30 s of CPU) for the base weights
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "models").symlink_to(pipeline.engines.models.cache_dir() / "models", target_is_directory=True)
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(pipeline.engines.models, "cache_dir", lambda: tmp_path / "cache")
-    ctx = make_ctx(tmp_path / "store", generator={"backend": "vllm", "adapter": adapter, "batch_size": 2})
+    ctx = make_ctx(tmp_path / "store", generator={"backend": "vllm", "adapter": adapter, "batch_size": 2,
+                                                  "dtype": "float32"})
     run_rollout(ctx)
     assert seen["lora"] is False and seen["exists"] and seen["model"].startswith(str(tmp_path / "cache" / "merged"))
     assert all(call[2] is None for call in gens[-1].calls)  # the engine applies no adapter: it is in the weights
     assert not Path(seen["model"]).exists()  # the merged copy is gone with the stage
     df = ctx.store.read("generations", "t", 0)
     assert set(df["model"]) == {"embedded:smollm2-135m-instruct"} and adapter in df["sampling"][0]
+    peft_lm = PeftModel.from_pretrained(load_causal_lm("embedded:smollm2-135m-instruct", device="cpu"), adapter)
+    with torch.no_grad():
+        want = peft_lm(ids).logits
+        base = smol_lm(ids).logits
+    got = seen["logits"]  # the merged folder's model = base + adapter, and the adapter matters
+    assert torch.allclose(got, want, atol=1e-4) and not torch.allclose(base, want, atol=1e-2)
     # generator.merge_adapter: never: the engine loads the base weights and applies the adapter itself
     seen.clear()
     ctx = make_ctx(tmp_path / "store2", generator={"backend": "vllm", "adapter": adapter, "batch_size": 2,

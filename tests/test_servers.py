@@ -47,7 +47,9 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
 
 # A stage child (the runner's `python -m pipeline.stages` side) whose score function reports the executor URL it
-# was given, then blocks until the test kills it. FAKE_SERVER set: the fake server instead of vLLM.
+# was given, then blocks until the test kills it. FAKE_SERVER set: the fake server instead of vLLM. With vLLM, the
+# server's engine core runs the model itself instead of spawning a worker (each vLLM process imports torch and vLLM
+# again, ~20 s of CPU): the group is still the watchdog, the API server and the engine core it spawned.
 BLOCKING_STAGE = '''
 import dataclasses, os, sys, time
 from pathlib import Path
@@ -64,6 +66,9 @@ if os.environ.get("FAKE_SERVER"):
     servers.ServerSpec.command = lambda self, path, port: [sys.executable, os.environ["FAKE_SERVER"], self.name,
                                                            str(port)]
     servers.vllm_installed = lambda: True
+else:  # vLLM: its engine core runs the model in-process (as conftest's test servers do), one process fewer to import
+    env = servers.ServerSpec.env
+    servers.ServerSpec.env = lambda self: {**env(self), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 sys.exit(child_main(sys.argv[1:]))
 '''
 

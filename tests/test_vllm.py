@@ -63,6 +63,18 @@ def server(vllm_server):
     return vllm_server
 
 
+GREEDY = Sampling(n=2, temperature=0.0, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_generator, adapter):
+    """(chat_prompts, transformers' greedy completions (GREEDY) of them without and with the adapter): the reference
+    the offline engine and the server are both checked against, computed once for the module (greedy: the same
+    completions whichever test asks)."""
+    prompts = chat_prompts(hf_generator.tokenizer)
+    return prompts, {ad: hf_generator.generate(prompts, GREEDY, ad) for ad in (None, adapter)}
+
+
 def assert_same(a, b):
     """Same tokens; logprobs within TOL."""
     assert a.token_ids == b.token_ids
@@ -72,11 +84,10 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("with_adapter", [False, True])
-def test_offline_greedy_matches_transformers(vgen, hf, adapter, with_adapter):
-    prompts = chat_prompts(hf.tokenizer)
-    greedy = Sampling(n=2, temperature=0.0, max_new_tokens=24)
+def test_offline_greedy_matches_transformers(vgen, hf_greedy, adapter, with_adapter):
+    prompts, ref = hf_greedy
     ad = adapter if with_adapter else None
-    for v_row, h_row in zip(vgen.generate(prompts, greedy, ad), hf.generate(prompts, greedy, ad), strict=True):
+    for v_row, h_row in zip(vgen.generate(prompts, GREEDY, ad), ref[ad], strict=True):
         for v, h in zip(v_row, h_row, strict=True):
             assert_same(v, h)
 
@@ -115,13 +126,12 @@ def test_offline_engine_without_lora_refuses_adapters(engine, adapter):
         gen.generate(["hi"], Sampling(max_new_tokens=2), adapter)
 
 
-def test_server_loads_adapter_at_run_time(server, hf, adapter):
+def test_server_loads_adapter_at_run_time(server, hf_greedy, adapter):
     gen = make_generator(GeneratorConfig(model=MODEL, backend="openai", base_url=server))
     assert gen.is_vllm and gen.model == "smol"
-    prompts = chat_prompts(hf.tokenizer)
-    greedy = Sampling(n=2, temperature=0.0, max_new_tokens=24)
+    prompts, ref = hf_greedy
     for ad in (None, adapter):
-        for s_row, h_row in zip(gen.generate(prompts, greedy, ad), hf.generate(prompts, greedy, ad), strict=True):
+        for s_row, h_row in zip(gen.generate(prompts, GREEDY, ad), ref[ad], strict=True):
             for s, h in zip(s_row, h_row, strict=True):
                 assert not s.retokenized
                 assert_same(s, h)
