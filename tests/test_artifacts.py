@@ -17,7 +17,14 @@ from flows.ablate import ablate
 from flows.artifacts import artifact_key
 from flows.experiment import experiment
 from flows.iterate import iterate
-from pipeline.store import Store
+from pipeline.store import CATALOG, Store
+
+
+@pytest.fixture(autouse=True)
+def _no_catalog(monkeypatch):
+    """The `duckdb` CLI's catalog file, which `finish` rebuilds after every stage (tested in tests/test_store.py and
+    tests/test_cli.py), is not rebuilt: nothing here reads it (`Store.sql` makes its own views)."""
+    monkeypatch.setattr(Store, "refresh_catalog", lambda self: self.root / CATALOG)
 
 
 def artifacts_of(state) -> dict[str, object]:

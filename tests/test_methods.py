@@ -17,7 +17,7 @@ from pipeline.engines.workflow import extract_code
 from pipeline.run import open_run
 from pipeline.stages.rounds import direct_call
 from pipeline.stages.runner import RetryPolicy
-from pipeline.store import Store
+from pipeline.store import CATALOG, Store
 from pipeline.studies import methods as mm
 
 CONFIGS = ("configs/smoke.yaml", "configs/gsm-learn.yaml")
@@ -138,6 +138,9 @@ class Fakes:
         ctx.store.write("scores", rows, ctx.run_id, ctx.round)
 
     def install(self, monkeypatch):
+        # the `duckdb` CLI's catalog file, which `finish` rebuilds after every stage (tested in tests/test_store.py
+        # and tests/test_cli.py), is not rebuilt: nothing here reads it (`Store.sql` makes its own views)
+        monkeypatch.setattr(Store, "refresh_catalog", lambda self: self.root / CATALOG)
         for name, st in list(stages.STAGES.items()):
             monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(st, fn=self.make(name), isolated=False,
                                                                          checkpoint=False))

@@ -19,7 +19,7 @@ from pipeline.engines.benchmarks import load_benchmark
 from pipeline.engines.benchmarks.code import canonical_humaneval_answers
 from pipeline.stages.rounds import direct_call
 from pipeline.stages.runner import RetryPolicy, run_stage
-from pipeline.store import Store
+from pipeline.store import CATALOG, Store
 from pipeline.studies.baselines import run_baseline
 
 PROGRAMS = Path(__file__).resolve().parents[1] / "configs" / "programs"
@@ -246,7 +246,11 @@ def _experiment_config(tmp_path: Path, run_id: str, experiment: dict, rounds: in
 
 @pytest.fixture
 def fake_stages(monkeypatch) -> list:
-    """Every stage replaced by `_fake`'s, in process; returns the list of (run id, stage) calls."""
+    """Every stage replaced by `_fake`'s, in process; returns the list of (run id, stage) calls. The `duckdb` CLI's
+    catalog file, which `finish` rebuilds after every stage (a full DuckDB database written per call, tested in
+    tests/test_store.py and tests/test_cli.py), is not rebuilt: nothing here reads it (`Store.sql` makes its own
+    views)."""
+    monkeypatch.setattr(Store, "refresh_catalog", lambda self: self.root / CATALOG)
     calls: list = []
     make = _fake(calls)
     for name, st in list(stages.STAGES.items()):
@@ -320,9 +324,12 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
     assert calls == [] and again.paired_references == out.paired_references
 
     # shared_base off (the default) and no references: each seed pairs with its own base, as before. The seeds run
-    # in separate calls, seed 1 first: the second call's summary covers both, seed 1's evaluations read from the store
+    # in separate calls, seed 1 first: the second call's summary covers both, seed 1's evaluations read from the store.
+    # In a store of its own (nothing below reads y's runs): every query's views glob the whole store, so x's parts
+    # would only slow y's calls, and y's the later ones
     calls.clear()
-    ypath = _experiment_config(tmp_path, "y", {})
+    (tmp_path / "y").mkdir()
+    ypath = _experiment_config(tmp_path / "y", "y", {})
     with pytest.raises(ValueError, match=r"--only-seed \[2\]: not among the experiment's seeds \[0, 1\]"):
         run_experiment(ypath, direct_call(RetryPolicy(delay_s=0)), only_seeds=[1, 2])
     assert calls == []

@@ -239,7 +239,9 @@ def test_pipeline_run_path_scores_shards_in_threads_then_merges(tmp_path, monkey
 def test_dask_resources_keep_a_stage_on_the_workers_that_have_them(harness, cluster, tmp_path, monkeypatch):
     """PIPELINE_DASK_RESOURCES_SCORE=GPU=1 (flows/runners.py `placement`): all 4 shards of a round, submitted at once,
     run on the one worker started with `--resources GPU=1`, none on the two plain ones (which idle 1-thread workers
-    otherwise share them with)."""
+    otherwise share them with). The shards run in the worker's own process (`in_process`: placement is applied to
+    the task either way, and a shard's result names the process that ran `run_stage`, the worker), so the test
+    starts no stage child per shard; isolation and kills of shard children are the test above's."""
     import subprocess
     import sys
 
@@ -261,7 +263,7 @@ def test_dask_resources_keep_a_stage_on_the_workers_that_have_them(harness, clus
 
         @flow(task_runner=DaskTaskRunner(address=c.scheduler_address))
         def fan_out(store_root: str) -> list[dict]:
-            return submitting_call(RetryPolicy(0, 0.0)).many(
+            return submitting_call(RetryPolicy(0, 0.0), in_process=True).many(
                 [{"stage": "score", "run_id": "t", "round": 0, "store_root": store_root, "shard": (i, 4)}
                  for i in range(4)])
 

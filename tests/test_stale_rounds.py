@@ -18,7 +18,7 @@ from pipeline import stages
 from pipeline.engines.benchmarks import load_benchmark
 from pipeline.stages.rounds import direct_call, run_rounds
 from pipeline.stages.runner import RetryPolicy
-from pipeline.store import ADAPTER_FILES, Store, StoreError, round_stats
+from pipeline.store import ADAPTER_FILES, CATALOG, Store, StoreError, round_stats
 
 WEIGHTS = "adapter_model.safetensors"  # the fake checkpoint's token is this file's text
 
@@ -59,7 +59,10 @@ def make_stage(calls: list, stage: str):
 
 @pytest.fixture
 def calls(monkeypatch) -> list:
-    """Every stage faked in process (train keeps its checkpoint check); returns the (run, stage, round) calls."""
+    """Every stage faked in process (train keeps its checkpoint check); returns the (run, stage, round) calls. The
+    `duckdb` CLI's catalog file, which `finish` rebuilds after every stage (tested in tests/test_store.py and
+    tests/test_cli.py), is not rebuilt: nothing here reads it (`Store.sql` makes its own views)."""
+    monkeypatch.setattr(Store, "refresh_catalog", lambda self: self.root / CATALOG)
     made: list = []
     for name, st in list(stages.STAGES.items()):
         monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(st, fn=make_stage(made, name), isolated=False,
