@@ -307,11 +307,15 @@ def scripted_rollout(ctx) -> None:
     ctx.finish("rollout", workflows=len(rows))
 
 
-def _scripted_config(tmp_path: Path, **scoring) -> Path:
+def _scripted_config(tmp_path: Path, model: str, **scoring) -> Path:
+    """tiny_flow.yaml on 2 queries, with `model` (the tests' 2-layer `tiny_model`) as the generator (whose tokenizer
+    the scripted rows use and whose checkpoint train writes) and the local executor's model: what these tests check
+    is the flow's resume and re-score protocol, which does not depend on the model's size or replies."""
     import yaml
 
     data = yaml.safe_load((REPO / "tests" / "data" / "tiny_flow.yaml").read_text())
     data["run_id"], data["store"] = "scripted", {"root": str(tmp_path / "runs")}
+    data["generator"]["model"] = data["executor"]["model"] = model
     data["benchmark"]["max_queries"] = 2
     data["scoring"].update(scoring)
     cfg = tmp_path / "scripted.yaml"
@@ -343,9 +347,9 @@ def _score_keys(st: Store, run_id: str) -> list[tuple[str, int, int]]:
 
 
 @pytest.mark.slow
-def test_kill_9_during_scoring_then_resume_loses_and_duplicates_nothing(tmp_path):
+def test_kill_9_during_scoring_then_resume_loses_and_duplicates_nothing(tmp_path, tiny_model):
     """`pipeline run` killed with SIGKILL (whole process group) mid-scoring, then run again with the same id."""
-    cfg = _scripted_config(tmp_path, batch_size=1, concurrency=1, reps=2)  # one part per row, in order
+    cfg = _scripted_config(tmp_path, tiny_model, batch_size=1, concurrency=1, reps=2)  # one part per row, in order
     st = Store(tmp_path / "runs")
     scripted_rollout(open_run(cfg, "k"))
     gen_parts = sorted(st.parts("generations", "k", 0))
@@ -381,8 +385,8 @@ def test_kill_9_during_scoring_then_resume_loses_and_duplicates_nothing(tmp_path
 
 
 @pytest.mark.slow
-def test_executor_outage_then_rescore_then_iterate_continues_from_curation(harness, tmp_path):
-    cfg = _scripted_config(tmp_path)
+def test_executor_outage_then_rescore_then_iterate_continues_from_curation(harness, tmp_path, tiny_model):
+    cfg = _scripted_config(tmp_path, tiny_model)
     st = Store(tmp_path / "runs")
     scripted_rollout(open_run(cfg, "o"))
     down = ["executor.kind=openai", "executor.base_url=http://127.0.0.1:9/v1", "executor.max_retries=0"]
@@ -409,10 +413,17 @@ def test_executor_outage_then_rescore_then_iterate_continues_from_curation(harne
 
 
 @pytest.mark.slow
-def test_one_real_round_end_to_end(harness, tmp_path):
-    """Real stages, embedded model, child processes: one tiny round through the Prefect flow."""
+def test_one_real_round_end_to_end(harness, tmp_path, tiny_model):
+    """Real stages, child processes: one tiny round through the Prefect flow. The model is the tests' 2-layer
+    `tiny_model` (its samples are never valid workflows, as the embedded model's 64-token ones were not either); the
+    embedded model's real rollout is tests/test_rollout.py's."""
+    import yaml
+
+    data = yaml.safe_load((REPO / "tests" / "data" / "tiny_flow.yaml").read_text())
+    data["store"] = {"root": str(tmp_path / "runs")}
+    data["generator"]["model"] = data["executor"]["model"] = tiny_model
     cfg = tmp_path / "tiny.yaml"
-    cfg.write_text((REPO / "tests" / "data" / "tiny_flow.yaml").read_text() + f"store:\n  root: {tmp_path / 'runs'}\n")
+    cfg.write_text(yaml.safe_dump(data))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     out = iterate(str(cfg), rounds=1, run_id="e2e", retry_delay_s=1)
     st = Store(tmp_path / "runs")
