@@ -541,13 +541,26 @@ class TrainingConfig(_Strict):
     @field_validator("objective")
     @classmethod
     def _registered_objective(cls, v: str) -> str:
-        # imported here, not at the top: the registry imports torch, which `pipeline validate` need not load
-        from pipeline.core.objectives import OBJECTIVES
+        # The registry's module imports torch (~3 s of CPU), which every CLI and stage process that opens a config
+        # would pay, most of them for nothing: until something imports the registry (a training process; a
+        # plugin registering its own loss), its names are the ones registered in its source.
+        import sys
 
-        return registered(v, OBJECTIVES, "objective")
+        mod = sys.modules.get("pipeline.core.objectives")
+        return registered(v, mod.OBJECTIVES if mod is not None else builtin_objectives(), "objective")
 
 
-def registered(name: str, registry: dict, what: str) -> str:
+@cache
+def builtin_objectives() -> tuple[str, ...]:
+    """The names `@register_objective(...)` registers in pipeline/core/objectives.py, read from its source."""
+    import ast
+
+    tree = ast.parse((Path(__file__).parent / "core" / "objectives.py").read_text())
+    return tuple(d.args[0].value for f in tree.body if isinstance(f, ast.FunctionDef) for d in f.decorator_list
+                 if isinstance(d, ast.Call) and getattr(d.func, "id", None) == "register_objective")
+
+
+def registered(name: str, registry: dict | tuple[str, ...], what: str) -> str:
     """`name` when a registry of pure functions holds it, else a ValueError naming what is registered."""
     if name not in registry:
         raise ValueError(f"unknown {what} {name!r}; registered: {', '.join(registry)}")

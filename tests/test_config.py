@@ -222,6 +222,29 @@ def test_objective_names_come_from_the_registry(tmp_path, monkeypatch):
     assert load_config(p).training.objective == "my_loss"
 
 
+def test_a_config_validates_its_objective_without_importing_torch(tmp_path):
+    """Opening a config (every CLI and stage process does) reads the built-in objectives' names from the registry's
+    source; they are the registry's own, in its order."""
+    import subprocess
+    import sys
+
+    from pipeline.config import builtin_objectives
+    from pipeline.core.objectives import OBJECTIVES
+
+    assert builtin_objectives() == tuple(OBJECTIVES) == ("iogrpo_mkl", "grpo", "rwr", "sft_best", "score_dpo")
+    p = tmp_path / "c.yaml"
+    p.write_text("run_id: x\ntraining:\n  objective: score_dpo\n")
+    code = ("import sys; from pipeline.config import load_config, ConfigError\n"
+            f"assert load_config({str(p)!r}).training.objective == 'score_dpo'\n"
+            "try:\n    load_config(sys.argv[1])\nexcept ConfigError as e:\n    print(e)\n"
+            "print('torch' in sys.modules, 'pipeline.core.objectives' in sys.modules)\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_id: x\ntraining:\n  objective: ppo\n")
+    out = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True, check=True).stdout
+    assert "unknown objective 'ppo'; registered: iogrpo_mkl, grpo, rwr, sft_best, score_dpo" in out
+    assert out.strip().endswith("False False")
+
+
 def test_the_rollout_modes_a_config_accepts_are_the_registered_ones():
     from typing import get_args
 
