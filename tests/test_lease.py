@@ -26,18 +26,6 @@ from pipeline.store import LeaseHeld, Store
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Prepended to the scripts below: their stages are fakes that train nothing, so config validation's loss registry
-# (pipeline.core.objectives, which imports torch: ~3 s of CPU in each of these processes) is a stub naming the
-# default objective, the only one their configs use. Not in the iterate flow's process (`flow`): flows.* import the
-# registry's functions themselves.
-NO_TORCH = textwrap.dedent("""
-    import sys, types
-    if sys.argv[1:2] != ["flow"]:
-        from pipeline.config import TrainingConfig
-        sys.modules["pipeline.core.objectives"] = types.SimpleNamespace(
-            OBJECTIVES={TrainingConfig.model_fields["objective"].default: None})
-""")
-
 # The `pipeline` CLI (or the iterate flow) with fake stage functions. Each call appends its pid to CALLS; with
 # HOLD=1 it writes part of its rows, prints `inside STAGE` and blocks until the test writes to the GATE fifo.
 FAKE = textwrap.dedent("""
@@ -95,7 +83,7 @@ def setup(tmp_path):
     """A run `conc` (frozen config), the fake CLI script, a calls log and a gate fifo."""
     _new_run(tmp_path, "conc")
     script = tmp_path / "fake_cli.py"
-    script.write_text(NO_TORCH + FAKE)
+    script.write_text(FAKE)
     gate = tmp_path / "gate"
     os.mkfifo(gate)
     env = {**os.environ, "PYTHONPATH": str(REPO), "CALLS": str(tmp_path / "calls.txt"), "GATE": str(gate),
@@ -277,8 +265,8 @@ CHILD_LAUNCHER = textwrap.dedent("""
 def test_the_stage_child_shares_the_lease_and_the_kernel_frees_it_when_both_are_killed(tmp_path):
     _new_run(tmp_path, "k")
     launcher = tmp_path / "launcher.py"
-    launcher.write_text(NO_TORCH + CHILD_LAUNCHER)
-    parent_code = (NO_TORCH + "from pipeline.stages.runner import run_stage; "
+    launcher.write_text(CHILD_LAUNCHER)
+    parent_code = ("from pipeline.stages.runner import run_stage; "
                    f"run_stage('train', 'k', 0, {str(tmp_path / 'runs')!r}, isolate=True)")
     env = {**os.environ, "PYTHONPATH": str(REPO), "PIPELINE_LAUNCHER_TRAIN": f"{sys.executable} {launcher}"}
     parent = subprocess.Popen([sys.executable, "-c", parent_code], env=env, stdout=subprocess.PIPE, text=True,
