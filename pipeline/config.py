@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any, ForwardRef, Literal, get_args
@@ -544,8 +545,6 @@ class TrainingConfig(_Strict):
         # The registry's module imports torch (~3 s of CPU), which every CLI and stage process that opens a config
         # would pay, most of them for nothing: until something imports the registry (a training process; a
         # plugin registering its own loss), its names are the ones registered in its source.
-        import sys
-
         mod = sys.modules.get("pipeline.core.objectives")
         return registered(v, mod.OBJECTIVES if mod is not None else builtin_objectives(), "objective")
 

@@ -307,15 +307,25 @@ def scripted_rollout(ctx) -> None:
     ctx.finish("rollout", workflows=len(rows))
 
 
-def _scripted_config(tmp_path: Path, model: str, **scoring) -> Path:
-    """tiny_flow.yaml on 2 queries, with `model` (the tests' 2-layer `tiny_model`) as the generator (whose tokenizer
-    the scripted rows use and whose checkpoint train writes) and the local executor's model: what these tests check
-    is the flow's resume and re-score protocol, which does not depend on the model's size or replies."""
+def _tiny_flow(tmp_path: Path, model: str) -> dict:
+    """tests/data/tiny_flow.yaml in a store under `tmp_path`, with `model` (the tests' 2-layer `tiny_model`) as the
+    generator and the local executor's model."""
     import yaml
 
     data = yaml.safe_load((REPO / "tests" / "data" / "tiny_flow.yaml").read_text())
-    data["run_id"], data["store"] = "scripted", {"root": str(tmp_path / "runs")}
+    data["store"] = {"root": str(tmp_path / "runs")}
     data["generator"]["model"] = data["executor"]["model"] = model
+    return data
+
+
+def _scripted_config(tmp_path: Path, model: str, **scoring) -> Path:
+    """_tiny_flow on 2 queries: the generator's tokenizer is what the scripted rows use and its checkpoint what train
+    writes; what these tests check is the flow's resume and re-score protocol, which does not depend on the model's
+    size or replies."""
+    import yaml
+
+    data = _tiny_flow(tmp_path, model)
+    data["run_id"] = "scripted"
     data["benchmark"]["max_queries"] = 2
     data["scoring"].update(scoring)
     cfg = tmp_path / "scripted.yaml"
@@ -419,11 +429,8 @@ def test_one_real_round_end_to_end(harness, tmp_path, tiny_model):
     embedded model's real rollout is tests/test_rollout.py's."""
     import yaml
 
-    data = yaml.safe_load((REPO / "tests" / "data" / "tiny_flow.yaml").read_text())
-    data["store"] = {"root": str(tmp_path / "runs")}
-    data["generator"]["model"] = data["executor"]["model"] = tiny_model
     cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(yaml.safe_dump(data))
+    cfg.write_text(yaml.safe_dump(_tiny_flow(tmp_path, tiny_model)))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     out = iterate(str(cfg), rounds=1, run_id="e2e", retry_delay_s=1)
     st = Store(tmp_path / "runs")
