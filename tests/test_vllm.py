@@ -139,14 +139,18 @@ def test_server_loads_adapter_at_run_time(server, hf_greedy, adapter):
     assert [len(ep.loaded) for ep in gen.endpoints] == [1]  # loaded once, reused
 
 
-def test_rollout_through_vllm_offline_and_server(tmp_path, monkeypatch, engine, server, adapter):
-    """Round 1 of a run with round 0's adapter: flat via the offline engine, two-level via the server."""
+def test_rollout_through_vllm_offline_and_server(tmp_path, monkeypatch, server, adapter, smol_lm):
+    """Round 1 of a run with round 0's adapter: flat via the offline engine, two-level via the server. The offline
+    engine is the real one the stage starts on CPU, on the adapter merged into a copy of the base weights: its
+    samples' log-probs are the adapted policy's (teacher-forced through peft), not the base model's."""
     import shutil
 
+    from peft import PeftModel
+
+    from pipeline.engines.models import load_causal_lm
+
     monkeypatch.setattr(rollout, "load_benchmark", lambda cfg: TinyBench(cfg))
-    monkeypatch.setattr(rollout, "make_generator", lambda cfg, enable_lora=False, **_: (
-        VLLMGenerator(MODEL, llm=engine) if cfg.backend == "vllm" else make_generator(cfg, enable_lora=enable_lora)))
-    small = {"max_new_tokens": 16, "batch_size": 2}
+    small = {"max_new_tokens": 16, "batch_size": 2, "dtype": "float32", "max_model_len": MAX_LEN}
     for backend, mode, extra in (("vllm", "flat", {}), ("openai", "two_level", {"base_url": server})):
         ctx = make_ctx(tmp_path / backend, round=1, benchmark={"max_queries": 2},
                        rollout={"mode": mode, "m": 2, "n_agents": 2, "n_workflows": 1, "max_plan_tokens": 8},
@@ -158,6 +162,13 @@ def test_rollout_through_vllm_offline_and_server(tmp_path, monkeypatch, engine, 
         assert set(df["backend"]) == {backend} and set(df["adapter_round"]) == {0}
         for row in df.iter_rows(named=True):
             assert len(row["token_ids"]) == len(row["token_logprobs"]) > 0 and not row["retokenized"]
+        if backend == "vllm":
+            flat = df
+    tuned = PeftModel.from_pretrained(load_causal_lm(MODEL, device="cpu"), adapter).eval()
+    row = next(flat.iter_rows(named=True))
+    args = (row["prompt_token_ids"], row["token_ids"])
+    assert row["token_logprobs"] == pytest.approx(teacher_forced(tuned, *args), abs=TOL)
+    assert row["token_logprobs"] != pytest.approx(teacher_forced(smol_lm, *args), abs=TOL)
 
 
 def test_seeded_batch_larger_than_one_prefill_step(vgen):

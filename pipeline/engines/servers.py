@@ -50,6 +50,7 @@ VLLM_SERVER = "vllm.entrypoints.openai.api_server"
 STOP_GRACE_S = 20.0  # a graceful vLLM shutdown takes a few seconds on CPU
 POLL_S = 0.5  # the watchdog's look at its parent: a killed stage's server outlives it by about this much
 SECTIONS = ("executor", "generator")
+CPU_STEP_TIMEOUT_S = 3600  # vLLM's limit on one engine step of a server on CPU (its default: 300 s)
 SHARED_ENV = "PIPELINE_SHARED_SERVERS"  # JSON {spec key: server root url} of the servers a command shares
 
 
@@ -93,6 +94,13 @@ class ServerSpec:
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         if self.lora_rank:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the openai generator loads each round's adapter
+        from pipeline.engines.generation.vllm_offline import cuda_available
+
+        if not cuda_available():
+            # On a shared CPU one engine step can stall for minutes (two CPU servers and a test run on 2 cores: a
+            # step of 31 sequences passed 300 s). vLLM's default then kills the engine and every call in flight
+            # fails; the executor's own call timeout and its window (executors.SequenceWindow) handle slowness.
+            env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(CPU_STEP_TIMEOUT_S))
         return env
 
 
