@@ -93,6 +93,18 @@ def evaluate(run_id: str, round: int, split: str = "test", store: str | None = N
     return EvalSummary.from_dict(evaluate_tracked(str(store or DEFAULT_STORE), run_id, round, split, list(sets)))
 
 
+def evaluate_adapter(folder: str | Path, split: str = "test", store: str | None = None,
+                     sets: Sequence[str] = ()) -> EvalSummary:
+    """Roll out and score a kept adapter folder (`<store>/adapters/<run>-r<k>/`, pipeline.studies.experiment.
+    keep_adapter) on `split` of its run's benchmark, as its experiment evaluated it, in the derived run
+    `<folder name>-eval[-<split>][-<hash of sets>]`; new problems: the override of its README
+    (pipeline.studies.evaluate.new_problems, open_adapter_eval_run)."""
+    from pipeline.studies.evaluate import evaluate_adapter as run
+    from pipeline.studies.summaries import EvalSummary
+
+    return EvalSummary.from_dict(run(str(store or DEFAULT_STORE), folder, split, list(sets)))
+
+
 def run_study(study: str, config: str | Path, retries: int = 2,
               **options: Any) -> ExperimentSummary | AblationSummary | MethodsSummary:
     """A study through the Prefect-free stage caller with `retries` retries of a transient failure: `experiment`

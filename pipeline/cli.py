@@ -17,7 +17,7 @@ import typer
 from pipeline.config import ConfigError, load_config
 
 if TYPE_CHECKING:  # the commands import what they run inside themselves: `pipeline --help` stays fast
-    from pipeline.studies.summaries import AblationSummary, ExperimentSummary, MethodsSummary
+    from pipeline.studies.summaries import AblationSummary, EvalSummary, ExperimentSummary, MethodsSummary
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_enable=False)
 bench_app = typer.Typer(help="Benchmarks that print numbers (ratios against a baseline in the same run).",
@@ -806,6 +806,32 @@ def evaluate(
         summ = api.evaluate(run_id, round, split, store, sets or [])
     except (ConfigError, StageError) as e:
         _fail(str(e))
+    _echo_evaluation(summ)
+
+
+@app.command("evaluate-adapter", rich_help_panel=STUDIES)
+def evaluate_adapter(
+    folder: Annotated[Path, typer.Argument(help="A kept adapter folder (<store>/adapters/<run>-r<k>/: the LoRA files "
+                                                "and its run's config.yaml).")],
+    split: SplitOpt = "test",
+    store: StoreOpt = None,
+    sets: SetOpt = None,
+) -> None:
+    """Roll out and score a kept adapter on a split as its experiment evaluated it, in the derived run
+    <folder name>-eval (a hash of --set added); new problems: the --set of its README.md (procedural: a
+    benchmark.split_seed benchmark.size further on)."""
+    from pipeline import api
+    from pipeline.stages.runner import StageError
+
+    try:
+        summ = api.evaluate_adapter(folder, split, store, sets or [])
+    except (ConfigError, StageError) as e:
+        _fail(str(e))
+    _echo_evaluation(summ)
+
+
+def _echo_evaluation(summ: EvalSummary) -> None:
+    """An evaluation's one line, and where its per-query rows are."""
     typer.echo(f"{summ.line()} (per query: pipeline sql over run {summ.eval_run_id})")
 
 

@@ -118,12 +118,13 @@ def smol_server_spec():
                            extra_args=("--logprobs-mode", "processed_logprobs"), start_timeout_s=400)
 
 
-def launch_vllm_server(log):
-    """Start (without waiting: `.wait()`) the tests' vLLM server under the pipeline's watchdog; returns its
-    `pipeline.engines.servers.Server` (`.base_url`, `.stop()`: the whole process group)."""
+def launch_vllm_server(log, *extra_args: str):
+    """Start (without waiting: `.wait()`) the tests' vLLM server under the pipeline's watchdog, with `extra_args` for
+    vLLM; returns its `pipeline.engines.servers.Server` (`.base_url`, `.stop()`: the whole process group)."""
     from pipeline.engines.servers import launch
 
-    return launch(smol_server_spec(), log)
+    spec = smol_server_spec()
+    return launch(dataclasses.replace(spec, extra_args=(*spec.extra_args, *extra_args)), log)
 
 
 @pytest.fixture(scope="session")

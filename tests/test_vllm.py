@@ -17,6 +17,7 @@ try:
 except pytest.skip.Exception as e:
     pytest.skip(str(e), allow_module_level=True)
 import vllm  # noqa: E402
+from test_adapters_kept import kept_folder
 from test_generation import MODEL, QUESTIONS, chat_prompts, make_adapter, teacher_forced
 from test_rollout import TinyBench, make_ctx
 from test_servers import served_config
@@ -36,7 +37,9 @@ MAX_LEN = 1024
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
-    return make_adapter(tmp_path_factory.mktemp("lora") / "adapter", seed=1)
+    """make_adapter's adapter as an experiment keeps a seed's last round (test_adapters_kept.kept_folder): the folder
+    a clone of a store kept in git holds; loaded at run time, and by the second server at its start."""
+    return kept_folder(tmp_path_factory.mktemp("store"), MODEL, lambda d: make_adapter(d, seed=1))
 
 
 @pytest.fixture
@@ -192,12 +195,13 @@ def test_seeded_batch_larger_than_one_prefill_step(vgen):
 
 
 @pytest.fixture(scope="module")
-def second_server(tmp_path_factory):
-    """A second vLLM server beside the session's one (one more start, 1-2 min on CPU); yields (its /v1 URL,
-    its pipeline.engines.servers.Server)."""
+def second_server(tmp_path_factory, adapter):
+    """A second vLLM server beside the session's one (one more start, 1-2 min on CPU), serving the kept adapter from
+    its start as a plain server would (`--lora-modules kept=<folder>`); yields (its /v1 URL, its
+    pipeline.engines.servers.Server)."""
     from conftest import launch_vllm_server
 
-    server = launch_vllm_server(tmp_path_factory.mktemp("vllm2") / "server.log")
+    server = launch_vllm_server(tmp_path_factory.mktemp("vllm2") / "server.log", "--lora-modules", f"kept={adapter}")
     try:
         yield server.wait().base_url, server
     finally:
@@ -239,6 +243,20 @@ def test_two_servers_share_prompts_and_adapter(server, second_server, smol_token
             assert len(c.token_ids) == len(c.token_logprobs) > 0 and not c.retokenized
             assert c.prompt_token_ids == r.prompt_token_ids and c.text
             assert_same(c, r)  # greedy: the same as one server, whichever served the prompt
+
+
+def test_a_plain_server_serves_a_kept_adapter_named_at_its_start(second_server, hf_greedy, adapter):
+    """`--enable-lora --lora-modules kept=<kept folder>`, no loading at run time: requests for `kept` write the greedy
+    text transformers + peft write with the same folder."""
+    url = second_server[0]
+    assert "kept" in served_models(url)
+    gen = make_generator(GeneratorConfig(model=MODEL, backend="openai", base_url=url, served_model="kept"))
+    prompts, ref = hf_greedy
+    for s_row, h_row in zip(gen.generate(prompts, GREEDY, None), ref[adapter], strict=True):
+        for s, h in zip(s_row, h_row, strict=True):
+            assert_same(s, h)
+            assert s.text == h.text
+    assert [len(ep.loaded) for ep in gen.endpoints] == [0]  # nothing loaded at run time
 
 
 def test_rollout_over_two_servers_equals_one(tmp_path, monkeypatch, server, second_server, adapter):

@@ -5,6 +5,7 @@ Layout (docs/design.md, The store):
     <root>/<run_id>/round=<k>/<table>/part-<uuid>.parquet     one file per write, never rewritten
     <root>/<run_id>/round=<k>/_done/<stage>.json              stage manifests
     <root>/<run_id>/round=<k>/checkpoint/                     the round's LoRA adapter
+    <root>/adapters/<run_id>-r<k>/                            a round's adapter kept for git (Store.keep_adapter)
     <root>/<run_id>/stale/<stamp>/                            rounds and derived runs set aside (Store.set_aside)
     <root>/<run_id>/_leases/                                  one writer per stage and round (Store.lease, lease.py)
     <root>/catalog.duckdb                                     views only, rebuilt atomically
@@ -64,6 +65,7 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a round'
 # On object storage a checkpoint is uploaded file by file with this one last (and deleted first on discard): its
 # presence after the other files' PUTs is what makes the checkpoint complete (ADAPTER_FILES includes it).
 CHECKPOINT_MARKER = "adapter_config.json"
+KEPT_CONFIG = "config.yaml"  # a kept adapter's copy of its run's frozen config (Store.keep_adapter)
 ENDPOINT_ENV = "AWS_ENDPOINT_URL"
 
 _DUCK_TYPES = {
@@ -242,6 +244,11 @@ class Store:
 
     def checkpoint_dir(self, run_id: str, round: int) -> Path:
         return self.round_dir(run_id, round) / "checkpoint"
+
+    def adapter_dir(self, run_id: str, round: int) -> Path:
+        """Where a round's adapter is kept apart from its checkpoint (`keep_adapter`): outside the run's folders, so
+        that a store kept in git can keep these while it leaves the checkpoints out."""
+        return self.root / "adapters" / f"{run_id}-r{round}"
 
     def rounds_written(self, run_id: str) -> list[int]:
         """The rounds of a run with anything in the store (a manifest, a part, a checkpoint, a train stage's
@@ -639,6 +646,32 @@ class Store:
             for f in files:
                 self.fs.put_file(str(f), f"{self.url(dest)}/{f.relative_to(local).as_posix()}")
             (local / ".source").write_text(self._remote_stamp(dest))
+        return dest
+
+    def keep_adapter(self, run_id: str, round: int, notes: dict[str, str]) -> Path:
+        """Copy a round's complete checkpoint to `adapter_dir`: the LoRA files alone (ADAPTER_FILES; nothing else the
+        folder may hold), the run's frozen config as KEPT_CONFIG and `notes` (file name -> text), whole or absent
+        (one rename). A folder that already holds exactly these bytes is left as it is, so a resumed study rewrites
+        nothing; a retrained checkpoint replaces it. Local stores only."""
+        from pipeline.engines.models import atomic_dir
+
+        if self.remote:
+            raise StoreError(f"keep_adapter: {self.root} is an s3:// store, whose checkpoints stay in the bucket")
+        src = self.checkpoint_dir(run_id, round)
+        if not adapter_complete(src):
+            raise StoreError(f"run {run_id!r} round {round}: no complete checkpoint to keep ({src})")
+        files = {f: (src / f).read_bytes() for f in ADAPTER_FILES}
+        files[KEPT_CONFIG] = (self.run_dir(run_id) / "config.yaml").read_bytes()
+        files |= {name: text.encode() for name, text in notes.items()}
+        dest = self.adapter_dir(run_id, round)
+        if dest.is_dir() and {p.name: p.read_bytes() for p in dest.iterdir() if p.is_file()} == files:
+            return dest
+        with atomic_dir(dest, suffix=".tmp") as tmp:  # .tmp: ignored by git until renamed into place
+            for name, data in files.items():
+                with open(tmp / name, "wb") as f:  # on disk before the rename names them
+                    f.write(data)
+                    os.fsync(f.fileno())
+        fsync_dir(dest.parent)
         return dest
 
     def local_adapter(self, path: str | Path | Any) -> Path | None:

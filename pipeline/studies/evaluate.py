@@ -22,18 +22,28 @@ evaluation: `open_eval_run(..., mode="refine")` opens its validation run.
 For a two-level run it adds the proposal's inference-time selection (pipeline.core.selection: per query the best
 agent, then its best workflow) as Sel@L, `select_at_l`.
 `evaluate_round` runs the evaluation's stages through a stage caller.
+
+A kept adapter (`<store>/adapters/<run>-r<k>/`: the LoRA files and the run's frozen config, written by the experiment
+for stores kept in git) is evaluated the same way by `evaluate_adapter`, in the run `<folder name>-eval[-<split>]`
+(`-<hash>` of any extra overrides), from the folder alone: on new problems (`new_problems`: a procedural benchmark's
+`split_seed` moved on by its size), never on a question the run trained on (`check_new_problems`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from dataclasses import asdict
+from pathlib import Path
 
 import polars as pl
 
 from pipeline.config import SPLITS, ConfigError, RunConfig, load_config
 from pipeline.run import RunContext, open_run
 from pipeline.stages.modes import get_mode
-from pipeline.store import Store
+from pipeline.store import CHECKPOINT_MARKER, KEPT_CONFIG, Store
+
+log = logging.getLogger("pipeline.studies.evaluate")
 
 EVAL_STAGES = ("rollout", "score")  # of pipeline.stages, run at round 0 of the evaluation run
 
@@ -79,6 +89,19 @@ def _evaluated_as(mode: str) -> list[str]:
     return [] if as_mode == mode else [f"rollout.mode={as_mode}"]
 
 
+def frozen_eval_sets(saved: RunConfig, round: int, adapter: str, split: str, store: Store,
+                     mode: str | None = None) -> list[str]:
+    """The frozen overrides of the evaluation run of `saved`'s round `round` (-1: the base model), sampled with
+    `adapter` ("null": none) on `split`, one round, in `store`. Prompts are built as in training: exemplars from the
+    run whose rounds the checkpoint's data came from (an ablation arm trains on training.data_run's round), below round
+    `round + 1`. A refine run samples L flat workflows (its feedback reads gold answers) unless `mode` asks for a
+    rollout mode (refinement itself)."""
+    pool = saved.training.data_run or saved.run_id
+    frozen = [f"benchmark.train_split={split}", f"generator.adapter={adapter}", "rounds=1",
+              f"store.root={store.root}", f"rollout.exemplar_run={pool}", f"rollout.exemplar_round={round + 1}"]
+    return frozen + (_evaluated_as(saved.rollout.mode) if mode is None else [f"rollout.mode={mode}"])
+
+
 def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
                   sets: list[str] | None = None, mode: str | None = None) -> RunContext:
     """Create (first call) or reopen the evaluation run of round `round`'s checkpoint (-1: base model). `mode`: sample
@@ -100,15 +123,87 @@ def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
         if not ckpt.is_dir():
             raise ConfigError(f"run {run_id!r} has no checkpoint for round {round} ({ckpt}); train that round first")
         adapter = str(ckpt)
-    # exemplars as in training: from the run whose rounds the checkpoint's data came from (an ablation arm trains
-    # on training.data_run's round)
-    saved_cfg = load_config(saved)
-    pool = saved_cfg.training.data_run or run_id
-    frozen = [f"benchmark.train_split={split}", f"generator.adapter={adapter}", "rounds=1",
-              f"store.root={store.root}", f"rollout.exemplar_run={pool}", f"rollout.exemplar_round={round + 1}"]
-    # refine: its feedback reads gold answers, so L flat workflows (unless `mode` asks for refinement itself)
-    frozen += _evaluated_as(saved_cfg.rollout.mode) if mode is None else [f"rollout.mode={mode}"]
+    frozen = frozen_eval_sets(load_config(saved), round, adapter, split, store, mode)
     return open_run(saved, eid, 0, frozen + list(sets or []), str(store.root))
+
+
+# ---- a kept adapter (pipeline.studies.experiment.keep_adapter) on new problems ---------------------------------------
+
+
+def adapter_eval_run_id(folder: Path, split: str = "test", sets: list[str] | None = None) -> str:
+    """`<folder name>-eval[-<split>]`, then `-<hash>` of the extra overrides where there are any: another
+    `benchmark.split_seed` (new problems) is a run of its own, and the same command reopens the same run."""
+    eid = f"{folder.name}-eval" + ("" if split == "test" else f"-{split}")
+    if not sets:
+        return eid
+    digest = hashlib.sha256("\n".join(sets).encode()).hexdigest()
+    return f"{eid}-{digest[:8]}"
+
+
+def kept_adapter_config(folder: Path) -> RunConfig:
+    """The frozen config a kept adapter folder carries, once the folder is known to hold an adapter and its base
+    model (the config's generator.model) resolves on this machine."""
+    from pipeline.engines.models import ModelError, resolve_model
+
+    missing = [f for f in (CHECKPOINT_MARKER, KEPT_CONFIG) if not (folder / f).is_file()]
+    if missing:
+        raise ConfigError(f"{folder}: not a kept adapter folder (no {' or '.join(missing)}); an experiment keeps "
+                          "each seed's last round under <store>/adapters/")
+    saved = load_config(folder / KEPT_CONFIG)
+    try:
+        resolve_model(saved.generator.model)
+    except ModelError as e:
+        raise ConfigError(f"{folder}: its base model {saved.generator.model!r} cannot be loaded here: {e}") from None
+    return saved
+
+
+def new_problems(cfg: RunConfig) -> str:
+    """The override that asks `cfg`'s benchmark for problems none of its runs drew. Procedural: a split_seed `size`
+    further on, since reasoning-gym draws item i with the seed + i (a seed 1 further asks the same questions again, one
+    place on, under new ids); a file benchmark: another file (another split_seed only reshuffles the same items)."""
+    if cfg.benchmark.name == "procedural":
+        return f"benchmark.split_seed={cfg.benchmark.split_seed + cfg.benchmark.size}"
+    return "benchmark.path=<a file of problems the run never saw>"
+
+
+def check_new_problems(trained: RunConfig, evaluated: RunConfig) -> None:
+    """Refuse to evaluate on a question the trained run trained on (the same item, or the same question under another
+    id: `new_problems`); log how many of the queries are items of the trained run's benchmark at all (held out from
+    training; none for new problems)."""
+    from pipeline.engines.benchmarks import load_benchmark
+
+    bench = load_benchmark(trained.benchmark)
+    seen, asked = bench.items(), load_benchmark(evaluated.benchmark).items()
+    ids, prompts = {it.id for it in seen}, {it.prompt for it in seen}
+    if trained_on := [it.id for it in asked if it.id in ids or it.prompt in prompts]:
+        raise ConfigError(f"{len(trained_on)} of the {len(asked)} queries to evaluate (e.g. {trained_on[0]}) ask a "
+                          f"question run {trained.run_id} trained on: not new problems. Evaluate on another split, or "
+                          f"on new problems: --set {new_problems(trained)}")
+    known = {it.prompt for it in bench.load()}
+    log.info("%d of the %d queries to evaluate are questions of run %s's benchmark (held out from its training)",
+             sum(it.prompt in known for it in asked), len(asked), trained.run_id)
+
+
+def open_adapter_eval_run(store_root: str, folder: str | Path, split: str = "test",
+                          sets: list[str] | None = None) -> RunContext:
+    """Create (first call) or reopen the evaluation run of a kept adapter folder (adapter_config.json,
+    adapter_model.safetensors, KEPT_CONFIG) on `split` of its config's benchmark with the extra overrides `sets` (new
+    problems: `new_problems`), as the experiment evaluated its checkpoint (eval_sets: its queries and L); the run
+    `adapter_eval_run_id` in the store at `store_root`. A kept adapter is its run's last round, whose prompts were
+    built as in round `rounds`."""
+    check_split(split)
+    folder, sets = Path(folder).resolve(), list(sets or [])
+    saved = kept_adapter_config(folder)
+    store = Store(store_root)
+    eid = adapter_eval_run_id(folder, split, sets)
+    if (store.run_dir(eid) / "config.yaml").is_file():
+        return open_run(None, eid, 0, None, str(store.root))
+    frozen = frozen_eval_sets(saved, saved.rounds - 1, str(folder), split, store) + eval_sets(saved) + sets
+    check_new_problems(saved, load_config(folder / KEPT_CONFIG, frozen))
+    if saved.rollout.exemplars != "none" and store.read_config(saved.run_id) is None:
+        log.warning("run %s, whose scored workflows its prompts showed as exemplars, is not in %s: these prompts "
+                    "show none", saved.run_id, store.root)
+    return open_run(folder / KEPT_CONFIG, eid, 0, frozen, str(store.root))
 
 
 def generation_votes(store: Store, run_id: str, round: int, family: str) -> dict[str, str | None]:
@@ -200,14 +295,26 @@ def add_selection(summary: dict, rows: list[dict]) -> None:
                  selected_workflow=s.workflow_id if s else None)
 
 
-def evaluate_round(store_root: str, run_id: str, round: int, split: str = "test", sets: list[str] | None = None,
-                   call=None) -> dict:
-    """Roll out and score round `round`'s checkpoint (-1: the base model) on `split` in its evaluation run,
-    through `call` (a stage caller, default: `pipeline.stages.rounds.direct_call()`); returns `eval_summary`."""
+def run_evaluation(ctx: RunContext, sets: list[str] | None = None, call=None) -> dict:
+    """Roll out and score an evaluation run's round 0 through `call` (a stage caller, default:
+    `pipeline.stages.rounds.direct_call()`), `sets` applied to each stage; returns `eval_summary`."""
     from pipeline.stages.rounds import direct_call
 
     call = call or direct_call()
-    ctx = open_eval_run(store_root, run_id, round, split, sets)
     for stage in EVAL_STAGES:
         call(stage=stage, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=sets)
     return eval_summary(ctx.store, ctx.run_id)
+
+
+def evaluate_round(store_root: str, run_id: str, round: int, split: str = "test", sets: list[str] | None = None,
+                   call=None) -> dict:
+    """Roll out and score round `round`'s checkpoint (-1: the base model) on `split` in its evaluation run
+    (`run_evaluation`); returns `eval_summary`."""
+    return run_evaluation(open_eval_run(store_root, run_id, round, split, sets), sets, call)
+
+
+def evaluate_adapter(store_root: str, folder: str | Path, split: str = "test", sets: list[str] | None = None,
+                     call=None) -> dict:
+    """Roll out and score a kept adapter folder on `split` in its evaluation run (`open_adapter_eval_run`: the
+    overrides `sets` are frozen into it); returns `eval_summary`."""
+    return run_evaluation(open_adapter_eval_run(store_root, folder, split, sets), None, call)

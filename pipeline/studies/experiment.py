@@ -27,7 +27,9 @@ names the best fixed workflow by its Mean@L there, at the trained generator's ex
 (`best_fixed`): the choice a reviewer asks for, made by a rule fixed before the test numbers are read.
 
 The summary is written to `<store>/experiments/<run_id>/` as experiment.json (everything), per_query.csv,
-report.html and curve.png.
+report.html and curve.png. After a seed's evaluations its last round's adapter is kept apart from the checkpoint, in
+`<store>/adapters/<seed run>-r<k>/` with its run's config and a README (`keep_adapter`): a store kept in git commits it
+while it leaves the checkpoints out, and `pipeline evaluate-adapter` evaluates it on new problems.
 `run_experiment` runs it through a stage caller (pipeline.stages.rounds: without Prefect, or flows/experiment.py's).
 Re-running with the same run id resumes: finished stages are skipped by their manifests, in the seed runs and in
 the evaluation runs alike; a re-entered seed whose checkpoint was lost after training (a store cloned from git)
@@ -45,7 +47,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import polars as pl
 
@@ -54,10 +56,17 @@ from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paire
 from pipeline.engines.servers import sharing
 from pipeline.stages import ROUND_STAGES
 from pipeline.stages.modes import get_mode
-from pipeline.store import Store, store_for
+from pipeline.store import Store, adapter_complete, store_for
 from pipeline.store.views import flagged_rewarded
 from pipeline.studies.baselines import baseline_changes, baseline_run_id, check_method, method_tag, run_baseline
-from pipeline.studies.evaluate import EVAL_STAGES, derived_run_sets, eval_run_id, eval_sets, eval_summary
+from pipeline.studies.evaluate import (
+    EVAL_STAGES,
+    derived_run_sets,
+    eval_run_id,
+    eval_sets,
+    eval_summary,
+    new_problems,
+)
 from pipeline.studies.report import build_experiment_report, stage_timings
 from pipeline.studies.summaries import (
     BASE,
@@ -65,6 +74,7 @@ from pipeline.studies.summaries import (
     CurvePoint,
     ExperimentArm,
     ExperimentSummary,
+    KeptAdapter,
     ReferenceArm,
     RoundDiff,
     SeedDiff,
@@ -321,7 +331,67 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
                              eval_queries=ex.eval_queries, eval_l=ex.eval_l, shared_base=ex.shared_base, arms=arms,
                              paired=paired, curve=curve(cfg, seeds, per_query), references=refs,
                              paired_references=against, selection=selection(store, cfg, arms, refs),
-                             per_query=per_query, flagged_rewarded=flagged)
+                             per_query=per_query, flagged_rewarded=flagged,
+                             adapters=[a for s in seeds if (a := kept_adapter(store, cfg, s)) is not None])
+
+
+def kept_adapter(store: Store, cfg: RunConfig, seed: int) -> KeptAdapter | None:
+    """Seed `seed`'s last-round adapter as the summary records it, or None where none is kept (`keep_adapter`)."""
+    run_id, k = seed_run_id(cfg.run_id, seed), cfg.rounds - 1
+    folder = store.adapter_dir(run_id, k)
+    if store.remote or not adapter_complete(folder):
+        return None
+    mb = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) / 1e6
+    return KeptAdapter(seed=seed, run_id=run_id, round=k, folder=folder.relative_to(store.root).as_posix(),
+                       mb=round(mb, 2))
+
+
+def keep_adapter(store: Store, cfg: RunConfig, seed: int) -> KeptAdapter | None:
+    """Keep seed `seed`'s last-round checkpoint apart from it (Store.keep_adapter): a store kept in git leaves its
+    checkpoints out (data/README.md), but keeps `<store>/adapters/<seed run>-r<k>/`: the LoRA files, the run's config
+    and a README naming the base, the run, the round and the command that evaluates it on new problems, so that
+    anyone can check the result on problems the experiment never saw. Unchanged when already kept; None without a
+    complete checkpoint (a store cloned from git) or on object storage."""
+    run_id, k = seed_run_id(cfg.run_id, seed), cfg.rounds - 1
+    if store.remote:  # never committed to git: its checkpoints stay in the bucket, where any machine can read them
+        log.info("seed %d: the s3:// store keeps its adapter as round %d's checkpoint only", seed, k)
+        return None
+    ckpt = store.checkpoint_dir(run_id, k)
+    if not adapter_complete(ckpt):
+        return None
+    store.keep_adapter(run_id, k, {"README.md": adapter_readme(cfg, seed, store)})
+    kept = kept_adapter(store, cfg, seed)
+    log.info("%s, under %s", kept.line(), store.root)
+    return kept
+
+
+def adapter_readme(cfg: RunConfig, seed: int, store: Store) -> str:
+    """A kept adapter's README.md: what it is and the commands that evaluate, load and serve it, with the base and the
+    folder as the config names them (an embedded or hub id; a store kept in git: a path relative to the repository's
+    root)."""
+    run_id, k, base = seed_run_id(cfg.run_id, seed), cfg.rounds - 1, cfg.generator.model
+    folder = PurePosixPath(cfg.store.root) / store.adapter_dir(run_id, k).relative_to(store.root).as_posix()
+    base_dir = f"the folder `pipeline prepare-model {base}` prints" if base.startswith("embedded:") else f"`{base}`"
+    rank = 1 << max(3, (cfg.training.lora_r - 1).bit_length())  # vLLM takes powers of two from 8 up
+    return f"""# {folder.name}
+
+The LoRA adapter (peft: adapter_config.json, adapter_model.safetensors) that round {k}, the last of {cfg.rounds},
+of run `{run_id}` trained: seed {seed} of the experiment `{cfg.run_id}`. Its base model is `{base}`
+(adapter_config.json names it too); config.yaml is the run's frozen config.
+
+Evaluate it on new problems, with the experiment's evaluation settings (queries, L), in a run of its own:
+
+    pipeline evaluate-adapter {folder} --set {new_problems(cfg)}
+
+Without `--set` it runs on the experiment's own test queries again. Load it with peft, the base model loaded from
+{base_dir}:
+
+    PeftModel.from_pretrained(base_model, "{folder}")
+
+Serve it with vLLM:
+
+    vllm serve <the base model's folder> --enable-lora --max-lora-rank {rank} --lora-modules {folder.name}={folder}
+"""
 
 
 def status(store: Store, cfg: RunConfig, seeds: list[int]) -> list[dict]:
@@ -455,6 +525,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 # finished (`publish` counts it): its checkpoints may be pruned (data/README.md keeps stores without
                 # them in git), and re-entering its rounds would then train them again
                 log.info("seed %d: every evaluation is in the store; not re-entered", sp.seed)
+                keep_adapter(store, cfg, sp.seed)  # where its weights are still here
                 continue
             t_seed = time.perf_counter()
             log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
@@ -464,6 +535,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 log.info("seed %d: evaluating %s on %s", sp.seed, "the base model" if k < 0 else f"round {k}",
                          cfg.experiment.eval_split)
                 evaluate_tracked(str(store.root), sp.run_id, k, cfg.experiment.eval_split, eval_sets(cfg), call)
+            keep_adapter(store, cfg, sp.seed)
             extra["seed_wall_s"][sp.seed] = round(time.perf_counter() - t_seed, 1)
             done.append(sp.seed)
             summary, out = publish(f"after seed {sp.seed}")

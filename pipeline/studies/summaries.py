@@ -383,6 +383,21 @@ class Selection(Record):
 
 
 @dataclass(kw_only=True)
+class KeptAdapter(Record):
+    """A seed's last-round adapter kept in the store for git (pipeline.studies.experiment.keep_adapter): its folder
+    relative to the store's root (the same on every clone), the run and round it is the checkpoint of, its size."""
+
+    seed: int
+    run_id: str
+    round: int
+    folder: str
+    mb: float
+
+    def line(self) -> str:
+        return f"seed {self.seed}: {round_name(self.round)}'s adapter kept in {self.folder} ({self.mb:.1f} MB)"
+
+
+@dataclass(kw_only=True)
 class ExperimentSummary(Record):
     """experiment.json (pipeline.studies.experiment.summarise; the run's facts, command to wall seconds, in
     `extra`). Summaries written before the references, the curve or the choice lack them."""
@@ -402,17 +417,18 @@ class ExperimentSummary(Record):
     selection: Selection | None = None
     per_query: list[dict] = field(default_factory=list)  # per (seed, round, query): the evaluations' rows
     flagged_rewarded: dict[str, int] | None = None
+    adapters: list[KeptAdapter] = field(default_factory=list)  # each seed's last-round adapter, where kept
     results: str | None = None  # the folder written; returned, not stored
     wall_s: float | None = None  # stored with the run's facts
     NESTED = {"arms": ExperimentArm, "paired": RoundDiff, "curve": CurvePoint, "references": ReferenceArm,
-              "paired_references": RoundDiff, "selection": Selection}
-    OPTIONAL = ("results", "wall_s")
+              "paired_references": RoundDiff, "selection": Selection, "adapters": KeptAdapter}
+    OPTIONAL = ("adapters", "results", "wall_s")
 
     def headline(self) -> list[str]:
         """Lines a person reads first: per evaluated round and metric, held-out base -> trained with the paired
         difference and its seeds-then-queries interval, the pooled intervals beside it, then one line per seed;
         the share of executor replies cut at the token cap; each reference and every round against it; the best
-        fixed workflow; the flagged rewarded training samples."""
+        fixed workflow; the flagged rewarded training samples; the adapters kept."""
         lines = []
         for p in self.paired:
             lines += [p.versus_base(self.eval_l), *(x.line() for x in p.per_seed)]
@@ -424,7 +440,7 @@ class ExperimentSummary(Record):
             lines += self.selection.lines()
         if self.flagged_rewarded is not None:  # older summaries lack it
             lines.append(f"flagged rewarded training runs (scores.flags): {self.flagged_rewarded}")
-        return lines
+        return lines + [a.line() for a in self.adapters]
 
     def truncation(self) -> str | None:
         """Executor calls with a reply cut at the token cap, held out, per round (mean over seeds); None where no
