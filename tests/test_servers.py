@@ -166,6 +166,7 @@ def test_a_stage_serves_only_what_it_calls(tmp_path):
     assert ex.command("/m", 1)[ex.command("/m", 1).index("--served-model-name") + 1] == EMBEDDED_MODEL
     assert "--enable-lora" not in ex.command("/m", 1) and ex.env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert ex.env()["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "3600"  # a stalled CPU step does not kill the engine
+    assert ex.env()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # no two servers pinned to one core
     # on CPU a prompt is prefilled in one step (no seeded sample discarded: the test below), the budget the context
     cmd = ex.command("/m", 1)
     assert "--no-enable-chunked-prefill" in cmd and cmd[cmd.index("--max-num-batched-tokens") + 1] == "2048"

@@ -101,6 +101,11 @@ class ServerSpec:
             # step of 31 sequences passed 300 s). vLLM's default then kills the engine and every call in flight
             # fails; the executor's own call timeout and its window (executors.SequenceWindow) handle slowness.
             env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(CPU_STEP_TIMEOUT_S))
+            # vLLM pins a CPU server's model threads to all cores but one, which it reserves for the frontend: on 2
+            # cores, to core 0 alone, in every server, so two servers (or a server and an offline engine) share one
+            # core while the other idles (a server then took over 10 min to start). Unpinned threads: 36 against 25
+            # tokens/s for one quiet server here (docs/performance.md), and no pile-up.
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         return env
 
 
