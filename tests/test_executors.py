@@ -196,11 +196,17 @@ def test_greedy_n_is_asked_once(server):
     assert body["temperature"] == 0.0 and body["n"] == 1
 
 
+def timeout_for(fault: str) -> float:
+    """The call timeout of a fault test: below the slow fault's 1.5 s (that fault is a timeout), and far above an
+    immediate reply for the others, so a loaded machine's late reply is never taken for a timeout."""
+    return 0.5 if fault == "slow" else 10.0
+
+
 @pytest.mark.parametrize("fault", ["500", "429", "slow", "malformed", "drop"])
 def test_fault_is_retried_then_succeeds(server, fault, top_jitter):
     sleeps: list[float] = []
     server.script = [fault]
-    c = complete(executor(server.url, sleeps), MSG)
+    c = complete(executor(server.url, sleeps, timeout_s=timeout_for(fault)), MSG)
     assert c.texts == ["echo 0: hi"]
     assert [r["mode"] for r in server.requests] == [fault, "ok"]
     # one backoff of attempt 0: 0.5 s; the 429's Retry-After (1 s) is a floor above it
@@ -212,7 +218,7 @@ def test_persistent_fault_gives_executor_error(server, fault, top_jitter):
     server.default = fault
     sleeps: list[float] = []
     with pytest.raises(ExecutorError, match="gave up after 3 attempts"):
-        complete(executor(server.url, sleeps, max_retries=2), MSG)
+        complete(executor(server.url, sleeps, max_retries=2, timeout_s=timeout_for(fault)), MSG)
     assert len(server.requests) == 3
     assert sleeps == ([1.0, 1.0] if fault == "429" else [0.5, 1.0])  # attempts 0, 1; Retry-After 1 s floors both
 

@@ -142,6 +142,28 @@ def test_server_loads_adapter_at_run_time(server, hf_greedy, adapter):
     assert [len(ep.loaded) for ep in gen.endpoints] == [1]  # loaded once, reused
 
 
+def test_seeded_batch_larger_than_one_prefill_step(vgen):
+    """8 prompts of ~400 tokens x n=8 with per-request seeds: more prompt tokens than one step's budget
+    (2048). With chunked prefill (vLLM's default) a partial prefill discards a seeded sample and the CPU
+    generator fails ("CPU Generator does not use offset"); engine_kwargs turns it off on CPU."""
+    if not torch.cuda.is_available():
+        kw = engine_kwargs(MODEL)
+        assert kw["enable_chunked_prefill"] is False and kw["max_num_batched_tokens"] >= kw["max_model_len"]
+    filler = " ".join(f"item{i} costs {i * 7 % 13} coins;" for i in range(60))
+    prompts = chat_prompts(vgen.tokenizer, [f"{filler} Question {q}: what is {q} + {2 * q}?" for q in range(8)])
+    assert sum(len(vgen.tokenizer(p).input_ids) for p in prompts) > 2048
+    s = Sampling(n=8, temperature=1.0, max_new_tokens=4, seed=11)
+    first = vgen.generate(prompts, s)
+    assert [len(row) for row in first] == [8] * 8
+    again = vgen.generate(prompts, s)  # seeds still decide the samples
+    assert [[c.token_ids for c in row] for row in again] == [[c.token_ids for c in row] for row in first]
+
+
+# ---- two servers: generator.endpoints ------------------------------------------------------------------------
+
+
+# After every test of the module's offline engine (`engine`, `vgen`): the rollout below starts a second in-process
+# engine, whose shutdown tears down vLLM's process-wide parallel state, which the module's engine needs.
 def test_rollout_through_vllm_offline_and_server(tmp_path, monkeypatch, server, adapter, smol_lm):
     """Round 1 of a run with round 0's adapter: flat via the offline engine, two-level via the server. The offline
     engine is the real one the stage starts on CPU, on the adapter merged into a copy of the base weights: its
@@ -172,26 +194,6 @@ def test_rollout_through_vllm_offline_and_server(tmp_path, monkeypatch, server, 
     args = (row["prompt_token_ids"], row["token_ids"])
     assert row["token_logprobs"] == pytest.approx(teacher_forced(tuned, *args), abs=TOL)
     assert row["token_logprobs"] != pytest.approx(teacher_forced(smol_lm, *args), abs=TOL)
-
-
-def test_seeded_batch_larger_than_one_prefill_step(vgen):
-    """8 prompts of ~400 tokens x n=8 with per-request seeds: more prompt tokens than one step's budget
-    (2048). With chunked prefill (vLLM's default) a partial prefill discards a seeded sample and the CPU
-    generator fails ("CPU Generator does not use offset"); engine_kwargs turns it off on CPU."""
-    if not torch.cuda.is_available():
-        kw = engine_kwargs(MODEL)
-        assert kw["enable_chunked_prefill"] is False and kw["max_num_batched_tokens"] >= kw["max_model_len"]
-    filler = " ".join(f"item{i} costs {i * 7 % 13} coins;" for i in range(60))
-    prompts = chat_prompts(vgen.tokenizer, [f"{filler} Question {q}: what is {q} + {2 * q}?" for q in range(8)])
-    assert sum(len(vgen.tokenizer(p).input_ids) for p in prompts) > 2048
-    s = Sampling(n=8, temperature=1.0, max_new_tokens=4, seed=11)
-    first = vgen.generate(prompts, s)
-    assert [len(row) for row in first] == [8] * 8
-    again = vgen.generate(prompts, s)  # seeds still decide the samples
-    assert [[c.token_ids for c in row] for row in again] == [[c.token_ids for c in row] for row in first]
-
-
-# ---- two servers: generator.endpoints ------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
