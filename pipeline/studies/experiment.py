@@ -335,9 +335,14 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
                              adapters=[a for s in seeds if (a := kept_adapter(store, cfg, s)) is not None])
 
 
+def kept_round(cfg: RunConfig, seed: int) -> tuple[str, int]:
+    """(seed run, round) of the adapter the experiment keeps for seed `seed`: its last round."""
+    return seed_run_id(cfg.run_id, seed), cfg.rounds - 1
+
+
 def kept_adapter(store: Store, cfg: RunConfig, seed: int) -> KeptAdapter | None:
     """Seed `seed`'s last-round adapter as the summary records it, or None where none is kept (`keep_adapter`)."""
-    run_id, k = seed_run_id(cfg.run_id, seed), cfg.rounds - 1
+    run_id, k = kept_round(cfg, seed)
     folder = store.adapter_dir(run_id, k)
     if store.remote or not adapter_complete(folder):
         return None
@@ -352,7 +357,7 @@ def keep_adapter(store: Store, cfg: RunConfig, seed: int) -> KeptAdapter | None:
     and a README naming the base, the run, the round and the command that evaluates it on new problems, so that
     anyone can check the result on problems the experiment never saw. Unchanged when already kept; None without a
     complete checkpoint (a store cloned from git) or on object storage."""
-    run_id, k = seed_run_id(cfg.run_id, seed), cfg.rounds - 1
+    run_id, k = kept_round(cfg, seed)
     if store.remote:  # never committed to git: its checkpoints stay in the bucket, where any machine can read them
         log.info("seed %d: the s3:// store keeps its adapter as round %d's checkpoint only", seed, k)
         return None
@@ -369,7 +374,7 @@ def adapter_readme(cfg: RunConfig, seed: int, store: Store) -> str:
     """A kept adapter's README.md: what it is and the commands that evaluate, load and serve it, with the base and the
     folder as the config names them (an embedded or hub id; a store kept in git: a path relative to the repository's
     root)."""
-    run_id, k, base = seed_run_id(cfg.run_id, seed), cfg.rounds - 1, cfg.generator.model
+    (run_id, k), base = kept_round(cfg, seed), cfg.generator.model
     folder = PurePosixPath(cfg.store.root) / store.adapter_dir(run_id, k).relative_to(store.root).as_posix()
     base_dir = f"the folder `pipeline prepare-model {base}` prints" if base.startswith("embedded:") else f"`{base}`"
     rank = 1 << max(3, (cfg.training.lora_r - 1).bit_length())  # vLLM takes powers of two from 8 up
