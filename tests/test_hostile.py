@@ -42,6 +42,21 @@ def isolated(sb: Sandbox) -> bool:
     return bool(iso.get("privilege_drop") and iso.get("mount_namespace") and iso.get("private_tmp"))
 
 
+def describe_procs(pids: list[int]) -> str:
+    """State, parent and command line of each pid: what a failed survivor check needs to be read."""
+    out = []
+    for pid in pids:
+        try:
+            status = dict(ln.split(":", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in ln)
+            ppid = status["PPid"].strip()
+            cmd, parent = (Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+                           for p in (pid, ppid))
+            out.append(f"{pid}: state {status['State'].strip()}, ppid {ppid} ({parent}), cmd {cmd!r}")
+        except (OSError, KeyError):
+            out.append(f"{pid}: gone")
+    return "; ".join(out)
+
+
 def sandbox_procs(uids) -> list[int]:
     """Live processes owned by one of `uids`."""
     out = []

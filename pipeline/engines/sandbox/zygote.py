@@ -253,12 +253,15 @@ class Zygote:
             run["status"].close()
 
     def kill_all(self) -> None:
-        for pid, run in list(self.runs.items()):
+        # every run first, then the sweeps: a sweep can wait seconds for a uid's dying processes on a loaded
+        # machine, and the runs after it must not keep running meanwhile
+        for pid in self.runs:
             # the pid itself too: a run forked just before the parent left may not have its own group or
             # uid yet, so neither the group kill nor the uid sweep would reach it
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             _kill_group(pid)
+        for pid, run in list(self.runs.items()):
             self.sweep(run, pid)
             self._cleanup_workdir(run["workdir"])
         self.runs.clear()
