@@ -62,7 +62,7 @@ def _command() -> str:
 
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug logging.")] = False) -> None:
-    from pipeline.stages.runner import LOG_FORMAT
+    from pipeline import LOG_FORMAT  # not the runner's imports (the store, DuckDB): `bench train` runs without them
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
 
@@ -314,7 +314,8 @@ def bench_curate() -> None:
 @bench_app.command("train")
 def bench_train(
     arch: Annotated[str | None, typer.Option(help="Built-in architecture with seeded random weights, from its config "
-                                             "(qwen2-1.5b, tiny); default: the embedded 135M model.")] = None,
+                                             "(qwen2-1.5b, qwen2-0.5b, tiny); default: the embedded 135M model.")]
+    = None,
     batch: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 8,
     completion_len: Annotated[int | None, typer.Option(min=1, help="Longest completion (default 512 on CUDA, "
                                                        "128 on CPU); completions are ragged below it.")] = None,
@@ -342,6 +343,29 @@ def bench_train(
         run(arch, batch, completion_len, reps, prompt_len, gradient_checkpointing, weights_dtype, json_out,
             echo=typer.echo, group_size=group_size)
     except (TrlMissing, ValueError) as e:
+        _fail(str(e))
+
+
+@bench_app.command("train-parity")
+def bench_train_parity(
+    arch: Annotated[str, typer.Option(help="Built-in architecture with seeded random weights (qwen2-0.5b: the "
+                                      "generator's; qwen2-1.5b, tiny).")] = "qwen2-0.5b",
+    sides: Annotated[str, typer.Option(help="device:precision list; the first is the reference the others are "
+                                       "compared with.")] = "cpu:fp32,cuda:fp32,cuda:bf16",
+    batch: Annotated[int, typer.Option(min=2, help="Sequences (half with a positive advantage).")] = 8,
+    prompt_len: Annotated[int, typer.Option(min=1, help="Random prompt ids per sequence.")] = 128,
+    completion_len: Annotated[int, typer.Option(min=1, help="Longest completion; ragged below it.")] = 128,
+    steps: Annotated[int, typer.Option(min=1, help="AdamW steps per side.")] = 3,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-4,
+    json_out: JsonOpt = None,
+) -> None:
+    """The train step on each device and precision against the first side (CPU fp32) on one random-weight model, LoRA
+    init and batch: log-probs, losses, the gradient and the update's effect."""
+    from pipeline.perf.train_parity import parse_sides, run
+
+    try:
+        run(arch, parse_sides(sides), batch, prompt_len, completion_len, steps, lr, json_out, echo=typer.echo)
+    except ValueError as e:
         _fail(str(e))
 
 

@@ -67,3 +67,45 @@ def test_missing_trl_names_the_wheel(monkeypatch):
     with pytest.raises(bench.TrlMissing, match=f"trl=={bench.TRL_VERSION}"):
         bench._import_trl()
     assert metadata.version("trl") == bench.TRL_VERSION  # the pin follows the venv
+
+
+def test_qwen2_0_5b_is_the_generator_as_stored():
+    """The parity bench's default: the embedded generator's shape, 630M parameters with its untied head."""
+    model = bench.build_arch("qwen2-0.5b", device="meta")
+    c = model.config
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            c.vocab_size) == (896, 4864, 24, 14, 2, 151936)
+    # by hand: two 151936·896 matrices (embedding, head) = 272,269,312; per layer q 896·896+896, k and v 896·128+128
+    # each, o 896·896, MLP 3·896·4864, two norms 2·896 = 14,912,384; ×24 = 357,897,216; final norm 896
+    assert sum(p.numel() for p in model.parameters()) == 630_167_424
+
+
+def test_train_parity_of_two_precisions_on_cpu(tmp_path):
+    from pipeline.perf import train_parity as parity
+
+    out = tmp_path / "parity.json"
+    r = parity.run("tiny", parity.parse_sides("cpu:fp32,cpu:bf16"), batch=4, prompt_len=8, completion_len=8,
+                   steps=2, lr=1e-3, json_path=out, echo=lambda s: None)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+    assert r["reference_side"] == "cpu:fp32" and set(r["against_reference"]) == {"cpu:bf16"}
+    for side in r["sides"].values():  # the GRPO step raises the positive-advantage sequences and lowers the others
+        assert side["update_direction"]["positive"] > 0 > side["update_direction"]["negative"]
+        assert len(side["loss"]) == len(side["step_s"]) == 2
+    c = r["against_reference"]["cpu:bf16"]
+    # bf16 rounds the frozen weights and the products (8 significant bits): the start log-probs differ, not by 0
+    assert c["logp0_max_abs_diff"] > 0
+    # ... while the gradient and the update keep their direction (a side that dropped the adapter or flipped the
+    # loss would not)
+    assert c["grad0_cosine"] > 0.99 and c["update_cosine"] > 0.99
+
+
+def test_train_parity_refuses_bad_sides():
+    from pipeline.perf import train_parity as parity
+
+    with pytest.raises(ValueError, match="device:precision"):
+        parity.parse_sides("cpu:fp16")
+    with pytest.raises(ValueError, match="twice"):
+        parity.parse_sides("cpu:fp32,cpu:fp32")
+    if not __import__("torch").cuda.is_available():
+        r = CliRunner().invoke(app, ["bench", "train-parity", "--arch", "tiny", "--sides", "cpu:fp32,cuda:bf16"])
+        assert r.exit_code == 2 and "needs a CUDA device" in r.output

@@ -43,6 +43,11 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "qwen2-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
                                  max_position_embeddings=32768, rms_norm_eps=1e-6, use_sliding_window=False)),
+    # the generator's architecture as the embedded Qwen2.5-Coder-0.5B-Instruct is stored (its config.json: untied
+    # LM head, 630M parameters)
+    "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6,
+                                 max_position_embeddings=32768, rms_norm_eps=1e-6, use_sliding_window=False)),
     "tiny": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True, rope_theta=1e6,
                            max_position_embeddings=4096)),
@@ -102,7 +107,7 @@ def _batch(tok, batch: int, completion_len: int, group_size: int) -> list[TrainS
     return seqs
 
 
-def _id_batch(vocab: int, batch: int, prompt_len: int, completion_len: int, group_size: int = 1) -> list[TrainSequence]:
+def id_batch(vocab: int, batch: int, prompt_len: int, completion_len: int, group_size: int = 1) -> list[TrainSequence]:
     """Tokenizer-free: random prompt ids of a fixed length, one prompt per group of `group_size` consecutive
     sequences, ragged random completions (ids 3.. : not pad/eos)."""
     g = torch.Generator().manual_seed(0)
@@ -112,7 +117,7 @@ def _id_batch(vocab: int, batch: int, prompt_len: int, completion_len: int, grou
                           1.0 if i % 2 else -1.0, None) for i in range(batch)]
 
 
-def _timed(fn, device: str) -> float:
+def timed(fn, device: str) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -230,7 +235,7 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
         seqs = _batch(tok, batch, completion_len, group_size)
         batch_kind = f"chat-template prompts, one per {group_size} sequences + random completions"
     else:
-        seqs = _id_batch(base.config.vocab_size, batch, prompt_len, completion_len, group_size)
+        seqs = id_batch(base.config.vocab_size, batch, prompt_len, completion_len, group_size)
         batch_kind = f"random prompt ids x{prompt_len}, one per {group_size} sequences + random completions"
     n, head = matmul_params(base)
     frozen = sum(p.numel() for p in base.parameters())
@@ -280,7 +285,7 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
                 if device == "cuda":
                     model.zero_grad(set_to_none=True)  # the other side's grads are not this side's memory
                     torch.cuda.reset_peak_memory_stats()
-                dt = _timed(fn, device)
+                dt = timed(fn, device)
                 if device == "cuda":
                     peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
                 if r:
@@ -378,7 +383,7 @@ def sweep(prompt_lens=(128, 512), group_sizes=(2, 4, 8), batch: int = BATCH, com
     echo(f"{'prompt':>6} {'group':>5} {'per-seq s':>9} {'shared s':>8} {'saving':>6} {'token ratio':>11}")
     for p in prompt_lens:
         for g in group_sizes:
-            seqs = _id_batch(model.config.vocab_size, batch, p, completion_len, g)
+            seqs = id_batch(model.config.vocab_size, batch, p, completion_len, g)
             full, shared = (_step_seconds(model, seqs, s, reps) for s in (False, True))
             ratio = collate(seqs, 0, share_prompts=False).tokens / collate(seqs, 0).tokens
             rows.append({"prompt_len": p, "group_size": g, "per_sequence_s": full, "shared_s": shared,

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline import LOG_FORMAT
 from pipeline.engines.servers import server_log_dir, serving
 from pipeline.run import RunContext, open_run
 from pipeline.stages import Shard, Stage, get_stage, served_sections
@@ -354,7 +355,6 @@ def record_timing(store_root: str | Path, run_id: str, result: StageResult) -> N
     store.append_line(store.run_dir(run_id) / "timings.jsonl", json.dumps(line))
 
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the CLI's and a stage child's log lines alike
 
 
 def child_main(argv: list[str] | None = None) -> int:
