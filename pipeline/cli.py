@@ -329,6 +329,9 @@ def bench_train(
     gradient_checkpointing: Annotated[bool, typer.Option(help="Checkpoint the decoder layers (both sides).")] = False,
     weights_dtype: Annotated[str, typer.Option(help="float32 (the trainer's fp32 master weights) or bfloat16.")]
     = "float32",
+    prompt_layout: Annotated[str, typer.Option(help="Ours: split (the prompts, then the completions over their "
+                                               "cache) or packed (one decoder call), as training.prompt_layout.")]
+    = "split",
     json_out: JsonOpt = None,
 ) -> None:
     """Training-step tokens/s against TRL's GRPO loss + backward on the same model and batch (CUDA: bf16 autocast,
@@ -341,7 +344,7 @@ def bench_train(
         return
     try:
         run(arch, batch, completion_len, reps, prompt_len, gradient_checkpointing, weights_dtype, json_out,
-            echo=typer.echo, group_size=group_size)
+            echo=typer.echo, group_size=group_size, prompt_layout=prompt_layout)
     except (TrlMissing, ValueError) as e:
         _fail(str(e))
 

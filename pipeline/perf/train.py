@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from pipeline.core.grpo import grpo_mkl_terms
-from pipeline.stages.train.batch import collate
+from pipeline.stages.train.batch import collate, pass_batch
 from pipeline.stages.train.data import TrainSequence
 from pipeline.stages.train.logprobs import completion_logprobs
 
@@ -205,7 +205,8 @@ def _versions() -> dict:
 
 def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None = None, reps: int = REPS,
         prompt_len: int | None = None, gradient_checkpointing: bool = False, weights_dtype: str = "float32",
-        json_path: str | Path | None = None, echo=print, group_size: int | None = None) -> dict:
+        json_path: str | Path | None = None, echo=print, group_size: int | None = None,
+        prompt_layout: str = "split") -> dict:
     """Measure, print, and return (and write to `json_path`) the result dict. `group_size` consecutive sequences
     share a prompt (default: the whole batch is one GRPO group, as TRL's num_generations here); `prompt_len`: random
     prompt ids of that length (default: chat-template prompts on the embedded model, 256 ids with `arch`)."""
@@ -217,6 +218,8 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bf16 = device == "cuda"
     completion_len = completion_len or (512 if bf16 else 128)  # CPU: keep the bench to about a minute
+    if prompt_layout not in ("split", "packed"):
+        raise ValueError(f"--prompt-layout must be split or packed, not {prompt_layout!r}")
     if weights_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--weights-dtype must be float32 or bfloat16, not {weights_dtype!r}")
     tc = TrainingConfig()
@@ -244,7 +247,7 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
     model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=tc.lora_r, lora_alpha=tc.lora_alpha,
                                             lora_dropout=0.0, target_modules=list(tc.target_modules)))
     pad_id = tok.pad_token_id or 0
-    b = collate(seqs, pad_id, device)
+    b = pass_batch(seqs, pad_id, device, prompt_layout)  # training.prompt_layout: split (two decoder calls) or packed
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16)
     with torch.no_grad(), autocast:
         old = completion_logprobs(model, b).float().detach()
@@ -305,7 +308,7 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
         "batch": batch, "batch_kind": batch_kind, "completion_len": completion_len,
         "completion_tokens": n_tok, "tokens": sum(lengths), "computed_tokens": b.tokens, "group_size": group_size,
         "reps": reps,
-        "gradient_checkpointing": gradient_checkpointing,
+        "gradient_checkpointing": gradient_checkpointing, "prompt_layout": prompt_layout,
         "flops_per_step": flops, "peak_bf16_flops": peak_flops,
         "loss": {"ours": ours_loss[-1], "trl": trl_loss[-1]},
         "ratio_tokens_per_s": med["trl"] / med["ours"],

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pipeline.core.grpo import grpo_mkl_terms
-from pipeline.perf.train import id_batch, timed, build_arch
+from pipeline.perf.train import build_arch, id_batch, timed
 from pipeline.stages.train.batch import collate
 from pipeline.stages.train.logprobs import completion_logprobs
 from pipeline.stages.train.policy import frozen_linears_bf16
