@@ -259,6 +259,18 @@ def test_child_killed_by_signal_is_transient(tmp_path, monkeypatch):
     assert e.value.transient and "signal 9" in e.value.reason
 
 
+def test_child_interrupted_by_sigint_stops_instead_of_retrying(tmp_path, monkeypatch):
+    # Ctrl-C signals the whole process group; a parent whose waiting thread is not the main one saw only the child's
+    # exit and retried the stage (a headroom study did, 2026-11-26)
+    script = tmp_path / "interrupted.py"
+    script.write_text("import os, signal\nsignal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+                      "os.kill(os.getpid(), signal.SIGINT)\n")
+    real_run = runner.subprocess.run
+    monkeypatch.setattr(runner.subprocess, "run", lambda cmd, **kw: real_run([sys.executable, str(script)], **kw))
+    with pytest.raises(KeyboardInterrupt, match="score: the stage child was interrupted"):
+        runner._run_child("score", "r", 0, str(tmp_path), [], False)
+
+
 def test_run_stage_skips_completed_stage_without_calling_it(tmp_path, monkeypatch):
     fake = FakeStages().install(monkeypatch)
     ctx = open_run(_config(tmp_path, rounds=1), "r")

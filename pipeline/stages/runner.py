@@ -216,6 +216,10 @@ def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[
             # a rank whose peer died fails in a collective (transient); prefer a rank's own permanent error
             first = next((b for b in errors if not b["transient"]), errors[0])
             raise StageError(name, round, first["error"], first["transient"])
+        if proc.returncode == -signal.SIGINT:
+            # Ctrl-C reaches the whole foreground process group: the user stops the run, and a retry would undo that
+            # (this process's own KeyboardInterrupt goes to its main thread, not to a thread waiting on the child)
+            raise KeyboardInterrupt(f"{name}: the stage child was interrupted (SIGINT); re-running resumes it")
         if proc.returncode < 0:  # killed (OOM killer, operator): the stage resumes on retry
             raise StageError(name, round, f"child killed by signal {-proc.returncode}", transient=True)
         if _custom_launcher(stage):
