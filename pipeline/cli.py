@@ -491,7 +491,7 @@ def experiment(
     from pipeline import api
     from pipeline.stages.runner import StageError
     from pipeline.store import LeaseHeld
-    from pipeline.studies.experiment import plan, status, status_table, time_left
+    from pipeline.studies.experiment import plan, status
 
     if show_status:
         from pipeline.stages.rounds import study_config
@@ -503,12 +503,7 @@ def experiment(
             rows = status(store_for(cfg.store), cfg, order)
         except (ConfigError, ValueError) as e:
             _fail(str(e))
-        _print_df(status_table(rows), len(rows))
-        left, unknown = time_left(rows)
-        todo = sum(not r["done"] for r in rows)
-        typer.echo(f"{todo} of {len(rows)} stages left" + (f": about {left / 60:.0f} min by the stages done so far"
-                                                           if todo else "")
-                   + (f", {unknown} of them without an estimate (none of their kind done yet)" if unknown else ""))
+        _echo_status(rows)
         return
     try:
         summary = api.run_study("experiment", config, retries, seeds=seeds, run_id=run_id, sets=sets or [],
@@ -566,19 +561,29 @@ def compare_methods(
     )] = None,
     retries: RetriesOpt = 2,
     sets: SetOpt = None,
+    show_status: Annotated[bool, typer.Option(
+        "--status", help="Run nothing: print every run of the comparison, its stages done, and the time left "
+                         "estimated from the stages of its kind already done (any arm's).")] = False,
 ) -> None:
     """Train each method (S seeds x R rounds, same base model and training queries) and compare their held-out
     evaluations with the base model and SPOGW, paired intervals over seeds then queries (results under
     <store>/experiments/<run_id>-methods/)."""
     from pipeline import api
     from pipeline.stages.runner import StageError
-    from pipeline.studies.methods import parse_arm_sets
+    from pipeline.studies.methods import parse_arm_sets, status
 
     names = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
     try:
         lrs = [float(x) for x in lr_sweep.split(",") if x.strip()] if lr_sweep else None
     except ValueError:
         _fail(f"--lr-sweep {lr_sweep!r}: expected comma-separated learning rates, e.g. 1e-4,2e-4,5e-4")
+    if show_status:
+        try:
+            rows = status(config, names, seeds, run_id, sets or [], parse_arm_sets(arm_sets), lrs)
+        except (ConfigError, ValueError) as e:
+            _fail(str(e))
+        _echo_status(rows)
+        return
     try:
         summary = api.run_study("methods", config, retries, methods=names, seeds=seeds, run_id=run_id,
                                 sets=sets or [], arm_sets=parse_arm_sets(arm_sets), lr_sweep=lrs, command=_command())
@@ -586,6 +591,18 @@ def compare_methods(
         _fail(str(e))
     typer.echo(summary.table())
     _echo_done(summary)
+
+
+def _echo_status(rows: list[dict]) -> None:
+    """A study's `--status`: one line a run, then the stages left and the time they need by those done so far."""
+    from pipeline.studies.experiment import status_table, time_left
+
+    _print_df(status_table(rows), len(rows))
+    left, unknown = time_left(rows)
+    todo = sum(not r["done"] for r in rows)
+    typer.echo(f"{todo} of {len(rows)} stages left" + (f": about {left / 60:.0f} min by the stages done so far"
+                                                       if todo else "")
+               + (f", {unknown} of them without an estimate (none of their kind done yet)" if unknown else ""))
 
 
 def _echo_done(summary: ExperimentSummary | AblationSummary | MethodsSummary) -> None:

@@ -220,6 +220,30 @@ def test_compare_methods_end_to_end_pairs_by_hand_and_resumes(tmp_path, monkeypa
     assert "| scoreflow | sample | 1 | 0.625 | 0.625 | 0.625 | n/a | +0.375 [" in md
     assert out.results.endswith("cm-methods")
 
+    # `compare-methods --status` names the runs the comparison made, each stage done (so its time is known)
+    rows = mm.status("configs/smoke.yaml", names, seeds=1, run_id="cm", sets=_sets(tmp_path))
+    assert all(r["done"] for r in rows), [r for r in rows if not r["done"]]
+    assert list(dict.fromkeys((r["part"], r["run_id"]) for r in rows)) == [
+        ("evaluate", "cm-s0-eval-base"), ("train", "cm-spogw-s0"), ("evaluate", "cm-spogw-s0-eval-r0"),
+        ("train", "cm-two_level-s0"), ("evaluate", "cm-two_level-s0-eval-r0"), ("train", "cm-w4s-s0"),
+        ("evaluate", "cm-w4s-s0-eval-r0"), ("evaluate", "cm-w4s-s0-eval-validate-r0-refine"),
+        ("evaluate", "cm-w4s-s0-baseline-refined"), ("train", "cm-scoreflow-s0"),
+        ("evaluate", "cm-scoreflow-s0-eval-r0"), ("train", "cm-flowreasoner-s0"),
+        ("evaluate", "cm-flowreasoner-s0-eval-r0"), ("reference", "cm-baseline-task_best")]
+    assert {r["eval_run_id"] for r in body["per_seed"]} <= {r["run_id"] for r in rows}
+    assert mm.status("configs/smoke.yaml", ["spogw"], seeds=2, run_id="cm", sets=_sets(tmp_path))[-1] == {
+        "part": "evaluate", "run_id": "cm-spogw-s1-eval-r0", "round": 0, "stage": "score", "done": False,
+        "wall_s": None}  # seed 1 is not run
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    calls = list(fakes.calls)
+    args = ["compare-methods", "configs/smoke.yaml", "--status", "--seeds", "2", "--run-id", "cm", "--methods", "spogw"]
+    cli = CliRunner().invoke(app, args + [x for kv in _sets(tmp_path) for x in ("--set", kv)])
+    # seed 1's 4 training stages and 2 of each evaluation, estimated from seed 0's stages of the same kind
+    assert cli.exit_code == 0 and "8 of 16 stages left: about 0 min" in cli.output and "cm-spogw-s1" in cli.output
+    assert fakes.calls == calls  # nothing ran
+
     # resume: a second call trains, rolls out and scores nothing; every stage is skipped by its manifest
     fakes.calls.clear()
     n_lines = len(_timings(st, "cm-spogw-s0"))
@@ -246,6 +270,9 @@ def test_lr_sweep_chooses_on_dev_and_trains_the_arm_with_it(tmp_path, monkeypatc
                                                           "sw-spogw-lr0.0002-s0-eval-dev-r0",
                                                           "sw-spogw-lr0.0005-s0-eval-dev-r0"]
     assert open_run(None, "sw-spogw-s0", 0, store_root=str(tmp_path)).cfg.training.lr == 2e-4
+    swept = [r for r in mm.status("configs/smoke.yaml", ["spogw"], seeds=1, run_id="sw", sets=sets,
+                                  lr_sweep=[1e-4, 2e-4, 5e-4]) if r["part"] == "lr sweep"]
+    assert all(r["done"] for r in swept) and {r["run_id"] for r in swept} >= {r.eval_run_id for r in sweep.runs}
     held_out = {d.name for d in tmp_path.iterdir() if "-eval-" in d.name}
     assert {e for e in held_out if "-lr" in e} == {r.eval_run_id for r in sweep.runs}  # no sweep run on test
     assert json.loads((tmp_path / "experiments" / "sw-methods" / "methods.json").read_text())["lr"] == {"spogw": 2e-4}

@@ -581,6 +581,9 @@ def test_time_left_is_the_mean_of_the_stages_of_a_kind_already_done():
             row("evaluate", "score", False, None), row("evaluate", "rollout", False, None),
             row("train", "train", False, None)]  # no train stage done yet: no estimate
     assert time_left(rows) == (450.0, 1)
+    # no reference done: its score stage by the mean of every done score stage (450 s), its rollout by theirs (0 s)
+    assert time_left([*rows, row("reference", "score", False, None), row("reference", "rollout", False, None)]) \
+        == (900.0, 1)
 
 
 @pytest.mark.usefixtures("shared_sandbox")

@@ -424,14 +424,17 @@ def status(store: Store, cfg: RunConfig, seeds: list[int]) -> list[dict]:
 
 def time_left(rows: list[dict]) -> tuple[float, int]:
     """(seconds, stages without an estimate) for the stages of `status` not done: each the mean wall time of the
-    done stages of the same part and stage name (e.g. every evaluation's score stage). A done stage without a
-    timing counts 0 s: a fixed program's rollout writes its programs in the command, not as a timed stage."""
-    seen: dict[tuple[str, str], list[float]] = {}
+    done stages of the same part and stage name (e.g. every evaluation's score stage), else of the same stage name in
+    any part (a reference's score stage by the evaluations'). A done stage without a timing counts 0 s: a fixed
+    program's rollout writes its programs in the command, not as a timed stage."""
+    seen: dict[tuple[str, str] | str, list[float]] = {}
     for r in rows:
         if r["done"]:
-            seen.setdefault((r["part"], r["stage"]), []).append(r["wall_s"] or 0.0)
+            for key in ((r["part"], r["stage"]), r["stage"]):
+                seen.setdefault(key, []).append(r["wall_s"] or 0.0)
     left = [r for r in rows if not r["done"]]
-    known = [mean_or_none(seen[key]) for r in left if (key := (r["part"], r["stage"])) in seen]
+    known = [mean_or_none(seen[key]) for r in left
+             if (key := next((k for k in ((r["part"], r["stage"]), r["stage"]) if k in seen), None)) is not None]
     return sum(known), len(left) - len(known)
 
 

@@ -204,6 +204,25 @@ def sweep_run_id(run_id: str, method: str, lr: float, seed: int) -> str:
     return f"{run_id}-{method}-lr{lr:g}-s{seed}"
 
 
+def seed_base(path: Path, cfg: RunConfig, sets: list[str], sp: SeedPlan) -> tuple[RunConfig, bool, str]:
+    """(the seed's config, whether it is `pipeline experiment`'s seed run, the run its base evaluation hangs off).
+    The experiment's run of the seed is CONFIG's own method: its base evaluation and training are the comparison's
+    too when scoring by the metric alone changes nothing (config hash), so neither command computes them twice."""
+    seed_cfg = load_config(path, sets + sp.sets)
+    same_base = same_hash(seed_cfg, load_config(path, sets + sp.sets + list(METRIC_ONLY)))
+    return seed_cfg, same_base, seed_run_id(cfg.run_id, sp.seed) if same_base else base_run_id(cfg.run_id, sp.seed)
+
+
+def arm_run(path: Path, cfg: RunConfig, m: Method, sets: list[str], sp: SeedPlan, lr: float | None,
+            extra: list[str], seed_cfg: RunConfig, same_base: bool) -> tuple[list[str], RunConfig, str]:
+    """(overrides, config, training run) of trained method `m` on seed `sp`: the experiment's seed run where `m`
+    is CONFIG's own method, else `method_run_id`."""
+    own = method_sets(m, sets, sp.sets, lr, extra)
+    arm_cfg = load_config(path, own)
+    same = same_base and same_hash(arm_cfg, seed_cfg)
+    return own, arm_cfg, seed_run_id(cfg.run_id, sp.seed) if same else method_run_id(cfg.run_id, m.name, sp.seed)
+
+
 def methods_dir(store: Store, run_id: str) -> Path:
     return store.root / "experiments" / f"{run_id}-methods"
 
@@ -375,12 +394,7 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
         done: list[int] = []
         for sp in plans:
             t_seed = time.perf_counter()
-            seed_cfg = load_config(path, sets + sp.sets)
-            # `pipeline experiment`'s run of this seed is CONFIG's own method: its base evaluation and its training are
-            # this comparison's too when nothing differs (config hash), so neither command computes them twice
-            exp_run = seed_run_id(cfg.run_id, sp.seed)
-            same_base = same_hash(seed_cfg, load_config(path, sets + sp.sets + list(METRIC_ONLY)))
-            base = exp_run if same_base else base_run_id(cfg.run_id, sp.seed)
+            seed_cfg, same_base, base = seed_base(path, cfg, sets, sp)
             open_run(path, base, 0, sets + sp.sets)  # frozen, never trained: the base model's evaluation run's parent
             log.info("seed %d: evaluating the base model on %s", sp.seed, split)
             b = EvalSummary.from_dict(evaluate_tracked(root, base, BASE, split, arm_eval_sets(cfg), call))
@@ -396,10 +410,7 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                         records.append(ArmRun(arm=m.arm(ev), method=m.name, evaluation=ev, seed=sp.seed,
                                               train_run_id=None, **shared[(m.name, ev)]))
                     continue
-                own = method_sets(m, sets, sp.sets, lrs.get(m.name), extra)
-                arm_cfg = load_config(path, own)
-                mine = method_run_id(cfg.run_id, m.name, sp.seed)
-                arm = exp_run if same_base and same_hash(arm_cfg, seed_cfg) else mine
+                own, arm_cfg, arm = arm_run(path, cfg, m, sets, sp, lrs.get(m.name), extra, seed_cfg, same_base)
                 log.info("seed %d: training %s (%s, %d rounds)", sp.seed, m.name, arm, cfg.rounds)
                 run_rounds(path, cfg.rounds, arm, call, sets=own, observer=TRACKERS)
                 last = cfg.rounds - 1
@@ -425,6 +436,58 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
         summary.results = str(out)
         summary.wall_s = round_s(time.perf_counter() - t0)
         return summary
+
+
+def status(config: str | Path, methods: list[str] | None = None, seeds: int | None = None, run_id: str | None = None,
+           sets: list[str] | None = None, arm_sets: dict[str, list[str]] | None = None,
+           lr_sweep: list[float] | None = None) -> list[dict]:
+    """Where the comparison stands, read from the store (nothing runs): per stage of every run its plan makes (the
+    rows of `pipeline.studies.experiment.status`). Parts name the kind of work (`train`, `evaluate`, `reference`,
+    `lr sweep`), so `time_left` estimates an arm's training from any arm's done training. Without --lr-sweep's
+    choice in the store yet, the arms are listed at CONFIG's learning rate (the same run ids). task_best's
+    selection runs on dev are left out (its held-out run is listed)."""
+    from pipeline.stages import ROUND_STAGES
+    from pipeline.stages.rounds import study_config
+    from pipeline.studies.baselines import baseline_run_id
+    from pipeline.studies.evaluate import eval_run_id
+    from pipeline.studies.smc import smc_run_id
+
+    path, sets, cfg = study_config(config, sets, run_id)
+    chosen = [get_method(n) for n in (methods or list(METHODS))]
+    arm_sets = {get_method(k).name: list(v) for k, v in (arm_sets or {}).items()}
+    plans = plan(cfg, list(range(seeds)) if seeds is not None else None)
+    store, split, last = store_for(cfg.store), cfg.experiment.eval_split, cfg.rounds - 1
+    runs: list[tuple[str, str, int, tuple[str, ...]]] = []  # (part, run id, rounds, stages)
+    for m in [m for m in chosen if m.trained] if lr_sweep else []:
+        for lr in lr_sweep:
+            rid = sweep_run_id(cfg.run_id, m.name, lr, plans[0].seed)
+            runs += [("lr sweep", rid, 1, ROUND_STAGES), ("lr sweep", eval_run_id(rid, 0, "dev"), 1, EVAL_STAGES)]
+    shared: set[str] = set()
+    for sp in plans:
+        seed_cfg, same_base, base = seed_base(path, cfg, sets, sp)
+        runs.append(("evaluate", eval_run_id(base, BASE, split), 1, EVAL_STAGES))
+        for m in chosen:
+            if not m.trained:
+                rid = (smc_run_id(seed_run_id(cfg.run_id, sp.seed), split) if SMC in m.evaluations
+                       else baseline_run_id(cfg.run_id, TASK_BEST, split))
+                if rid not in shared:
+                    shared.add(rid)
+                    runs.append(("reference", rid, 1, EVAL_STAGES))
+                continue
+            _, arm_cfg, arm = arm_run(path, cfg, m, sets, sp, None, arm_sets.get(m.name, []), seed_cfg, same_base)
+            runs.append(("train", arm, cfg.rounds, ROUND_STAGES))
+            for ev in m.evaluations:
+                if ev == SAMPLE:
+                    runs.append(("evaluate", eval_run_id(arm, last, split), 1, EVAL_STAGES))
+                else:  # W4S: the refinement on the validation part, then the chosen workflow held out
+                    runs += [("evaluate", eval_run_id(arm, last, selection_split(arm_cfg), mode="refine"), 1,
+                              EVAL_STAGES), ("evaluate", baseline_run_id(arm, REFINED, split), 1, EVAL_STAGES)]
+    rows = []
+    for part, rid, rounds, stages in dict.fromkeys(runs):  # an arm that is the experiment's run once
+        walls = {(r["round"], r["stage"]): r["wall_s"] for r in stage_timings(store, rid).iter_rows(named=True)}
+        rows += [{"part": part, "run_id": rid, "round": k, "stage": st, "done": store.manifest(rid, k, st) is not None,
+                  "wall_s": walls.get((k, st))} for k in range(rounds) for st in stages]
+    return rows
 
 
 # ---- the summary -----------------------------------------------------------------------------------------------------
