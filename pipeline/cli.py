@@ -332,6 +332,8 @@ def bench_train(
     prompt_layout: Annotated[str, typer.Option(help="Ours: split (the prompts, then the completions over their "
                                                "cache) or packed (one decoder call), as training.prompt_layout.")]
     = "split",
+    compile_decoder: Annotated[bool, typer.Option("--compile", help="torch.compile the decoder (both sides call it; "
+                                                  "the first step, a warm-up, compiles).")] = False,
     json_out: JsonOpt = None,
 ) -> None:
     """Training-step tokens/s against TRL's GRPO loss + backward on the same model and batch (CUDA: bf16 autocast,
@@ -344,7 +346,7 @@ def bench_train(
         return
     try:
         run(arch, batch, completion_len, reps, prompt_len, gradient_checkpointing, weights_dtype, json_out,
-            echo=typer.echo, group_size=group_size, prompt_layout=prompt_layout)
+            echo=typer.echo, group_size=group_size, prompt_layout=prompt_layout, compile_decoder=compile_decoder)
     except (TrlMissing, ValueError) as e:
         _fail(str(e))
 

@@ -206,7 +206,7 @@ def _versions() -> dict:
 def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None = None, reps: int = REPS,
         prompt_len: int | None = None, gradient_checkpointing: bool = False, weights_dtype: str = "float32",
         json_path: str | Path | None = None, echo=print, group_size: int | None = None,
-        prompt_layout: str = "split") -> dict:
+        prompt_layout: str = "split", compile_decoder: bool = False) -> dict:
     """Measure, print, and return (and write to `json_path`) the result dict. `group_size` consecutive sequences
     share a prompt (default: the whole batch is one GRPO group, as TRL's num_generations here); `prompt_len`: random
     prompt ids of that length (default: chat-template prompts on the embedded model, 256 ids with `arch`)."""
@@ -246,6 +246,9 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=tc.lora_r, lora_alpha=tc.lora_alpha,
                                             lora_dropout=0.0, target_modules=list(tc.target_modules)))
+    if compile_decoder:  # torch.compile the decoder both sides call (TRL through the model's forward)
+        inner = model.get_base_model()
+        setattr(inner, inner.base_model_prefix, torch.compile(getattr(inner, inner.base_model_prefix)))
     pad_id = tok.pad_token_id or 0
     b = pass_batch(seqs, pad_id, device, prompt_layout)  # training.prompt_layout: split (two decoder calls) or packed
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16)
@@ -309,6 +312,7 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
         "completion_tokens": n_tok, "tokens": sum(lengths), "computed_tokens": b.tokens, "group_size": group_size,
         "reps": reps,
         "gradient_checkpointing": gradient_checkpointing, "prompt_layout": prompt_layout,
+        "compiled_decoder": compile_decoder,
         "flops_per_step": flops, "peak_bf16_flops": peak_flops,
         "loss": {"ours": ours_loss[-1], "trl": trl_loss[-1]},
         "ratio_tokens_per_s": med["trl"] / med["ours"],
