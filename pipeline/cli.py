@@ -41,6 +41,9 @@ SeedsOpt = Annotated[int | None, typer.Option("--seeds", help="Seeds 0..N-1 (def
 OutOpt = Annotated[Path | None, typer.Option("--out", help="Write the output here (sql: the result as .csv, .json "
                                             "or .parquet; report: the HTML, default <store>/<run_id>/report.html).")]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the result dict here as JSON.")]
+StatusOpt = Annotated[bool, typer.Option("--status", help="Run nothing: print every run of the study in the store, "
+                                         "its stages done, and the time left estimated from the stages of its kind "
+                                         "already done.")]
 WaitOpt = Annotated[bool, typer.Option("--wait", help="Another process running the same stage of the run (or the "
                                       "same run's rounds): wait for it, then skip what it finished, instead of "
                                       "stopping with an error that names it.")]
@@ -484,9 +487,7 @@ def experiment(
         "--only-references", help="Run no seed, only the references (on the held-out split and on "
                                   "experiment.select_split); the report holds the seeds already in the store.")
     ] = False,
-    show_status: Annotated[bool, typer.Option(
-        "--status", help="Run nothing: print where the experiment stands in the store, run by run, and an estimate "
-                         "of the time left from the stages already done.")] = False,
+    show_status: StatusOpt = False,
 ) -> None:
     """Train S seeds x R rounds, evaluate the base model and every checkpoint on held-out queries, and print
     the paired difference with its bootstrap interval (results under <store>/experiments/<run_id>/)."""
@@ -563,9 +564,7 @@ def compare_methods(
     )] = None,
     retries: RetriesOpt = 2,
     sets: SetOpt = None,
-    show_status: Annotated[bool, typer.Option(
-        "--status", help="Run nothing: print every run of the comparison, its stages done, and the time left "
-                         "estimated from the stages of its kind already done (any arm's).")] = False,
+    show_status: StatusOpt = False,
 ) -> None:
     """Train each method (S seeds x R rounds, same base model and training queries) and compare their held-out
     evaluations with the base model and SPOGW, paired intervals over seeds then queries (results under
