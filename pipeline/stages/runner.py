@@ -359,8 +359,6 @@ def record_timing(store_root: str | Path, run_id: str, result: StageResult) -> N
     store.append_line(store.run_dir(run_id) / "timings.jsonl", json.dumps(line))
 
 
-
-
 def child_main(argv: list[str] | None = None) -> int:
     """`python -m pipeline.stages STAGE --run-id R --round K --store ROOT --result FILE`: the child side."""
     ap = argparse.ArgumentParser(prog="python -m pipeline.stages", description="Run one stage in this process.")
