@@ -72,6 +72,18 @@ def build_arch(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
         return AutoModelForCausalLM.from_config(arch_config(name), dtype=dtype)
 
 
+def default_lora(base):
+    """`base` with a fresh LoRA of the training config's defaults (rank, alpha, target modules; no dropout), as a round
+    0 policy starts."""
+    from peft import LoraConfig, get_peft_model
+
+    from pipeline.config import TrainingConfig
+
+    tc = TrainingConfig()
+    return get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=tc.lora_r, lora_alpha=tc.lora_alpha,
+                                           lora_dropout=0.0, target_modules=list(tc.target_modules)))
+
+
 def matmul_params(model) -> tuple[int, int]:
     """(N, head): N = parameters that are matmul weights per token, i.e. all but the input embedding (a tied
     embedding counts once, as the LM head); head = the LM head's V·d."""
@@ -210,10 +222,6 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
     """Measure, print, and return (and write to `json_path`) the result dict. `group_size` consecutive sequences
     share a prompt (default: the whole batch is one GRPO group, as TRL's num_generations here); `prompt_len`: random
     prompt ids of that length (default: chat-template prompts on the embedded model, 256 ids with `arch`)."""
-    from peft import LoraConfig, get_peft_model
-
-    from pipeline.config import TrainingConfig
-
     _import_trl()  # fail before minutes of model building when TRL is absent
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bf16 = device == "cuda"
@@ -222,7 +230,6 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
         raise ValueError(f"--prompt-layout must be split or packed, not {prompt_layout!r}")
     if weights_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--weights-dtype must be float32 or bfloat16, not {weights_dtype!r}")
-    tc = TrainingConfig()
     group_size = group_size or batch
     if arch is None:
         from pipeline.engines.models import load_causal_lm, load_tokenizer
@@ -244,8 +251,7 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
     frozen = sum(p.numel() for p in base.parameters())
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=tc.lora_r, lora_alpha=tc.lora_alpha,
-                                            lora_dropout=0.0, target_modules=list(tc.target_modules)))
+    model = default_lora(base)
     if compile_decoder:  # torch.compile the decoder both sides call (TRL through the model's forward)
         inner = model.get_base_model()
         setattr(inner, inner.base_model_prefix, torch.compile(getattr(inner, inner.base_model_prefix)))
@@ -377,15 +383,9 @@ def sweep(prompt_lens=(128, 512), group_sizes=(2, 4, 8), batch: int = BATCH, com
     """The shared-prompt saving against prompt length and group size on the embedded model (CPU fp32): the same
     step with each prompt once and with a prompt row per sequence (the cost without prompt sharing); the token ratio is
     what the saving tends to when compute is linear in tokens (Prefix Grouper's FLOP argument)."""
-    from peft import LoraConfig, get_peft_model
-
-    from pipeline.config import TrainingConfig
     from pipeline.engines.models import load_causal_lm
 
-    tc = TrainingConfig()
-    model = get_peft_model(load_causal_lm(MODEL, dtype="float32", device="cpu"),
-                           LoraConfig(task_type="CAUSAL_LM", r=tc.lora_r, lora_alpha=tc.lora_alpha, lora_dropout=0.0,
-                                      target_modules=list(tc.target_modules))).train()
+    model = default_lora(load_causal_lm(MODEL, dtype="float32", device="cpu")).train()
     rows = []
     echo(f"{'prompt':>6} {'group':>5} {'per-seq s':>9} {'shared s':>8} {'saving':>6} {'token ratio':>11}")
     for p in prompt_lens:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pipeline.core.grpo import grpo_mkl_terms
-from pipeline.perf.train import build_arch, id_batch, timed
+from pipeline.perf.train import build_arch, default_lora, id_batch, timed
 from pipeline.stages.train.batch import collate
 from pipeline.stages.train.logprobs import completion_logprobs
 from pipeline.stages.train.policy import frozen_linears_bf16
@@ -119,19 +119,13 @@ def update_direction(side: dict) -> dict:
 def run(arch: str = "qwen2-0.5b", sides: list[Side] | None = None, batch: int = 8, prompt_len: int = 128,
         completion_len: int = 128, steps: int = 3, lr: float = 1e-4, json_path: str | Path | None = None,
         echo=print) -> dict:
-    from peft import LoraConfig, get_peft_model
-
-    from pipeline.config import TrainingConfig
-
     sides = sides or parse_sides("cpu:fp32,cuda:fp32,cuda:bf16")
     if any(s.device == "cuda" for s in sides) and not torch.cuda.is_available():
         raise ValueError("a cuda side needs a CUDA device; on this machine give e.g. --sides cpu:fp32,cpu:bf16")
-    tc = TrainingConfig()
     t0 = time.perf_counter()
     base = build_arch(arch)
     torch.manual_seed(1)  # the LoRA init, the same for every side (each side copies this model)
-    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=tc.lora_r, lora_alpha=tc.lora_alpha,
-                                            lora_dropout=0.0, target_modules=list(tc.target_modules)))
+    model = default_lora(base)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():  # LoRA's B starts at zero; a random B makes the adapter (and its gradient to A) count
         for n, p in model.named_parameters():

@@ -413,6 +413,12 @@ def status(store: Store, cfg: RunConfig, seeds: list[int]) -> list[dict]:
     if ex.select_split is not None:
         runs += [(f"reference on {ex.select_split}", rid, 1, EVAL_STAGES)
                  for rid in reference_runs(cfg, ex.select_split).values()]
+    return stage_rows(store, runs)
+
+
+def stage_rows(store: Store, runs: list[tuple[str, str, int, tuple[str, ...]]]) -> list[dict]:
+    """`status` rows of (part, run id, rounds, stages) runs: per round and stage whether it is done (its manifest) and
+    its wall seconds (the last run that did work, `stage_timings`)."""
     rows = []
     for part, rid, rounds, stages in runs:
         walls = {(r["round"], r["stage"]): r["wall_s"] for r in stage_timings(store, rid).iter_rows(named=True)}

@@ -70,6 +70,7 @@ from pipeline.studies.experiment import (
     plan,
     seed_run_id,
     splits_overlap,
+    stage_rows,
 )
 from pipeline.studies.formatting import round_s
 from pipeline.studies.report import stage_timings, write_study
@@ -482,12 +483,7 @@ def status(config: str | Path, methods: list[str] | None = None, seeds: int | No
                 else:  # W4S: the refinement on the validation part, then the chosen workflow held out
                     runs += [("evaluate", eval_run_id(arm, last, selection_split(arm_cfg), mode="refine"), 1,
                               EVAL_STAGES), ("evaluate", baseline_run_id(arm, REFINED, split), 1, EVAL_STAGES)]
-    rows = []
-    for part, rid, rounds, stages in dict.fromkeys(runs):  # an arm that is the experiment's run once
-        walls = {(r["round"], r["stage"]): r["wall_s"] for r in stage_timings(store, rid).iter_rows(named=True)}
-        rows += [{"part": part, "run_id": rid, "round": k, "stage": st, "done": store.manifest(rid, k, st) is not None,
-                  "wall_s": walls.get((k, st))} for k in range(rounds) for st in stages]
-    return rows
+    return stage_rows(store, list(dict.fromkeys(runs)))  # an arm that is the experiment's run once
 
 
 # ---- the summary -----------------------------------------------------------------------------------------------------
