@@ -123,7 +123,8 @@ class GeneratorConfig(_Strict):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights dtype; auto: bf16 where the device computes it natively, else fp32 "
-        "(pipeline.engines.hardware). Training recomputes π_old itself, so this only sets sampling speed.",
+        "(pipeline.engines.hardware). Sets sampling speed, and under training.old_logprobs: auto whether π_old is "
+        "the rollout's log-probs (fp32) or recomputed.",
     )
     base_url: str | None = Field(None, description="openai backend: the OpenAI-compatible server's URL.")
     endpoints: list[str] = Field(
@@ -134,6 +135,10 @@ class GeneratorConfig(_Strict):
     max_new_tokens: int = Field(512, gt=0, description="Completion length cap per sample.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of the generator.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    stop_at_block_end: bool = Field(
+        True, description="End a workflow sample at its first code block's closing fence (a line of ```): what "
+        "follows is never run (vllm, transformers and vLLM-served backends; another server runs on to EOS).",
+    )
     seed: int = Field(0, description="Sampling seed (each round and batch derives its own by hashing).")
     adapter: str | None = Field(
         None, description="LoRA adapter folder of the starting policy: round 0 samples with it and trains from it "
@@ -521,10 +526,11 @@ class TrainingConfig(_Strict):
     reference: Literal["previous", "base", "none"] = Field(
         "previous", description="KL reference: previous round's checkpoint, the base model, or no KL."
     )
-    old_logprobs: Literal["recompute", "rollout"] = Field(
+    old_logprobs: Literal["recompute", "rollout", "auto"] = Field(
         "recompute", description="π_old: recomputed before the first update (ρ = 1 at step 1, one pass over the "
         "round's sequences), or the rollout's sampled-token log-probs (no pass; they differ by the engines' numerics, "
-        "logged as logp_mismatch; needs generator.temperature 1 and top_p 1, where they are the model's own).",
+        "logged as logp_mismatch; needs generator.temperature 1 and top_p 1, where they are the model's own); auto: "
+        "the rollout's where a local generator sampled in fp32 and training runs in fp32, else recompute.",
     )
     loss_norm: Literal["sequence", "token"] = Field(
         "sequence", description="Mean per sequence then over sequences, or over all tokens of the batch."

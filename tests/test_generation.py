@@ -176,3 +176,63 @@ def test_openai_backend_retokenizes_for_other_servers(smol_tokenizer):
     c = gen._completion([1, 2], vllm_choice)
     assert not c.retokenized and c.token_ids == [5, 6] and c.token_logprobs == [-0.5, -0.25]
     assert c.finish_reason == "length"
+
+
+def test_stop_length_keeps_the_shortest_prefix_holding_a_stop():
+    from pipeline.engines.generation.base import stop_length
+
+    pieces = {1: "x = 1", 2: "\n", 3: "``", 4: "`\n", 5: "Explanation", 6: "```\n"}
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids)
+
+    # the text "x = 1\n```\nExplanation```\n" first holds "\n```\n" after token 4 (of 6)
+    assert stop_length([1, 2, 3, 4, 5, 6], decode, ("\n```\n",)) == 4
+    assert stop_length([1, 2, 3, 4, 5, 6], decode, ("Expl", "\n``")) == 3  # the earliest of several
+    assert stop_length([1, 5, 6], decode, ("\n```\n",)) is None  # "```\n" without the newline before it
+    assert stop_length([1, 2, 3, 4], decode, ()) is None
+
+
+def test_a_workflow_cut_at_its_block_end_extracts_the_same_code():
+    """The stop ends a sample after its block; every shape extract_code reads gives the same workflow from the cut."""
+    from pipeline.engines.generation.base import BLOCK_END
+    from pipeline.engines.workflow import extract_code
+
+    code = "async def solve(problem):\n    return problem\n"
+    texts = [f"Sure!\n```python\n{code}```\n\nThis workflow returns the problem.\n```python\nprint(1)\n```\n",
+             f"{code}```\nIt returns the problem.",  # written into an assistant turn opened with ```python
+             f"```python\n{code}```\n"]
+    for text in texts:
+        cut = text[: text.index(BLOCK_END) + len(BLOCK_END)]
+        assert extract_code(cut) == extract_code(text) == code.strip("\n")
+
+
+@pytest.mark.slow
+def test_transformers_backend_ends_a_sample_at_its_stop(hf):
+    """Greedy with a stop string = greedy without it, cut after the first token that completes the stop."""
+    prompts = chat_prompts(hf.tokenizer, QUESTIONS[1:])
+    free = hf.generate(prompts, Sampling(n=1, temperature=0.0, max_new_tokens=40))[0][0]
+    assert free.finish_reason == "length"
+    stop = free.text[12:16]  # written mid-way: the sample must end there
+    cut = hf.generate(prompts, Sampling(n=1, temperature=0.0, max_new_tokens=40, stop=(stop,)))[0][0]
+    k = next(k for k in range(1, len(free.token_ids) + 1) if stop in hf.tokenizer.decode(free.token_ids[:k]))
+    assert k < len(free.token_ids)
+    assert cut.token_ids == free.token_ids[:k] and cut.finish_reason == "stop"
+    assert cut.text == hf.tokenizer.decode(free.token_ids[:k]) and stop in cut.text
+    assert cut.token_logprobs == pytest.approx(free.token_logprobs[:k], abs=1e-6)
+
+
+def test_openai_backend_sends_a_stop_only_to_vllm(smol_tokenizer):
+    """vLLM keeps the stop string in the text and gives the token ids; another server would not (logic only)."""
+    from pipeline.engines.generation.openai_server import OpenAIGenerator
+
+    gen = OpenAIGenerator.__new__(OpenAIGenerator)
+    gen.tokenizer = smol_tokenizer
+    s = Sampling(n=2, temperature=1.0, max_new_tokens=8, seed=3, stop=("\n```\n",))
+    gen.is_vllm = True
+    _, kw = gen.request("m", "Hi", s, 1)
+    assert kw["stop"] == ["\n```\n"] and kw["extra_body"]["include_stop_str_in_output"] is True
+    assert kw["seed"] == 5
+    gen.is_vllm = False
+    _, kw = gen.request("m", "Hi", s, 1)
+    assert "stop" not in kw

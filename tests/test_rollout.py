@@ -105,8 +105,10 @@ def test_flat_rows_and_queries(tmp_path, fake):
     # the batch seed hashes (generator.seed, "sampling", round, the batch's first gen_id): see derived_seed
     seed = zlib.crc32(b"0:sampling:0:r0-q0-w0") % 2**31
     assert json.loads(row["sampling"]) == {"adapter": None, "logprobs": "processed", "max_new_tokens": 512,
-                                           "n": 3, "seed": seed, "temperature": 1.0, "top_p": 1.0}
+                                           "n": 3, "seed": seed, "temperature": 1.0, "top_p": 1.0,
+                                           "stop": ["\n```\n"]}  # a workflow ends where its code block closes
     assert gens[0].calls[0][1].seed == seed  # the seed stored is the seed sampled with
+    assert gens[0].calls[0][1].stop == ("\n```\n",)
     assert row["model"] == "embedded:smollm2-135m-instruct" and row["backend"] == "transformers"
     q = ctx.store.read("queries", "t", 0).sort("query_id")
     assert q["query_id"].to_list() == ["q0", "q1"] and q["split"].to_list() == ["validate"] * 2
@@ -507,3 +509,17 @@ def test_example_menu_file_missing_writes_nothing(tmp_path, fake):
     with pytest.raises(RolloutError, match="nope.py is not a file"):
         run_rollout(ctx)
     assert ctx.store.read("generations", "t", 0).height == 0
+
+
+def test_only_workflow_samples_stop_at_their_block_end_and_batches_keep_kinds_apart():
+    """An agent's plan is not code: it runs to EOS; a workflow stops at its block's close unless switched off. A
+    generation call holds one kind, so its one Sampling (and stop) suits every prompt in it."""
+    from pipeline.config import GeneratorConfig
+    from pipeline.stages.sampling import Request, batches, stops
+
+    assert stops(GeneratorConfig(), "workflow") == ("\n```\n",)
+    assert stops(GeneratorConfig(), "agent") == ()
+    assert stops(GeneratorConfig(stop_at_block_end=False), "workflow") == ()
+    reqs = [Request(kind, f"q{i}", None, [f"g{i}"], [0], "p", [], 64) for i, kind in
+            enumerate(["agent", "agent", "workflow", "workflow", "agent"])]
+    assert [[r.kind for r in b] for b in batches(reqs, 8)] == [["agent"] * 2, ["workflow"] * 2, ["agent"]]

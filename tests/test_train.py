@@ -396,6 +396,30 @@ def test_old_logprobs_from_the_rollout(tmp_path, tiny_model):
     assert w_rollout.keys() == w_recompute.keys() and all(torch.equal(w_rollout[k], w_recompute[k]) for k in w_rollout)
 
 
+def test_old_logprobs_auto_reuses_the_rollout_only_where_both_sides_are_fp32():
+    """auto: the rollout's log-probs where a local generator sampled the model's own distribution in fp32 and the
+    trainer runs without bf16 autocast; a recomputing pass wherever either side differs (logic only)."""
+    from types import SimpleNamespace
+
+    from pipeline.config import GeneratorConfig, ServeConfig, TrainingConfig
+    from pipeline.stages.train.reference import old_source
+
+    def source(mode="auto", bf16=False, **g):
+        gen = GeneratorConfig(**{"backend": "vllm", "dtype": "float32", "temperature": 1.0, "top_p": 1.0, **g})
+        setup = SimpleNamespace(train_cfg=TrainingConfig(old_logprobs=mode), bf16=bf16,
+                                ctx=SimpleNamespace(cfg=SimpleNamespace(generator=gen)))
+        return old_source(setup)
+
+    assert source() == "rollout"
+    assert source(backend="transformers") == "rollout"
+    assert source(backend="openai", serve=ServeConfig()) == "rollout"  # a server the run starts
+    assert source(backend="openai", base_url="http://127.0.0.1:1/v1") == "recompute"  # a server of unknown dtype
+    assert source(bf16=True) == "recompute"  # the trainer's bf16 autocast
+    assert source(dtype="bfloat16") == "recompute"
+    assert source(temperature=0.7) == "recompute" and source(top_p=0.9) == "recompute"  # tempered: not π_θ's
+    assert source("recompute") == "recompute" and source("rollout", bf16=True) == "rollout"
+
+
 def test_round_0_trains_from_generator_adapter(tmp_path, tiny_model):
     """generator.adapter samples round 0, so round 0 trains from it (π_old = it): its B weights, its rank (4, not
     the config's 8), this run's dropout, and ρ = 1 at step 1."""

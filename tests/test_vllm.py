@@ -142,6 +142,20 @@ def test_server_loads_adapter_at_run_time(server, hf_greedy, adapter):
     assert [len(ep.loaded) for ep in gen.endpoints] == [1]  # loaded once, reused
 
 
+def test_a_stop_string_ends_a_sample_as_in_transformers(vgen, server, hf):
+    """A stop string written mid-way ends the sample after the token that completes it, kept in text and tokens:
+    the offline engine and the server give transformers' cut (greedy, fp32)."""
+    prompts = chat_prompts(hf.tokenizer, QUESTIONS[1:])
+    free = hf.generate(prompts, Sampling(n=1, temperature=0.0, max_new_tokens=40))[0][0]
+    stop = Sampling(n=1, temperature=0.0, max_new_tokens=40, stop=(free.text[12:16],))
+    ref = hf.generate(prompts, stop)[0][0]
+    assert ref.finish_reason == "stop" and len(ref.token_ids) < len(free.token_ids)
+    served = make_generator(GeneratorConfig(model=MODEL, backend="openai", base_url=server))
+    for got in (vgen.generate(prompts, stop)[0][0], served.generate(prompts, stop)[0][0]):
+        assert_same(got, ref)
+        assert got.text == ref.text
+
+
 def test_seeded_batch_larger_than_one_prefill_step(vgen):
     """8 prompts of ~400 tokens x n=8 with per-request seeds: more prompt tokens than one step's budget
     (2048). With chunked prefill (vLLM's default) a partial prefill discards a seeded sample and the CPU

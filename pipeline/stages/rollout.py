@@ -42,7 +42,7 @@ from pipeline.run import RunContext, derived_seed
 from pipeline.stages.exemplars import Pools, load_pools, pick_exemplars, tau_at
 from pipeline.stages.modes import get_mode
 from pipeline.stages.repair import self_repair
-from pipeline.stages.sampling import Request, batches, draw_design, gen_id, seeded_rng
+from pipeline.stages.sampling import Request, batches, draw_design, gen_id, seeded_rng, stops
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class Sampler:
         g = self.cfg.generator
         seed = derived_seed(g.seed, "sampling", self.ctx.round, batch[0].gen_ids[0])
         return Sampling(n=len(batch[0].slots), temperature=g.temperature, top_p=g.top_p,
-                        max_new_tokens=batch[0].max_new_tokens, seed=seed)
+                        max_new_tokens=batch[0].max_new_tokens, seed=seed, stop=stops(g, batch[0].kind))
 
     def rows(self, req: Request, comps: list[Completion], sampling: Sampling, latency: float) -> list[dict]:
         g = self.cfg.generator

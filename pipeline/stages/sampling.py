@@ -7,6 +7,12 @@ import random
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeline.engines.generation.base import BLOCK_END
+
+if TYPE_CHECKING:
+    from pipeline.config import GeneratorConfig
 
 
 @dataclass
@@ -45,13 +51,18 @@ def draw_design(seed: int, query_id: str, slot: int, k: int) -> int:
 
 
 def batches(requests: list[Request], size: int) -> Iterator[list[Request]]:
-    """Consecutive requests with the same n and token cap, at most `size` prompts per generation call."""
+    """Consecutive requests of the same kind, n and token cap, at most `size` prompts per generation call."""
     batch: list[Request] = []
     for r in requests:
-        if batch and (len(batch) == size or (len(r.slots), r.max_new_tokens) !=
-                      (len(batch[0].slots), batch[0].max_new_tokens)):
+        if batch and (len(batch) == size or (r.kind, len(r.slots), r.max_new_tokens) !=
+                      (batch[0].kind, len(batch[0].slots), batch[0].max_new_tokens)):
             yield batch
             batch = []
         batch.append(r)
     if batch:
         yield batch
+
+
+def stops(g: GeneratorConfig, kind: str) -> tuple[str, ...]:
+    """A sample's stop strings: a workflow ends where its code block closes (generator.stop_at_block_end)."""
+    return (BLOCK_END,) if kind == "workflow" and g.stop_at_block_end else ()

@@ -238,6 +238,7 @@ def _reward_fn(ctx: RunContext, bench) -> Callable[[object, list[dict]], list[fl
 
 def _sampler(ctx: RunContext, gen) -> Sampler:
     from pipeline.engines.generation import Sampling
+    from pipeline.stages.sampling import stops
 
     g = ctx.cfg.generator
 
@@ -245,7 +246,7 @@ def _sampler(ctx: RunContext, gen) -> Sampler:
         out: list[list[object]] = []
         for i in range(0, len(prompts), g.batch_size):
             s = Sampling(n=n, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
-                         seed=derived_seed(g.seed, "smc", key, i))
+                         seed=derived_seed(g.seed, "smc", key, i), stop=stops(g, "workflow"))
             out += gen.generate(prompts[i:i + g.batch_size], s, None)
         return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -29,6 +30,12 @@ def adapter_id(adapter: str) -> tuple[str, int, str]:
     return f"adapter-{crc:08x}", crc % (2**31 - 1) + 1, str(path)
 
 
+# A fenced code block's closing line: a workflow is complete there, and what a model writes after it (an explanation,
+# a usage example) is never run. In 5,660 stored generations, cutting at the first one never changed the extracted
+# workflow (docs/performance.md), and it cut 17% of the demo's generated characters.
+BLOCK_END = "\n```\n"
+
+
 @dataclass(frozen=True)
 class Sampling:
     n: int = 1  # samples per prompt
@@ -36,6 +43,7 @@ class Sampling:
     top_p: float = 1.0
     max_new_tokens: int = 256
     seed: int = 0
+    stop: tuple[str, ...] = ()  # a sample ends with the first of these strings it writes (kept in text and tokens)
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:
@@ -44,7 +52,24 @@ class Sampling:
             raise GenerationError(f"need temperature >= 0 and 0 < top_p <= 1, got {self}")
 
     def to_json(self, **extra: object) -> str:
-        return json.dumps({**asdict(self), "logprobs": "processed", **extra}, sort_keys=True)
+        """The stored provenance of a sample's parameters (`stop` only where set: rows without one read as before)."""
+        d = {k: v for k, v in asdict(self).items() if k != "stop" or v}
+        return json.dumps({**d, "logprobs": "processed", **extra}, sort_keys=True)
+
+
+def stop_length(token_ids: list[int], decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> int | None:
+    """How many leading tokens a sample keeps when it ends at its first stop string: the shortest prefix whose text
+    holds one (what vLLM keeps with include_stop_str_in_output), None when the text holds none."""
+    if not stops or not any(s in decode(token_ids) for s in stops):
+        return None
+    lo, hi = 1, len(token_ids)  # a prefix's text only grows, so the first prefix holding a stop is a bisection
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(token_ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @dataclass

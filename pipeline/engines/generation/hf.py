@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from pipeline.engines.generation.base import Completion, Generator, Sampling, adapter_id
+from pipeline.engines.generation.base import Completion, Generator, Sampling, adapter_id, stop_length
 from pipeline.engines.models import load_causal_lm, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class TransformersGenerator(Generator):
         out = self.model.generate(
             **inputs, do_sample=sample, **warp, max_new_tokens=sampling.max_new_tokens,
             logits_processor=LogitsProcessorList(procs), pad_token_id=self.tokenizer.pad_token_id,
+            **(dict(stop_strings=list(sampling.stop), tokenizer=self.tokenizer) if sampling.stop else {}),
         )
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         recorder.gather(seqs[:, -1])
@@ -127,8 +128,11 @@ class TransformersGenerator(Generator):
                 toks = seqs[k, width:].tolist()
                 stop = next((t for t, tok in enumerate(toks) if tok in eos), None)
                 toks = toks if stop is None else toks[: stop + 1]
+                # a row that wrote a stop string ends with it (generate pads it while the others run on)
+                kept = stop_length(toks, self._decode, sampling.stop)
+                toks, stop = (toks, stop) if kept is None else (toks[:kept], kept - 1)
                 row.append(Completion(
-                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                    text=self._decode(toks),
                     prompt_token_ids=prompt_ids,
                     token_ids=toks,
                     token_logprobs=logprobs[k, : len(toks)].tolist(),
@@ -136,6 +140,9 @@ class TransformersGenerator(Generator):
                 ))
             results.append(row)
         return results
+
+    def _decode(self, toks: list[int]) -> str:
+        return self.tokenizer.decode(toks, skip_special_tokens=True)
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id

@@ -195,7 +195,11 @@ class OpenAIGenerator(Generator):
                                   logprobs=0)
         if self.is_vllm:
             kw.update(prompt=prompt_ids, extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True,
-                                                     "skip_special_tokens": True})
+                                                     "skip_special_tokens": True, "include_stop_str_in_output": True})
+            if sampling.stop:
+                kw.update(stop=list(sampling.stop))
+            # Another server drops the stop string from the text and reports finish "stop" as for an EOS, so its
+            # tokens could not be rebuilt: it gets no stop, and its samples run on to EOS or the cap.
         else:
             kw.update(prompt=prompt)
         return prompt_ids, kw

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.core.packing import Pass, logprob_passes
+from pipeline.engines.hardware import resolve_dtype
 from pipeline.stages.train.logprobs import reference_logprobs
 from pipeline.stages.train.plan import pass_budget, row_shapes
 from pipeline.stages.train.policy import start_adapter
@@ -34,12 +35,29 @@ class RefLogprobs:
     ref: LogprobsByGen | None  # the reference: the KL term's or the preference margin's
 
 
+def old_source(setup: TrainSetup) -> str:
+    """training.old_logprobs resolved. auto takes the rollout's log-probs only where they are the trainer's own up to
+    fp32 rounding: a generator on this machine (vllm, transformers, or a server the run starts) that sampled in fp32
+    at temperature 1 and top_p 1, and a training forward without bf16 autocast (on a CPU both fp32 sides differed by
+    1.7e-5 nats a token, docs/performance.md; bf16 on either side differs by about 1e-2)."""
+    mode = setup.train_cfg.old_logprobs
+    if mode != "auto":
+        return mode
+    g = setup.ctx.cfg.generator
+    local = g.backend != "openai" or g.serve is not None
+    fp32 = local and not setup.bf16 and resolve_dtype(g.dtype, what="generator") == "float32"
+    mode = "rollout" if fp32 and g.temperature == 1.0 and g.top_p == 1.0 else "recompute"
+    log.info("training.old_logprobs auto -> %s (%s)", mode, "the rollout's fp32 log-probs at temperature 1" if
+             mode == "rollout" else "a bf16, remote or tempered sampler: recomputed")
+    return mode
+
+
 def old_logprobs(setup: TrainSetup, passes: list[Pass], compute: Callable[..., LogprobsByGen]) -> LogprobsByGen:
     """π_old per gen_id: recomputed on `passes` (`compute`: `reference_logprobs` with the setup's model), or
     (training.old_logprobs: rollout) the log-probs the rollout sampled with. Sequences stored without them (an
     endpoint that gave none) are recomputed in the passes that hold them, laid out as for `recompute`, so π_θ at the
     first step still matches them exactly."""
-    if setup.train_cfg.old_logprobs == "recompute":
+    if old_source(setup) == "recompute":
         return compute(passes)
     rollout = {q.gen_id: torch.tensor(q.gen_logprobs, dtype=torch.float32)
                for q in setup.seqs if q.gen_logprobs is not None}
