@@ -145,8 +145,8 @@ class GeneratorConfig(_Strict):
         "(π_old); later rounds use the previous round's checkpoint. Default: the base model.",
     )
     batch_size: int = Field(
-        8, gt=0, description="Prompts per generation call (transformers/openai); openai: also the most requests in "
-        "flight on each endpoint.",
+        8, gt=0, description="Prompts per generation call; openai: also the most requests in flight on each "
+        "endpoint; vllm: a call decodes until its longest sample ends, so fewer, larger calls take fewer steps.",
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: GPU memory fraction.")
     max_model_len: int = Field(4096, gt=0, description="vllm: context length.")

@@ -14,7 +14,8 @@ STATE="${PREFECT_HOME:-$HOME/.prefect}/workflow-grpo"  # pids and logs of what t
 mkdir -p "$STATE"
 PORT=${PREFECT_PORT:-4200}
 
-alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# a process that has exited but is not reaped yet (a zombie) answers kill -0: it is not alive
+alive() { [[ -f "$1" ]] && live "$(cat "$1")"; }
 healthy() { python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/health', timeout=2)" "$PREFECT_API_URL" 2>/dev/null; }
 # Each process this script starts leads its own process group (set -m: job control), so stopping it stops what it
 # started too: flow runs, their stages, the Prefect server's workers.

@@ -179,7 +179,7 @@ def test_openai_backend_retokenizes_for_other_servers(smol_tokenizer):
 
 
 def test_stop_length_keeps_the_shortest_prefix_holding_a_stop():
-    from pipeline.engines.generation.base import stop_length
+    from pipeline.engines.generation.base import stop_length, stop_text
 
     pieces = {1: "x = 1", 2: "\n", 3: "``", 4: "`\n", 5: "Explanation", 6: "```\n"}
 
@@ -191,6 +191,9 @@ def test_stop_length_keeps_the_shortest_prefix_holding_a_stop():
     assert stop_length([1, 2, 3, 4, 5, 6], decode, ("Expl", "\n``")) == 3  # the earliest of several
     assert stop_length([1, 5, 6], decode, ("\n```\n",)) is None  # "```\n" without the newline before it
     assert stop_length([1, 2, 3, 4], decode, ()) is None
+    assert stop_text("x = 1\n```\nExplanation", ("\n```\n",)) == "x = 1\n```\n"
+    assert stop_text("add two", ("d t", "dd")) == "add"  # the stop that ends first, as vLLM checks as it decodes
+    assert stop_text("no stop here", ("```",)) == "no stop here"
 
 
 def test_a_workflow_cut_at_its_block_end_extracts_the_same_code():
@@ -218,7 +221,9 @@ def test_transformers_backend_ends_a_sample_at_its_stop(hf):
     k = next(k for k in range(1, len(free.token_ids) + 1) if stop in hf.tokenizer.decode(free.token_ids[:k]))
     assert k < len(free.token_ids)
     assert cut.token_ids == free.token_ids[:k] and cut.finish_reason == "stop"
-    assert cut.text == hf.tokenizer.decode(free.token_ids[:k]) and stop in cut.text
+    # the text ends with the stop, as vLLM's does, even where the token that completed it runs on
+    assert cut.text.endswith(stop) and stop not in cut.text[:-1]
+    assert hf.tokenizer.decode(free.token_ids[:k]).startswith(cut.text)
     assert cut.token_logprobs == pytest.approx(free.token_logprobs[:k], abs=1e-6)
 
 

@@ -654,19 +654,22 @@ def _program(name: str, replies):
 
 
 def test_the_hand_written_router_routes_by_the_querys_wording():
-    """mixed_router: a multiplication is computed in Python (no executor call), a kinship question gets one greedy
-    step-by-step answer, a word problem 5 samples and a vote on the final number."""
+    """mixed_router: a multiplication is computed in Python (no executor call), a calendar question about one date
+    gets one greedy step-by-step answer, a word problem or a count of weekdays 5 samples and a vote on the final
+    number."""
     import asyncio
 
     def replies(prompt, temperature, n):
-        if "relationship" in prompt:
-            return ["Sarah married Edward...\nAnswer: mother-in-law."]
+        if "day of the week" in prompt:
+            return ["October 28, 2022 was a...\nAnswer: Friday."]
         return ["Answer: 1,200", "so Answer: 1200.", "Answer: 7", "no answer here", "Answer: 1200"][:n]
 
     solve, calls = _program("mixed_router.py", replies)
     assert asyncio.run(solve("Solve the following multiplication: 361 * 220. Give only the result.")) == "79420"
     assert calls == []
-    kin = "Jayden is married to Elizabeth.\n\nWhat is Sarah to Elizabeth? Respond only with the word that describes " \
-          "their relationship."
-    assert asyncio.run(solve(kin)) == "mother-in-law" and calls[-1][1:] == (0.0, 1)
+    date = "What day of the week was October 28, 2022? Reply with just the weekday name."
+    assert asyncio.run(solve(date)) == "Friday" and calls[-1][1:] == (0.0, 1)
+    count = "Between Monday, January 17, 2022 and Saturday, March 12, 2022 (counting both dates), how many times " \
+            "does Thursday occur? Answer with a number."
+    assert asyncio.run(solve(count)) == "1200" and calls[-1][1:] == (0.7, 5)
     assert asyncio.run(solve("Tom has 3 boxes of 400 pens. How many pens?")) == "1200" and calls[-1][1:] == (0.7, 5)

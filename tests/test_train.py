@@ -412,7 +412,8 @@ def test_old_logprobs_auto_reuses_the_rollout_only_where_both_sides_are_fp32():
 
     assert source() == "rollout"
     assert source(backend="transformers") == "rollout"
-    assert source(backend="openai", serve=ServeConfig()) == "rollout"  # a server the run starts
+    assert source(backend="openai", serve=ServeConfig(dtype="float32")) == "rollout"  # a server the run starts
+    assert source(backend="openai", serve=ServeConfig(dtype="bfloat16")) == "recompute"  # ...in its serve.dtype
     assert source(backend="openai", base_url="http://127.0.0.1:1/v1") == "recompute"  # a server of unknown dtype
     assert source(bf16=True) == "recompute"  # the trainer's bf16 autocast
     assert source(dtype="bfloat16") == "recompute"

@@ -72,6 +72,13 @@ def stop_length(token_ids: list[int], decode: Callable[[list[int]], str], stops:
     return lo
 
 
+def stop_text(text: str, stops: tuple[str, ...]) -> str:
+    """`text` up to the end of the first stop string it completes: vLLM's text with include_stop_str_in_output, which
+    ends there even where the token that completed the stop runs on (its tokens keep that token whole)."""
+    ends = [text.index(s) + len(s) for s in stops if s in text]
+    return text[: min(ends)] if ends else text
+
+
 @dataclass
 class Completion:
     text: str  # decoded completion, special tokens skipped

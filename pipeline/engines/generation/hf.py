@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from pipeline.engines.generation.base import Completion, Generator, Sampling, adapter_id, stop_length
+from pipeline.engines.generation.base import Completion, Generator, Sampling, adapter_id, stop_length, stop_text
 from pipeline.engines.models import load_causal_lm, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class TransformersGenerator(Generator):
                 kept = stop_length(toks, self._decode, sampling.stop)
                 toks, stop = (toks, stop) if kept is None else (toks[:kept], kept - 1)
                 row.append(Completion(
-                    text=self._decode(toks),
+                    text=stop_text(self._decode(toks), sampling.stop),
                     prompt_token_ids=prompt_ids,
                     token_ids=toks,
                     token_logprobs=logprobs[k, : len(toks)].tolist(),

@@ -45,7 +45,8 @@ def old_source(setup: TrainSetup) -> str:
         return mode
     g = setup.ctx.cfg.generator
     local = g.backend != "openai" or g.serve is not None
-    fp32 = local and not setup.bf16 and resolve_dtype(g.dtype, what="generator") == "float32"
+    dtype = g.serve.dtype if g.serve is not None else g.dtype  # a served generator loads serve.dtype
+    fp32 = local and not setup.bf16 and resolve_dtype(dtype, what="generator") == "float32"
     mode = "rollout" if fp32 and g.temperature == 1.0 and g.top_p == 1.0 else "recompute"
     log.info("training.old_logprobs auto -> %s (%s)", mode, "the rollout's fp32 log-probs at temperature 1" if
              mode == "rollout" else "a bf16, remote or tempered sampler: recomputed")
