@@ -465,6 +465,51 @@ def test_curve_plot_has_a_line_per_seed_the_mean_and_each_reference(tmp_path):
 
 
 
+def test_frontier_has_each_reference_each_round_mean_over_seeds_and_each_seed(tmp_path):
+    """A hand-made summary: two seeds' base and round-0 evaluations, three references (one not evaluated). By hand:
+    base (0.2 + 0.3) / 2 = 0.25 at (100 + 120) / 2 = 110 tokens; round 0 (0.5 + 0.6) / 2 = 0.55 at (200 + 300) / 2 =
+    250, generator tokens 50 (seed 0 has none recorded). Pareto: pot (0.45 at 110) beats the base (0.25 at 110) and
+    vote (0.40 at 600); round 0 is the only point above 0.45."""
+    from pipeline.studies.report import build_experiment_report
+    from pipeline.studies.summaries import ExperimentSummary
+
+    def arm(seed, k, mean, tokens, gen=None):
+        return {"seed": seed, "round": k, "eval_run_id": f"m-s{seed}-eval-{k}", "queries": 4, "mean_at_l": mean,
+                "best_at_l": mean, "exec_tokens_per_query": tokens, "gen_tokens_per_query": gen}
+
+    def ref(label, mean, tokens):
+        return {"method": "program", "label": label, "eval_run_id": f"m-baseline-{label}", "queries": 4,
+                "mean_at_l": mean, "exec_tokens_per_query": tokens, "gen_tokens_per_query": 0.0}
+
+    summary = ExperimentSummary.from_dict({
+        "experiment": "m", "seeds": [0, 1], "rounds": 1, "split": "test", "eval_queries": 4, "eval_l": 2,
+        "arms": [arm(0, -1, 0.2, 100), arm(1, -1, 0.3, 120), arm(0, 0, 0.5, 200), arm(1, 0, 0.6, 300, gen=50.0)],
+        "references": [ref("program-pot", 0.45, 110), ref("program-vote", 0.40, 600),
+                       ref("program-steps", None, None)]})
+    got = [(p.kind, p.name, p.seed, round(p.mean_at_l, 6), p.exec_tokens_per_query, p.gen_tokens_per_query, p.pareto)
+           for p in summary.frontier()]
+    assert got == [("reference", "program-pot", None, 0.45, 110, 0.0, True),
+                   ("reference", "program-vote", None, 0.4, 600, 0.0, False),
+                   ("round", "base model", None, 0.25, 110.0, None, False),
+                   ("round", "round 0", None, 0.55, 250.0, 50.0, True),
+                   ("round", "base model, seed 0", 0, 0.2, 100, None, None),
+                   ("round", "base model, seed 1", 1, 0.3, 120, None, None),
+                   ("round", "round 0, seed 0", 0, 0.5, 200, None, None),
+                   ("round", "round 0, seed 1", 1, 0.6, 300, 50.0, None)]
+    page = build_experiment_report(summary, tmp_path / "report.html").read_text()
+    assert "<img src='frontier.png'" in page and (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    from pipeline.studies.report import plot_frontier
+
+    (ax,) = plot_frontier(summary, tmp_path / "f.png").axes
+    line = next(x for x in ax.lines if x.get_label().startswith("generator"))
+    assert list(line.get_xdata()) == [110.0, 250.0] and [round(y, 6) for y in line.get_ydata()] == [0.25, 0.55]
+    front = next(x for x in ax.lines if x.get_label() == "Pareto frontier")
+    assert list(front.get_xdata()) == [110, 250.0]
+    empty = ExperimentSummary.from_dict({"experiment": "m", "seeds": [0], "rounds": 1, "split": "test",
+                                         "eval_queries": 4, "eval_l": 2})
+    assert plot_frontier(empty, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
 # ---- the best fixed workflow, chosen on dev ------------------------------------------------------------------------
 
 

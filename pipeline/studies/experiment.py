@@ -27,9 +27,9 @@ names the best fixed workflow by its Mean@L there, at the trained generator's ex
 (`best_fixed`): the choice a reviewer asks for, made by a rule fixed before the test numbers are read.
 
 The summary is written to `<store>/experiments/<run_id>/` as experiment.json (everything), per_query.csv,
-report.html and curve.png. After a seed's evaluations its last round's adapter is kept apart from the checkpoint, in
-`<store>/adapters/<seed run>-r<k>/` with its run's config and a README (`keep_adapter`): a store kept in git commits it
-while it leaves the checkpoints out, and `pipeline evaluate-adapter` evaluates it on new problems.
+report.html, curve.png and frontier.png. After a seed's evaluations its last round's adapter is kept apart from the
+checkpoint, in `<store>/adapters/<seed run>-r<k>/` with its run's config and a README (`keep_adapter`): a store kept in
+git commits it while it leaves the checkpoints out, and `pipeline evaluate-adapter` evaluates it on new problems.
 `run_experiment` runs it through a stage caller (pipeline.stages.rounds: without Prefect, or flows/experiment.py's).
 Re-running with the same run id resumes: finished stages are skipped by their manifests, in the seed runs and in
 the evaluation runs alike; a re-entered seed whose checkpoint was lost after training (a store cloned from git)

@@ -214,6 +214,59 @@ def plot_curve(summary: ExperimentSummary, out: Path):
     return fig
 
 
+FRONTIER_PNG = "frontier.png"  # held-out score against executor tokens, next to an experiment's report.html
+
+
+def plot_frontier(summary: ExperimentSummary, out: Path):
+    """Held-out Mean@L against executor tokens per query (`ExperimentSummary.frontier`) as a PNG at `out`: each
+    reference a labelled point (the Pareto ones among references and rounds joined), the rounds' means over seeds a
+    black line from the base model on, each seed's evaluations small grey points. Returns the Figure, or None where
+    nothing has both numbers yet."""
+    from matplotlib.figure import Figure
+
+    pts = summary.frontier()
+    if not pts:
+        return None
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    refs = [p for p in pts if p.kind == "reference"]
+    rounds = [p for p in pts if p.kind == "round" and p.seed is None]
+    seeds = [p for p in pts if p.seed is not None]
+    if refs:
+        ax.scatter([p.exec_tokens_per_query for p in refs], [p.mean_at_l for p in refs], color="C0", zorder=3,
+                   label="fixed workflow (reference)")
+    for p in refs + rounds:
+        ax.annotate(p.name.removeprefix("program-"), (p.exec_tokens_per_query, p.mean_at_l), fontsize="x-small",
+                    xytext=(4, 3), textcoords="offset points")
+    if seeds:
+        ax.scatter([p.exec_tokens_per_query for p in seeds], [p.mean_at_l for p in seeds], color="grey", s=10,
+                   alpha=0.6, zorder=2, label="one seed's evaluation")
+    if rounds:
+        ax.plot([p.exec_tokens_per_query for p in rounds], [p.mean_at_l for p in rounds], color="black", marker="o",
+                linewidth=1.5, zorder=4, label="generator: base model, then each round (mean over seeds)")
+    front = sorted((p for p in refs + rounds if p.pareto), key=lambda p: p.exec_tokens_per_query)
+    ax.plot([p.exec_tokens_per_query for p in front], [p.mean_at_l for p in front], color="C0", linestyle="--",
+            linewidth=1, alpha=0.6, label="Pareto frontier")
+    ax.set_xlabel("executor tokens per query (held out)")
+    ax.set_ylabel(f"held-out Mean@L (L = {summary.eval_l})")
+    ax.set_title(f"experiment {summary.experiment}: {summary.split} split", fontsize="medium")
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    return fig
+
+
+def frontier_section(summary: ExperimentSummary, out_dir: Path) -> str:
+    """HTML of the frontier: the PNG (written into `out_dir`) and its table, generator tokens beside executor
+    tokens; empty where nothing has both numbers yet."""
+    if plot_frontier(summary, out_dir / FRONTIER_PNG) is None:
+        return ""
+    rows = pl.DataFrame([p.to_dict() for p in summary.frontier()])
+    return (f"<h2>Score against executor tokens</h2><p><img src='{FRONTIER_PNG}' alt='held-out Mean@L against "
+            f"executor tokens per query'></p><p>rounds: the mean over seeds, then each seed's evaluation; pareto: "
+            f"among the references and the rounds' means</p>{_table(rows)}")
+
+
 def reference_tables(summary: ExperimentSummary) -> str:
     """HTML of the experiment's reference arms, every round's paired difference to them and the best fixed workflow
     chosen on another split (`selection`; none: empty)."""
@@ -239,7 +292,8 @@ def reference_tables(summary: ExperimentSummary) -> str:
 def build_experiment_report(summary: ExperimentSummary, out: Path) -> Path:
     """HTML page of a learning experiment (pipeline.studies.experiment): the paired differences with their intervals
     (table and plot), the held-out curve over rounds with the references (`plot_curve`, a PNG beside the page), the
-    references' numbers, the held-out numbers of every (seed, round) evaluation and the config's key numbers."""
+    score-vs-executor-tokens frontier (`plot_frontier`, a PNG beside it), the references' numbers, the held-out
+    numbers of every (seed, round) evaluation and the config's key numbers."""
     import plotly.graph_objects as go
 
     paired = pl.DataFrame([paired_row(p) for p in summary.paired]) if summary.paired else pl.DataFrame()
@@ -293,7 +347,8 @@ def build_experiment_report(summary: ExperimentSummary, out: Path) -> Path:
         f"bootstrap resampling seeds, then queries within each drawn seed; ci_pairs: over pairs; ci_queries: over "
         f"queries (all seeds of a drawn query together); n/a: not in this summary (written before it existed)</p>"
         f"{_table(paired) if paired.height else '<p>no evaluation yet</p>'}"
-        f"<h2>Per seed</h2>{_table(per_seed) if per_seed.height else ''}{curve}{reference_tables(summary)}"
+        f"<h2>Per seed</h2>{_table(per_seed) if per_seed.height else ''}{curve}"
+        f"{frontier_section(summary, out.parent)}{reference_tables(summary)}"
         f"<h2>Evaluations</h2>{_table(arms) if arms.height else ''}{''.join(parts)}</body></html>"
     )
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar, Self
 
+from pipeline.core.headroom import Point, pareto
 from pipeline.core.learning import METRICS
 from pipeline.core.objectives import get_objective
 from pipeline.studies.formatting import (
@@ -398,6 +399,23 @@ class KeptAdapter(Record):
 
 
 @dataclass(kw_only=True)
+class FrontierPoint(Record):
+    """A point of the experiment's score-vs-executor-tokens frontier: a reference (a fixed workflow), or a round's
+    held-out evaluation (BASE: the base model) as the mean over its seeds' evaluations (`seed` None) or one seed's.
+    `pareto`: no other reference or round mean scores at least as well for at most its tokens, better in one; seed
+    points are not ranked (None)."""
+
+    kind: str  # "reference" or "round"
+    name: str
+    round: int | None
+    seed: int | None
+    mean_at_l: float
+    exec_tokens_per_query: float
+    gen_tokens_per_query: float | None
+    pareto: bool | None
+
+
+@dataclass(kw_only=True)
 class ExperimentSummary(Record):
     """experiment.json (pipeline.studies.experiment.summarise; the run's facts, command to wall seconds, in
     `extra`). Summaries written before the references, the curve or the choice lack them."""
@@ -441,6 +459,34 @@ class ExperimentSummary(Record):
         if self.flagged_rewarded is not None:  # older summaries lack it
             lines.append(f"flagged rewarded training runs (scores.flags): {self.flagged_rewarded}")
         return lines + [a.line() for a in self.adapters]
+
+    def frontier(self) -> list[FrontierPoint]:
+        """Every reference and every evaluated round on held-out Mean@L against executor tokens per query: a round's
+        point is the mean over its seeds' evaluations (each seed's point too, after them); an arm without both
+        numbers (not evaluated yet) is left out. Pareto over the references and round means."""
+        pts = [FrontierPoint(kind="reference", name=r.name, round=None, seed=None, mean_at_l=r.mean_at_l,
+                             exec_tokens_per_query=r.exec_tokens_per_query,
+                             gen_tokens_per_query=r.gen_tokens_per_query, pareto=None)
+               for r in self.references if r.mean_at_l is not None and r.exec_tokens_per_query is not None]
+        seeds = []
+        by_round: dict[int, list[ExperimentArm]] = {}
+        for a in self.arms:
+            if a.mean_at_l is not None and a.exec_tokens_per_query is not None:
+                by_round.setdefault(a.round, []).append(a)
+        for k, arms in sorted(by_round.items()):
+            gen = [a.gen_tokens_per_query for a in arms if a.gen_tokens_per_query is not None]
+            pts.append(FrontierPoint(kind="round", name=round_name(k), round=k, seed=None,
+                                     mean_at_l=sum(a.mean_at_l for a in arms) / len(arms),
+                                     exec_tokens_per_query=sum(a.exec_tokens_per_query for a in arms) / len(arms),
+                                     gen_tokens_per_query=sum(gen) / len(gen) if gen else None, pareto=None))
+            seeds += [FrontierPoint(kind="round", name=f"{round_name(k)}, seed {a.seed}", round=k, seed=a.seed,
+                                    mean_at_l=a.mean_at_l, exec_tokens_per_query=a.exec_tokens_per_query,
+                                    gen_tokens_per_query=a.gen_tokens_per_query, pareto=None)
+                      for a in sorted(arms, key=lambda a: a.seed)]
+        fronts = pareto([Point(p.name, p.mean_at_l, p.exec_tokens_per_query) for p in pts])
+        for p, front in zip(pts, fronts, strict=True):
+            p.pareto = front
+        return pts + seeds
 
     def truncation(self) -> str | None:
         """Executor calls with a reply cut at the token cap, held out, per round (mean over seeds); None where no
