@@ -417,22 +417,26 @@ def _named(values: list[str], what: str) -> dict[str, str]:
 
 @bench_app.command("crn")
 def bench_crn(
-    arms: Annotated[list[str], typer.Option("--arm", help="NAME=RUN_ID: an evaluation run (repeatable).")],
-    pairs: Annotated[list[str], typer.Option("--pair", help="A-B: a paired difference of two arms (repeatable).")],
+    arms: Annotated[list[str], typer.Option("--arm", help="NAME=RUN_ID: an evaluation run, or a training run (its "
+                                                         "round 0's workflows) (repeatable).")],
     out: Annotated[Path, typer.Option(help="Scratch store of the re-scored copies, and crn.json.")],
+    pairs: Annotated[list[str] | None, typer.Option("--pair", help="A-B: a paired difference of two arms "
+                                                                   "(repeatable; none: the score variance only).")]
+    = None,
     queries: Annotated[int | None, typer.Option(min=1, help="The first N queries every arm has (default all).")]
     = None,
     store: StoreOpt = None,
     sets: SetOpt = None,
 ) -> None:
-    """Re-score stored evaluation runs' workflows (the arms, in --store) without and with common random numbers (the
-    same calls: the same budget) and print each pair's interval half-width both ways."""
+    """Re-score stored runs' workflows (the arms, in --store) without and with common random numbers (the same calls:
+    the same budget) and print each pair's interval half-width both ways, and each arm's share of queries with score
+    variance."""
     from pipeline.perf.crn import run_crn_bench
 
     named = _named(arms, "--arm")
     if bad := [n for n in named if "-" in n]:
         raise typer.BadParameter(f"--arm names may not hold '-' (it joins a --pair): {bad}")
-    split = [tuple(p.split("-", 1)) for p in pairs]
+    split = [tuple(p.split("-", 1)) for p in pairs or []]
     if any(len(p) != 2 for p in split):
         raise typer.BadParameter(f"--pair: expected A-B, got {pairs}")
     try:

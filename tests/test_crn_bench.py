@@ -9,7 +9,17 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.config import ConfigError
-from pipeline.perf.crn import CrnResult, ModeCost, PairWidth, common_queries, copy_arm, pair_width, ratio
+from pipeline.perf.crn import (
+    ArmVariance,
+    CrnResult,
+    ModeCost,
+    PairWidth,
+    arm_variance,
+    common_queries,
+    copy_arm,
+    pair_width,
+    ratio,
+)
 from pipeline.run import open_run
 from pipeline.store import Store
 
@@ -60,12 +70,31 @@ def test_widths_and_ratio_by_hand():
     widths = [w, PairWidth("a - b", "with", 0.5, 0.25, 0.75)]
     assert ratio(widths, "a - b") == 0.5
     assert ratio([PairWidth("x - y", "without", 0, 0, 0), PairWidth("x - y", "with", 0, 0, 0)], "x - y") is None
-    r = CrnResult("s", {"a": "ra", "b": "rb"}, 2, [], widths, [ModeCost("with", 1.5, 300, 900)])
+    r = CrnResult("s", {"a": "ra", "b": "rb"}, 2, [], widths, [ModeCost("with", 1.5, 300, 900)],
+                  [ArmVariance("a", "with", 4, 1)])
     assert r.to_dict()["ratios"] == {"a - b": 0.5} and r.to_dict()["widths"][1]["half_width"] == 0.25
+    assert r.to_dict()["variance"] == [{"arm": "a", "mode": "with", "queries": 4, "varied": 1, "varied_share": 0.25}]
     assert r.lines() == ["without CRN  a - b: 0.500 [0.000, 1.000], half-width 0.500",
                          "   with CRN  a - b: 0.500 [0.250, 0.750], half-width 0.250",
                          "a - b: half-width with / without CRN 0.50",
-                         "   with CRN  executor tokens computed 300 of 900 used, wall 1.5 s"]
+                         "   with CRN  executor tokens computed 300 of 900 used, wall 1.5 s",
+                         "   with CRN  arm a: 1 of 4 queries with score variance (0.250)"]
+
+
+def test_score_variance_counts_a_query_whose_workflow_scores_differ(tmp_path):
+    """Three queries of two workflows each: q1 scored 1 and 0 (varied), q2 1 and 1 (not), q3 0 and an invalid
+    workflow, which curation reads as 0 (not varied): 1 of 3. A second rep is averaged in: q2's second workflow at 1
+    then 0 is 0.5, so q2 varies too: 2 of 3."""
+    src = Store(str(tmp_path / "src"))
+    rid = _eval_run(src.root, ["q1", "q2", "q3"])
+    gens = src.read("generations", rid, 0).with_columns(
+        valid=src.read("generations", rid, 0)["gen_id"] != "q3-1").drop("round")
+    src.write("generations", gens, rid, 0)
+    scores = {"q1-0": [1.0, 1.0], "q1-1": [0.0, 0.0], "q2-0": [1.0, 1.0], "q2-1": [1.0, 0.0], "q3-0": [0.0, 0.0]}
+    for r in range(2):
+        src.write("scores", [{"gen_id": g, "rep": r, "attempt": 0, "status": "ok", "score": v[r]}
+                             for g, v in scores.items()], rid, 0)
+        assert arm_variance(src, "a", rid, "with", reps=r + 1) == ArmVariance("a", "with", 3, 1 + r)
 
 
 def test_the_command_refuses_bad_arms_and_pairs(tmp_path):

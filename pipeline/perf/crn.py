@@ -8,6 +8,10 @@ runs them against one executor server shared by the mode's arms, with the reply 
 sampled call is kept only when seeded). Then, per pair (a, b), the per-query Mean@L difference a − b and its 95%
 bootstrap interval over queries; the figure is each pair's half-width with CRN over the half-width without (the
 goal in docs/performance.md: at most 0.7). Executor tokens computed and the wall time of each mode are the cost.
+Per arm and mode it also gives the share of queries whose workflows' scores are not all equal (`varied_share`, the
+scores curation reads: mean over reps, 0 for an invalid workflow): with a training round as an arm, whether common
+random numbers in training rollouts change how many training problems have score variance, the only ones GRPO
+learns from.
 
 Both modes score the same workflows on the same queries with the same calls: the budget is equal by construction.
 A mode whose runs were scored before is resumed (the score stage skips what is done), so an interrupted bench
@@ -60,6 +64,18 @@ class ModeCost:
 
 
 @dataclass(frozen=True)
+class ArmVariance:
+    arm: str
+    mode: str
+    queries: int
+    varied: int  # queries whose workflows' scores are not all equal
+
+    @property
+    def share(self) -> float | None:
+        return self.varied / self.queries if self.queries else None
+
+
+@dataclass(frozen=True)
 class CrnResult:
     """What the bench measured: each pair's interval per mode, the half-width ratios, each mode's cost."""
 
@@ -69,6 +85,7 @@ class CrnResult:
     sets: list[str]
     widths: list[PairWidth]
     costs: list[ModeCost]
+    variance: list[ArmVariance]
 
     @property
     def ratios(self) -> dict[str, float | None]:
@@ -79,7 +96,8 @@ class CrnResult:
         """As crn.json holds it."""
         return {"source": self.source, "arms": self.arms, "queries": self.queries, "sets": self.sets,
                 "widths": [asdict(w) | {"half_width": w.half_width} for w in self.widths],
-                "ratios": self.ratios, "costs": [asdict(c) for c in self.costs]}
+                "ratios": self.ratios, "costs": [asdict(c) for c in self.costs],
+                "variance": [asdict(v) | {"varied_share": v.share} for v in self.variance]}
 
     def lines(self) -> list[str]:
         """What `pipeline bench crn` prints."""
@@ -87,7 +105,9 @@ class CrnResult:
                  f"{num(w.half_width)}" for w in self.widths]
                 + [f"{pair}: half-width with / without CRN {num(r, 2)}" for pair, r in self.ratios.items()]
                 + [f"{c.mode:>7} CRN  executor tokens computed {c.computed_tokens} of {c.used_tokens} used, wall "
-                   f"{c.wall_s} s" for c in self.costs])
+                   f"{c.wall_s} s" for c in self.costs]
+                + [f"{v.mode:>7} CRN  arm {v.arm}: {v.varied} of {v.queries} queries with score variance "
+                   f"({num(v.share)})" for v in self.variance])
 
 
 def common_queries(src: Store, arms: dict[str, str], limit: int | None) -> list[str]:
@@ -126,6 +146,14 @@ def mode_cost(store: Store, mode: str, run_ids: list[str], wall_s: float) -> Mod
     return ModeCost(mode, round_s(wall_s), int(row[0] or 0), int(row[1] or 0))
 
 
+def arm_variance(store: Store, arm: str, run_id: str, mode: str, reps: int) -> ArmVariance:
+    """How many of the run's queries have workflows whose scores are not all equal, by the scores curation reads
+    (`Store.generation_scores`: the mean over reps, null for an invalid workflow, read as 0 as curation does)."""
+    df = store.generation_scores(run_id, 0, reps, ()).filter(pl.col("kind") == "workflow")
+    per_query = df.group_by("query_id").agg(pl.col("score").fill_null(0.0).n_unique().alias("distinct"))
+    return ArmVariance(arm, mode, per_query.height, int((per_query["distinct"] > 1).sum()))
+
+
 def pair_width(per_query: dict[str, dict[str, float]], a: str, b: str, mode: str) -> PairWidth:
     shared = sorted(per_query[a].keys() & per_query[b].keys())
     ci = bootstrap_ci([per_query[a][q] - per_query[b][q] for q in shared])
@@ -141,7 +169,7 @@ def run_crn_bench(src_root: str | Path, arms: dict[str, str], pairs: list[tuple[
             raise ConfigError(f"pair {a} - {b}: arms are {', '.join(arms)}")
     src = Store(str(src_root))
     shared = common_queries(src, arms, queries)
-    widths, costs = [], []
+    widths, costs, variance = [], [], []
     for mode, on in MODES.items():
         dst = Store(str(Path(out) / mode))
         for rid in arms.values():
@@ -154,10 +182,11 @@ def run_crn_bench(src_root: str | Path, arms: dict[str, str], pairs: list[tuple[
                 log.info("crn bench: %s CRN, arm %s (%s), %d queries", mode, name, rid, len(shared))
                 run_stage("score", rid, 0, str(dst.root), mode_sets)
         costs.append(mode_cost(dst, mode, list(arms.values()), time.perf_counter() - t0))
+        variance += [arm_variance(dst, name, rid, mode, cfg.scoring.reps) for name, rid in arms.items()]
         per_query = {name: {q["query_id"]: q["mean_at_l"] for q in eval_summary(dst, rid)["per_query"]}
                      for name, rid in arms.items()}
         widths += [pair_width(per_query, a, b, mode) for a, b in pairs]
-    result = CrnResult(str(src_root), arms, len(shared), list(sets or []), widths, costs)
+    result = CrnResult(str(src_root), arms, len(shared), list(sets or []), widths, costs, variance)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "crn.json").write_text(json.dumps(result.to_dict(), indent=2))
     return result
