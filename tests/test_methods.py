@@ -19,6 +19,8 @@ from pipeline.stages.rounds import direct_call
 from pipeline.stages.runner import RetryPolicy
 from pipeline.store import CATALOG, Store
 from pipeline.studies import methods as mm
+from pipeline.studies.baselines import TASK_BEST
+from pipeline.studies.summaries import BEST_FIXED_ARM
 
 CONFIGS = ("configs/smoke.yaml", "configs/gsm-learn.yaml")
 
@@ -184,6 +186,11 @@ def test_compare_methods_end_to_end_pairs_by_hand_and_resumes(tmp_path, monkeypa
     sel = paired[("two_level", "base", "select_at_l")]
     assert (sel["against_metric"], sel["mean"]) == ("mean_at_l", 0.75)
     assert paired[("task_best", "spogw", "mean_at_l")]["mean"] == pytest.approx(-0.25)
+    # against the best fixed workflow chosen on dev (task_best: 0.75 on both queries), the baseline of that name
+    assert paired[("spogw", "task_best", "mean_at_l")]["mean"] == pytest.approx(0.25)
+    assert paired[("scoreflow", "task_best", "mean_at_l")]["mean"] == pytest.approx(0.625 - 0.75)
+    assert ("task_best", "task_best", "mean_at_l") not in paired and BEST_FIXED_ARM == TASK_BEST
+    assert "Mean@L vs task_best" in (tmp_path / "experiments" / "cm-methods" / "methods.md").read_text()
     assert ("spogw", "spogw", "mean_at_l") not in paired and not any(p["arm"] == "base" for p in body["paired"])
 
     # the runs: shared base per seed, arms with their overlays, evaluations scored by the metric alone

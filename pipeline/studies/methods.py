@@ -1,6 +1,7 @@
 """The methods side by side (`pipeline compare-methods CONFIG`): each method of the papers this project
 implements trained from the same base model on the same training queries, S seeds x R rounds, then evaluated on the
-same held-out queries with its own inference procedure, against the base model and against SPOGW.
+same held-out queries with its own inference procedure, against the base model, against SPOGW and against the best
+fixed workflow chosen on dev (`task_best`).
 
 A method is a record in `METHODS` (pure data, as verl's registries): its overlay on CONFIG (`--set` strings), whether
 it trains, and how it is evaluated. For each seed s of `experiment.seeds` (as `pipeline experiment`):
@@ -78,6 +79,7 @@ from pipeline.studies.smc import run_smc
 from pipeline.studies.summaries import (
     BASE,
     BASE_ARM,
+    BEST_FIXED_ARM,
     REFERENCE_ARM,
     ArmDiff,
     ArmRun,
@@ -181,7 +183,7 @@ register_method(Method(
     "smc", "BayesFlow's SMC sampler (M = 0, consistency reward) on the base model, N = L particles",
     trained=False, evaluations=(SMC,)))
 register_method(Method(
-    "task_best", "the best fixed program per task, chosen on the selection split (dev), L runs per query",
+    BEST_FIXED_ARM, "the best fixed program per task, chosen on the selection split (dev), L runs per query",
     trained=False, evaluations=(TASK_BEST_EVAL,), seeded=False))
 
 
@@ -547,12 +549,12 @@ def arm_means(arm: str, rows: list[dict], mine: list[MethodSeedRow]) -> MethodAr
 
 
 def paired_arms(arms: list[MethodArm], per_query: list[dict], seeds: list[int], ex) -> list[ArmDiff]:
-    """Per arm, other arm (base, spogw) and metric the arm has: the pooled paired difference per (seed, query);
-    Sel@L against the other arm's Mean@L where it has no Sel@L."""
+    """Per arm, other arm (base, spogw, task_best: the best fixed workflow chosen on dev) and metric the arm has: the
+    pooled paired difference per (seed, query); Sel@L against the other arm's Mean@L where it has no Sel@L."""
     has = {a.arm: {m for m in ALL_METRICS if getattr(a, m) is not None} for a in arms}
     paired = []
     for a in arms:
-        for against in (BASE_ARM, REFERENCE_ARM):
+        for against in (BASE_ARM, REFERENCE_ARM, BEST_FIXED_ARM):
             if against == a.arm or against not in has or a.arm == BASE_ARM:
                 continue
             for metric in [m for m in ALL_METRICS if m in has[a.arm]]:

@@ -33,6 +33,7 @@ from pipeline.studies.formatting import (
 BASE = -1  # the round index of the base model in evaluations
 BASE_ARM = "base"  # the base model's arm in the ablation and the methods comparison
 REFERENCE_ARM = "spogw"  # the methods comparison pairs every arm with this one too
+BEST_FIXED_ARM = "task_best"  # ... and with the best fixed workflow chosen on dev (baselines.TASK_BEST's arm)
 
 
 # ---- the record: a stored dict as a dataclass ------------------------------------------------------------------------
@@ -676,14 +677,15 @@ class MethodsSummary(Record):
 
     def _arms_table(self, metrics: list[str]) -> list[str]:
         head = ["arm", "evaluation", "seeds", *map(metric_name, metrics), "Mean@L vs base",
-                f"Mean@L vs {REFERENCE_ARM}", "generator tokens/query", "executor tokens/query", "training s/seed",
-                "valid"]
+                f"Mean@L vs {REFERENCE_ARM}", f"Mean@L vs {BEST_FIXED_ARM}", "generator tokens/query",
+                "executor tokens/query", "training s/seed", "valid"]
         lines = [f"Held-out {self.split}, {self.eval_queries} queries, L = {self.eval_l}, seeds {self.seeds}, "
                  f"{self.rounds} round(s); differences: mean [95% interval resampling seeds, then queries].", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for a in self.arms:
             cells = [a.arm, a.evaluation, str(len(a.seeds)), *(num(getattr(a, m)) for m in metrics),
-                     self._diff(a.arm, BASE_ARM), self._diff(a.arm, REFERENCE_ARM), num(a.gen_tokens_per_query, 0),
+                     self._diff(a.arm, BASE_ARM), self._diff(a.arm, REFERENCE_ARM), self._diff(a.arm, BEST_FIXED_ARM),
+                     num(a.gen_tokens_per_query, 0),
                      num(a.exec_tokens_per_query, 0), num(a.train_wall_s, 0), num(a.valid_share, 2)]
             lines.append("| " + " | ".join(cells) + " |")
         return lines
