@@ -205,10 +205,15 @@ def plot_curve(summary: ExperimentSummary, out: Path):
                    label=f"{r.name} ({num(r.mean_at_l)})")
     ax.set_xticks(x, ["base" if k == 0 else str(k) for k in x])
     ax.set_xlabel("rounds of training (base: the base model)")
+    return _save(fig, ax, summary, out, "small")
+
+
+def _save(fig, ax, summary: ExperimentSummary, out: Path, legend_size: str):
+    """An experiment plot's y label, title and legend, written to `out`; returns the Figure."""
     ax.set_ylabel(f"held-out Mean@L (L = {summary.eval_l})")
     ax.set_title(f"experiment {summary.experiment}: {summary.split} split", fontsize="medium")
-    # beside the axes, not on them: the lines cluster where the legend would otherwise go
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    # beside the axes, not on them: the lines and labels cluster where the legend would otherwise go
+    ax.legend(fontsize=legend_size, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     return fig
@@ -248,12 +253,7 @@ def plot_frontier(summary: ExperimentSummary, out: Path):
     ax.plot([p.exec_tokens_per_query for p in front], [p.mean_at_l for p in front], color="C0", linestyle="--",
             linewidth=1, alpha=0.6, label="Pareto frontier")
     ax.set_xlabel("executor tokens per query (held out)")
-    ax.set_ylabel(f"held-out Mean@L (L = {summary.eval_l})")
-    ax.set_title(f"experiment {summary.experiment}: {summary.split} split", fontsize="medium")
-    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    return fig
+    return _save(fig, ax, summary, out, "x-small")
 
 
 def frontier_section(summary: ExperimentSummary, out_dir: Path) -> str:
