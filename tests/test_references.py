@@ -631,6 +631,40 @@ def test_time_left_is_the_mean_of_the_stages_of_a_kind_already_done():
         == (900.0, 1)
 
 
+def test_time_left_scales_by_the_workflows_of_a_stage():
+    """Done: two evaluation score stages, 600 s for 128 workflows and 300 s for 64: 900 / 192 = 4.6875 s a
+    workflow. Left: an evaluation of 32 workflows (150 s), a reference on dev of 64 (by the score stages of any
+    part: 300 s), and one whose count is unknown (the mean, 450 s)."""
+    from pipeline.studies.experiment import time_left
+
+    def row(part, done, wall, workflows):
+        return {"part": part, "run_id": "r", "round": 0, "stage": "score", "done": done, "wall_s": wall,
+                "workflows": workflows}
+
+    done = [row("evaluate", True, 600.0, 128), row("evaluate", True, 300.0, 64)]
+    assert time_left([*done, row("evaluate", False, None, 32)]) == (150.0, 0)
+    assert time_left([*done, row("reference on dev", False, None, 64)]) == (300.0, 0)
+    assert time_left([*done, row("evaluate", False, None, None)]) == (450.0, 0)
+    # a done stage without a count adds to the mean only: 900 + 0 s over 3 stages, 4.6875 s a workflow as before
+    assert time_left([*done, row("evaluate", True, 0.0, None), row("evaluate", False, None, 32),
+                      row("evaluate", False, None, None)]) == (150.0 + 300.0, 0)
+
+
+def test_planned_workflows_of_a_training_round_an_evaluation_and_a_selection():
+    from pipeline.studies.experiment import planned_workflows
+
+    cfg = load_config("configs/mixed-learn.yaml")  # 18 queries x m = 6; 64 held-out queries x L = 2; 32 on dev
+    assert [planned_workflows(cfg, k) for k in ("train", "evaluate", "select")] == [108, 128, 64]
+    two = load_config("configs/mixed-learn.yaml", ["rollout.mode=two_level", "rollout.n_agents=2",
+                                                   "rollout.n_workflows=3", "benchmark.max_queries=10"])
+    assert planned_workflows(two, "train") == 60
+    assert planned_workflows(load_config("configs/mixed-learn.yaml", ["rollout.mode=refine"]), "train") is None
+    assert planned_workflows(load_config("configs/mixed-learn.yaml", ["experiment.eval_queries=null"]),
+                             "evaluate") is None
+    with pytest.raises(ValueError, match="kind 'smc'"):
+        planned_workflows(cfg, "smc")
+
+
 @pytest.mark.usefixtures("shared_sandbox")
 def test_resample_on_failure_samples_fresh_answers_not_a_repair(tmp_path, scripted):
     """The HumanEval menu's resampling design. HumanEval/0: the greedy answer fails the public tests, then 2 fresh

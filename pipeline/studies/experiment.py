@@ -402,46 +402,83 @@ Serve it with vLLM:
 def status(store: Store, cfg: RunConfig, seeds: list[int]) -> list[dict]:
     """Where the experiment stands, read from the store (nothing runs): per stage of every run of the plan (the
     seeds' rounds, their evaluations, the references on the held-out split and on `select_split`), whether it is
-    done (its manifest) and its wall seconds (the last run that did work, `stage_timings`)."""
+    done (its manifest), its wall seconds (the last run that did work, `stage_timings`) and its workflows."""
     split, ex = cfg.experiment.eval_split, cfg.experiment
-    runs = []
+    held_out = planned_workflows(cfg, "evaluate")
+    runs: list[PlannedRun] = []
     for s in seeds:
-        runs.append(("train", seed_run_id(cfg.run_id, s), cfg.rounds, ROUND_STAGES))
-        runs += [("evaluate", eval_run_id(seed_run_id(cfg.run_id, s), k, split), 1, EVAL_STAGES)
+        runs.append(("train", seed_run_id(cfg.run_id, s), cfg.rounds, ROUND_STAGES, planned_workflows(cfg, "train")))
+        runs += [("evaluate", eval_run_id(seed_run_id(cfg.run_id, s), k, split), 1, EVAL_STAGES, held_out)
                  for k in seed_rounds(cfg, s, seeds)]
-    runs += [("reference", rid, 1, EVAL_STAGES) for rid in reference_runs(cfg).values()]
+    runs += [("reference", rid, 1, EVAL_STAGES, held_out) for rid in reference_runs(cfg).values()]
     if ex.select_split is not None:
-        runs += [(f"reference on {ex.select_split}", rid, 1, EVAL_STAGES)
+        runs += [(f"reference on {ex.select_split}", rid, 1, EVAL_STAGES, planned_workflows(cfg, "select"))
                  for rid in reference_runs(cfg, ex.select_split).values()]
     return stage_rows(store, runs)
 
 
-def stage_rows(store: Store, runs: list[tuple[str, str, int, tuple[str, ...]]]) -> list[dict]:
-    """`status` rows of (part, run id, rounds, stages) runs: per round and stage whether it is done (its manifest) and
-    its wall seconds (the last run that did work, `stage_timings`)."""
+def planned_workflows(cfg: RunConfig, kind: str) -> int | None:
+    """The workflows a round of a run is planned to hold, the unit `time_left` scales by: a training round's queries
+    x workflows a query (flat: m; two-level: N_A x N_W), an evaluation's or a reference's held-out queries x L
+    (`select`: on the selection split); None where it is not known in advance (all queries of a split, W4S's
+    refinement)."""
+    ex, ro = cfg.experiment, cfg.rollout
+    if kind == "train":
+        per_query = {"flat": ro.m, "two_level": ro.n_agents * ro.n_workflows}.get(ro.mode)
+        queries = cfg.benchmark.max_queries
+    elif kind in ("evaluate", "select"):
+        per_query, queries = ex.eval_l, ex.eval_queries if kind == "evaluate" else ex.select_queries
+    else:
+        raise ValueError(f"planned_workflows: kind {kind!r} (train, evaluate or select)")
+    return None if per_query is None or queries is None else queries * per_query
+
+
+PlannedRun = tuple[str, str, int, tuple[str, ...], int | None]  # (part, run id, rounds, stages, workflows a round)
+
+
+def stage_rows(store: Store, runs: list[PlannedRun]) -> list[dict]:
+    """`status` rows of planned runs: per round and stage whether it is done (its manifest), its wall seconds (the
+    last run that did work, `stage_timings`) and the round's workflows (its rollout's count once it has one, else
+    the plan's)."""
     rows = []
-    for part, rid, rounds, stages in runs:
+    for part, rid, rounds, stages, planned in runs:
         walls = {(r["round"], r["stage"]): r["wall_s"] for r in stage_timings(store, rid).iter_rows(named=True)}
-        rows += [{"part": part, "run_id": rid, "round": k, "stage": st,
-                  "done": store.manifest(rid, k, st) is not None, "wall_s": walls.get((k, st))}
-                 for k in range(rounds) for st in stages]
+        for k in range(rounds):
+            rolled = store.manifest(rid, k, "rollout")
+            workflows = (rolled or {}).get("counts", {}).get("workflows", planned)
+            rows += [{"part": part, "run_id": rid, "round": k, "stage": st,
+                      "done": store.manifest(rid, k, st) is not None, "wall_s": walls.get((k, st)),
+                      "workflows": workflows} for st in stages]
     return rows
 
 
 def time_left(rows: list[dict]) -> tuple[float, int]:
-    """(seconds, stages without an estimate) for the stages of `status` not done: each the mean wall time of the
-    done stages of the same part and stage name (e.g. every evaluation's score stage), else of the same stage name in
-    any part (a reference's score stage by the evaluations'). A done stage without a timing counts 0 s: a fixed
-    program's rollout writes its programs in the command, not as a timed stage."""
-    seen: dict[tuple[str, str] | str, list[float]] = {}
+    """(seconds, stages without an estimate) for the stages of `status` not done. A stage is estimated from the done
+    stages of the same part and stage name (e.g. every evaluation's score stage), else of the same stage name in any
+    part (a reference's score stage by the evaluations'): their wall seconds per workflow times its workflows, so an
+    evaluation of 32 queries is not costed as one of 64; where either side has no workflow count, their mean wall
+    time. A done stage without a timing counts 0 s: a fixed program's rollout writes its programs in the command,
+    not as a timed stage."""
+    walls: dict[tuple[str, str] | str, list[float]] = {}
+    rates: dict[tuple[str, str] | str, list[float]] = {}  # key -> [seconds, workflows] of the done stages counted
     for r in rows:
         if r["done"]:
             for key in ((r["part"], r["stage"]), r["stage"]):
-                seen.setdefault(key, []).append(r["wall_s"] or 0.0)
-    left = [r for r in rows if not r["done"]]
-    known = [mean_or_none(seen[key]) for r in left
-             if (key := next((k for k in ((r["part"], r["stage"]), r["stage"]) if k in seen), None)) is not None]
-    return sum(known), len(left) - len(known)
+                walls.setdefault(key, []).append(r["wall_s"] or 0.0)
+                if r.get("workflows"):
+                    acc = rates.setdefault(key, [0.0, 0])
+                    acc[0] += r["wall_s"] or 0.0
+                    acc[1] += r["workflows"]
+    known, unknown = 0.0, 0
+    for r in (r for r in rows if not r["done"]):
+        key = next((k for k in ((r["part"], r["stage"]), r["stage"]) if k in walls), None)
+        if key is None:
+            unknown += 1
+        elif r.get("workflows") and key in rates:
+            known += rates[key][0] / rates[key][1] * r["workflows"]
+        else:
+            known += mean_or_none(walls[key])
+    return known, unknown
 
 
 def status_table(rows: list[dict]) -> pl.DataFrame:

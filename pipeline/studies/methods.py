@@ -64,11 +64,13 @@ from pipeline.store import Store, store_for
 from pipeline.studies.baselines import TASK_BEST, run_baseline, run_fixed, selection_split
 from pipeline.studies.evaluate import EVAL_STAGES, eval_summary, open_eval_run
 from pipeline.studies.experiment import (
+    PlannedRun,
     SeedPlan,
     eval_sets,
     mean_or_none,
     paired_interval,
     plan,
+    planned_workflows,
     seed_run_id,
     splits_overlap,
     stage_rows,
@@ -460,31 +462,36 @@ def status(config: str | Path, methods: list[str] | None = None, seeds: int | No
     arm_sets = {get_method(k).name: list(v) for k, v in (arm_sets or {}).items()}
     plans = plan(cfg, list(range(seeds)) if seeds is not None else None)
     store, split, last = store_for(cfg.store), cfg.experiment.eval_split, cfg.rounds - 1
-    runs: list[tuple[str, str, int, tuple[str, ...]]] = []  # (part, run id, rounds, stages)
+    held_out = planned_workflows(cfg, "evaluate")  # the sweep's dev evaluations hold as many
+    runs: list[PlannedRun] = []
+    first_cfg, first_same, _ = seed_base(path, cfg, sets, plans[0])
     for m in [m for m in chosen if m.trained] if lr_sweep else []:
         for lr in lr_sweep:
             rid = sweep_run_id(cfg.run_id, m.name, lr, plans[0].seed)
-            runs += [("lr sweep", rid, 1, ROUND_STAGES), ("lr sweep", eval_run_id(rid, 0, "dev"), 1, EVAL_STAGES)]
+            _, arm_cfg, _ = arm_run(path, cfg, m, sets, plans[0], lr, arm_sets.get(m.name, []), first_cfg, first_same)
+            runs += [("lr sweep", rid, 1, ROUND_STAGES, planned_workflows(arm_cfg, "train")),
+                     ("lr sweep", eval_run_id(rid, 0, "dev"), 1, EVAL_STAGES, held_out)]
     shared: set[str] = set()
     for sp in plans:
         seed_cfg, same_base, base = seed_base(path, cfg, sets, sp)
-        runs.append(("evaluate", eval_run_id(base, BASE, split), 1, EVAL_STAGES))
+        runs.append(("evaluate", eval_run_id(base, BASE, split), 1, EVAL_STAGES, held_out))
         for m in chosen:
-            if not m.trained:
+            if not m.trained:  # SMC's particles and look-aheads are not a count of workflows known in advance
                 rid = (smc_run_id(seed_run_id(cfg.run_id, sp.seed), split) if SMC in m.evaluations
                        else baseline_run_id(cfg.run_id, TASK_BEST, split))
                 if rid not in shared:
                     shared.add(rid)
-                    runs.append(("reference", rid, 1, EVAL_STAGES))
+                    runs.append(("reference", rid, 1, EVAL_STAGES, None if SMC in m.evaluations else held_out))
                 continue
             _, arm_cfg, arm = arm_run(path, cfg, m, sets, sp, None, arm_sets.get(m.name, []), seed_cfg, same_base)
-            runs.append(("train", arm, cfg.rounds, ROUND_STAGES))
+            runs.append(("train", arm, cfg.rounds, ROUND_STAGES, planned_workflows(arm_cfg, "train")))
             for ev in m.evaluations:
                 if ev == SAMPLE:
-                    runs.append(("evaluate", eval_run_id(arm, last, split), 1, EVAL_STAGES))
+                    runs.append(("evaluate", eval_run_id(arm, last, split), 1, EVAL_STAGES, held_out))
                 else:  # W4S: the refinement on the validation part, then the chosen workflow held out
                     runs += [("evaluate", eval_run_id(arm, last, selection_split(arm_cfg), mode="refine"), 1,
-                              EVAL_STAGES), ("evaluate", baseline_run_id(arm, REFINED, split), 1, EVAL_STAGES)]
+                              EVAL_STAGES, None), ("evaluate", baseline_run_id(arm, REFINED, split), 1, EVAL_STAGES,
+                                                   held_out)]
     return stage_rows(store, list(dict.fromkeys(runs)))  # an arm that is the experiment's run once
 
 
