@@ -43,12 +43,13 @@ def test_every_methods_overlay_is_a_valid_config_of_its_paper(config):
         assert (cfg.rollout.mode, cfg.training.objective, cfg.training.reference) == want[name]
         assert cfg.training.lr == 3e-4
     fr = load_config(config, list(mm.METHODS["flowreasoner"].sets)).scoring.reward
-    assert (fr.complexity_weight, fr.diversity_weight) == (0.1, 0.1)
+    assert (fr.complexity_weight, fr.cost_weight, fr.diversity_weight) == (0.1, 0.1, 0.1)
     assert load_config(config, list(mm.METHODS["spogw"].sets)).training.kl_mask
     assert mm.METHODS["w4s"].evaluations == ("sample", "refined") and mm.METHODS["w4s"].arm("refined") == "w4s/refined"
     # held-out evaluations score the metric alone: FlowReasoner's evaluation has no reward shaping
     ev = load_config(config, [*mm.METHODS["flowreasoner"].sets, *mm.arm_eval_sets(load_config(config))])
-    assert (ev.scoring.reward.complexity_weight, ev.scoring.reward.diversity_weight) == (0, 0)
+    assert (ev.scoring.reward.complexity_weight, ev.scoring.reward.cost_weight,
+            ev.scoring.reward.diversity_weight) == (0, 0, 0)
 
 
 def test_two_level_shape_and_arm_sets():

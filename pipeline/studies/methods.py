@@ -173,13 +173,15 @@ register_method(Method(
     "scoreflow", "ScoreFlow: Score-DPO on score-gap-weighted pairs of the same flat rollouts, reference = base; "
     "sampling",
     ("rollout.mode=flat", "rollout.exemplars=none", "training.objective=score_dpo", "training.reference=base")))
-# FlowReasoner (arXiv 2504.15257): GRPO on a multi-purpose reward. Weights: ours (0.1 each; the paper's values are
-# not used anywhere in this project), the reward penalises complexity and redundancy (pipeline.core.reward).
+# FlowReasoner (arXiv 2504.15257): GRPO on a multi-purpose reward for performance, complexity and efficiency (its
+# abstract; its formula names pass rate, AST complexity and diversity). Weights: ours (0.1 each; the paper gives
+# none), the reward penalises complexity, executor cost (in the task's `scoring.reward.token_budget`, so it bites at
+# the task's budgets) and redundancy (pipeline.core.reward).
 register_method(Method(
-    "flowreasoner", "FlowReasoner: GRPO (KL on every token) on metric - 0.1 complexity - 0.1 (1 - diversity); "
-    "sampling",
+    "flowreasoner", "FlowReasoner: GRPO (KL on every token) on metric - 0.1 complexity - 0.1 cost - 0.1 "
+    "(1 - diversity); sampling",
     ("rollout.mode=flat", "rollout.exemplars=none", "training.objective=grpo",
-     "scoring.reward.complexity_weight=0.1", "scoring.reward.diversity_weight=0.1")))
+     "scoring.reward.complexity_weight=0.1", "scoring.reward.cost_weight=0.1", "scoring.reward.diversity_weight=0.1")))
 # Training-free references on the base model.
 register_method(Method(
     "smc", "BayesFlow's SMC sampler (M = 0, consistency reward) on the base model, N = L particles",
