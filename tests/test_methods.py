@@ -302,3 +302,30 @@ def test_the_method_of_config_itself_reuses_the_experiment_run_of_its_seed(tmp_p
     runs = {r.arm: r for r in out.per_seed}
     assert (runs["spogw"].train_run_id, runs["base"].eval_run_id) == ("ex-s0", "ex-s0-eval-base")
     assert fakes.calls == []  # trained and evaluated already by the experiment
+
+
+def test_every_arm_is_compared_on_the_queries_all_hold(tmp_path):
+    """The base model's evaluation holds 4 queries (the experiment's, which evaluated more), SPOGW's 2 (the
+    comparison's eval_queries, a prefix): both are read on q1 and q2 only. By hand: the base's Mean@L there is
+    (0 + 1) / 2 = 0.5 (q3 and q4 at 1 left out), its executor tokens (100 + 300) / 2 = 200 a query."""
+    from pipeline.studies.summaries import ArmRun, EvalSummary
+
+    def q(qid, mean, tokens):
+        return {"query_id": qid, "mean_at_l": mean, "best_at_l": mean, "valid_share": 1.0, "gen_tokens_in": 0,
+                "gen_tokens_out": 10, "exec_tokens_in": tokens, "exec_tokens_out": 0}
+
+    base = EvalSummary(eval_run_id="b", queries=4, mean_at_l=0.75, valid_share=1.0, gen_tokens_per_query=10,
+                       exec_tokens_per_query=400, per_query=[q("q1", 0.0, 100), q("q2", 1.0, 300), q("q3", 1.0, 500),
+                                                            q("q4", 1.0, 700)])
+    spogw = EvalSummary(eval_run_id="s", queries=2, mean_at_l=0.5, valid_share=1.0, gen_tokens_per_query=10,
+                        exec_tokens_per_query=50, per_query=[q("q1", 1.0, 50), q("q2", 0.0, 50)])
+    recs = [ArmRun(arm="base", method="base", evaluation="sample", seed=0, train_run_id=None, eval_run_id="b"),
+            ArmRun(arm="spogw", method="spogw", evaluation="sample", seed=0, train_run_id=None, eval_run_id="s")]
+    summaries = {"b": base, "s": spogw}
+    keep = mm.shared_queries(recs, summaries)
+    assert keep == {"q1", "q2"}
+    rows, row = mm.seed_rows(Store(tmp_path), recs[0], base, keep)
+    assert [r["query_id"] for r in rows] == ["q1", "q2"]
+    assert (row.queries, row.mean_at_l, row.exec_tokens_per_query, row.gen_tokens_per_query) == (2, 0.5, 200.0, 10.0)
+    _, whole = mm.seed_rows(Store(tmp_path), recs[1], spogw, keep)  # nothing left out: the evaluation's own numbers
+    assert (whole.queries, whole.exec_tokens_per_query) == (2, 50)

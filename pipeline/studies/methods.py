@@ -505,6 +505,11 @@ def _tokens(row: dict, side: str) -> float | None:
     return None if a is None or b is None else float(a + b)
 
 
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    """The mean of `key` over the per-query rows that have it."""
+    return mean_or_none([q[key] for q in rows if q[key] is not None])
+
+
 def _metrics(rows: list[dict]) -> dict:
     """Means over rows of each metric (None where no row has it: Sel@L of an arm that does not select, which its
     record leaves out)."""
@@ -516,11 +521,13 @@ def summarise(store: Store, cfg: RunConfig, methods: list[str], records: list[Ar
     """Per (arm, seed, query) numbers from the evaluation runs of `records`; per arm their means, tokens and training
     wall time; per arm, other arm (base, spogw) and metric the pooled paired difference with its intervals."""
     summaries: dict[str, EvalSummary] = {}
-    per_query, per_seed = [], []
     for rec in records:
         if rec.eval_run_id not in summaries:
             summaries[rec.eval_run_id] = EvalSummary.from_dict(eval_summary(store, rec.eval_run_id))
-        rows, row = seed_rows(store, rec, summaries[rec.eval_run_id])
+    keep = shared_queries(records, summaries)
+    per_query, per_seed = [], []
+    for rec in records:
+        rows, row = seed_rows(store, rec, summaries[rec.eval_run_id], keep)
         per_query += rows
         per_seed.append(row)
     arms = [arm_means(arm, [q for q in per_query if q["arm"] == arm], [p for p in per_seed if p.arm == arm])
@@ -531,14 +538,32 @@ def summarise(store: Store, cfg: RunConfig, methods: list[str], records: list[Ar
                           paired=paired_arms(arms, per_query, seeds, ex), per_seed=per_seed, per_query=per_query)
 
 
-def seed_rows(store: Store, rec: ArmRun, summ: EvalSummary) -> tuple[list[dict], MethodSeedRow]:
-    """One arm's evaluation for one seed: its per-query rows (metrics, valid share, tokens) and its row."""
+def shared_queries(records: list[ArmRun], summaries: dict[str, EvalSummary]) -> set[str]:
+    """The held-out queries every arm's evaluations hold. An arm can hold more: the SPOGW arm and the base model
+    share their runs with `pipeline experiment`, which may have evaluated more queries (the first N of the split;
+    the comparison's `experiment.eval_queries` is a prefix of them), and every arm is compared on the same ones."""
+    per_arm: dict[str, set[str]] = {}
+    for rec in records:
+        per_arm.setdefault(rec.arm, set()).update(q["query_id"] for q in summaries[rec.eval_run_id].per_query)
+    shared = set.intersection(*per_arm.values()) if per_arm else set()
+    if more := {a: len(qs) - len(shared) for a, qs in per_arm.items() if len(qs) > len(shared)}:
+        log.info("every arm is compared on the %d queries all hold; left out of the arms that hold more: %s",
+                 len(shared), more)
+    return shared
+
+
+def seed_rows(store: Store, rec: ArmRun, summ: EvalSummary,
+              keep: set[str] | None = None) -> tuple[list[dict], MethodSeedRow]:
+    """One arm's evaluation for one seed: its per-query rows (metrics, valid share, tokens) and its row, on the
+    queries of `keep` (None: all); where that leaves some out, the row's shares and tokens are the rows' means."""
     rows = [{"arm": rec.arm, "seed": rec.seed, "query_id": q["query_id"], **{m: q.get(m) for m in ALL_METRICS},
              "valid_share": q.get("valid_share"), "gen_tokens": _tokens(q, "gen"), "exec_tokens": _tokens(q, "exec")}
-            for q in summ.per_query]
-    row = MethodSeedRow(**rec.field_values(), queries=summ.queries, **_metrics(rows), valid_share=summ.valid_share,
-                        gen_tokens_per_query=summ.gen_tokens_per_query,
-                        exec_tokens_per_query=summ.exec_tokens_per_query,
+            for q in summ.per_query if keep is None or q["query_id"] in keep]
+    whole = len(rows) == len(summ.per_query)
+    row = MethodSeedRow(**rec.field_values(), queries=summ.queries if whole else len(rows), **_metrics(rows),
+                        valid_share=summ.valid_share if whole else _mean_of(rows, "valid_share"),
+                        gen_tokens_per_query=summ.gen_tokens_per_query if whole else _mean_of(rows, "gen_tokens"),
+                        exec_tokens_per_query=summ.exec_tokens_per_query if whole else _mean_of(rows, "exec_tokens"),
                         train_wall_s=train_wall_s(store, rec.train_run_id) if rec.train_run_id else None,
                         select_wall_s=train_wall_s(store, rec.validation_run_id) if rec.validation_run_id else None)
     return rows, row
@@ -546,13 +571,10 @@ def seed_rows(store: Store, rec: ArmRun, summ: EvalSummary) -> tuple[list[dict],
 
 def arm_means(arm: str, rows: list[dict], mine: list[MethodSeedRow]) -> MethodArm:
     """An arm over its seeds: means of its per-query rows `rows`, mean wall seconds of its seeds' rows `mine`."""
-
-    def mean_of(key: str) -> float | None:
-        return mean_or_none([q[key] for q in rows if q[key] is not None])
-
     return MethodArm(arm=arm, method=mine[0].method, evaluation=mine[0].evaluation, seeds=[p.seed for p in mine],
-                     n=len(rows), **_metrics(rows), valid_share=mean_of("valid_share"),
-                     gen_tokens_per_query=mean_of("gen_tokens"), exec_tokens_per_query=mean_of("exec_tokens"),
+                     n=len(rows), **_metrics(rows), valid_share=_mean_of(rows, "valid_share"),
+                     gen_tokens_per_query=_mean_of(rows, "gen_tokens"),
+                     exec_tokens_per_query=_mean_of(rows, "exec_tokens"),
                      train_wall_s=mean_or_none([p.train_wall_s for p in mine if p.train_wall_s is not None]),
                      select_wall_s=mean_or_none([p.select_wall_s for p in mine if p.select_wall_s is not None]))
 
