@@ -237,7 +237,8 @@ def test_compare_methods_end_to_end_pairs_by_hand_and_resumes(tmp_path, monkeypa
         ("evaluate", "cm-w4s-s0-eval-r0"), ("evaluate", "cm-w4s-s0-eval-validate-r0-refine"),
         ("evaluate", "cm-w4s-s0-baseline-refined"), ("train", "cm-scoreflow-s0"),
         ("evaluate", "cm-scoreflow-s0-eval-r0"), ("train", "cm-flowreasoner-s0"),
-        ("evaluate", "cm-flowreasoner-s0-eval-r0"), ("reference", "cm-baseline-task_best")]
+        ("evaluate", "cm-flowreasoner-s0-eval-r0"), ("reference", "cm-baseline-validate-select"),
+        ("reference", "cm-baseline-task_best")]  # task_best: its selection (every candidate), then its winner
     assert {r["eval_run_id"] for r in body["per_seed"]} <= {r["run_id"] for r in rows}
     assert mm.status("configs/smoke.yaml", ["spogw"], seeds=2, run_id="cm", sets=_sets(tmp_path))[-1] == {
         "part": "evaluate", "run_id": "cm-spogw-s1-eval-r0", "round": 0, "stage": "score", "done": False,

@@ -61,7 +61,7 @@ from pipeline.engines.workflow import extract_code
 from pipeline.run import open_run
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store, store_for
-from pipeline.studies.baselines import TASK_BEST, run_baseline, run_fixed, selection_split
+from pipeline.studies.baselines import SELECT, TASK_BEST, run_baseline, run_fixed, selection_split
 from pipeline.studies.evaluate import EVAL_STAGES, eval_summary, open_eval_run
 from pipeline.studies.experiment import (
     PlannedRun,
@@ -451,8 +451,8 @@ def status(config: str | Path, methods: list[str] | None = None, seeds: int | No
     """Where the comparison stands, read from the store (nothing runs): per stage of every run its plan makes (the
     rows of `pipeline.studies.experiment.status`). Parts name the kind of work (`train`, `evaluate`, `reference`,
     `lr sweep`), so `time_left` estimates an arm's training from any arm's done training. Without --lr-sweep's
-    choice in the store yet, the arms are listed at CONFIG's learning rate (the same run ids). task_best's
-    selection runs on dev are left out (its held-out run is listed)."""
+    choice in the store yet, the arms are listed at CONFIG's learning rate (the same run ids). task_best is its
+    selection run (every candidate program on the selection split) and its held-out run."""
     from pipeline.stages import ROUND_STAGES
     from pipeline.stages.rounds import study_config
     from pipeline.studies.baselines import baseline_run_id
@@ -478,12 +478,16 @@ def status(config: str | Path, methods: list[str] | None = None, seeds: int | No
         seed_cfg, same_base, base = seed_base(path, cfg, sets, sp)
         runs.append(("evaluate", eval_run_id(base, BASE, split), 1, EVAL_STAGES, held_out))
         for m in chosen:
-            if not m.trained:  # SMC's particles and look-aheads are not a count of workflows known in advance
-                rid = (smc_run_id(seed_run_id(cfg.run_id, sp.seed), split) if SMC in m.evaluations
-                       else baseline_run_id(cfg.run_id, TASK_BEST, split))
-                if rid not in shared:
-                    shared.add(rid)
-                    runs.append(("reference", rid, 1, EVAL_STAGES, None if SMC in m.evaluations else held_out))
+            if not m.trained:  # SMC's particles and look-aheads, task_best's candidates: counts not known ahead
+                if SMC in m.evaluations:
+                    refs = [(smc_run_id(seed_run_id(cfg.run_id, sp.seed), split), None)]
+                else:  # the selection of each task's program on the selection split, then the winner held out
+                    refs = [(baseline_run_id(cfg.run_id, SELECT, selection_split(cfg)), None),
+                            (baseline_run_id(cfg.run_id, TASK_BEST, split), held_out)]
+                for rid, workflows in refs:
+                    if rid not in shared:
+                        shared.add(rid)
+                        runs.append(("reference", rid, 1, EVAL_STAGES, workflows))
                 continue
             _, arm_cfg, arm = arm_run(path, cfg, m, sets, sp, None, arm_sets.get(m.name, []), seed_cfg, same_base)
             runs.append(("train", arm, cfg.rounds, ROUND_STAGES, planned_workflows(arm_cfg, "train")))
