@@ -191,7 +191,10 @@ def test_compare_methods_end_to_end_pairs_by_hand_and_resumes(tmp_path, monkeypa
     assert paired[("spogw", "task_best", "mean_at_l")]["mean"] == pytest.approx(0.25)
     assert paired[("scoreflow", "task_best", "mean_at_l")]["mean"] == pytest.approx(0.625 - 0.75)
     assert ("task_best", "task_best", "mean_at_l") not in paired and BEST_FIXED_ARM == TASK_BEST
-    assert "Mean@L vs task_best" in (tmp_path / "experiments" / "cm-methods" / "methods.md").read_text()
+    table = (tmp_path / "experiments" / "cm-methods" / "methods.md").read_text()
+    assert "Mean@L vs task_best" in table
+    # smc, the one registered method not chosen, is named as not run
+    assert body["not_run"] == ["smc"] and "Not run in this comparison (left out by --methods" in table
     assert ("spogw", "spogw", "mean_at_l") not in paired and not any(p["arm"] == "base" for p in body["paired"])
 
     # the runs: shared base per seed, arms with their overlays, evaluations scored by the metric alone

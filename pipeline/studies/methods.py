@@ -539,7 +539,8 @@ def summarise(store: Store, cfg: RunConfig, methods: list[str], records: list[Ar
     ex = cfg.experiment
     return MethodsSummary(experiment=cfg.run_id, methods=methods, seeds=seeds, rounds=cfg.rounds,
                           split=ex.eval_split, eval_queries=ex.eval_queries, eval_l=ex.eval_l, arms=arms,
-                          paired=paired_arms(arms, per_query, seeds, ex), per_seed=per_seed, per_query=per_query)
+                          paired=paired_arms(arms, per_query, seeds, ex), per_seed=per_seed, per_query=per_query,
+                          not_run=[n for n in METHODS if n not in methods])
 
 
 def shared_queries(records: list[ArmRun], summaries: dict[str, EvalSummary]) -> set[str]:

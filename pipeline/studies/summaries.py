@@ -657,19 +657,22 @@ class MethodsSummary(Record):
     per_query: list[dict] = field(default_factory=list)  # per (arm, seed, query): metrics and tokens
     lr_sweep: dict[str, LrSweep] = field(default_factory=dict)
     lr: dict[str, float | None] = field(default_factory=dict)
+    not_run: list[str] = field(default_factory=list)  # registered methods this comparison left out (--methods)
     results: str | None = None
     wall_s: float | None = None
     NESTED = {"arms": MethodArm, "paired": ArmDiff, "per_seed": MethodSeedRow}
     KEYED = {"lr_sweep": LrSweep}
-    OPTIONAL = ("results", "wall_s")
+    OPTIONAL = ("not_run", "results", "wall_s")
 
     def table(self) -> str:
         """The Markdown of docs/methods.md: per arm the held-out means and paired differences (seeds-then-queries
         intervals), every paired difference, per seed rows, and the learning-rate sweep."""
         sel = any(a.select_at_l is not None for a in self.arms)
         metrics = [*METRICS, *(["select_at_l"] if sel else [])]
-        return "\n".join([*self._arms_table(metrics), "", *self._paired_table(), "", *self._seeds_table(metrics),
-                          *self._sweep_table()])
+        left = ([f"Not run in this comparison (left out by --methods; docs/methods.md gives why): "
+                 f"{', '.join(self.not_run)}.", ""] if self.not_run else [])
+        return "\n".join([*self._arms_table(metrics), "", *left, *self._paired_table(), "",
+                          *self._seeds_table(metrics), *self._sweep_table()])
 
     def _diff(self, arm: str, against: str) -> str:
         p = find_diff(self.paired, arm, against, "mean_at_l")
