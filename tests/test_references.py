@@ -609,6 +609,8 @@ def test_status_reads_where_an_experiment_stands_and_estimates_the_rest(tmp_path
         ("train", "t-s1", "0/4"), ("evaluate", "t-s1-eval-base", "0/2"), ("evaluate", "t-s1-eval-r0", "0/2"),
         ("reference", "t-baseline-io", "0/2")]
     assert all(r["wall_s"] is not None for r in rows if r["done"])  # the runner timed every stage it ran
+    # an evaluation or reference not run yet holds its planned workflows: 2 held-out queries x L = 2
+    assert {r["workflows"] for r in rows if not r["done"] and r["part"] != "train"} == {4}
     calls = list(fake_stages)
     out = CliRunner().invoke(app, ["experiment", str(path), "--status"])
     assert out.exit_code == 0 and "10 of 18 stages left" in out.output and "t-baseline-io" in out.output
