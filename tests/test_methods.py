@@ -328,6 +328,8 @@ def test_every_arm_is_compared_on_the_queries_all_hold(tmp_path):
     summaries = {"b": base, "s": spogw}
     keep = mm.shared_queries(recs, summaries)
     assert keep == {"q1", "q2"}
+    empty = ArmRun(arm="w4s", method="w4s", evaluation="sample", seed=0, train_run_id=None, eval_run_id="e")
+    assert mm.shared_queries([*recs, empty], {**summaries, "e": EvalSummary(eval_run_id="e", queries=0)}) == keep
     rows, row = mm.seed_rows(Store(tmp_path), recs[0], base, keep)
     assert [r["query_id"] for r in rows] == ["q1", "q2"]
     assert (row.queries, row.mean_at_l, row.exec_tokens_per_query, row.gen_tokens_per_query) == (2, 0.5, 200.0, 10.0)

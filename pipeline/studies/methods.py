@@ -550,8 +550,9 @@ def shared_queries(records: list[ArmRun], summaries: dict[str, EvalSummary]) -> 
     per_arm: dict[str, set[str]] = {}
     for rec in records:
         per_arm.setdefault(rec.arm, set()).update(q["query_id"] for q in summaries[rec.eval_run_id].per_query)
-    shared = set.intersection(*per_arm.values()) if per_arm else set()
-    if more := {a: len(qs) - len(shared) for a, qs in per_arm.items() if len(qs) > len(shared)}:
+    held = [qs for qs in per_arm.values() if qs]  # an arm with no rows at all does not empty every other arm
+    shared = set.intersection(*held) if held else set()
+    if more := {a: len(qs) - len(shared) for a, qs in per_arm.items() if qs and len(qs) > len(shared)}:
         log.info("every arm is compared on the %d queries all hold; left out of the arms that hold more: %s",
                  len(shared), more)
     return shared
