@@ -43,6 +43,7 @@ from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext, open_run
 from pipeline.store import Store, store_for
 from pipeline.studies.formatting import num
+from pipeline.studies.summaries import BEST_FIXED_ARM
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ async def solve(problem):
 ''',
 }
 FIXED = tuple(PROGRAMS)
-TASK_BEST = "task_best"
+TASK_BEST = BEST_FIXED_ARM  # "task_best": the methods comparison's arm of that name is this baseline
 METHODS = (*FIXED, TASK_BEST)
 SELECT = "select"  # the task_best selection run's tag
 PROGRAM_PREFIX = "program:"  # method "program:<file>": a hand-written program for every query, run `program-<stem>`

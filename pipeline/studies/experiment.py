@@ -444,11 +444,10 @@ def stage_rows(store: Store, runs: list[PlannedRun]) -> list[dict]:
     for part, rid, rounds, stages, planned in runs:
         walls = {(r["round"], r["stage"]): r["wall_s"] for r in stage_timings(store, rid).iter_rows(named=True)}
         for k in range(rounds):
-            rolled = store.manifest(rid, k, "rollout")
-            workflows = (rolled or {}).get("counts", {}).get("workflows", planned)
-            rows += [{"part": part, "run_id": rid, "round": k, "stage": st,
-                      "done": store.manifest(rid, k, st) is not None, "wall_s": walls.get((k, st)),
-                      "workflows": workflows} for st in stages]
+            done = {st: store.manifest(rid, k, st) for st in dict.fromkeys(("rollout", *stages))}
+            workflows = (done["rollout"] or {}).get("counts", {}).get("workflows", planned)
+            rows += [{"part": part, "run_id": rid, "round": k, "stage": st, "done": done[st] is not None,
+                      "wall_s": walls.get((k, st)), "workflows": workflows} for st in stages]
     return rows
 
 

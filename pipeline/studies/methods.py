@@ -466,7 +466,8 @@ def status(config: str | Path, methods: list[str] | None = None, seeds: int | No
     store, split, last = store_for(cfg.store), cfg.experiment.eval_split, cfg.rounds - 1
     held_out = planned_workflows(cfg, "evaluate")  # the sweep's dev evaluations hold as many
     runs: list[PlannedRun] = []
-    first_cfg, first_same, _ = seed_base(path, cfg, sets, plans[0])
+    if lr_sweep:
+        first_cfg, first_same, _ = seed_base(path, cfg, sets, plans[0])
     for m in [m for m in chosen if m.trained] if lr_sweep else []:
         for lr in lr_sweep:
             rid = sweep_run_id(cfg.run_id, m.name, lr, plans[0].seed)

@@ -33,7 +33,7 @@ from pipeline.studies.formatting import (
 BASE = -1  # the round index of the base model in evaluations
 BASE_ARM = "base"  # the base model's arm in the ablation and the methods comparison
 REFERENCE_ARM = "spogw"  # the methods comparison pairs every arm with this one too
-BEST_FIXED_ARM = "task_best"  # ... and with the best fixed workflow chosen on dev (baselines.TASK_BEST's arm)
+BEST_FIXED_ARM = "task_best"  # ... and with the best fixed workflow chosen on dev (the baseline baselines.TASK_BEST)
 
 
 # ---- the record: a stored dict as a dataclass ------------------------------------------------------------------------
