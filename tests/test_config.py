@@ -245,6 +245,17 @@ def test_a_config_validates_its_objective_without_importing_torch(tmp_path):
     assert out.strip().endswith("False False")
 
 
+def test_the_studies_status_and_summaries_import_no_torch():
+    """`experiment --status` and `compare-methods --status` were 13 s here, 5 of them torch's import."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeline.studies.experiment, pipeline.studies.methods, pipeline.studies.report\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_the_rollout_modes_a_config_accepts_are_the_registered_ones():
     from typing import get_args
 

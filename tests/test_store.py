@@ -9,6 +9,7 @@ import pytest
 from pipeline.config import ConfigError
 from pipeline.run import open_run
 from pipeline.store import CorruptPartWarning, Store
+from pipeline.store.store import views_for
 
 
 def _score(gen, rep, attempt, status, score):
@@ -45,6 +46,30 @@ def test_latest_scores_takes_last_attempt(tmp_path):
     st.write("scores", [_score("a", 0, 1, "ok", 0.5)], "r", 0)
     df = st.sql("select gen_id, attempt, status, score from latest_scores order by gen_id")
     assert df.rows() == [("a", 1, "ok", 0.5), ("b", 0, "ok", 1.0)]
+
+
+def test_a_query_makes_only_the_views_it_reads():
+    # latest_scores reads scores; generation_scores reads generations and latest_scores (so scores too)
+    assert views_for("SELECT * FROM Generations WHERE run_id = 'r'") == {"generations"}
+    assert views_for("select * from latest_scores") == {"latest_scores", "scores"}
+    assert views_for("select g.gen_id from generation_scores g") == {"generation_scores", "generations",
+                                                                       "latest_scores", "scores"}
+    assert views_for("select count(*) from executor_cache") == {"executor_cache"}
+    # the catalog itself, or no view named: every view
+    assert views_for("show tables") is None and views_for("describe scores") is None
+    assert views_for("select 1") is None
+
+
+def test_a_query_sees_its_views_and_the_catalog_all_of_them(tmp_path):
+    st = Store(tmp_path)
+    st.write("scores", [_score("a", 0, 0, "ok", 1.0)], "r", 0)
+    assert st.sql("select count(*) as n from latest_scores")["n"][0] == 1
+    con = st.connect(views_for("select * from latest_scores"))
+    made = {r[0] for r in con.execute("select view_name from duckdb_views() where not internal").fetchall()}
+    con.close()
+    assert made == {"latest_scores", "scores"}
+    names = set(st.sql("show tables")["name"])
+    assert {"generations", "generation_scores", "query_usage", "executor_cache", "grader_cache"} <= names
 
 
 def test_catalog_opens_read_only_in_duckdb(tmp_path):

@@ -36,6 +36,7 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -136,6 +137,29 @@ def to_arrow(table: str, rows: pa.Table | pl.DataFrame | Iterable[dict], run_id:
         else:
             cols.append(pa.nulls(n, f.type))
     return pa.Table.from_arrays(cols, schema=sch)
+
+
+ALL_VIEWS = (*TABLES, *VIEWS, *(f"{k}_cache" for k in CACHE_VIEWS))
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# words of a query that read the catalog itself (SHOW TABLES, DESCRIBE, information_schema, duckdb_views()): every view
+_CATALOG_WORDS = frozenset({"show", "describe", "summarize", "information_schema", "pg_catalog"})
+
+
+def views_for(query: str) -> frozenset[str] | None:
+    """The views a query needs: those whose names it holds as words (case-insensitive, as DuckDB's identifiers),
+    with the views they read, transitively; None (all of them) for a query that reads the catalog or names none.
+    A name inside a string literal only makes a view more."""
+    words = {w.lower() for w in _WORD.findall(query)}
+    need = words & set(ALL_VIEWS)
+    if not need or words & _CATALOG_WORDS or any(w.startswith("duckdb_") for w in words):
+        return None
+    todo = list(need)
+    while todo:
+        sql = VIEWS.get(todo.pop())
+        for dep in {w.lower() for w in _WORD.findall(sql or "")} & set(ALL_VIEWS) - need:
+            need.add(dep)
+            todo.append(dep)
+    return frozenset(need)
 
 
 class StoreError(RuntimeError):
@@ -472,13 +496,18 @@ class Store:
         return (f"SELECT * FROM read_json({_sql_str(str(folder / '*.jsonl'))}, format = 'newline_delimited', "
                 f"ignore_errors = true, columns = {{{spec}}}) WHERE key IS NOT NULL")
 
-    def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
+    def _create_views(self, con: duckdb.DuckDBPyConnection, names: frozenset[str] | None = None) -> None:
+        """The catalog's views, or only `names` (`views_for`): DuckDB binds a view when it is made, reading every
+        part's schema, which is most of a small query's time."""
         for t in TABLES:
-            con.execute(f"CREATE OR REPLACE VIEW {t} AS {self._view_sql(t)}")
+            if names is None or t in names:
+                con.execute(f"CREATE OR REPLACE VIEW {t} AS {self._view_sql(t)}")
         for name, sql in VIEWS.items():  # in dependency order
-            con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
+            if names is None or name in names:
+                con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
         for kind in CACHE_VIEWS:
-            con.execute(f"CREATE OR REPLACE VIEW {kind}_cache AS {self._cache_view_sql(kind)}")
+            if names is None or f"{kind}_cache" in names:
+                con.execute(f"CREATE OR REPLACE VIEW {kind}_cache AS {self._cache_view_sql(kind)}")
 
     def _attach_s3(self, con: duckdb.DuckDBPyConnection) -> None:
         """httpfs plus a temporary (in-memory, never persisted) S3 secret for this connection."""
@@ -506,17 +535,18 @@ class Store:
             "ORDER BY query_id, parent_id NULLS FIRST, slot, gen_id",
             {"run": run_id, "round": round, "reps": reps, "transient": sorted(transient)})
 
-    def connect(self) -> duckdb.DuckDBPyConnection:
-        """In-memory connection with the catalog's views (no lock on catalog.duckdb)."""
+    def connect(self, names: frozenset[str] | None = None) -> duckdb.DuckDBPyConnection:
+        """In-memory connection with the catalog's views, or only `names` (no lock on catalog.duckdb)."""
         con = duckdb.connect()
         if self.remote:
             self._attach_s3(con)
-        self._create_views(con)
+        self._create_views(con, names)
         return con
 
     def sql(self, query: str, params: dict[str, Any] | list[Any] | None = None) -> pl.DataFrame:
-        """Run a query over the views; `params` binds `$name` parameters (a dict) or `?` ones (a list)."""
-        con = self.connect()
+        """Run a query over the views it names (`views_for`); `params` binds `$name` parameters (a dict) or `?`
+        ones (a list)."""
+        con = self.connect(views_for(query))
         try:
             rel = con.sql(query, params=params)
             return rel.pl() if rel is not None else pl.DataFrame()

@@ -19,7 +19,6 @@ from typing import ClassVar, Self
 
 from pipeline.core.headroom import Point, pareto
 from pipeline.core.learning import METRICS
-from pipeline.core.objectives import get_objective
 from pipeline.studies.formatting import (
     metric_name,
     metrics_phrase,
@@ -545,6 +544,8 @@ class AblationSummary(Record):
         head = ["arm", *map(metric_name, metrics), *(f"{metric_name(m)} vs {who}" for m in metrics
                                                      for who in (BASE_ARM, ref)), "valid"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        from pipeline.core.objectives import get_objective  # here: the registry imports torch (seconds a process)
+
         for a in self.arms:
             cells = [a.arm + ("" if a.arm == BASE_ARM else f" ({get_objective(a.arm).kind} rows)")]
             cells += [num(getattr(a, m)) for m in metrics]
