@@ -114,3 +114,25 @@ def test_a_prompt_dir_replaces_the_templates_it_holds_and_only_those(tmp_path, s
     assert own.rsplit("```", 1)[1] == shipped.rsplit("```", 1)[1]
     assert "You write tiny workflows." in render(smol_tokenizer, own, prompt_dir=str(tmp_path))
     assert "You write tiny workflows." not in render(smol_tokenizer, own)
+
+
+def test_a_menu_folder_gives_the_planner_the_menu_and_a_system_turn_of_its_own():
+    """Two-level on a menu task: the agent's prompt lists the designs (the flat prompt does), and its system turn
+    is not the workflows' (which asks for one ```python block)."""
+    from pipeline.engines.prompting import agent_system, load_design, template
+
+    folder = "configs/prompts/mixed-menu"
+    menu = [load_design(f"configs/programs/mixed_{d}.py") for d in ("direct", "steps", "vote", "pot")]
+    plan = agent_prompt("What is 12 * 34?", prompt_dir=folder, menu=menu)
+    assert "Designs a workflow can use, alone or combined:\n- mixed_direct: " in plan
+    assert all(f"- {d.name}: {d.note}" in plan for d in menu) and "What is 12 * 34?" in plan
+    assert "```python" not in agent_system(folder) and "```python" in template("system", folder)
+    # a folder without agent_system.txt, and no folder: the workflows' system turn, as before
+    assert agent_system("configs/prompts/word") == template("system", "configs/prompts/word")
+    assert agent_system(None) == template("system")
+    # the shipped agent prompt shows no menu even when there is one
+    assert "Designs a workflow" not in agent_prompt("What is 12 * 34?", menu=menu)
+    under = workflow_prompt("What is 12 * 34?", "procedural", plan="Compute it in Python.", prompt_dir=folder,
+                            design=menu[3], menu=menu)
+    assert "- mixed_vote: " in under and under.index("Designs") < under.index("Plan to follow:\nCompute it in Python.")
+    assert f"```python\n{menu[3].code}\n```" in under

@@ -130,9 +130,20 @@ def workflow_prompt(problem: str, family: str, shown: Sequence[Shown] = (), plan
     return _fill("workflow_under_plan", prompt_dir, plan=plan.strip(), **values)
 
 
-def agent_prompt(problem: str, shown: Sequence[Shown] = ()) -> str:
-    """User message asking for an agent plan (two-level, outer level)."""
-    return _fill("agent", exemplars=exemplar_block(shown, code=False), problem=problem.strip())
+def agent_prompt(problem: str, shown: Sequence[Shown] = (), prompt_dir: str | None = None,
+                 menu: Sequence[Design] = ()) -> str:
+    """User message asking for an agent plan (two-level, outer level); `$menu`: every design of the example menu,
+    for a prompt folder's `agent.txt` (the shipped one shows none)."""
+    return _fill("agent", prompt_dir, exemplars=exemplar_block(shown, code=False), problem=problem.strip(),
+                 menu=menu_listing(menu))
+
+
+def agent_system(prompt_dir: str | None = None) -> str:
+    """The system turn of an agent plan: the prompt folder's `agent_system.txt`, else the workflows' own (`system`):
+    a folder whose system turn asks for a ```python block gives its planner another."""
+    if prompt_dir is not None and (Path(prompt_dir) / "agent_system.txt").is_file():
+        return template("agent_system", prompt_dir)
+    return template("system", prompt_dir)
 
 
 def require_chat_template(tokenizer, model_ref: str) -> None:

@@ -31,6 +31,7 @@ from pipeline.engines.prompting import (
     Design,
     PromptError,
     agent_prompt,
+    agent_system,
     design_prefix,
     load_design,
     render,
@@ -133,7 +134,8 @@ class Sampler:
         rng = seeded_rng(self.cfg.generator.seed, f"{self.prompt_round}:{key.removeprefix(f'r{self.ctx.round}-')}")
         if kind == "agent":
             shown = pick_exemplars(self.pools.agent_pool(item.id), self.tau_a, rng)
-            user, max_tokens = agent_prompt(item.prompt, shown), self.cfg.rollout.max_plan_tokens
+            user = agent_prompt(item.prompt, shown, self.cfg.rollout.prompt_dir, self.menu)
+            max_tokens = self.cfg.rollout.max_plan_tokens
         else:
             shown, stored_plan = self._workflow_exemplars(item, parent, rng)
             user = workflow_prompt(item.prompt, self.family, shown, parent["text"] if parent else None, stored_plan,
@@ -143,7 +145,8 @@ class Sampler:
         if design is not None and self.cfg.rollout.menu_prefix_lines is not None:
             prefix = design_prefix(design, self.cfg.rollout.menu_prefix_lines)
         return Request(kind, item.id, parent_id, [gen_id(self.ctx.round, item.id, kind, s, parent_id) for s in slots],
-                       slots, render(self.tokenizer, user, prompt_dir=self.cfg.rollout.prompt_dir) + prefix,
+                       slots, render(self.tokenizer, user, agent_system(self.cfg.rollout.prompt_dir) if kind == "agent"
+                                     else None, self.cfg.rollout.prompt_dir) + prefix,
                        [s.gen_id for s in shown], max_tokens, prefix, None if design is None else design.name)
 
     def _workflow_exemplars(self, item: Item, parent: dict | None, rng: random.Random) -> tuple[list, str | None]:
