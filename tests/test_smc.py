@@ -174,3 +174,51 @@ def test_plain_draw_samples_n_complete_workflows_and_runs_nothing():
     assert [p.rollouts for p in q.particles] == [[X]] * 3 and all(p.complete for p in q.particles)
     assert [r["gen_id"] for r in smc.rows] == ["smc-q-t1-p0-k0", "smc-q-t1-p1-k0", "smc-q-t1-p2-k0"]
     assert smc.checks == [] and q.steps == []
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_smc_on_a_menu_task_shows_the_menu_and_the_design_the_first_slot_draws(tmp_path, monkeypatch):
+    """With `rollout.example_menu` SMC's prompt is the menu prompt the base model's rollout sees: every design, as
+    its example the design slot 0 of the query draws, and the assistant turn opening with that design's lines."""
+    import pipeline.engines.generation
+    from pipeline.engines.prompting import load_design
+    from pipeline.stages.runner import run_stage
+    from pipeline.stages.sampling import draw_design
+    from pipeline.store import Store
+    from pipeline.studies.smc import run_smc
+
+    class Recording(Scripted):
+        prompts: list[str] = []
+
+        def _generate(self, prompts, sampling, adapter):
+            self.prompts += prompts
+            return super()._generate(prompts, sampling, adapter)
+
+    menu = ["configs/programs/mixed_direct.py", "configs/programs/mixed_pot.py"]
+    cfg = yaml.safe_load(Path("configs/smoke.yaml").read_text())
+    cfg.update(run_id="s", rounds=1)
+    cfg["store"]["root"] = str(tmp_path / "store")
+    cfg["benchmark"] = {"name": "procedural", "tasks": ["chain_sum"], "size": 20}
+    cfg["rollout"] = {"mode": "flat", "exemplars": False, "prompt_dir": "configs/prompts/mixed-menu",
+                      "example_menu": menu, "menu_prefix_lines": 1}
+    cfg["experiment"] = {"eval_queries": 2}
+    cfg["smc"] = {"N": 2, "K": 2, "T": 1}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    gen = Recording()
+    monkeypatch.setattr(pipeline.engines.generation, "make_generator", lambda g, **kw: gen)
+    run_smc(str(path), lambda **kw: run_stage(kw["stage"], kw["run_id"], kw["round"], kw["store_root"],
+                                              kw.get("sets"), isolate=False))
+    designs = [load_design(p) for p in menu]
+    queries = Store(tmp_path / "store").read("queries", "s-smc", 0)
+    assert queries.height == 2 and len(gen.prompts) == 4  # step 1's extension: one prompt per particle
+    for qid, text in queries.select("query_id", "prompt").iter_rows():
+        mine = [p for p in gen.prompts if text.strip() in p]
+        d = designs[draw_design(0, qid, 0, 2)]  # rollout.menu_seed's default
+        body = d.code.splitlines()
+        at = next(i for i, x in enumerate(body) if x.startswith("async def solve"))
+        assert len(mine) == 2
+        for prompt in mine:
+            assert "- mixed_direct: " in prompt and "- mixed_pot: " in prompt
+            assert f"Example workflow ({d.note}):\n```python\n{d.code}\n```" in prompt
+            assert prompt.endswith("<|im_start|>assistant\n```python\n" + "\n".join(body[: at + 2]) + "\n")

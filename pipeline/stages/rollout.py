@@ -32,7 +32,6 @@ from pipeline.engines.prompting import (
     PromptError,
     agent_prompt,
     agent_system,
-    design_prefix,
     load_design,
     render,
     require_chat_template,
@@ -43,7 +42,7 @@ from pipeline.run import RunContext, derived_seed
 from pipeline.stages.exemplars import Pools, load_pools, pick_exemplars, tau_at
 from pipeline.stages.modes import get_mode
 from pipeline.stages.repair import self_repair
-from pipeline.stages.sampling import Request, batches, draw_design, gen_id, seeded_rng, stops
+from pipeline.stages.sampling import Request, batches, draw_design, gen_id, opening, seeded_rng, stops
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +140,7 @@ class Sampler:
             user = workflow_prompt(item.prompt, self.family, shown, parent["text"] if parent else None, stored_plan,
                                    self.cfg.rollout.prompt_dir, design, self.menu)
             max_tokens = self.cfg.generator.max_new_tokens
-        prefix = self.cfg.rollout.workflow_prefix if kind == "workflow" else ""
-        if design is not None and self.cfg.rollout.menu_prefix_lines is not None:
-            prefix = design_prefix(design, self.cfg.rollout.menu_prefix_lines)
+        prefix = opening(self.cfg.rollout, design) if kind == "workflow" else ""
         return Request(kind, item.id, parent_id, [gen_id(self.ctx.round, item.id, kind, s, parent_id) for s in slots],
                        slots, render(self.tokenizer, user, agent_system(self.cfg.rollout.prompt_dir) if kind == "agent"
                                      else None, self.cfg.rollout.prompt_dir) + prefix,

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeline.engines.generation.base import BLOCK_END
+from pipeline.engines.prompting import Design, design_prefix
 
 if TYPE_CHECKING:
-    from pipeline.config import GeneratorConfig
+    from pipeline.config import GeneratorConfig, RolloutConfig
 
 
 @dataclass
@@ -48,6 +49,14 @@ def draw_design(seed: int, query_id: str, slot: int, k: int) -> int:
     if k <= 0:
         raise ValueError(f"draw_design: a menu of {k} designs")
     return zlib.crc32(f"{seed}:{query_id}:{slot}".encode()) % k
+
+
+def opening(rollout: RolloutConfig, design: Design | None) -> str:
+    """How a workflow prompt's assistant turn opens: the drawn design's first lines (`rollout.menu_prefix_lines`),
+    else `rollout.workflow_prefix`."""
+    if design is not None and rollout.menu_prefix_lines is not None:
+        return design_prefix(design, rollout.menu_prefix_lines)
+    return rollout.workflow_prefix
 
 
 def batches(requests: list[Request], size: int) -> Iterator[list[Request]]:

@@ -94,7 +94,7 @@ def consistency_rewards(votes: Sequence[str | None]) -> list[float]:
 
 @dataclass
 class Particle:
-    prefix: str  # s_{1:t}: the workflow text so far (the configured workflow_prefix included)
+    prefix: str  # s_{1:t}: the workflow text so far (its opening included: `sampling.opening`)
     complete: bool = False
     rollouts: list[str] = field(default_factory=list)  # full texts of its look-ahead rollouts at this step
 
@@ -119,7 +119,6 @@ class SMC:
     def __init__(self, ctx: RunContext, sample: Sampler, run: Callable[[list[CheckJob]], list[dict]],
                  reward: Callable[[object, list[dict]], list[float]]):
         self.ctx, self.cfg, self.sample, self.run, self.reward = ctx, ctx.cfg.smc, sample, run, reward
-        self.prefix = ctx.cfg.rollout.workflow_prefix
         self.rows: list[dict] = []
         self.checks: list[dict] = []
         self.gen_of: dict[tuple[str, str], str] = {}  # (query, workflow text) -> the first rollout row with it
@@ -278,7 +277,8 @@ def sample_smc(ctx: RunContext) -> dict:
     from pipeline.engines.benchmarks import load_benchmark
     from pipeline.engines.generation import make_generator
     from pipeline.engines.models import load_tokenizer
-    from pipeline.engines.prompting import render, workflow_prompt
+    from pipeline.engines.prompting import load_design, render, workflow_prompt
+    from pipeline.stages.sampling import draw_design, opening
     from pipeline.studies.baselines import write_queries
 
     if ctx.done("rollout"):
@@ -289,12 +289,16 @@ def sample_smc(ctx: RunContext) -> dict:
     bench = load_benchmark(ctx.cfg.benchmark)
     write_queries(ctx)
     tok = load_tokenizer(ctx.cfg.generator.model)
-    s, prefix = ctx.cfg.smc, ctx.cfg.rollout.workflow_prefix
-    pd = ctx.cfg.rollout.prompt_dir
-    queries = [Query(it,
-                     render(tok, workflow_prompt(it.prompt, bench.family, prompt_dir=pd) + STEP_HINT, prompt_dir=pd),
-                     [Particle(prefix) for _ in range(s.N)],
-                     np.random.default_rng(derived_seed(s.seed, "resample", it.id))) for it in bench.items()]
+    s, ro = ctx.cfg.smc, ctx.cfg.rollout
+    pd, menu = ro.prompt_dir, [load_design(p) for p in ro.example_menu]
+    queries = []
+    for it in bench.items():
+        # with an example menu, a query's particles share one prompt: the menu, and as its example the design the
+        # rollout's first slot of the query draws (the same for the base model and every round)
+        d = menu[draw_design(ro.menu_seed, it.id, 0, len(menu))] if menu else None
+        prompt = workflow_prompt(it.prompt, bench.family, prompt_dir=pd, design=d, menu=menu) + STEP_HINT
+        queries.append(Query(it, render(tok, prompt, prompt_dir=pd), [Particle(opening(ro, d)) for _ in range(s.N)],
+                             np.random.default_rng(derived_seed(s.seed, "resample", it.id))))
     # served sections: SMC samples and runs workflows here, outside a stage, so it runs their servers itself
     with serving(ctx.cfg, SECTIONS, server_log_dir(ctx.store, ctx.run_id, "smc")) as cfg:
         gen = make_generator(cfg.generator)
