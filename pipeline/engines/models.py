@@ -203,6 +203,21 @@ def save_adapter(peft_model, dest: str | Path, base_ref: str) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def half_weights(data: bytes) -> bytes:
+    """A safetensors file with its float32 tensors stored as float16 (the others and the metadata as they are): a
+    kept adapter's size halved for git (r = 16 on every linear layer of the 0.5B model: 35 MB -> 18 MB). LoRA weights
+    are small and fp16 keeps 11 bits of mantissa: on a 523-token workflow of the mixed task the kept adapter of seed 0
+    moved the logits by 4e-4 at most and no argmax (docs/learning.md); loaded, they are cast to the model's dtype."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load, save
+
+    meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__")
+    tensors = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in load(data).items()}
+    return save(tensors, metadata=meta)
+
+
 def merge_adapter(model_ref: str, adapter: str, dest: str | Path, dtype: str = "float32") -> Path:
     """Base weights + a LoRA adapter merged (W + BA scaled) into a plain model folder at `dest`, in `dtype`, with
     the base tokenizer: an engine then samples the adapted policy without LoRA kernels (vLLM's are ~8x slower

@@ -5,6 +5,7 @@ tables, `views.py` holds every SQL view."""
 from pipeline.store.lease import Holder, LeaseHeld, LeaseLost, noting
 from pipeline.store.store import (
     ADAPTER_FILES,
+    ADAPTER_WEIGHTS,
     CATALOG,
     CATALOG_STORAGE,
     CHECKPOINT_MARKER,
@@ -27,6 +28,7 @@ __all__ = [
     "CATALOG",
     "CATALOG_STORAGE",
     "ADAPTER_FILES",
+    "ADAPTER_WEIGHTS",
     "CHECKPOINT_MARKER",
     "ENDPOINT_ENV",
     "KEPT_CONFIG",

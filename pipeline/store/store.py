@@ -62,7 +62,8 @@ CATALOG = "catalog.duckdb"
 # CLI on PyPI reads (duckdb-cli 1.5.6 reads 64..68): the README's `duckdb -readonly catalog.duckdb` failed.
 # It holds only views, so the oldest format (DuckDB >= 1.0 reads it) costs nothing.
 CATALOG_STORAGE = "v1.0.0"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a round's checkpoint is complete with these
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FILES = ("adapter_config.json", ADAPTER_WEIGHTS)  # a round's checkpoint is complete with these
 # On object storage a checkpoint is uploaded file by file with this one last (and deleted first on discard): its
 # presence after the other files' PUTs is what makes the checkpoint complete (ADAPTER_FILES includes it).
 CHECKPOINT_MARKER = "adapter_config.json"
@@ -678,11 +679,12 @@ class Store:
             (local / ".source").write_text(self._remote_stamp(dest))
         return dest
 
-    def keep_adapter(self, run_id: str, round: int, notes: dict[str, str]) -> Path:
+    def keep_adapter(self, run_id: str, round: int, notes: dict[str, str | bytes]) -> Path:
         """Copy a round's complete checkpoint to `adapter_dir`: the LoRA files alone (ADAPTER_FILES; nothing else the
-        folder may hold), the run's frozen config as KEPT_CONFIG and `notes` (file name -> text), whole or absent
-        (one rename). A folder that already holds exactly these bytes is left as it is, so a resumed study rewrites
-        nothing; a retrained checkpoint replaces it. Local stores only."""
+        folder may hold), the run's frozen config as KEPT_CONFIG and `notes` (file name -> text or bytes; one of
+        ADAPTER_FILES there replaces the checkpoint's), whole or absent (one rename). A folder that already holds
+        exactly these bytes is left as it is, so a resumed study rewrites nothing; a retrained checkpoint replaces
+        it. Local stores only."""
         from pipeline.engines.models import atomic_dir
 
         if self.remote:
@@ -692,7 +694,7 @@ class Store:
             raise StoreError(f"run {run_id!r} round {round}: no complete checkpoint to keep ({src})")
         files = {f: (src / f).read_bytes() for f in ADAPTER_FILES}
         files[KEPT_CONFIG] = (self.run_dir(run_id) / "config.yaml").read_bytes()
-        files |= {name: text.encode() for name, text in notes.items()}
+        files |= {name: text if isinstance(text, bytes) else text.encode() for name, text in notes.items()}
         dest = self.adapter_dir(run_id, round)
         if dest.is_dir() and {p.name: p.read_bytes() for p in dest.iterdir() if p.is_file()} == files:
             return dest

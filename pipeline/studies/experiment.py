@@ -53,10 +53,11 @@ import polars as pl
 
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
+from pipeline.engines.models import half_weights
 from pipeline.engines.servers import sharing
 from pipeline.stages import ROUND_STAGES
 from pipeline.stages.modes import get_mode
-from pipeline.store import Store, adapter_complete, store_for
+from pipeline.store import ADAPTER_WEIGHTS, Store, adapter_complete, store_for
 from pipeline.store.views import flagged_rewarded
 from pipeline.studies.baselines import baseline_changes, baseline_run_id, check_method, method_tag, run_baseline
 from pipeline.studies.evaluate import (
@@ -364,7 +365,8 @@ def keep_adapter(store: Store, cfg: RunConfig, seed: int) -> KeptAdapter | None:
     ckpt = store.checkpoint_dir(run_id, k)
     if not adapter_complete(ckpt):
         return None
-    store.keep_adapter(run_id, k, {"README.md": adapter_readme(cfg, seed, store)})
+    weights = half_weights((ckpt / ADAPTER_WEIGHTS).read_bytes())  # half the bytes in git, the same argmaxes
+    store.keep_adapter(run_id, k, {ADAPTER_WEIGHTS: weights, "README.md": adapter_readme(cfg, seed, store)})
     kept = kept_adapter(store, cfg, seed)
     log.info("%s, under %s", kept.line(), store.root)
     return kept
@@ -382,7 +384,8 @@ def adapter_readme(cfg: RunConfig, seed: int, store: Store) -> str:
 
 The LoRA adapter (peft: adapter_config.json, adapter_model.safetensors) that round {k}, the last of {cfg.rounds},
 of run `{run_id}` trained: seed {seed} of the experiment `{cfg.run_id}`. Its base model is `{base}`
-(adapter_config.json names it too); config.yaml is the run's frozen config.
+(adapter_config.json names it too); config.yaml is the run's frozen config. Its weights are the checkpoint's,
+rounded to float16 for size; loaders cast them to the model's dtype.
 
 Evaluate it on new problems, with the experiment's evaluation settings (queries, L), in a run of its own:
 
