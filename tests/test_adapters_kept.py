@@ -275,3 +275,18 @@ def test_evaluate_adapter_refuses_what_it_cannot_evaluate(tmp_path, lora_stages)
     msg = refused(kept, "--set", "benchmark.split_seed=1", "--set", "benchmark.max_queries=null")
     assert "ask a question run e-s0 trained on" in msg and "--set benchmark.split_seed=20" in msg
     assert not (tmp_path / "evals").exists() or not any((tmp_path / "evals").iterdir())  # nothing frozen
+
+
+def test_weights_that_are_not_safetensors_are_kept_as_trained_with_a_warning(tmp_path, caplog):
+    cfg = RunConfig(run_id="e", rounds=1, store={"root": str(tmp_path)})
+    store = Store(tmp_path)
+    store.put_text(store.run_dir("e-s0") / "config.yaml", cfg.model_copy(update={"run_id": "e-s0"}).to_yaml())
+    ckpt = store.checkpoint_dir("e-s0", 0)
+    ckpt.mkdir(parents=True)
+    for f in ADAPTER_FILES:
+        (ckpt / f).write_text("{}")
+    with caplog.at_level("WARNING", "pipeline.studies.experiment"):
+        kept = keep_adapter(store, cfg, 0)
+    assert (tmp_path / kept.folder / ADAPTER_WEIGHTS).read_text() == "{}"
+    assert f"{ckpt / ADAPTER_WEIGHTS}: not a safetensors file (2 bytes)" in caplog.text
+    assert "kept as it is" in caplog.text

@@ -213,8 +213,11 @@ def half_weights(data: bytes) -> bytes:
     import numpy as np
     from safetensors.numpy import load, save
 
-    meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__")
-    tensors = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in load(data).items()}
+    try:
+        meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__")
+        tensors = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in load(data).items()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"not a safetensors file ({len(data)} bytes): {e}") from e
     return save(tensors, metadata=meta)
 
 

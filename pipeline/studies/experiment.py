@@ -365,8 +365,12 @@ def keep_adapter(store: Store, cfg: RunConfig, seed: int) -> KeptAdapter | None:
     ckpt = store.checkpoint_dir(run_id, k)
     if not adapter_complete(ckpt):
         return None
-    weights = half_weights((ckpt / ADAPTER_WEIGHTS).read_bytes())  # half the bytes in git, the same argmaxes
-    store.keep_adapter(run_id, k, {ADAPTER_WEIGHTS: weights, "README.md": adapter_readme(cfg, seed, store)})
+    notes: dict[str, str | bytes] = {"README.md": adapter_readme(cfg, seed, store)}
+    try:
+        notes[ADAPTER_WEIGHTS] = half_weights((ckpt / ADAPTER_WEIGHTS).read_bytes())  # half the bytes for git
+    except ValueError as e:  # kept as trained: the evaluations read the same file and will say what is wrong
+        log.warning("seed %d: %s: %s; kept as it is", seed, ckpt / ADAPTER_WEIGHTS, e)
+    store.keep_adapter(run_id, k, notes)
     kept = kept_adapter(store, cfg, seed)
     log.info("%s, under %s", kept.line(), store.root)
     return kept
