@@ -170,3 +170,33 @@ def test_flagged_rewarded_runs_are_counted_in_sql_the_report_and_the_cli(store):
     assert "round 0: mean score 0.250, workflows 3, valid 0.6666666666666666, flagged rewarded runs 0" in res.output
     assert "flagged rewarded runs 1" in res.output
     assert summary_table(build_report(store, "r").read_text())[1]["flagged_rewarded"] == "1"
+
+
+def test_the_report_shows_what_the_gradient_sees_by_part_and_the_designs(tmp_path):
+    """Part A: q1's workflows score 1 and 0 (varied, one group kept; a kept `pair` row is not a group), q2's 0 and 0
+    (a group not kept); part B: q3's 0.5 and 0.5. By hand: A has 2 queries, mean (0.5 + 0) / 2, 1 varied, 1 group;
+    B 1 query, 0.5, none varied, no group."""
+    from pipeline.store.views import part_signal
+
+    st = Store(tmp_path)
+    st.run_dir("m").mkdir(parents=True)
+    (st.run_dir("m") / "config.yaml").write_text("run_id: m\n")
+    st.write("queries", [{"query_id": q, "meta": json.dumps({"task": t})} for q, t in
+                         (("q1", "A"), ("q2", "A"), ("q3", "B"))], "m", 0)
+    wf = [("q1", 1.0), ("q1", 0.0), ("q2", 0.0), ("q2", 0.0), ("q3", 0.5), ("q3", 0.5)]
+    st.write("generations", [{"gen_id": f"g{i}", "kind": "workflow", "query_id": q, "valid": True,
+                              "design": "pot" if i % 2 else "steps", "example": "pot"} for i, (q, _) in enumerate(wf)],
+             "m", 0)
+    st.write("scores", [{"gen_id": f"g{i}", "query_id": q, "rep": 0, "attempt": 0, "status": "ok", "score": s}
+                        for i, (q, s) in enumerate(wf)], "m", 0)
+    st.write("groups", [{"group_id": "a", "query_id": "q1", "kept": True, "kind": "group"},
+                        {"group_id": "b", "query_id": "q1", "kept": True, "kind": "pair"},
+                        {"group_id": "c", "query_id": "q2", "kept": False, "kind": "group"}], "m", 0)
+    assert part_signal(st, "m").rows() == [(0, "A", 2, 0.25, 1, 1), (0, "B", 1, 0.5, 0, 0)]
+    page = build_report(st, "m", tmp_path / "rep.html").read_text()
+    assert "<h2>By part: what the gradient sees</h2>" in page and "<h2>Designs</h2>" in page
+
+
+def test_a_run_of_one_part_without_a_menu_has_neither_table(store, tmp_path):
+    page = build_report(store, "r", tmp_path / "rep.html").read_text()
+    assert "By part" not in page and "<h2>Designs</h2>" not in page

@@ -196,6 +196,29 @@ def design_spread(store: Any, run_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
     return store.sql(DESIGN_SPAN_SQL, {"run": run_id}), store.sql(DESIGN_SHARES_SQL, {"run": run_id})
 
 
+# What the gradient sees, per round and part of a task mixing generators (`queries.meta.task`; '' for a benchmark
+# without parts): the queries, their workflows' mean score, how many queries' workflows do not all score the same
+# (GRPO learns from those only) and the groups curation kept from them. Where a part has no varied query, training
+# rounds never see it, whatever a fixed design scores there.
+PART_SIGNAL_SQL = """
+WITH q AS (SELECT round, query_id, coalesce(json_extract_string(meta, '$.task'), '') AS part FROM queries
+           WHERE run_id = $run),
+s AS (SELECT round, query_id, avg(score) AS mean, max(score) > min(score) AS varied FROM generation_scores
+      WHERE run_id = $run AND kind = 'workflow' GROUP BY round, query_id),
+g AS (SELECT round, query_id, count(*) AS n FROM groups
+      WHERE run_id = $run AND kept AND coalesce(kind, 'group') = 'group' GROUP BY round, query_id)
+SELECT q.round, q.part, count(*) AS queries, avg(s.mean) AS mean_score,
+       count(*) FILTER (WHERE s.varied) AS queries_varied, coalesce(sum(g.n), 0)::BIGINT AS groups_kept
+FROM q LEFT JOIN s USING (round, query_id) LEFT JOIN g USING (round, query_id)
+GROUP BY ALL ORDER BY q.round, q.part
+"""
+
+
+def part_signal(store: Any, run_id: str) -> pl.DataFrame:
+    """PART_SIGNAL_SQL of one run."""
+    return store.sql(PART_SIGNAL_SQL, {"run": run_id})
+
+
 VIEWS = {"latest_scores": LATEST_SCORES_SQL, "generation_scores": GENERATION_SCORES_SQL, "query_usage": QUERY_USAGE_SQL}
 
 # The caches beside the store (pipeline.engines.cache): `<root>/cache/<kind>/*.jsonl`, one entry a line; a line torn

@@ -14,6 +14,7 @@ import polars as pl
 
 from pipeline.store import Store, round_stats
 from pipeline.store.schema import STATUSES
+from pipeline.store.views import design_spread, part_signal
 from pipeline.studies.formatting import num
 from pipeline.studies.summaries import ExperimentSummary, ReferenceArm, RoundDiff
 
@@ -142,7 +143,7 @@ def build_report(store: Store, run_id: str, out: Path | None = None) -> Path:
         walls = walls.rename({c: f"{c}_s" for c in walls.columns if c != "round"})
         walls = walls.with_columns(pl.sum_horizontal(pl.exclude("round")).alias("round_s"))
         summary = stats.join(walls.with_columns(pl.col("round").cast(stats["round"].dtype)), on="round", how="left")
-    parts = []
+    parts = [_part_and_design_tables(store, run_id)]
     for i, (title, fig) in enumerate(_figures(store, run_id, stats)):
         fig.update_layout(height=380, margin={"t": 30})
         parts.append(f"<h2>{html.escape(title)}</h2>" + fig.to_html(full_html=False, include_plotlyjs=i == 0))
@@ -159,6 +160,22 @@ def build_report(store: Store, run_id: str, out: Path | None = None) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)
+    return out
+
+
+def _part_and_design_tables(store: Store, run_id: str) -> str:
+    """HTML: per round and task part, the queries whose workflows' scores differ and the groups kept from them (a
+    task of several parts only); with an example menu, whether a query's workflows span designs and each design's
+    written and shown share."""
+    out = ""
+    signal = part_signal(store, run_id)
+    if signal["part"].n_unique() > 1:
+        out += ("<h2>By part: what the gradient sees</h2><p>queries_varied: queries whose workflows do not all score "
+                f"the same, the only ones GRPO learns from</p>{_table(signal)}")
+    span, shares = design_spread(store, run_id)
+    if shares["design"].drop_nulls().len():
+        out += ("<h2>Designs</h2><p>spanning_share: queries whose workflows follow two designs or more; written: the "
+                f"nearest menu design of a workflow, shown: its prompt's example</p>{_table(span)}{_table(shares)}")
     return out
 
 
