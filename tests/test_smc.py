@@ -131,26 +131,33 @@ class Scripted(Generator):
         return [[_comp(HEAD + body) for _ in range(sampling.n)] for _ in prompts]
 
 
-@pytest.mark.usefixtures("shared_sandbox")
-def test_smc_run_end_to_end(tmp_path, monkeypatch):
+def run_scripted_smc(tmp_path: Path, monkeypatch, gen: Generator, rollout: dict, smc: dict) -> dict:
+    """`run_smc` on 2 test queries of chain sums (smoke config + `rollout` and `smc`), sampling from `gen`, scoring
+    in this process; returns its summary."""
     import pipeline.engines.generation
     from pipeline.stages.runner import run_stage
-    from pipeline.store import Store
     from pipeline.studies.smc import run_smc
 
     cfg = yaml.safe_load(Path("configs/smoke.yaml").read_text())
     cfg.update(run_id="s", rounds=1)
     cfg["store"]["root"] = str(tmp_path / "store")
     cfg["benchmark"] = {"name": "procedural", "tasks": ["chain_sum"], "size": 20}
-    cfg["rollout"] = {"mode": "flat", "exemplars": False}
+    cfg["rollout"] = {"mode": "flat", "exemplars": False, **rollout}
     cfg["experiment"] = {"eval_queries": 2}
-    cfg["smc"] = {"N": 3, "K": 2, "T": 2}
+    cfg["smc"] = smc
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    gen = Scripted()
     monkeypatch.setattr(pipeline.engines.generation, "make_generator", lambda g, **kw: gen)
-    s = run_smc(str(path), lambda **kw: run_stage(kw["stage"], kw["run_id"], kw["round"], kw["store_root"],
-                                                 kw.get("sets"), isolate=False))
+    return run_smc(str(path), lambda **kw: run_stage(kw["stage"], kw["run_id"], kw["round"], kw["store_root"],
+                                                    kw.get("sets"), isolate=False))
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_smc_run_end_to_end(tmp_path, monkeypatch):
+    from pipeline.store import Store
+
+    gen = Scripted()
+    s = run_scripted_smc(tmp_path, monkeypatch, gen, {}, {"N": 3, "K": 2, "T": 2})
     # one step per workflow: every particle completes at step 1; its workflow evaluates the expression: right
     assert (s["eval_run_id"], s["queries"], s["workflows"]) == ("s-smc", 2, 6)
     assert (s["mean_at_l"], s["best_at_l"], s["majority_at_l"]) == (1.0, 1.0, 1.0)
@@ -180,12 +187,9 @@ def test_plain_draw_samples_n_complete_workflows_and_runs_nothing():
 def test_smc_on_a_menu_task_shows_the_menu_and_the_design_the_first_slot_draws(tmp_path, monkeypatch):
     """With `rollout.example_menu` SMC's prompt is the menu prompt the base model's rollout sees: every design, as
     its example the design slot 0 of the query draws, and the assistant turn opening with that design's lines."""
-    import pipeline.engines.generation
     from pipeline.engines.prompting import load_design
-    from pipeline.stages.runner import run_stage
     from pipeline.stages.sampling import draw_design
     from pipeline.store import Store
-    from pipeline.studies.smc import run_smc
 
     class Recording(Scripted):
         prompts: list[str] = []
@@ -195,20 +199,9 @@ def test_smc_on_a_menu_task_shows_the_menu_and_the_design_the_first_slot_draws(t
             return super()._generate(prompts, sampling, adapter)
 
     menu = ["configs/programs/mixed_direct.py", "configs/programs/mixed_pot.py"]
-    cfg = yaml.safe_load(Path("configs/smoke.yaml").read_text())
-    cfg.update(run_id="s", rounds=1)
-    cfg["store"]["root"] = str(tmp_path / "store")
-    cfg["benchmark"] = {"name": "procedural", "tasks": ["chain_sum"], "size": 20}
-    cfg["rollout"] = {"mode": "flat", "exemplars": False, "prompt_dir": "configs/prompts/mixed-menu",
-                      "example_menu": menu, "menu_prefix_lines": 1}
-    cfg["experiment"] = {"eval_queries": 2}
-    cfg["smc"] = {"N": 2, "K": 2, "T": 1}
-    path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump(cfg))
     gen = Recording()
-    monkeypatch.setattr(pipeline.engines.generation, "make_generator", lambda g, **kw: gen)
-    run_smc(str(path), lambda **kw: run_stage(kw["stage"], kw["run_id"], kw["round"], kw["store_root"],
-                                              kw.get("sets"), isolate=False))
+    run_scripted_smc(tmp_path, monkeypatch, gen, {"prompt_dir": "configs/prompts/mixed-menu", "example_menu": menu,
+                                                  "menu_prefix_lines": 1}, {"N": 2, "K": 2, "T": 1})
     designs = [load_design(p) for p in menu]
     queries = Store(tmp_path / "store").read("queries", "s-smc", 0)
     assert queries.height == 2 and len(gen.prompts) == 4  # step 1's extension: one prompt per particle
