@@ -331,7 +331,8 @@ class RolloutConfig(_Strict):
     max_plan_tokens: int = Field(256, gt=0, description="two_level: completion cap of an agent plan.")
     prompt_dir: str | None = Field(
         None, description="A folder of hand-written prompt templates (system.txt, workflow.txt, contract.txt, "
-        "contract_code.txt, example_<family>.txt; two-level: agent.txt, agent_system.txt, workflow_under_plan.txt): "
+        "contract_code.txt, example_<family>.txt; two-level: agent.txt, agent_system.txt, workflow_under_plan.txt; "
+        "refine: refine.txt): "
         "each file there replaces the shipped template of that name.",
     )
     workflow_prefix: str = Field(

@@ -96,6 +96,37 @@ def test_state_prompt_shows_code_accuracy_and_failure_cases():
                                                 random.Random(0))
 
 
+def test_a_menu_task_refines_from_its_drawn_design_and_its_turns_show_the_menu():
+    """W4S on a menu task: each task starts from the design its first slot draws (as SMC's particles and a flat
+    rollout's slot 0 do) and every turn's prompt lists the menu; without a menu it starts from the prompt folder's
+    example, not the shipped one."""
+    from types import SimpleNamespace
+
+    from pipeline.engines.prompting import example, load_design
+    from pipeline.stages.refine import Refine
+    from pipeline.stages.sampling import draw_design
+
+    paths = [f"configs/programs/mixed_{d}.py" for d in ("direct", "steps", "vote", "pot")]
+    menu = [load_design(p) for p in paths]
+    items = [Item(f"q{i}", f"What is {i} + 1?", {"answer": str(i + 1)}) for i in range(8)]
+    cfg = config_from_dict({"rollout": {"mode": "refine", "prompt_dir": "configs/prompts/mixed-menu",
+                                        "example_menu": paths, "refine": {"task_size": 4}}})
+    ref = Refine(SimpleNamespace(cfg=cfg), SimpleNamespace(items=items, menu=menu, family="procedural"), None, None)
+    assert [t.id for t in ref.tasks] == ["task:q0+4", "task:q4+4"]
+    assert all(ref.start_code[t.id] == menu[draw_design(0, t.id, 0, 4)].code for t in ref.tasks)
+    task = ref.tasks[0]
+    st = State(None, ref.start_code[task.id], 0.0, 0.0, [_run("1", 0.0)] * 4, [("start", 0.0)])
+    text = state_prompt(task, st, 0, 3, "task", "procedural", "procedural", 2, True, random.Random(0),
+                        "configs/prompts/mixed-menu", menu)
+    assert "Designs a workflow can use, alone or combined:\n- mixed_direct: " in text and "- mixed_pot: " in text
+    word = config_from_dict({"rollout": {"mode": "refine", "prompt_dir": "configs/prompts/word",
+                                         "refine": {"task_size": 4}}})
+    plain = Refine(SimpleNamespace(cfg=word), SimpleNamespace(items=items, menu=[], family="procedural"), None, None)
+    assert plain.start_code["task:q0+4"] == example("procedural", "configs/prompts/word") != example("procedural")
+    assert "Designs a workflow" not in state_prompt(task, st, 0, 3, "task", "procedural", "procedural", 2, True,
+                                                    random.Random(0), "configs/prompts/word")
+
+
 def test_refine_config_fields_and_defaults():
     cfg = config_from_dict({"rollout": {"mode": "refine"}})
     rc = cfg.rollout.refine

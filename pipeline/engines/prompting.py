@@ -168,8 +168,10 @@ def repair_prompt(problem: str, family: str, code: str, error: str) -> str:
 
 
 def refine_prompt(family: str, task: str, code: str, origin: str, feedback: str, turn: int, turns: int,
-                  caution: str = "") -> str:
+                  caution: str = "", prompt_dir: str | None = None, menu: Sequence[Design] = ()) -> str:
     """User message of a refine turn (W4S's state, pipeline.stages.refine): the task, the current workflow (`origin`:
-    where it came from), the feedback of its validation runs, and the ask for an analysis plus a new workflow."""
-    return _fill("refine", contract=contract(family), task=task.strip(), code=code.strip("\n"), origin=origin,
-                 feedback=feedback.strip(), turn=str(turn), turns=str(turns), caution=caution)
+    where it came from), the feedback of its validation runs, and the ask for an analysis plus a new workflow;
+    `$menu`: every design of the example menu, for a prompt folder's `refine.txt` (the shipped one shows none)."""
+    return _fill("refine", prompt_dir, contract=contract(family, prompt_dir), task=task.strip(),
+                 code=code.strip("\n"), origin=origin, feedback=feedback.strip(), turn=str(turn), turns=str(turns),
+                 caution=caution, menu=menu_listing(menu))

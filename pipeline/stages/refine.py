@@ -56,11 +56,11 @@ from pipeline.core.curation import group_row, rwr_weights
 from pipeline.core.grpo import group_advantages
 from pipeline.engines.benchmarks.base import Item
 from pipeline.engines.checks import CheckJob, failure, run_checks
-from pipeline.engines.prompting import example, refine_prompt, render
+from pipeline.engines.prompting import Design, example, refine_prompt, render
 from pipeline.engines.workflow import extract_code
 from pipeline.stages.repair import chain_ends, root_of, self_repair
 from pipeline.stages.rollout import rollout_counts, start_generator, write_queries
-from pipeline.stages.sampling import Request, batches, seeded_rng
+from pipeline.stages.sampling import Request, batches, draw_design, seeded_rng
 from pipeline.store.schema import TRANSIENT_STATUSES
 
 log = logging.getLogger(__name__)
@@ -183,12 +183,14 @@ def task_text(task: Task, unit: str, benchmark: str) -> tuple[str, str]:
 
 
 def state_prompt(task: Task, state: State, turn: int, turns: int, unit: str, benchmark: str, family: str,
-                 failure_cases: int, show_gold: bool, rng) -> str:
-    """The user message of a turn (`prompts/refine.txt`): instructions, the current workflow, the feedback."""
+                 failure_cases: int, show_gold: bool, rng, prompt_dir: str | None = None,
+                 menu: Sequence[Design] = ()) -> str:
+    """The user message of a turn (`refine.txt`, the prompt folder's where it has one): instructions, the current
+    workflow, the feedback (and the example menu's designs where the template shows them)."""
     origin = "the start workflow" if state.gen_id is None else f"the best of {state.history[-1][0]}"
     text, caution = task_text(task, unit, benchmark)
     fb = feedback_text(task, state, failure_cases, show_gold and unit == "task", rng)
-    return refine_prompt(family, text, state.code, origin, fb, turn + 1, turns, caution)
+    return refine_prompt(family, text, state.code, origin, fb, turn + 1, turns, caution, prompt_dir, menu)
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------------
@@ -212,8 +214,17 @@ class Refine:
         self.ctx, self.ro, self.bench, self.engine, self.executor = ctx, ro, bench, engine, executor
         self.rc = ctx.cfg.rollout.refine
         self.tasks = make_tasks(ro.items, self.rc.unit, self.rc.task_size)
-        self.start_code = extract_code(self.rc.start) if self.rc.start else example(ro.family)
+        self.start_code = {t.id: self._start(t) for t in self.tasks}
         self.counts = {"sampled": 0, "checked": 0, "repairs": 0, "validation_runs": 0}
+
+    def _start(self, task: Task) -> str:
+        """A task's start workflow: `refine.start`; else, with an example menu, the design the task's first slot
+        draws (as a flat rollout's prompt shows it); else the prompt's example."""
+        if self.rc.start:
+            return extract_code(self.rc.start)
+        if self.ro.menu:
+            return self.ro.menu[draw_design(self.ctx.cfg.rollout.menu_seed, task.id, 0, len(self.ro.menu))].code
+        return example(self.ro.family, self.ctx.cfg.rollout.prompt_dir)
 
     # ---- store reads
     def _read(self, table: str) -> pl.DataFrame:
@@ -263,7 +274,7 @@ class Refine:
         for task in self.tasks:
             rows = [runs[start_id(self.ctx.round, task.id)][it.id] for it in task.items]
             acc = float(np.mean([r["reward"] for r in rows]))
-            st = State(None, self.start_code, acc, acc, rows, [("start", acc)])
+            st = State(None, self.start_code[task.id], acc, acc, rows, [("start", acc)])
             for u in range(turn):
                 a = adv.get((task.id, u))
                 if a is not None:
@@ -287,7 +298,7 @@ class Refine:
             st = states[task.id]
             rng = seeded_rng(g.seed, f"refine:{ctx.round}:{task.id}:{turn}")
             user = state_prompt(task, st, turn, rc.turns, rc.unit, ctx.cfg.benchmark.name, ro.family,
-                                rc.failure_cases, rc.show_gold, rng)
+                                rc.failure_cases, rc.show_gold, rng, ctx.cfg.rollout.prompt_dir, ro.menu)
             reqs.append(Request("workflow", task.id, st.gen_id, [ids[k] for k in slots], slots,
                                 render(ro.tokenizer, user, prompt_dir=ro.cfg.rollout.prompt_dir) + prefix, [],
                                 g.max_new_tokens, prefix))
@@ -347,7 +358,7 @@ class Refine:
 
     def run(self) -> dict:
         rnd = self.ctx.round
-        self.validate([(start_id(rnd, t.id), self.start_code, t) for t in self.tasks])
+        self.validate([(start_id(rnd, t.id), self.start_code[t.id], t) for t in self.tasks])
         for turn in range(self.rc.turns):
             done = self._done_turns()
             todo = [t for t in self.tasks if (t.id, turn) not in done]
