@@ -600,7 +600,7 @@ def compare_methods(
 
 def _echo_status(rows: list[dict]) -> None:
     """A study's `--status`: one line a run, then the stages left and the time they need by those done so far."""
-    from pipeline.studies.experiment import status_table, time_left
+    from pipeline.studies.experiment import status_table, time_left, timing_machines
 
     _print_df(status_table(rows), len(rows))
     left, unknown = time_left(rows)
@@ -608,6 +608,8 @@ def _echo_status(rows: list[dict]) -> None:
     typer.echo(f"{todo} of {len(rows)} stages left" + (f": about {left / 60:.0f} min by the stages done so far"
                                                        if todo else "")
                + (f", {unknown} of them without an estimate (none of their kind done yet)" if unknown else ""))
+    if machines := timing_machines(rows):
+        typer.echo("timed on: " + "; ".join(f"{m}: {n} stages" for m, n in machines.items()))
 
 
 def _echo_done(summary: ExperimentSummary | AblationSummary | MethodsSummary) -> None:

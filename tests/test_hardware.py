@@ -110,3 +110,14 @@ def test_runs_frozen_before_the_auto_defaults_keep_their_finished_stages(run):
     manifests = sorted(root.glob("round=*/_done/*.json"))
     assert manifests
     assert {json.loads(m.read_text())["config_hash"] for m in manifests} == {cfg.config_hash()}
+
+
+def test_a_machine_is_named_by_its_cpu_its_widest_vector_extension_and_its_cores():
+    from pipeline.engines.hardware import machine
+
+    amx = "fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile"
+    assert machine(amx, "Intel Xeon Platinum", 4) == "Intel Xeon Platinum (AMX, 4 cores)"
+    assert machine("avx2 avx512f avx512_bf16", "X", 2) == "X (AVX512-BF16, 2 cores)"
+    assert machine("avx2 avx512f", "X", 2) == "X (AVX-512, 2 cores)"
+    assert machine("fpu sse avx2", "AMD EPYC", 2) == "AMD EPYC (AVX2, 2 cores)"
+    assert machine("fpu sse", "old", 1) == "old (no AVX2, 1 cores)"

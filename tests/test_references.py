@@ -614,6 +614,9 @@ def test_status_reads_where_an_experiment_stands_and_estimates_the_rest(tmp_path
     calls = list(fake_stages)
     out = CliRunner().invoke(app, ["experiment", str(path), "--status"])
     assert out.exit_code == 0 and "10 of 18 stages left" in out.output and "t-baseline-io" in out.output
+    from pipeline.engines.hardware import machine  # every timed stage says which machine took it
+
+    assert f"timed on: {machine()}: {sum(1 for r in rows if r['done'] and r['wall_s'])} stages" in out.output
     assert fake_stages == calls  # nothing ran
 
 

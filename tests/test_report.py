@@ -71,6 +71,12 @@ def test_status_counts_use_latest_attempt(store):
 def test_stage_timings_keep_last_non_skipped(store):
     t = {(r["round"], r["stage"]): r["wall_s"] for r in stage_timings(store, "r").to_dicts()}
     assert t == {(0, "rollout"): 3.0, (0, "score"): 5.0}
+    assert stage_timings(store, "r")["machine"].to_list() == [None, None]  # lines older than the machine's record
+    line = {"round": 0, "stage": "score", "skipped": False, "wall_s": 6.0, "machine": "AMD EPYC (AVX2, 2 cores)"}
+    with open(store.run_dir("r") / "timings.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    assert stage_timings(store, "r").rows() == [(0, "rollout", 3.0, None),
+                                                (0, "score", 6.0, "AMD EPYC (AVX2, 2 cores)")]
 
 
 def summary_table(page: str) -> list[dict[str, str]]:

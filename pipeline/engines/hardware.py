@@ -65,6 +65,23 @@ def _cpu_identity() -> tuple[str, str]:
     return name, flags
 
 
+# the widest vector extension of a CPU that matters to the dtype and speed here, widest first: (flag, name)
+ISA_FLAGS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
+def machine(flags: str | None = None, name: str | None = None, cores: int | None = None) -> str:
+    """This machine in a few words, for timing records: the CPU model, its widest vector extension of ISA_FLAGS and
+    the cores this process may use, e.g. "AMD EPYC (AVX2, 2 cores)". Timings from machines of two kinds do not
+    compare (a bf16 product is ~45x slower without native bf16), so every stage timing says where it was taken."""
+    if flags is None or name is None:
+        here = _cpu_identity()
+        name, flags = name if name is not None else here[0], flags if flags is not None else here[1]
+    have = set(flags.split())
+    isa = next((label for flag, label in ISA_FLAGS if flag in have), "no AVX2")
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return f"{name} ({isa}, {cores} cores)"
+
+
 def _gflops(a, b, reps: int, min_s: float = 0.05) -> float:
     """Best of `reps` timed products (at least `min_s` each, repeated), in GFLOP/s."""
     import torch

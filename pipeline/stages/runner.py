@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import LOG_FORMAT
+from pipeline.engines.hardware import machine
 from pipeline.engines.servers import server_log_dir, serving
 from pipeline.run import RunContext, open_run
 from pipeline.stages import Shard, Stage, get_stage, served_sections
@@ -356,6 +357,7 @@ def record_timing(store_root: str | Path, run_id: str, result: StageResult) -> N
     if result.shard is not None:  # the stage's own line (finish_shards: the whole fan-out's wall time) is the total
         line["shard"] = result.shard
     line["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    line["machine"] = machine()  # the CPU kind that gave the figure: timings of two kinds do not compare
     store.append_line(store.run_dir(run_id) / "timings.jsonl", json.dumps(line))
 
 

@@ -449,13 +449,26 @@ def stage_rows(store: Store, runs: list[PlannedRun]) -> list[dict]:
     the plan's)."""
     rows = []
     for part, rid, rounds, stages, planned in runs:
-        walls = {(r["round"], r["stage"]): r["wall_s"] for r in stage_timings(store, rid).iter_rows(named=True)}
+        walls = {(r["round"], r["stage"]): (r["wall_s"], r["machine"])
+                 for r in stage_timings(store, rid).iter_rows(named=True)}
         for k in range(rounds):
             done = {st: store.manifest(rid, k, st) for st in dict.fromkeys(("rollout", *stages))}
             workflows = (done["rollout"] or {}).get("counts", {}).get("workflows", planned)
             rows += [{"part": part, "run_id": rid, "round": k, "stage": st, "done": done[st] is not None,
-                      "wall_s": walls.get((k, st)), "workflows": workflows} for st in stages]
+                      "wall_s": walls.get((k, st), (None, None))[0], "machine": walls.get((k, st), (None, None))[1],
+                      "workflows": workflows} for st in stages]
     return rows
+
+
+def timing_machines(rows: list[dict]) -> dict[str, int]:
+    """How many of the done, timed stages of `status` each machine took (`unrecorded`: lines older than the record):
+    an estimate from stages of two kinds of machine is no estimate for either."""
+    out: dict[str, int] = {}
+    for r in rows:
+        if r["done"] and r["wall_s"]:
+            key = r.get("machine") or "unrecorded"
+            out[key] = out.get(key, 0) + 1
+    return out
 
 
 def time_left(rows: list[dict]) -> tuple[float, int]:
