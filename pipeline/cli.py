@@ -448,6 +448,33 @@ def bench_crn(
     typer.echo(f"written: {out / 'crn.json'}")
 
 
+@bench_app.command("seed")
+def bench_seed(
+    config: Annotated[Path, typer.Argument(help="Experiment config YAML; its first seed is run per variant.")],
+    out: Annotated[Path, typer.Option(help="One store per variant below it, and seed-bench.json.")]
+    = Path("data/bench-seed"),
+    variants: Annotated[str, typer.Option(help="Comma list of before, after, after_seeded_training (before: the "
+                                          "baseline of every ratio).")] = "before,after",
+    retries: RetriesOpt = 2,
+    sets: SetOpt = None,
+) -> None:
+    """One seed of an experiment before the executor cache (no cache, no common random numbers, every round
+    evaluated) and after (the defaults), one after the other, each in a store of its own: wall time per part and
+    stage, cache hits, the ratio (issue 38's goal: at most 0.4x) and the machine of every timing. Resumes."""
+    from pipeline.perf.seed import run_seed_bench
+    from pipeline.stages.rounds import direct_call
+    from pipeline.stages.runner import RetryPolicy, StageError
+
+    try:
+        result = run_seed_bench(config, out, direct_call(RetryPolicy(retries)),
+                                [v.strip() for v in variants.split(",") if v.strip()], sets or [])
+    except (ConfigError, StageError, ValueError) as e:
+        _fail(str(e))
+    for line in result.lines():
+        typer.echo(line)
+    typer.echo(f"written: {out / 'seed-bench.json'}")
+
+
 @app.command("run", rich_help_panel=STAGES)
 def run_cmd(
     config: Annotated[Path, typer.Argument(help="Run config YAML.")],
