@@ -184,6 +184,27 @@ def test_the_report_shows_what_the_gradient_sees_by_part_and_the_designs(tmp_pat
     B 1 query, 0.5, none varied, no group."""
     from pipeline.store.views import part_signal
 
+    st = _parts_store(tmp_path)
+    assert part_signal(st, "m").rows() == [(0, "A", 2, 0.25, 1, 1), (0, "B", 1, 0.5, 0, 0)]
+    page = build_report(st, "m", tmp_path / "rep.html").read_text()
+    assert "<h2>By part: what the gradient sees</h2>" in page and "<h2>Designs</h2>" in page
+
+
+def test_curation_counts_groups_by_part_and_names_a_part_the_update_cannot_see(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from pipeline.stages.curate import parts_kept
+
+    st = _parts_store(tmp_path)
+    with caplog.at_level("WARNING", "pipeline.stages.curate"):
+        assert parts_kept(SimpleNamespace(store=st, run_id="m", round=0)) == {"groups_by_part": {"A": 1, "B": 0}}
+    assert "m round 0: no group kept from B (1 queries, 0 with varied scores)" in caplog.text
+    assert parts_kept(SimpleNamespace(store=st, run_id="m", round=1)) == {}  # no such round: one part or none
+
+
+def _parts_store(tmp_path) -> Store:
+    """Run m, round 0: part A's q1 (workflows 1 and 0), q2 (0 and 0); part B's q3 (0.5 and 0.5); groups: q1 kept (a
+    kept `pair` row besides), q2 not kept."""
     st = Store(tmp_path)
     st.run_dir("m").mkdir(parents=True)
     (st.run_dir("m") / "config.yaml").write_text("run_id: m\n")
@@ -198,9 +219,7 @@ def test_the_report_shows_what_the_gradient_sees_by_part_and_the_designs(tmp_pat
     st.write("groups", [{"group_id": "a", "query_id": "q1", "kept": True, "kind": "group"},
                         {"group_id": "b", "query_id": "q1", "kept": True, "kind": "pair"},
                         {"group_id": "c", "query_id": "q2", "kept": False, "kind": "group"}], "m", 0)
-    assert part_signal(st, "m").rows() == [(0, "A", 2, 0.25, 1, 1), (0, "B", 1, 0.5, 0, 0)]
-    page = build_report(st, "m", tmp_path / "rep.html").read_text()
-    assert "<h2>By part: what the gradient sees</h2>" in page and "<h2>Designs</h2>" in page
+    return st
 
 
 def test_a_run_of_one_part_without_a_menu_has_neither_table(store, tmp_path):

@@ -19,6 +19,7 @@ from pipeline.core.curation import (
 from pipeline.run import derived_seed
 from pipeline.stages.modes import get_mode
 from pipeline.store.schema import transient_statuses
+from pipeline.store.views import part_signal
 
 log = logging.getLogger(__name__)
 
@@ -127,5 +128,20 @@ def run_curate(ctx) -> dict:
     rows, counts = mode.function("curate")(ctx, df)
     ctx.store.write("groups", rows, ctx.run_id, ctx.round)
     counts.setdefault("level", "two_level" if mode.name == "two_level" else ctx.cfg.curation.mode)
+    counts |= parts_kept(ctx)
     ctx.finish("curate", **counts)
     return counts
+
+
+def parts_kept(ctx) -> dict:
+    """On a task of several parts (`queries.meta.task`): the groups kept per part, and a warning naming each part
+    with none. GRPO learns only from queries whose workflows' scores differ, so such a part is invisible to this
+    round's update whatever a fixed design scores there (docs/learning.md, where the gradient comes from)."""
+    sig = part_signal(ctx.store, ctx.run_id).filter(pl.col("round") == ctx.round)
+    if sig.height < 2:
+        return {}
+    if dead := [f"{r['part']} ({r['queries']} queries, {r['queries_varied']} with varied scores)"
+                for r in sig.iter_rows(named=True) if not r["groups_kept"]]:
+        log.warning("%s round %d: no group kept from %s: this round's update sees nothing of it",
+                    ctx.run_id, ctx.round, "; ".join(dead))
+    return {"groups_by_part": dict(zip(sig["part"], sig["groups_kept"], strict=True))}
