@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from pipeline.config import RunConfig
 from pipeline.store import Store
 from pipeline.studies.report import build_report, round_stats, stage_timings, status_counts
 
@@ -197,9 +198,12 @@ def test_curation_counts_groups_by_part_and_names_a_part_the_update_cannot_see(t
 
     st = _parts_store(tmp_path)
     with caplog.at_level("WARNING", "pipeline.stages.curate"):
-        assert parts_kept(SimpleNamespace(store=st, run_id="m", round=0)) == {"groups_by_part": {"A": 1, "B": 0}}
+        ctx = SimpleNamespace(store=st, run_id="m", round=0, cfg=RunConfig())
+        assert parts_kept(ctx) == {"groups_by_part": {"A": 1, "B": 0}}
     assert "m round 0: no group kept from B (1 queries, 0 with varied scores)" in caplog.text
-    assert parts_kept(SimpleNamespace(store=st, run_id="m", round=1)) == {}  # no such round: one part or none
+    assert parts_kept(SimpleNamespace(**{**vars(ctx), "round": 1})) == {}  # no such round: one part or none
+    refine = RunConfig(rollout={"mode": "refine"})  # a refine round's groups are a task's, not a query's
+    assert parts_kept(SimpleNamespace(**{**vars(ctx), "cfg": refine})) == {}
 
 
 def _parts_store(tmp_path) -> Store:

@@ -137,6 +137,8 @@ def parts_kept(ctx) -> dict:
     """On a task of several parts (`queries.meta.task`): the groups kept per part, and a warning naming each part
     with none. GRPO learns only from queries whose workflows' scores differ, so such a part is invisible to this
     round's update whatever a fixed design scores there (docs/learning.md, where the gradient comes from)."""
+    if ctx.cfg.rollout.mode == "refine":  # its groups are a task's candidates, not a query's workflows
+        return {}
     sig = part_signal(ctx.store, ctx.run_id).filter(pl.col("round") == ctx.round)
     if sig.height < 2:
         return {}
