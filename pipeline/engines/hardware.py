@@ -78,7 +78,8 @@ def machine(flags: str | None = None, name: str | None = None, cores: int | None
         name, flags = name if name is not None else here[0], flags if flags is not None else here[1]
     have = set(flags.split())
     isa = next((label for flag, label in ISA_FLAGS if flag in have), "no AVX2")
-    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    if cores is None:  # the cores this process may use (Linux), else all of them
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return f"{name} ({isa}, {cores} cores)"
 
 
