@@ -60,7 +60,7 @@ from pipeline.engines.prompting import Design, example, refine_prompt, render
 from pipeline.engines.workflow import extract_code
 from pipeline.stages.repair import chain_ends, root_of, self_repair
 from pipeline.stages.rollout import rollout_counts, start_generator, write_queries
-from pipeline.stages.sampling import Request, batches, draw_design, seeded_rng
+from pipeline.stages.sampling import Request, batches, drawn_design, seeded_rng
 from pipeline.store.schema import TRANSIENT_STATUSES
 
 log = logging.getLogger(__name__)
@@ -222,8 +222,8 @@ class Refine:
         draws (as a flat rollout's prompt shows it); else the prompt's example."""
         if self.rc.start:
             return extract_code(self.rc.start)
-        if self.ro.menu:
-            return self.ro.menu[draw_design(self.ctx.cfg.rollout.menu_seed, task.id, 0, len(self.ro.menu))].code
+        if (d := drawn_design(self.ctx.cfg.rollout, self.ro.menu, task.id, 0)) is not None:
+            return d.code
         return example(self.ro.family, self.ctx.cfg.rollout.prompt_dir)
 
     # ---- store reads

@@ -51,6 +51,12 @@ def draw_design(seed: int, query_id: str, slot: int, k: int) -> int:
     return zlib.crc32(f"{seed}:{query_id}:{slot}".encode()) % k
 
 
+def drawn_design(rollout: RolloutConfig, menu: list[Design], key: str, slot: int) -> Design | None:
+    """The menu design the prompt of (`key`: a query or a refine task, `slot`) shows (`draw_design`); None without a
+    menu. SMC's particles and a W4S task take slot 0's, as a flat rollout's first sample."""
+    return menu[draw_design(rollout.menu_seed, key, slot, len(menu))] if menu else None
+
+
 def opening(rollout: RolloutConfig, design: Design | None) -> str:
     """How a workflow prompt's assistant turn opens: the drawn design's first lines (`rollout.menu_prefix_lines`),
     else `rollout.workflow_prefix`."""

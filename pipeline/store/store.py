@@ -140,8 +140,10 @@ def to_arrow(table: str, rows: pa.Table | pl.DataFrame | Iterable[dict], run_id:
     return pa.Table.from_arrays(cols, schema=sch)
 
 
-ALL_VIEWS = (*TABLES, *VIEWS, *(f"{k}_cache" for k in CACHE_VIEWS))
+ALL_VIEWS = frozenset((*TABLES, *VIEWS, *(f"{k}_cache" for k in CACHE_VIEWS)))
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# each derived view -> the views its SQL names (read once: VIEWS is fixed)
+_VIEW_DEPS = {name: {w.lower() for w in _WORD.findall(sql)} & ALL_VIEWS for name, sql in VIEWS.items()}
 # words of a query that read the catalog itself (SHOW TABLES, DESCRIBE, information_schema, duckdb_views()): every view
 _CATALOG_WORDS = frozenset({"show", "describe", "summarize", "information_schema", "pg_catalog"})
 
@@ -151,13 +153,12 @@ def views_for(query: str) -> frozenset[str] | None:
     with the views they read, transitively; None (all of them) for a query that reads the catalog or names none.
     A name inside a string literal only makes a view more."""
     words = {w.lower() for w in _WORD.findall(query)}
-    need = words & set(ALL_VIEWS)
+    need = words & ALL_VIEWS
     if not need or words & _CATALOG_WORDS or any(w.startswith("duckdb_") for w in words):
         return None
     todo = list(need)
     while todo:
-        sql = VIEWS.get(todo.pop())
-        for dep in {w.lower() for w in _WORD.findall(sql or "")} & set(ALL_VIEWS) - need:
+        for dep in _VIEW_DEPS.get(todo.pop(), set()) - need:
             need.add(dep)
             todo.append(dep)
     return frozenset(need)

@@ -56,13 +56,8 @@ def stage_timings(store: Store, run_id: str) -> pl.DataFrame:
     path = store.run_dir(run_id) / "timings.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     rows = [r for r in rows if not r.get("skipped") and "shard" not in r]  # a sharded stage's own line is its total
-    if not rows:
-        return pl.DataFrame(schema={"round": pl.Int64, "stage": pl.String, "wall_s": pl.Float64,
-                                    "machine": pl.String})
-    rows = [{"round": r["round"], "stage": r["stage"], "wall_s": r["wall_s"], "machine": r.get("machine")}
-            for r in rows]
-    return (pl.DataFrame(rows, schema={"round": pl.Int64, "stage": pl.String, "wall_s": pl.Float64,
-                                       "machine": pl.String})
+    schema = {"round": pl.Int64, "stage": pl.String, "wall_s": pl.Float64, "machine": pl.String}
+    return (pl.DataFrame([{c: r.get(c) for c in schema} for r in rows], schema=schema)
             .group_by("round", "stage", maintain_order=True).agg(pl.col("wall_s").last(), pl.col("machine").last())
             .sort("round"))
 

@@ -278,7 +278,7 @@ def sample_smc(ctx: RunContext) -> dict:
     from pipeline.engines.generation import make_generator
     from pipeline.engines.models import load_tokenizer
     from pipeline.engines.prompting import load_design, render, workflow_prompt
-    from pipeline.stages.sampling import draw_design, opening
+    from pipeline.stages.sampling import drawn_design, opening
     from pipeline.studies.baselines import write_queries
 
     if ctx.done("rollout"):
@@ -295,7 +295,7 @@ def sample_smc(ctx: RunContext) -> dict:
     for it in bench.items():
         # with an example menu, a query's particles share one prompt: the menu, and as its example the design the
         # rollout's first slot of the query draws (the same for the base model and every round)
-        d = menu[draw_design(ro.menu_seed, it.id, 0, len(menu))] if menu else None
+        d = drawn_design(ro, menu, it.id, 0)
         prompt = workflow_prompt(it.prompt, bench.family, prompt_dir=pd, design=d, menu=menu) + STEP_HINT
         queries.append(Query(it, render(tok, prompt, prompt_dir=pd), [Particle(opening(ro, d)) for _ in range(s.N)],
                              np.random.default_rng(derived_seed(s.seed, "resample", it.id))))
