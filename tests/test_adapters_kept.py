@@ -7,6 +7,7 @@ queries of its split, so the queries an evaluation drew are read back from the s
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shlex
 import shutil
@@ -24,11 +25,11 @@ from pipeline.config import RunConfig, config_from_dict
 from pipeline.engines.benchmarks import load_benchmark
 from pipeline.stages.rounds import direct_call
 from pipeline.stages.runner import RetryPolicy
-from pipeline.store import ADAPTER_FILES, ADAPTER_WEIGHTS, CATALOG, KEPT_CONFIG, Store, StoreError
+from pipeline.store import ADAPTER_FILES, ADAPTER_WEIGHTS, CATALOG, KEPT_CONFIG, KEPT_SOURCE, Store, StoreError
 from pipeline.studies.experiment import keep_adapter, run_experiment
 from pipeline.studies.summaries import ExperimentSummary
 
-KEPT = sorted([*ADAPTER_FILES, KEPT_CONFIG, "README.md"])
+KEPT = sorted([*ADAPTER_FILES, KEPT_CONFIG, KEPT_SOURCE, "README.md"])
 LEFT_OUT = "optimizer.pt"  # what a checkpoint folder may hold beside the adapter: never kept
 # sums of 3-4 digit numbers: a question drawn twice by chance is out of reach (1-digit sums repeat)
 TASK = "chain_sum:min_digits=3,max_digits=4"
@@ -134,6 +135,9 @@ def test_the_experiment_keeps_each_seeds_last_adapter_alone_and_rewrites_nothing
         assert (kept / "adapter_config.json").read_bytes() == (ckpt / "adapter_config.json").read_bytes()
         assert_half_of(kept / ADAPTER_WEIGHTS, ckpt / ADAPTER_WEIGHTS)
         assert (kept / KEPT_CONFIG).read_bytes() == (store.run_dir(run) / "config.yaml").read_bytes()
+        # the digest of the fp32 weights it was made from (Store.restore_checkpoint matches it to the manifest's)
+        digest = hashlib.sha256((ckpt / ADAPTER_WEIGHTS).read_bytes()).hexdigest()
+        assert (kept / KEPT_SOURCE).read_text() == digest + "\n"
         readme = (kept / "README.md").read_text()
         assert f"round 1, the last of 2,\nof run `{run}` trained: seed {seed} of the experiment `e`" in readme
         assert f"base model is `{lora_stages}`" in readme

@@ -5,6 +5,7 @@ GRPO, W4S's reward-weighted regression, ScoreFlow's Score-DPO, plain NLL)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -319,7 +320,11 @@ def test_cli_train_with_another_objective_then_sql(tmp_path, tiny_model):
     r = CliRunner().invoke(app, ["train", str(saved), "--run-id", ctx.run_id, "--round", "0",
                                  "--set", "training.objective=sft_best"])
     assert r.exit_code == 0, r.output
-    assert ctx.store.manifest(ctx.run_id, 0, "train")["counts"]["objective"] == "sft_best"
+    counts = ctx.store.manifest(ctx.run_id, 0, "train")["counts"]
+    assert counts["objective"] == "sft_best"
+    # the manifest names the weights that finished (a kept copy restores only these: Store.restore_checkpoint)
+    weights = (ctx.store.checkpoint_dir(ctx.run_id, 0) / "adapter_model.safetensors").read_bytes()
+    assert counts["weights_sha256"] == hashlib.sha256(weights).hexdigest()
     assert ctx.store.read("train_metrics", ctx.run_id, 0)["tokens"].sum() == 3  # w0's 3 completion tokens, once
     got = ctx.store.sql("select kind, count(*) as n, sum(len(members)) as seqs from groups where kept "
                         "group by kind order by kind")

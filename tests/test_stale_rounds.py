@@ -18,7 +18,7 @@ from pipeline import stages
 from pipeline.engines.benchmarks import load_benchmark
 from pipeline.stages.rounds import direct_call, run_rounds
 from pipeline.stages.runner import RetryPolicy
-from pipeline.store import ADAPTER_FILES, CATALOG, Store, StoreError, round_stats
+from pipeline.store import ADAPTER_FILES, CATALOG, KEPT_SOURCE, Store, StoreError, round_stats, weights_sha256
 
 WEIGHTS = "adapter_model.safetensors"  # the fake checkpoint's token is this file's text
 
@@ -51,12 +51,14 @@ def make_stage(calls: list, stage: str):
                             ctx.run_id, ctx.round)
         if stage == "score":
             score_all(ctx)
-        if stage == "train":  # a complete checkpoint, as Stage.done checks for the real one
+        counts = {}
+        if stage == "train":  # a complete checkpoint, as Stage.done checks for the real one, named in the manifest
             ckpt = ctx.store.checkpoint_dir(ctx.run_id, ctx.round)
             ckpt.mkdir(parents=True)
             for f in ADAPTER_FILES:
                 (ckpt / f).write_text(uuid.uuid4().hex if f == WEIGHTS else "{}")
-        ctx.finish(stage, rows=1)
+            counts["weights_sha256"] = weights_sha256(ckpt)
+        ctx.finish(stage, rows=1, **counts)
         return {"rows": 1}
     return fn
 
@@ -180,3 +182,61 @@ def test_a_re_entered_seed_sets_aside_the_evaluations_of_its_lost_checkpoints(tm
     calls.clear()
     run_experiment(path, call)
     assert calls == [] and stale(store, "e-s0") == ["e-s0-eval-r0", "e-s0-eval-r1", "round=1"]
+
+
+def test_a_store_cloned_mid_seed_restores_its_kept_checkpoints_and_trains_nothing_again(tmp_path, calls):
+    """The experiment keeps each round's checkpoint as soon as it is trained. A store cut off mid-seed and cloned
+    from git (adapters/ kept, checkpoint/ left out) restores both checkpoints from those copies: no round trains
+    again, nothing is set aside, and the evaluations sample with the restored weights. Once the seed is evaluated
+    only the last round's copy stays."""
+    from pipeline.studies.experiment import run_experiment
+
+    path, call = write_config(tmp_path, "c"), direct_call(RetryPolicy(delay_s=0))
+    store = Store(tmp_path / "runs")
+
+    def cut(**kw):  # the machine ends before the base model's evaluation
+        if kw["run_id"] == "c-s0-eval-base":
+            raise RuntimeError("cut off")
+        return call(**kw)
+
+    with pytest.raises(RuntimeError, match="cut off"):
+        run_experiment(path, cut)
+    trained = {k: token(store, "c-s0", k) for k in (0, 1)}
+    for k in (0, 1):
+        assert (store.adapter_dir("c-s0", k) / WEIGHTS).read_text() == trained[k]
+        shutil.rmtree(store.checkpoint_dir("c-s0", k))  # what git leaves out
+    calls.clear()
+
+    run_experiment(path, call)
+    assert {s for _, s, _ in calls} == {"rollout", "score"} and {r for r, _, _ in calls} == {
+        "c-s0-eval-base", "c-s0-eval-r0", "c-s0-eval-r1"}
+    assert {k: token(store, "c-s0", k) for k in (0, 1)} == trained and stale(store, "c-s0") == []
+    assert texts(store, "c-s0-eval-r1", 0) == [trained[1]] * 2
+    assert not store.adapter_dir("c-s0", 0).exists() and store.adapter_dir("c-s0", 1).is_dir()
+
+
+def test_a_kept_copy_of_other_weights_is_not_restored(tmp_path, calls, caplog):
+    """A copy whose source digest is not the one the train manifest names (kept before the round trained again) is
+    left alone: the round counts as lost and trains again."""
+    path, call = write_config(tmp_path, "o", rounds=1), direct_call(RetryPolicy(delay_s=0))
+    store = Store(tmp_path / "runs")
+    run_rounds(path, 1, "o", call)
+    kept = store.adapter_dir("o", 0)
+    shutil.copytree(store.checkpoint_dir("o", 0), kept)
+    (kept / KEPT_SOURCE).write_text("0" * 64 + "\n")
+    shutil.rmtree(store.checkpoint_dir("o", 0))
+    calls.clear()
+    with caplog.at_level("WARNING"):
+        run_rounds(path, 1, "o", call)
+    assert [(s, k) for _, s, k in calls] == [("train", 0)]
+    assert "made from other weights than the train stage's manifest names; not restored" in caplog.text
+    # a copy of the retrained weights with their digest is restored; without a train manifest naming one, not
+    new = store.checkpoint_dir("o", 0)
+    shutil.rmtree(kept)
+    shutil.copytree(new, kept)
+    (kept / KEPT_SOURCE).write_text(weights_sha256(new) + "\n")
+    shutil.rmtree(new)
+    assert store.restore_checkpoint("o", 0) and token(store, "o", 0) == (kept / WEIGHTS).read_text()
+    shutil.rmtree(new)
+    store.clear_manifest("o", 0, "train")
+    assert not store.restore_checkpoint("o", 0) and not new.exists()

@@ -137,7 +137,8 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     flow run or experiment seed on the same run id fails at once naming the first (`LeaseHeld`), or with `wait`
     waits for it, then skips what it finished; stage commands on the run take only their stage's lease.
     A round whose checkpoint was lost after its train stage finished (a store cloned from git without its weights)
-    trains again; the later rounds made from the lost weights are first moved aside (`set_aside_stale_rounds`).
+    comes back from its kept copy where the store has one (`restore_kept_checkpoints`), else trains again; the later
+    rounds made from the lost weights are first moved aside (`set_aside_stale_rounds`).
     """
     ctx = open_run(resolve_config(config), run_id, 0, sets)
     check_served(ctx.cfg)  # vLLM missing, model missing, port taken: an error now, not after round 0's rollout
@@ -147,6 +148,7 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
         observer.check(ctx.cfg)  # e.g. a missing tracker package fails before any work
     walls: dict[int, dict[str, float]] = {}
     with ctx.store.lease(run_id, "run", f"run {run_id!r} (its rounds)", wait=wait):
+        restore_kept_checkpoints(ctx.store, run_id)
         set_aside_stale_rounds(ctx.store, run_id, rounds)  # under the lease: no other loop is using those rounds
         with shared_executor(ctx, rounds, sets):
             for k in range(rounds):
@@ -176,6 +178,17 @@ def lost_weights(store: Store, run_id: str) -> int | None:
         if any(store.manifest(run_id, k, m) is not None for m in makers) and not store.checkpoint_complete(run_id, k):
             return k
     return None
+
+
+def restore_kept_checkpoints(store: Store, run_id: str) -> list[int]:
+    """Every round whose train stage finished but whose checkpoint is gone, restored from the copy the experiment
+    keeps of it (Store.restore_checkpoint: made from the same weights, rounded to float16), so that nothing trains
+    again; returns those rounds. What has no such copy stays lost (`lost_weights`)."""
+    back = [k for k in store.rounds_written(run_id) if store.restore_checkpoint(run_id, k)]
+    if back:
+        log.warning("run %s: the checkpoints of rounds %s were gone (a fresh clone?) and are restored from their kept "
+                    "copies under %s (float16-rounded weights)", run_id, back, store.adapter_dir(run_id, 0).parent)
+    return back
 
 
 def set_aside_stale_rounds(store: Store, run_id: str, rounds: int) -> list[int]:

@@ -11,6 +11,7 @@ from pipeline.store.store import (
     CHECKPOINT_MARKER,
     ENDPOINT_ENV,
     KEPT_CONFIG,
+    KEPT_SOURCE,
     CorruptPartWarning,
     Store,
     StoreError,
@@ -21,6 +22,7 @@ from pipeline.store.store import (
     to_arrow,
     use_endpoint,
     utcnow,
+    weights_sha256,
 )
 from pipeline.store.views import GENERATION_SCORES_SQL, QUERY_USAGE_SQL, round_stats
 
@@ -32,6 +34,8 @@ __all__ = [
     "CHECKPOINT_MARKER",
     "ENDPOINT_ENV",
     "KEPT_CONFIG",
+    "KEPT_SOURCE",
+    "weights_sha256",
     "CorruptPartWarning",
     "adapter_complete",
     "utcnow",

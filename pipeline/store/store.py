@@ -68,6 +68,9 @@ ADAPTER_FILES = ("adapter_config.json", ADAPTER_WEIGHTS)  # a round's checkpoint
 # presence after the other files' PUTs is what makes the checkpoint complete (ADAPTER_FILES includes it).
 CHECKPOINT_MARKER = "adapter_config.json"
 KEPT_CONFIG = "config.yaml"  # a kept adapter's copy of its run's frozen config (Store.keep_adapter)
+# a kept adapter's note of the sha256 of the checkpoint weights it was made from; the train stage's manifest records
+# the same digest (`weights_sha256`), so a kept copy restores only the checkpoint that the manifest says finished
+KEPT_SOURCE = "checkpoint.sha256"
 ENDPOINT_ENV = "AWS_ENDPOINT_URL"
 
 _DUCK_TYPES = {
@@ -95,6 +98,17 @@ class CorruptPartWarning(UserWarning):
 def adapter_complete(path: Path) -> bool:
     """The folder holds every file a LoRA checkpoint needs (checkpoints are written whole or not at all)."""
     return all((path / f).is_file() for f in ADAPTER_FILES)
+
+
+def weights_sha256(folder: Path) -> str:
+    """The hex SHA-256 of a checkpoint's weights file (ADAPTER_WEIGHTS)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(folder / ADAPTER_WEIGHTS, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:
@@ -706,6 +720,26 @@ class Store:
                     os.fsync(f.fileno())
         fsync_dir(dest.parent)
         return dest
+
+    def restore_checkpoint(self, run_id: str, round: int) -> bool:
+        """Round `round`'s checkpoint back from its kept copy (`keep_adapter`, `adapter_dir`) when it is gone: a store
+        kept in git holds adapters/ but no checkpoint/, so a run cut off by the end of a machine resumes on a fresh
+        clone instead of training that round again. Only a copy made from the weights the train stage's manifest
+        names (KEPT_SOURCE = its `weights_sha256`) is restored; its weights may be rounded to float16
+        (pipeline.studies.experiment.keep_adapter), which the loaders cast to the model's dtype. True: restored.
+        Local stores only (an s3:// store keeps its checkpoints)."""
+        if self.remote or self.checkpoint_complete(run_id, round):
+            return False
+        done, kept = self.manifest(run_id, round, "train"), self.adapter_dir(run_id, round)
+        want = (done or {}).get("counts", {}).get("weights_sha256")
+        if not want or not adapter_complete(kept) or not (kept / KEPT_SOURCE).is_file():
+            return False
+        if (kept / KEPT_SOURCE).read_text().strip() != want:
+            log.warning("run %s round %d: the kept adapter %s was made from other weights than the train stage's "
+                        "manifest names; not restored", run_id, round, kept)
+            return False
+        self.publish_checkpoint(lambda tmp: [shutil.copyfile(kept / f, tmp / f) for f in ADAPTER_FILES], run_id, round)
+        return True
 
     def local_adapter(self, path: str | Path | Any) -> Path | None:
         """A local folder for an adapter reference (peft and vLLM read local folders): a local path as given; an

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path, PurePosixPath
@@ -57,7 +58,7 @@ from pipeline.engines.models import half_weights
 from pipeline.engines.servers import sharing
 from pipeline.stages import ROUND_STAGES
 from pipeline.stages.modes import get_mode
-from pipeline.store import ADAPTER_WEIGHTS, Store, adapter_complete, store_for
+from pipeline.store import ADAPTER_WEIGHTS, KEPT_SOURCE, Store, adapter_complete, store_for, weights_sha256
 from pipeline.store.views import flagged_rewarded
 from pipeline.studies.baselines import baseline_changes, baseline_run_id, check_method, method_tag, run_baseline
 from pipeline.studies.evaluate import (
@@ -352,45 +353,75 @@ def kept_adapter(store: Store, cfg: RunConfig, seed: int) -> KeptAdapter | None:
                        mb=round(mb, 2))
 
 
-def keep_adapter(store: Store, cfg: RunConfig, seed: int) -> KeptAdapter | None:
-    """Keep seed `seed`'s last-round checkpoint apart from it (Store.keep_adapter): a store kept in git leaves its
-    checkpoints out (data/README.md), but keeps `<store>/adapters/<seed run>-r<k>/`: the LoRA files, the run's config
-    and a README naming the base, the run, the round and the command that evaluates it on new problems, so that
-    anyone can check the result on problems the experiment never saw. Unchanged when already kept; None without a
-    complete checkpoint (a store cloned from git) or on object storage."""
-    run_id, k = kept_round(cfg, seed)
+def keep_adapter(store: Store, cfg: RunConfig, seed: int, round: int | None = None) -> KeptAdapter | None:
+    """Keep seed `seed`'s last-round checkpoint (or round `round`'s) apart from it (Store.keep_adapter): a store kept
+    in git leaves its checkpoints out (data/README.md), but keeps `<store>/adapters/<seed run>-r<k>/`: the LoRA files,
+    the run's config, a README naming the base, the run, the round and the command that evaluates it on new problems,
+    so that anyone can check the result on problems the experiment never saw, and the digest of the checkpoint it
+    was made from (KEPT_SOURCE), with which a fresh clone restores the checkpoint (Store.restore_checkpoint).
+    An earlier round's copy is kept only while its seed runs, for that restore (`drop_resume_copies`). Unchanged when
+    already kept; None without a complete checkpoint (a store cloned from git) or on object storage, or for an
+    earlier round."""
+    run_id, last = kept_round(cfg, seed)
+    k = last if round is None else round
     if store.remote:  # never committed to git: its checkpoints stay in the bucket, where any machine can read them
         log.info("seed %d: the s3:// store keeps its adapter as round %d's checkpoint only", seed, k)
         return None
     ckpt = store.checkpoint_dir(run_id, k)
     if not adapter_complete(ckpt):
         return None
-    notes: dict[str, str | bytes] = {"README.md": adapter_readme(cfg, seed, store)}
+    notes: dict[str, str | bytes] = {"README.md": adapter_readme(cfg, seed, store, k),
+                                     KEPT_SOURCE: weights_sha256(ckpt) + "\n"}
     try:
         notes[ADAPTER_WEIGHTS] = half_weights((ckpt / ADAPTER_WEIGHTS).read_bytes())  # half the bytes for git
     except ValueError as e:  # kept as trained: the evaluations read the same file and will say what is wrong
         log.warning("seed %d: %s: %s; kept as it is", seed, ckpt / ADAPTER_WEIGHTS, e)
     store.keep_adapter(run_id, k, notes)
+    if k != last:
+        return None
     kept = kept_adapter(store, cfg, seed)
     log.info("%s, under %s", kept.line(), store.root)
     return kept
 
 
-def adapter_readme(cfg: RunConfig, seed: int, store: Store) -> str:
+def keeping(store: Store, cfg: RunConfig, seed: int, after_round=None):
+    """`run_rounds`' after_round for a seed run: each round's checkpoint kept as soon as it is trained (`keep_adapter`),
+    so that a store committed while the seed runs resumes on a fresh clone; then the caller's `after_round`."""
+    def hook(run_id: str, store_root: str, k: int) -> None:
+        keep_adapter(store, cfg, seed, k)
+        if after_round is not None:
+            after_round(run_id, store_root, k)
+    return hook
+
+
+def drop_resume_copies(store: Store, cfg: RunConfig, seed: int) -> None:
+    """Once seed `seed` is evaluated, no stage needs its earlier rounds' checkpoints again: their kept copies
+    (`keep_adapter` with a round) go, and only the last round's stays for git."""
+    run_id, last = kept_round(cfg, seed)
+    for k in range(last):
+        if (folder := store.adapter_dir(run_id, k)).is_dir():
+            shutil.rmtree(folder)
+
+
+def adapter_readme(cfg: RunConfig, seed: int, store: Store, k: int | None = None) -> str:
     """A kept adapter's README.md: what it is and the commands that evaluate, load and serve it, with the base and the
     folder as the config names them (an embedded or hub id; a store kept in git: a path relative to the repository's
     root)."""
-    (run_id, k), base = kept_round(cfg, seed), cfg.generator.model
+    (run_id, last), base = kept_round(cfg, seed), cfg.generator.model
+    k = last if k is None else k
     folder = PurePosixPath(cfg.store.root) / store.adapter_dir(run_id, k).relative_to(store.root).as_posix()
     base_dir = f"the folder `pipeline prepare-model {base}` prints" if base.startswith("embedded:") else f"`{base}`"
     rank = 1 << max(3, (cfg.training.lora_r - 1).bit_length())  # vLLM takes powers of two from 8 up
+    which, resume = ("the last", "") if k == last else ("not the last", (
+        "\nIt is kept only while the seed runs, so that a fresh clone of the store resumes the run instead of training "
+        "this round again,\nand goes once the seed is evaluated.\n"))
     return f"""# {folder.name}
 
-The LoRA adapter (peft: adapter_config.json, adapter_model.safetensors) that round {k}, the last of {cfg.rounds},
+The LoRA adapter (peft: adapter_config.json, adapter_model.safetensors) that round {k}, {which} of {cfg.rounds},
 of run `{run_id}` trained: seed {seed} of the experiment `{cfg.run_id}`. Its base model is `{base}`
 (adapter_config.json names it too); config.yaml is the run's frozen config. Its weights are the checkpoint's,
 rounded to float16 for size; loaders cast them to the model's dtype.
-
+{resume}
 Evaluate it on new problems, with the experiment's evaluation settings (queries, L), in a run of its own:
 
     pipeline evaluate-adapter {folder} --set {new_problems(cfg)}
@@ -552,7 +583,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     artifacts). `only_references`: no seed runs, only the references (the summary holds the seeds already in the
     store). A seed with every evaluation in the store is not re-entered; one that is first sets aside the evaluations
     of checkpoints that its rounds train again (`set_aside_evaluations`)."""
-    from pipeline.stages.rounds import lost_weights, run_rounds, study_config
+    from pipeline.stages.rounds import lost_weights, restore_kept_checkpoints, run_rounds, study_config
 
     path, sets, cfg = study_config(config, sets, run_id)
     store = store_for(cfg.store)
@@ -599,13 +630,16 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 continue
             t_seed = time.perf_counter()
             log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
+            restore_kept_checkpoints(store, sp.run_id)  # a fresh clone of a store cut off mid-seed
             set_aside_evaluations(store, cfg, sp, order, lost_weights(store, sp.run_id))
-            run_rounds(path, cfg.rounds, sp.run_id, call, after_round, sets=sets + sp.sets, observer=TRACKERS)
+            run_rounds(path, cfg.rounds, sp.run_id, call, keeping(store, cfg, sp.seed, after_round),
+                       sets=sets + sp.sets, observer=TRACKERS)
             for k in seed_rounds(cfg, sp.seed, order):
                 log.info("seed %d: evaluating %s on %s", sp.seed, "the base model" if k < 0 else f"round {k}",
                          cfg.experiment.eval_split)
                 evaluate_tracked(str(store.root), sp.run_id, k, cfg.experiment.eval_split, eval_sets(cfg), call)
             keep_adapter(store, cfg, sp.seed)
+            drop_resume_copies(store, cfg, sp.seed)
             extra["seed_wall_s"][sp.seed] = round(time.perf_counter() - t_seed, 1)
             done.append(sp.seed)
             summary, out = publish(f"after seed {sp.seed}")

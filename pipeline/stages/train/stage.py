@@ -31,6 +31,7 @@ from pipeline.stages.train.loss import pass_loss_input, pass_shares, step_weight
 from pipeline.stages.train.metrics import StepMetrics, StepSums
 from pipeline.stages.train.reference import RefLogprobs, reference_passes
 from pipeline.stages.train.setup import TrainSetup, check_objective, load_stage
+from pipeline.store import weights_sha256
 
 if TYPE_CHECKING:
     from pipeline.config import TrainingConfig
@@ -165,6 +166,8 @@ def write_outputs(setup: TrainSetup, metrics: list[StepMetrics]) -> dict[str, An
               "processes": accel.num_processes, "final_loss": metrics[-1].loss if metrics else None,
               "logp_mismatch": float(np.mean(mismatch)) if mismatch else None, "checkpoint": str(ckpt)}
     if accel.is_main_process:
+        # which weights finished: a kept copy of them restores the checkpoint on a fresh clone (restore_checkpoint)
+        counts["weights_sha256"] = None if ctx.store.remote else weights_sha256(ckpt)
         ctx.finish("train", **counts)
         clear_progress(progress_path(ctx.store, ctx.run_id, ctx.round))
     accel.wait_for_everyone()
