@@ -30,6 +30,10 @@ stop_group() {  # SIGTERM to the group the pid in $1 leads (else that pid), SIGK
   kill -TERM -- "$target" 2>/dev/null || true
   for _ in $(seq "${STOP_WAIT_S:-30}"); do live "$target" || return 0; sleep 1; done
   kill -KILL -- "$target" 2>/dev/null || true
+  # a killed process is gone only once the kernel has torn it down, which a loaded machine can take a while to do:
+  # return when it has, so that "stopped" means stopped (and a restart finds its port free)
+  for _ in $(seq 100); do live "$target" || return 0; sleep 0.1; done
+  echo "warning: process group $target still has live processes after SIGKILL" >&2
 }
 
 if [[ "${1:-}" == stop ]]; then
