@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from pipeline.cli import app
@@ -229,3 +230,38 @@ def _parts_store(tmp_path) -> Store:
 def test_a_run_of_one_part_without_a_menu_has_neither_table(store, tmp_path):
     page = build_report(store, "r", tmp_path / "rep.html").read_text()
     assert "By part" not in page and "<h2>Designs</h2>" not in page
+
+
+def test_copies_of_the_menus_designs_are_counted_with_their_scores_by_part(tmp_path):
+    """Design a's three workflows in part A: one copy inside a fenced block with a comment of its own (score 1), one
+    copy laid out differently (0.5), one variant that returns something else (0); design b's one workflow in part B,
+    a variant (0.25); an `other` workflow is no design's. By hand: A/a 3 workflows, 2 copies at (1 + 0.5) / 2, the
+    rest 0; B/b 1 workflow, no copy, the rest 0.25."""
+    from pipeline.studies.report import design_copies
+
+    a = "async def solve(problem):\n    return (await llm(problem))[0]\n"
+    b = "async def solve(problem):\n    r = await llm(problem, n=2)\n    return r[0]\n"
+    menu = []
+    for name, code in (("a", a), ("b", b)):
+        (path := tmp_path / f"{name}.py").write_text(f"# design: {name}\n{code}")
+        menu.append(str(path))
+    st = Store(tmp_path / "store")
+    st.run_dir("m").mkdir(parents=True)
+    (st.run_dir("m") / "config.yaml").write_text(yaml.safe_dump({"run_id": "m", "rollout": {"example_menu": menu}}))
+    wf = [("q1", "A", "a", f"```python\n# mine\n{a}```", 1.0),
+          ("q1", "A", "a", "async def solve(problem):\n\n    return (await llm(problem)) [0]\n", 0.5),
+          ("q2", "A", "a", "async def solve(problem):\n    return (await llm(problem))[1]\n", 0.0),
+          ("q3", "B", "b", b.replace("n=2", "n=3"), 0.25),
+          ("q3", "B", "other", "async def solve(problem):\n    return '4'\n", 1.0)]
+    st.write("queries", [{"query_id": q, "meta": json.dumps({"task": t})} for q, t in
+                         (("q1", "A"), ("q2", "A"), ("q3", "B"))], "m", 0)
+    st.write("generations", [{"gen_id": f"g{i}", "kind": "workflow", "query_id": q, "valid": True, "design": d,
+                              "text": text} for i, (q, _, d, text, _) in enumerate(wf)], "m", 0)
+    st.write("scores", [{"gen_id": f"g{i}", "query_id": q, "rep": 0, "attempt": 0, "status": "ok", "score": s}
+                        for i, (q, _, _, _, s) in enumerate(wf)], "m", 0)
+    assert design_copies(st, "m").rows() == [(0, "A", "a", 3, 2, 0.75, 0.0), (0, "B", "b", 1, 0, None, 0.25)]
+    assert "<h2>Copies of the menu's designs</h2>" in build_report(st, "m", tmp_path / "rep.html").read_text()
+    # the menu's files not here (a store read elsewhere): no table, no error
+    gone = {"run_id": "m", "rollout": {"example_menu": [str(tmp_path / "gone.py")]}}
+    (st.run_dir("m") / "config.yaml").write_text(yaml.safe_dump(gone))
+    assert design_copies(st, "m").height == 0

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import polars as pl
+import yaml
 
 from pipeline.store import Store, round_stats
 from pipeline.store.schema import STATUSES
@@ -177,7 +178,52 @@ def _part_and_design_tables(store: Store, run_id: str) -> str:
     if shares["design"].drop_nulls().len():
         out += ("<h2>Designs</h2><p>spanning_share: queries whose workflows follow two designs or more; written: the "
                 f"nearest menu design of a workflow, shown: its prompt's example</p>{_table(span)}{_table(shares)}")
+    copies = design_copies(store, run_id)
+    if copies.height:
+        out += ("<h2>Copies of the menu's designs</h2><p>copies: workflows whose code is the design's own (up to "
+                "comments and layout); their mean score is the design's as a fixed program on these queries, the "
+                f"others' is what the generator's variants of it score</p>{_table(copies)}")
     return out
+
+
+COPY_SIMILARITY = 1.0  # pipeline.core.designs.similarity of a workflow that is its design's code, token for token
+
+
+def design_copies(store: Store, run_id: str) -> pl.DataFrame:
+    """Per round, task part ('' for a benchmark without parts) and written design of the run's menu: the workflows,
+    how many are exact copies of the design's code (`COPY_SIMILARITY`), and the mean score of the copies and of the
+    rest. Where a design wins a part on dev but its copies are rare, or its variants score 0, training cannot reach
+    that design's room (docs/learning.md, the mixed task). Empty without a menu, or where its files are not here."""
+    from pipeline.config import ConfigError, config_from_dict
+    from pipeline.core.designs import similarity
+    from pipeline.engines.prompting import PromptError, load_design
+    from pipeline.engines.workflow import extract_code
+
+    empty = pl.DataFrame()
+    if (text := store.read_config(run_id)) is None:
+        return empty
+    try:
+        menu = {d.name: d.code for d in map(load_design, config_from_dict(yaml.safe_load(text)).rollout.example_menu)}
+    except (PromptError, ConfigError):  # a config this version does not read, the menu's files not here
+        return empty
+    if not menu:
+        return empty
+    rows = store.sql("""
+        SELECT g.round, coalesce(json_extract_string(q.meta, '$.task'), '') AS part, g.design, g.text, s.score
+        FROM generations g JOIN generation_scores s USING (run_id, round, gen_id)
+        LEFT JOIN queries q ON q.run_id = g.run_id AND q.round = g.round AND q.query_id = g.query_id
+        WHERE g.run_id = $run AND g.kind = 'workflow' AND g.design IS NOT NULL""", {"run": run_id})
+    if not rows.height:
+        return empty
+    copy = [d in menu and similarity(extract_code(t or ""), menu[d]) >= COPY_SIMILARITY
+            for d, t in zip(rows["design"], rows["text"], strict=True)]
+    rows = rows.with_columns(pl.Series("copy", copy), pl.col("score").fill_null(0.0)).filter(
+        pl.col("design").is_in(list(menu)))
+    return rows.group_by("round", "part", "design").agg(
+        pl.len().alias("workflows"), pl.col("copy").sum().alias("copies"),
+        pl.col("score").filter(pl.col("copy")).mean().alias("copies_score"),
+        pl.col("score").filter(~pl.col("copy")).mean().alias("others_score"),
+    ).sort("round", "part", "design")
 
 
 def paired_row(p: RoundDiff) -> dict:
