@@ -30,10 +30,14 @@ The summary is written to `<store>/experiments/<run_id>/` as experiment.json (ev
 report.html, curve.png and frontier.png. After a seed's evaluations its last round's adapter is kept apart from the
 checkpoint, in `<store>/adapters/<seed run>-r<k>/` with its run's config and a README (`keep_adapter`): a store kept in
 git commits it while it leaves the checkpoints out, and `pipeline evaluate-adapter` evaluates it on new problems.
+While a seed runs, every round's checkpoint is kept there as soon as it is trained (`keeping`), so that a store
+committed mid-seed resumes on a fresh clone with its checkpoints restored (pipeline.stages.rounds.
+restore_kept_checkpoints) instead of training them again; the earlier rounds' copies go once the seed is evaluated.
 `run_experiment` runs it through a stage caller (pipeline.stages.rounds: without Prefect, or flows/experiment.py's).
 Re-running with the same run id resumes: finished stages are skipped by their manifests, in the seed runs and in
-the evaluation runs alike; a re-entered seed whose checkpoint was lost after training (a store cloned from git)
-first sets aside the rounds and evaluations made from the lost weights (`set_aside_evaluations`), which run again.
+the evaluation runs alike; a re-entered seed whose checkpoint was lost after training (a store cloned from git) with
+no kept copy to restore it first sets aside the rounds and evaluations made from the lost weights
+(`set_aside_evaluations`), which run again.
 The summary is rewritten after every seed and after the references, so a stopped experiment still leaves its
 results so far. `only_seeds` (`--only-seed`) runs some seeds of the plan and no reference, so that seeds can run in
 separate processes or machines on one store; every summary covers the seeds run here and every other seed whose
