@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config import ConfigError, RunConfig, StoreConfig, config_from_dict
+from pipeline.config import ConfigError, StoreConfig
+from pipeline.run import run_config
 from pipeline.store import Store
 from pipeline.store.schema import TABLES
 from pipeline.store.views import VIEWS
@@ -39,16 +40,6 @@ def table(store: Store, name: str, run_id: str | None = None, round: int | None 
     where = {k: v for k, v in where.items() if v is not None}
     sql = f"SELECT * FROM {name}" + (" WHERE " + " AND ".join(f"{k} = ${k}" for k in where) if where else "")
     return store.sql(sql, where or None)
-
-
-def run_config(store: Store, run_id: str) -> RunConfig:
-    """The run's frozen config (`<store>/<run_id>/config.yaml`, written by its first stage)."""
-    import yaml
-
-    text = store.read_config(run_id)
-    if text is None:
-        raise ConfigError(f"run {run_id!r} not found under {store.root}")
-    return config_from_dict(yaml.safe_load(text), str(store.run_dir(run_id) / "config.yaml"))
 
 
 def round_policy(store: Store, run_id: str, round: int, device: str = "cpu") -> tuple[Any, Any]:

@@ -49,6 +49,15 @@ class RunContext:
         return RunContext(self.cfg, self.store, self.run_id, round, self.frozen_hash)
 
 
+def run_config(store: Store, run_id: str) -> RunConfig:
+    """The run's frozen config (`<store>/<run_id>/config.yaml`, written by its first stage); a ConfigError when the
+    run is not in the store or its config does not validate."""
+    text = store.read_config(run_id)
+    if text is None:
+        raise ConfigError(f"run {run_id!r} not found under {store.root}")
+    return config_from_dict(yaml.safe_load(text), str(store.run_dir(run_id) / "config.yaml"))
+
+
 def open_run(
     config: str | Path | None,
     run_id: str | None = None,

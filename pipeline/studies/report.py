@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import polars as pl
-import yaml
 
 from pipeline.store import Store, round_stats
 from pipeline.store.schema import STATUSES
@@ -194,17 +193,16 @@ def design_copies(store: Store, run_id: str) -> pl.DataFrame:
     how many are exact copies of the design's code (`COPY_SIMILARITY`), and the mean score of the copies and of the
     rest. Where a design wins a part on dev but its copies are rare, or its variants score 0, training cannot reach
     that design's room (docs/learning.md, the mixed task). Empty without a menu, or where its files are not here."""
-    from pipeline.config import ConfigError, config_from_dict
+    from pipeline.config import ConfigError
     from pipeline.core.designs import similarity
     from pipeline.engines.prompting import PromptError, load_design
     from pipeline.engines.workflow import extract_code
+    from pipeline.run import run_config
 
     empty = pl.DataFrame()
-    if (text := store.read_config(run_id)) is None:
-        return empty
     try:
-        menu = {d.name: d.code for d in map(load_design, config_from_dict(yaml.safe_load(text)).rollout.example_menu)}
-    except (PromptError, ConfigError):  # a config this version does not read, the menu's files not here
+        menu = {d.name: d.code for d in map(load_design, run_config(store, run_id).rollout.example_menu)}
+    except (PromptError, ConfigError):  # no such run, a config this version does not read, the menu's files not here
         return empty
     if not menu:
         return empty
