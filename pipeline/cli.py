@@ -68,6 +68,9 @@ def _main(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug l
     from pipeline import LOG_FORMAT  # not the runner's imports (the store, DuckDB): `bench train` runs without them
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    from pipeline.engines.neighbours import job
+
+    job()  # this command's stages and servers are one job: their engines are not each other's neighbours
 
 
 @app.command(rich_help_panel=SETUP)
@@ -423,7 +426,8 @@ def bench_crn(
     pairs: Annotated[list[str] | None, typer.Option("--pair", help="A-B: a paired difference of two arms "
                                                                    "(repeatable; none: the score variance only).")]
     = None,
-    queries: Annotated[int | None, typer.Option(min=1, help="The first N queries every arm has (default all).")]
+    queries: Annotated[int | None, typer.Option(min=1, help="The first N queries every arm has (default all); "
+                                                            "more than --out holds: only the new ones are scored.")]
     = None,
     store: StoreOpt = None,
     sets: SetOpt = None,

@@ -219,7 +219,8 @@ class ExecutorConfig(_Strict):
         "while calls time out, widened again as they finish.",
     )
     max_retries: int = Field(4, ge=0, description="Retries on 429/5xx/timeouts/connection errors.")
-    timeout_s: float = Field(60.0, gt=0, description="Per-call timeout in seconds.")
+    timeout_s: float = Field(60.0, gt=0, description="Per-call timeout in seconds; a call asked again after "
+                             "a timeout gets twice its last attempt's time (a slow CPU's whole reply can outlast it).")
     prices: PriceConfig = Field(default_factory=PriceConfig, description="Price table for cost accounting.")
     serve: ServeConfig | None = Field(
         None, description="The stages that call the executor serve `model` themselves (vLLM) and stop it after "

@@ -78,32 +78,34 @@ def open_run(
     run_id = run_id or (given.run_id if given else None)
     if not run_id:
         raise ConfigError("give a CONFIG file or --run-id of an existing run")
+    given_set = load_config(config, sets) if given else None  # the CONFIG with this invocation's --set
     # the store root may itself come from a --set (a new run can be put anywhere)
-    named = load_config(config, sets).store if given else RunConfig().store
+    named = given_set.store if given_set else RunConfig().store
     use_endpoint(named.endpoint_url)
     store = Store(store_root or named.root)
     saved_path = store.run_dir(run_id) / "config.yaml"
     saved_text = store.read_config(run_id)
     if saved_text is not None:
         frozen = config_from_dict(yaml.safe_load(saved_text) or {}, str(saved_path))
-        if given is not None:
-            # the CONFIG matches if it alone, or with this invocation's --set, gives the saved config
-            candidates = [given, load_config(config, sets)] if sets else [given]
-            changed = min((diff_configs(frozen, c.model_copy(update={"run_id": run_id})) for c in candidates), key=len)
+        cfg = config_from_dict(apply_overrides(frozen.model_dump(mode="json"), sets), f"{saved_path} + --set") \
+            if sets else frozen
+        if given_set is not None:
+            # A field is a change only if it differs both bare (the CONFIG against the saved config: a run frozen
+            # with --set A differs there in A) and under this invocation's --set (where A is given again, but a
+            # default derived from a field the --set changes, e.g. scoring.concurrency from executor.kind, is
+            # derived anew in the CONFIG and kept as saved in the run's)
+            bare = diff_configs(frozen, given.model_copy(update={"run_id": run_id}))
+            changed = [f for f in diff_configs(cfg, given_set.model_copy(update={"run_id": run_id})) if f in bare]
             if changed:
                 raise ConfigError(
                     f"run {run_id!r} was started with {saved_path}; {config} differs in: {', '.join(changed)}. "
                     "Use a new --run-id, or --set for a deliberate per-invocation change."
                 )
-    elif given is None:
+    elif given_set is None:
         raise ConfigError(f"run {run_id!r} not found under {store.root}; give its CONFIG file to start it")
     else:
-        frozen = load_config(config, sets)
-        frozen = frozen.model_copy(update={"run_id": run_id})
+        frozen = given_set.model_copy(update={"run_id": run_id})
         frozen = config_from_dict(frozen.model_dump(), str(config))
         store.put_text(saved_path, frozen.to_yaml())  # whole or absent (temp + rename, or one PUT)
-        sets = []  # already frozen into the saved config
-    cfg = frozen
-    if sets:
-        cfg = config_from_dict(apply_overrides(frozen.model_dump(mode="json"), sets), f"{saved_path} + --set")
+        cfg = frozen  # this invocation's --set is frozen into the saved config
     return RunContext(cfg=cfg, store=store, run_id=run_id, round=round, frozen_hash=frozen.config_hash())

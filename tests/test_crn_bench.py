@@ -53,6 +53,25 @@ def test_arms_are_copied_on_the_shared_queries_once(tmp_path):
     assert frozen[0] == frozen[1]
 
 
+def test_a_bench_asked_for_more_queries_copies_only_the_new_ones_and_reopens_scoring(tmp_path):
+    src = Store(str(tmp_path / "src"))
+    a = _eval_run(src.root, ["q1", "q2", "q3"])
+    dst = Store(str(tmp_path / "dst"))
+    copy_arm(src, dst, a, ["q1"])
+    dst.write_manifest(a, 0, "score", "h", runs=2)  # as if the 1-query bench had been scored
+    copy_arm(src, dst, a, ["q1", "q2"])
+    assert sorted(dst.read("generations", a, 0)["gen_id"].to_list()) == ["q1-0", "q1-1", "q2-0", "q2-1"]
+    assert sorted(dst.read("queries", a, 0)["query_id"].to_list()) == ["q1", "q2"]
+    assert len(dst.parts("generations", a)) == 2  # q1's part kept as it was, q2's added
+    assert dst.manifest(a, 0, "rollout")["counts"] == {"queries": 2, "generations": 4, "copied_from": str(src.root)}
+    assert dst.manifest(a, 0, "score") is None  # scoring resumes, on q2's workflows alone
+    with pytest.raises(ConfigError, match=r"already holds 2 queries.*at least 2"):
+        copy_arm(src, dst, a, ["q1"])
+    dst.clear_manifest(a, 0, "rollout")  # a copy cut off after its tables, before its manifest: rows not doubled
+    copy_arm(src, dst, a, ["q1", "q2"])
+    assert dst.read("generations", a, 0).height == 4 and dst.manifest(a, 0, "rollout") is not None
+
+
 def test_missing_or_disjoint_arms_are_refused(tmp_path):
     src = Store(str(tmp_path / "src"))
     a, b = _eval_run(src.root, ["q1"]), _eval_run(src.root, ["q2"])

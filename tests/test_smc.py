@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import polars as pl
 import pytest
 import yaml
 
@@ -215,3 +216,36 @@ def test_smc_on_a_menu_task_shows_the_menu_and_the_design_the_first_slot_draws(t
             assert "- mixed_direct: " in prompt and "- mixed_pot: " in prompt
             assert f"Example workflow ({d.note}):\n```python\n{d.code}\n```" in prompt
             assert prompt.endswith("<|im_start|>assistant\n```python\n" + "\n".join(body[: at + 2]) + "\n")
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_a_run_cut_off_mid_chunk_resumes_after_its_whole_chunks(tmp_path, monkeypatch):
+    """Chunks of one query: the run dies in the second chunk after its rollouts and runs were written but before its
+    final workflows. The next attempt keeps the first chunk, removes the second's parts and samples only it again;
+    the counts are those of an uninterrupted run (test_smc_run_end_to_end)."""
+    import pipeline.studies.smc as smc_mod
+    from pipeline.store import Store
+
+    monkeypatch.setattr(smc_mod, "CHUNK", 1)
+    real, seen = smc_mod.final_rows, []
+
+    def cut_in_second_chunk(ctx, queries):
+        seen.append(queries[0].item.id)
+        if len(seen) == 2:
+            raise RuntimeError("cut off")
+        return real(ctx, queries)
+
+    monkeypatch.setattr(smc_mod, "final_rows", cut_in_second_chunk)
+    gen = Scripted()
+    with pytest.raises(RuntimeError, match="cut off"):
+        run_scripted_smc(tmp_path, monkeypatch, gen, {}, {"N": 3, "K": 2, "T": 2})
+    st = Store(tmp_path / "store")
+    first = st.read("generations", "s-smc", 0).filter(pl.col("query_id") == seen[0]).sort("gen_id")
+    # chunk 1: rollouts and finals; chunk 2: rollouts
+    assert gen.calls == 2 and len(st.parts("generations", "s-smc", 0)) == 3
+    s = run_scripted_smc(tmp_path, monkeypatch, gen, {}, {"N": 3, "K": 2, "T": 2})
+    assert gen.calls == 3 and seen == [seen[0], seen[1], seen[1]]  # the second chunk only, once more
+    assert s["smc"] == {"queries": 2, "rollouts": 6, "runs": 2, "workflows": 6, "steps_with_comments": 0}
+    gens = st.read("generations", "s-smc", 0)
+    assert gens.filter(pl.col("query_id") == seen[0]).sort("gen_id").equals(first)  # kept as it was
+    assert gens["gen_id"].n_unique() == gens.height == 12 and s["workflows"] == 6

@@ -146,6 +146,24 @@ def test_a_lost_round_not_run_now_moves_nothing(tmp_path, calls):
     assert calls == [] and stale(store, "n") == []
 
 
+def test_a_finished_run_without_its_earlier_checkpoints_trains_nothing_again(tmp_path, calls):
+    """A clone of a finished run keeps only its last round's weights (data/README.md): re-entering it (a methods
+    comparison reusing a seed) trains nothing and moves nothing, as nothing left to run reads round 0's weights. One
+    more round then starts from the last checkpoint; round 0 stays as it was."""
+    path, call = write_config(tmp_path, "f", rounds=3), direct_call(RetryPolicy(delay_s=0))
+    store = Store(tmp_path / "runs")
+    run_rounds(path, 2, "f", call)
+    last = token(store, "f", 1)
+    shutil.rmtree(store.checkpoint_dir("f", 0))
+    calls.clear()
+    run_rounds(path, 2, "f", call)
+    assert calls == [] and stale(store, "f") == []
+    run_rounds(path, 3, "f", call)
+    assert [(s, k) for _, s, k in calls] == [(s, 2) for s in ("rollout", "score", "curate", "train")]
+    assert texts(store, "f", 2) == [last, last] and stale(store, "f") == []
+    assert not store.checkpoint_dir("f", 0).exists()
+
+
 def test_an_s3_store_asks_for_the_move_by_hand():
     st = Store("s3://bucket/pre")
     with pytest.raises(StoreError, match=r"run r: lost; .*by hand.*s3://bucket/pre/r/round=1 -> "
@@ -154,19 +172,31 @@ def test_an_s3_store_asks_for_the_move_by_hand():
 
 
 def test_a_re_entered_seed_sets_aside_the_evaluations_of_its_lost_checkpoints(tmp_path, calls):
-    """A seed cut short during its last evaluation, resumed on a fresh clone: its rounds retrain from round 0, and
-    the evaluations of checkpoints 0 and 1 run again with the new weights; the base model's is kept. A seed whose
-    every evaluation is in the store is still not re-entered without its weights."""
+    """A seed cut short during its last evaluation, resumed on a fresh clone. With its last round's kept copy (what
+    a finished seed keeps), that checkpoint comes back and only the evaluation's unfinished stage runs: round 0's
+    lost weights are read by nothing left to run. Without it, its rounds retrain from round 0, and the evaluations
+    of checkpoints 0 and 1 run again with the new weights; the base model's is kept. A seed whose every evaluation
+    is in the store is still not re-entered without its weights."""
     from pipeline.studies.experiment import run_experiment
 
     path, call = write_config(tmp_path, "e"), direct_call(RetryPolicy(delay_s=0))
     store = Store(tmp_path / "runs")
     run_experiment(path, call)
-    store.clear_manifest("e-s0-eval-r1", 0, "score")  # killed before its last evaluation finished
-    for k in (0, 1):
-        shutil.rmtree(store.checkpoint_dir("e-s0", k))
-    calls.clear()
+    kept = token(store, "e-s0", 1)
 
+    def cut_and_clone() -> None:
+        store.clear_manifest("e-s0-eval-r1", 0, "score")  # killed before its last evaluation finished
+        for k in (0, 1):
+            shutil.rmtree(store.checkpoint_dir("e-s0", k), ignore_errors=True)
+        calls.clear()
+
+    cut_and_clone()
+    run_experiment(path, call)
+    assert calls == [("e-s0-eval-r1", "score", 0)] and stale(store, "e-s0") == []
+    assert token(store, "e-s0", 1) == kept and not store.checkpoint_dir("e-s0", 0).exists()
+
+    cut_and_clone()
+    shutil.rmtree(store.adapter_dir("e-s0", 1))
     out = run_experiment(path, call)
     assert sorted({(r, s, k) for r, s, k in calls}) == sorted(
         [("e-s0", "train", 0)] + [("e-s0", s, 1) for s in ("rollout", "score", "curate", "train")]
@@ -240,3 +270,33 @@ def test_a_kept_copy_of_other_weights_is_not_restored(tmp_path, calls, caplog):
     shutil.rmtree(new)
     store.clear_manifest("o", 0, "train")
     assert not store.restore_checkpoint("o", 0) and not new.exists()
+
+
+def test_a_methods_arm_cut_off_mid_seed_resumes_on_a_clone_from_its_kept_checkpoints(tmp_path, calls):
+    """A trained arm of `compare-methods` keeps its checkpoints as the experiment's seeds do: cut off before its
+    held-out evaluation and cloned from git, it restores both rounds' weights and trains nothing again; once
+    evaluated, only its last round's copy stays (with the command that evaluates it)."""
+    from pipeline.studies.methods import run_methods
+
+    path, call = write_config(tmp_path, "m"), direct_call(RetryPolicy(delay_s=0))
+    store = Store(tmp_path / "runs")
+
+    def cut(**kw):  # the machine ends before the arm's evaluation
+        if kw["run_id"] == "m-scoreflow-s0-eval-r1":
+            raise RuntimeError("cut off")
+        return call(**kw)
+
+    with pytest.raises(RuntimeError, match="cut off"):
+        run_methods(path, cut, ["scoreflow"], seeds=1)
+    trained = {k: token(store, "m-scoreflow-s0", k) for k in (0, 1)}
+    for k in (0, 1):
+        assert (store.adapter_dir("m-scoreflow-s0", k) / WEIGHTS).read_text() == trained[k]
+        shutil.rmtree(store.checkpoint_dir("m-scoreflow-s0", k))  # what git leaves out
+    calls.clear()
+
+    run_methods(path, call, ["scoreflow"], seeds=1)
+    assert calls == [("m-scoreflow-s0-eval-r1", s, 0) for s in ("rollout", "score")]
+    assert texts(store, "m-scoreflow-s0-eval-r1", 0) == [trained[1]] * 2 and stale(store, "m-scoreflow-s0") == []
+    assert not store.adapter_dir("m-scoreflow-s0", 0).exists()
+    readme = (store.adapter_dir("m-scoreflow-s0", 1) / "README.md").read_text()
+    assert "round 1, the last of 2,\nof run `m-scoreflow-s0`" in readme and "pipeline evaluate-adapter" in readme

@@ -6,7 +6,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, load_config
 from pipeline.run import open_run
 from pipeline.store import CorruptPartWarning, Store
 from pipeline.store.store import views_for
@@ -164,6 +164,18 @@ def test_open_run_freezes_config_and_refuses_changes(tmp_path):
         open_run(cfg, round=0)
     # the same CONFIG with the --set it was started with reopens the run
     assert open_run(cfg, round=1, sets=["rollout.m=6"]).frozen_hash == ctx.frozen_hash
+    # ... and with one more --set, for this invocation only
+    more = open_run(cfg, round=1, sets=["rollout.m=6", "executor.timeout_s=5"])
+    assert more.cfg.executor.timeout_s == 5 and more.cfg.rollout.m == 6 and more.frozen_hash == ctx.frozen_hash
+    # a --set that changes what a default is derived from: the CONFIG derives scoring.concurrency anew from
+    # executor.kind=openai (executor.concurrency, 32), the run keeps the 2 it saved; that is no change of the CONFIG
+    down = ["rollout.m=6", "executor.kind=openai", "executor.base_url=http://127.0.0.1:9/v1"]
+    assert load_config(cfg, down).scoring.concurrency == 32
+    moved = open_run(cfg, round=1, sets=down)
+    assert (moved.cfg.executor.kind, moved.cfg.scoring.concurrency, moved.frozen_hash) == ("openai", 2, ctx.frozen_hash)
+    cfg.write_text(cfg.read_text().replace("m: 4", "m: 4\n  n_agents: 3"))  # a change no --set covers is refused
+    with pytest.raises(ConfigError, match="differs in: rollout.n_agents"):
+        open_run(cfg, round=1, sets=["rollout.m=6", "executor.timeout_s=5"])
     with pytest.raises(ConfigError, match="not found"):
         open_run(None, run_id="nope", store_root=str(tmp_path / "store"))
 

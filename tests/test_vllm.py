@@ -27,7 +27,7 @@ from pipeline.config import ExecutorConfig, GeneratorConfig, PriceConfig, load_c
 from pipeline.engines import servers
 from pipeline.engines.executors import OpenAIExecutor
 from pipeline.engines.generation import GenerationError, Sampling, make_generator
-from pipeline.engines.generation.vllm_offline import VLLMGenerator, cpu_defaults, engine_kwargs
+from pipeline.engines.generation.vllm_offline import VLLMGenerator, cpu_defaults, engine_kwargs, shutdown
 from pipeline.engines.servers import serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -53,7 +53,7 @@ def engine():
     cpu_defaults()
     llm = vllm.LLM(**engine_kwargs(MODEL, enable_lora=True, max_lora_rank=8, max_model_len=MAX_LEN))
     yield llm
-    del llm
+    shutdown(llm)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,9 @@ def test_offline_engine_without_lora_refuses_adapters(engine, adapter):
     gen.lora_enabled = False
     with pytest.raises(GenerationError, match="without enable_lora"):
         gen.generate(["hi"], Sampling(max_new_tokens=2), adapter)
+    gen.close()  # a borrowed engine is its owner's to stop: the module's one still runs
+    assert engine.llm_engine.engine_core._finalizer.alive
+    assert len(VLLMGenerator(MODEL, llm=engine).generate(["hi"], Sampling(max_new_tokens=2))[0][0].token_ids) == 2
 
 
 def test_server_loads_adapter_at_run_time(server, hf_greedy, adapter):

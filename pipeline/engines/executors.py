@@ -217,7 +217,7 @@ class OpenAIExecutor(Executor):
         self._window: SequenceWindow | None = None
 
     async def _once(self, messages: list[dict], temperature: float, n: int, asked: int,
-                    max_tokens: int | None, seed: int | None) -> ExecutorReply:
+                    max_tokens: int | None, seed: int | None, timeout_s: float) -> ExecutorReply:
         cfg = self.cfg
         client = self.clients[next(self._next)]  # each attempt goes to the next endpoint
         # vLLM's server seeds the request's sampler with it (sample j of n with seed + j); a remote API's seed is
@@ -227,7 +227,7 @@ class OpenAIExecutor(Executor):
             async with self._slots(asked):
                 resp = await asyncio.wait_for(client.chat.completions.create(
                     model=cfg.model, messages=messages, temperature=temperature, n=asked,
-                    max_tokens=max_tokens or cfg.max_tokens, **extra), cfg.timeout_s)
+                    max_tokens=max_tokens or cfg.max_tokens, timeout=timeout_s, **extra), timeout_s)
             if not getattr(resp, "choices", None):
                 raise ValueError(f"malformed response: no choices ({str(resp)[:200]})")
         except Exception as e:
@@ -272,8 +272,23 @@ class OpenAIExecutor(Executor):
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(cfg.max_retries + 1), wait=RetryAfterWait(), sleep=self._sleep,
             retry=tenacity.retry_if_exception(lambda e: not isinstance(e, ExecutorError)))
+        # A reply that outlasted the call timeout is asked for again with twice the time: on a slow or shared CPU a
+        # whole reply can take longer than executor.timeout_s even alone on the server (measured: 0.9 tokens/s a
+        # sequence, a 256-token reply 280 s against 240), and asking again with the same time never ends. The
+        # window (`SequenceWindow`) also narrows; the timeout still bounds a hung server, at 2^k times its value.
+        timeouts = 0
+
+        async def attempt() -> ExecutorReply:
+            nonlocal timeouts
+            try:
+                return await self._once(messages, temperature, n, asked, max_tokens, seed,
+                                        cfg.timeout_s * 2 ** timeouts)
+            except Exception as e:
+                timeouts += _is_timeout(e)
+                raise
+
         try:
-            return await retrying(self._once, messages, temperature, n, asked, max_tokens, seed)
+            return await retrying(attempt)
         except tenacity.RetryError as e:
             last = e.last_attempt.exception()
             raise ExecutorError(f"gave up after {cfg.max_retries + 1} attempts: {type(last).__name__}: {last}") \

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.engines.neighbours import mark, stat_fields, unmark, warn_if_shared
+
 if TYPE_CHECKING:  # the watchdog imports this module: keep its start light
     from pipeline.config import RunConfig
 
@@ -87,6 +89,11 @@ class ServerSpec:
             cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
                     str(no_partial_prefills(self.max_model_len)["max_num_batched_tokens"])]
         return cmd + list(self.extra_args)
+
+    @property
+    def engine(self) -> str:
+        """What its engine's marker names (`pipeline.engines.neighbours`)."""
+        return f"vLLM server {self.name}"
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb)}
@@ -273,6 +280,7 @@ class Server:
         deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to be gone: return once they are
         while group_alive(self.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
+        unmark(self.spec.engine, self.proc.pid)
         log.info("stopped the server of %s at %s", self.spec.name, self.url)
 
 
@@ -300,6 +308,11 @@ def launch(spec: ServerSpec, log_file: Path) -> Server:
                                 env=spec.env(), start_new_session=True)  # its own group: stop() ends all of it
     log.info("starting a vLLM server for %s on %s:%d (pid %d, log %s)", spec.name, spec.host, port, proc.pid,
              log_file)
+    from pipeline.engines.generation.vllm_offline import cuda_available
+
+    if not cuda_available():  # the watchdog's pid: the marker goes stale with the server
+        warn_if_shared(f"the vLLM server of {spec.name}")
+        mark(spec.engine, proc.pid)
     return Server(spec, f"http://{spec.host}:{port}", proc, log_file)
 
 
@@ -421,11 +434,10 @@ def server_log_dir(store, run_id: str, name: str) -> Path:
 def group_alive(pgid: int) -> list[int]:
     """Pids of live (not zombie) processes in process group `pgid` (Linux /proc): empty once a server is gone."""
     pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                pids.append(int(stat.parent.name))
+    for proc in Path("/proc").glob("[0-9]*"):
+        fields = stat_fields(proc.name)
+        if fields and fields[0] != "Z" and fields[2] == str(pgid):
+            pids.append(int(proc.name))
     return pids
 
 

@@ -125,16 +125,29 @@ def common_queries(src: Store, arms: dict[str, str], limit: int | None) -> list[
 
 def copy_arm(src: Store, dst: Store, run_id: str, queries: list[str]) -> None:
     """`run_id`'s frozen config, its queries and workflows (those of `queries`) and a rollout manifest into `dst`:
-    a run whose score stage has not run. Nothing is copied twice (a resumed bench)."""
-    if dst.manifest(run_id, 0, "rollout") is not None:
+    a run whose score stage has not run. Nothing is copied twice: a resumed bench copies nothing, and a bench run
+    again with more queries copies only the new ones and reopens the score stage, which then scores only them (it
+    resumes by workflow and rep). A copy that fewer `queries` would not cover is refused: its intervals would mix
+    in queries the bench was not asked for."""
+    manifest = dst.manifest(run_id, 0, "rollout")
+    have = set(dst.read("queries", run_id, 0)["query_id"].to_list()) if manifest else set()
+    if extra := sorted(have - set(queries)):
+        raise ConfigError(f"{dst.root} already holds {len(have)} queries of run {run_id}, {len(extra)} of them "
+                          f"beyond the {len(queries)} asked for ({extra[0]}, ...): ask for at least {len(have)} "
+                          "queries or give another --out")
+    if manifest is not None and have == set(queries):
         return
+    # the manifests go first: a copy cut off below is not done, and a rerun copies per table only what is missing
+    dst.clear_manifest(run_id, 0, "score")
+    dst.clear_manifest(run_id, 0, "rollout")
     dst.put_text(dst.run_dir(run_id) / "config.yaml", src.read_config(run_id))
-    keep = pl.col("query_id").is_in(queries)
-    gens = src.read("generations", run_id, 0).filter(keep).drop("round", strict=False)  # the partition's column
-    dst.write("queries", src.read("queries", run_id, 0).filter(keep).drop("round", strict=False), run_id, 0)
-    dst.write("generations", gens, run_id, 0)
+    for table, key in (("queries", "query_id"), ("generations", "gen_id")):
+        done = dst.read(table, run_id, 0)[key].to_list() if dst.parts(table, run_id) else []
+        rows = src.read(table, run_id, 0).filter(pl.col("query_id").is_in(queries) & ~pl.col(key).is_in(done))
+        dst.write(table, rows.drop("round", strict=False), run_id, 0)  # "round" is the partition's column
+    gens = dst.read("generations", run_id, 0).height
     ctx = open_run(None, run_id, 0, None, str(dst.root))
-    dst.write_manifest(run_id, 0, "rollout", ctx.frozen_hash, queries=len(queries), generations=gens.height,
+    dst.write_manifest(run_id, 0, "rollout", ctx.frozen_hash, queries=len(queries), generations=gens,
                        copied_from=str(src.root))
 
 

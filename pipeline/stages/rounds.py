@@ -138,7 +138,8 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     waits for it, then skips what it finished; stage commands on the run take only their stage's lease.
     A round whose checkpoint was lost after its train stage finished (a store cloned from git without its weights)
     comes back from its kept copy where the store has one (`restore_kept_checkpoints`), else trains again; the later
-    rounds made from the lost weights are first moved aside (`set_aside_stale_rounds`).
+    rounds made from the lost weights are first moved aside (`set_aside_stale_rounds`). The rounds before the last
+    finished one (`settled_round`) are not entered: nothing left to run reads their weights.
     """
     ctx = open_run(resolve_config(config), run_id, 0, sets)
     check_served(ctx.cfg)  # vLLM missing, model missing, port taken: an error now, not after round 0's rollout
@@ -149,9 +150,10 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     walls: dict[int, dict[str, float]] = {}
     with ctx.store.lease(run_id, "run", f"run {run_id!r} (its rounds)", wait=wait):
         restore_kept_checkpoints(ctx.store, run_id)
-        set_aside_stale_rounds(ctx.store, run_id, rounds)  # under the lease: no other loop is using those rounds
-        with shared_executor(ctx, rounds, sets):
-            for k in range(rounds):
+        since = settled_round(ctx.store, run_id, rounds, ctx.frozen_hash)
+        set_aside_stale_rounds(ctx.store, run_id, rounds, since)  # under the lease: no other loop uses those rounds
+        with shared_executor(ctx, rounds, sets, since):
+            for k in range(since, rounds):
                 for stage in ROUND_STAGES:
                     res = call_stage(call, stage, run_id, k, store_root, sets, shards=shards, wait=wait)
                     walls.setdefault(k, {})[stage] = res.wall_s
@@ -168,14 +170,29 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
     return {"run_id": run_id, "store": store_root, "rounds": per_round}
 
 
-def lost_weights(store: Store, run_id: str) -> int | None:
-    """The first round whose checkpoint-making stage (train) finished, by its manifest, but whose checkpoint is no
-    longer complete (a store cloned from git, which keeps no weights; a pruned folder): that stage counts as
-    unfinished and trains other weights than the ones the later rounds sampled and trained with. None: no such
-    round."""
+def settled_round(store: Store, run_id: str, rounds: int, frozen_hash: str) -> int:
+    """The last round below `rounds` whose every stage finished for the run's config (`frozen_hash`, as
+    RunContext.done) with its checkpoint whole, else 0. The rounds before it are history: what is left to run reads
+    only its checkpoint (round k+1 samples from checkpoint k, starts from it and is held to it), so an earlier
+    round's pruned checkpoint (a clone of a finished run keeps only its last round's adapter) is no reason to train
+    that round again and make the finished rounds after it stale."""
+    for k in sorted((k for k in store.rounds_written(run_id) if k < rounds), reverse=True):
+        made = [store.manifest(run_id, k, name) for name in ROUND_STAGES]
+        if all(m is not None and m["config_hash"] == frozen_hash for m in made) \
+                and store.checkpoint_complete(run_id, k):
+            return k
+    return 0
+
+
+def lost_weights(store: Store, run_id: str, since: int = 0) -> int | None:
+    """The first round from `since` on (`settled_round`) whose checkpoint-making stage (train) finished, by its
+    manifest, but whose checkpoint is no longer complete (a store cloned from git, which keeps no weights; a pruned
+    folder): that stage counts as unfinished and trains other weights than the ones the later rounds sampled and
+    trained with. None: no such round."""
     makers = [name for name in ROUND_STAGES if get_stage(name).checkpoint]
     for k in store.rounds_written(run_id):
-        if any(store.manifest(run_id, k, m) is not None for m in makers) and not store.checkpoint_complete(run_id, k):
+        made = any(store.manifest(run_id, k, m) is not None for m in makers)
+        if k >= since and made and not store.checkpoint_complete(run_id, k):
             return k
     return None
 
@@ -191,12 +208,12 @@ def restore_kept_checkpoints(store: Store, run_id: str) -> list[int]:
     return back
 
 
-def set_aside_stale_rounds(store: Store, run_id: str, rounds: int) -> list[int]:
+def set_aside_stale_rounds(store: Store, run_id: str, rounds: int, since: int = 0) -> list[int]:
     """Before a lost round (`lost_weights`) below `rounds` trains again: every later round with anything in the store
     was drawn from (or trained against) the lost weights, so skipping its finished stages would train on samples the
     new policy never drew. They are moved intact to `<run>/stale/<UTC stamp>/` (Store.set_aside: no view reads them)
     and run again; returns them. An s3:// store: a StoreError naming what to move by hand."""
-    lost = lost_weights(store, run_id)
+    lost = lost_weights(store, run_id, since)
     later = [] if lost is None or lost >= rounds else [j for j in store.rounds_written(run_id) if j > lost]
     if not later:
         return []
@@ -207,12 +224,13 @@ def set_aside_stale_rounds(store: Store, run_id: str, rounds: int) -> list[int]:
     return later
 
 
-def shared_executor(ctx, rounds: int, sets: list[str] | None) -> contextlib.AbstractContextManager:
+def shared_executor(ctx, rounds: int, sets: list[str] | None, since: int = 0) -> contextlib.AbstractContextManager:
     """One executor server for the rounds' stages that call it (pipeline.engines.servers.sharing) when more than
     one of them is left to run; a single stage starts its own as before."""
     if ctx.cfg.executor.serve is None:
         return contextlib.nullcontext()
     store_root = str(ctx.store.root)
-    left = sum(not stage_done(stage, ctx.run_id, k, store_root, sets) for k in range(rounds) for stage in ROUND_STAGES
+    left = sum(not stage_done(stage, ctx.run_id, k, store_root, sets)
+               for k in range(since, rounds) for stage in ROUND_STAGES
                if "executor" in served_sections(get_stage(stage), ctx.cfg))
     return sharing(ctx.cfg, server_log_dir(ctx.store, ctx.run_id, "shared")) if left > 1 else contextlib.nullcontext()

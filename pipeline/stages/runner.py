@@ -39,6 +39,7 @@ from typing import Any
 
 from pipeline import LOG_FORMAT
 from pipeline.engines.hardware import machine
+from pipeline.engines.neighbours import JOB_ENV, job
 from pipeline.engines.servers import server_log_dir, serving
 from pipeline.run import RunContext, open_run
 from pipeline.stages import Shard, Stage, get_stage, served_sections
@@ -204,7 +205,7 @@ def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[
         cmd += ["--shard", str(shard)] if shard is not None else []
         for s in sets:
             cmd += ["--set", s]
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), JOB_ENV: job()}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         # the child shares the stage's lease file (pass_fds): the kernel frees the lease only when this process and
         # the child are both gone, so a child still dying after its parent's kill -9 is never beside a new writer

@@ -792,14 +792,24 @@ class Store:
         if stale or has_ckpt:
             log.warning("run %s round %d: discarding %d part(s)%s of an unfinished attempt", run_id, round, len(stale),
                         " and the checkpoint" if has_ckpt else "")
-        if self.remote:
-            if stale:
-                self.fs.rm([self.url(p) for p in stale])
-            if has_ckpt:
-                self._drop_remote_checkpoint(ckpt)
-            return len(stale)
-        for p in stale:
-            p.unlink(missing_ok=True)
-        if has_ckpt:
+        self.discard_parts(stale)
+        if has_ckpt and self.remote:
+            self._drop_remote_checkpoint(ckpt)
+        elif has_ckpt:
             shutil.rmtree(ckpt)
         return len(stale)
+
+    def discard_parts(self, parts: list[Path]) -> None:
+        """Remove parts for good: what an attempt that died wrote (`discard_unfinished`; an SMC run's chunk cut off
+        before its final workflows, pipeline.studies.smc)."""
+        if self.remote:
+            if parts:
+                self.fs.rm([self.url(p) for p in parts])
+            return
+        for p in parts:
+            p.unlink(missing_ok=True)
+
+    def part_values(self, part: Path, column: str) -> set:
+        """The distinct values of one column of one part."""
+        df = pl.read_parquet(str(part), columns=[column], storage_options=self._polars_options())
+        return set(df[column].to_list())

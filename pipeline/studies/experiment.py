@@ -60,6 +60,7 @@ from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
 from pipeline.engines.models import half_weights
 from pipeline.engines.servers import sharing
+from pipeline.run import run_config
 from pipeline.stages import ROUND_STAGES
 from pipeline.stages.modes import get_mode
 from pipeline.store import ADAPTER_WEIGHTS, KEPT_SOURCE, Store, adapter_complete, store_for, weights_sha256
@@ -587,7 +588,13 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     artifacts). `only_references`: no seed runs, only the references (the summary holds the seeds already in the
     store). A seed with every evaluation in the store is not re-entered; one that is first sets aside the evaluations
     of checkpoints that its rounds train again (`set_aside_evaluations`)."""
-    from pipeline.stages.rounds import lost_weights, restore_kept_checkpoints, run_rounds, study_config
+    from pipeline.stages.rounds import (
+        lost_weights,
+        restore_kept_checkpoints,
+        run_rounds,
+        settled_round,
+        study_config,
+    )
 
     path, sets, cfg = study_config(config, sets, run_id)
     store = store_for(cfg.store)
@@ -635,7 +642,9 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
             t_seed = time.perf_counter()
             log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
             restore_kept_checkpoints(store, sp.run_id)  # a fresh clone of a store cut off mid-seed
-            set_aside_evaluations(store, cfg, sp, order, lost_weights(store, sp.run_id))
+            since = settled_round(store, sp.run_id, cfg.rounds, run_config(store, sp.run_id).config_hash()) \
+                if store.read_config(sp.run_id) is not None else 0  # as run_rounds will see it
+            set_aside_evaluations(store, cfg, sp, order, lost_weights(store, sp.run_id, since))
             run_rounds(path, cfg.rounds, sp.run_id, call, keeping(store, cfg, sp.seed, after_round),
                        sets=sets + sp.sets, observer=TRACKERS)
             for k in seed_rounds(cfg, sp.seed, order):

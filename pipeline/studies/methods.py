@@ -66,7 +66,10 @@ from pipeline.studies.evaluate import EVAL_STAGES, eval_summary, open_eval_run
 from pipeline.studies.experiment import (
     PlannedRun,
     SeedPlan,
+    drop_resume_copies,
     eval_sets,
+    keep_adapter,
+    keeping,
     mean_or_none,
     paired_interval,
     plan,
@@ -203,8 +206,13 @@ def same_hash(a: RunConfig, b: RunConfig) -> bool:
     return a.config_hash() == b.config_hash()
 
 
+def method_study_id(run_id: str, method: str) -> str:
+    """The study whose seeds a method's training runs are: seed s of it is `<run>-<method>-s<s>` (`seed_run_id`)."""
+    return f"{run_id}-{method}"
+
+
 def method_run_id(run_id: str, method: str, seed: int) -> str:
-    return f"{run_id}-{method}-s{seed}"
+    return seed_run_id(method_study_id(run_id, method), seed)
 
 
 def sweep_run_id(run_id: str, method: str, lr: float, seed: int) -> str:
@@ -419,7 +427,13 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                     continue
                 own, arm_cfg, arm = arm_run(path, cfg, m, sets, sp, lrs.get(m.name), extra, seed_cfg, same_base)
                 log.info("seed %d: training %s (%s, %d rounds)", sp.seed, m.name, arm, cfg.rounds)
-                run_rounds(path, cfg.rounds, arm, call, sets=own, observer=TRACKERS)
+                # the arm's adapters kept as the experiment keeps its seeds' (`keep_adapter` names seed s's run
+                # `seed_run_id(cfg.run_id, s)`): each round's while it runs, so a fresh clone resumes it, and the last
+                # round's after its evaluations; the experiment's own seed run keeps its adapters itself
+                kept = None if arm == seed_run_id(cfg.run_id, sp.seed) else \
+                    arm_cfg.model_copy(update={"run_id": method_study_id(cfg.run_id, m.name)})
+                run_rounds(path, cfg.rounds, arm, call, keeping(store, kept, sp.seed) if kept else None, sets=own,
+                           observer=TRACKERS)
                 last = cfg.rounds - 1
                 for ev in m.evaluations:
                     log.info("seed %d: evaluating %s (%s) on %s", sp.seed, m.name, ev, split)
@@ -430,6 +444,9 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                         got = evaluate_refined(store, arm, last, arm_cfg, split, call)
                     records.append(ArmRun(arm=m.arm(ev), method=m.name, evaluation=ev, seed=sp.seed,
                                           train_run_id=arm, **got))
+                if kept is not None:
+                    keep_adapter(store, kept, sp.seed)  # the last round's, with the command that evaluates it
+                    drop_resume_copies(store, kept, sp.seed)
             walls[sp.seed] = round_s(time.perf_counter() - t_seed)
             done.append(sp.seed)
             summary = summarise(store, cfg, [m.name for m in chosen], records, done)

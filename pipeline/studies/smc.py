@@ -27,7 +27,9 @@ task-level workflow; here workflows are per query, so R is per query too.
 weights): plain sampling from the same prior p, the comparison at an executor budget (N = SMC's workflow runs per
 query, `executed_per_query`), in the run `<run>-smc-plain-n<N>`.
 
-Not implemented: the refiner (M > 0, MCTS in the paper). A crashed SMC run starts over (its rows are discarded).
+The queries go in chunks of `CHUNK`: each chunk is sampled, run and written whole (its rollouts, runs, then its final
+workflows), so a run cut off resumes at the first chunk without final workflows; what a cut-off chunk had written is
+removed first. Not implemented: the refiner (M > 0, MCTS in the paper).
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
+import polars as pl
+from tqdm import tqdm
 
 from pipeline.config import ConfigError, load_config
 from pipeline.engines.checks import CheckJob, run_checks
@@ -49,6 +54,7 @@ from pipeline.run import RunContext, derived_seed, open_run
 
 log = logging.getLogger(__name__)
 
+CHUNK = 8  # queries sampled, run and written together: a run cut off loses at most one chunk's work
 STEP = re.compile(r"^[ \t]*#[ \t]*Step[ \t]*\d+", re.MULTILINE | re.IGNORECASE)
 STEP_HINT = ("\nStart each step of `solve` with a comment `# Step <n>: <what it does>`, e.g. `# Step 1: read the "
              "numbers`.")
@@ -235,7 +241,9 @@ def _reward_fn(ctx: RunContext, bench) -> Callable[[object, list[dict]], list[fl
         [vote_key(r["answer"], bench.family) if r["status"] == "ok" else None for r in rows])
 
 
-def _sampler(ctx: RunContext, gen) -> Sampler:
+def _sampler(ctx: RunContext, gen, chunk: str) -> Sampler:
+    """Sampling for the chunk whose first query is `chunk`: its seeds depend on the chunk, not on what ran before it,
+    so a resumed run draws what an uninterrupted one would."""
     from pipeline.engines.generation import Sampling
     from pipeline.stages.sampling import stops
 
@@ -245,7 +253,7 @@ def _sampler(ctx: RunContext, gen) -> Sampler:
         out: list[list[object]] = []
         for i in range(0, len(prompts), g.batch_size):
             s = Sampling(n=n, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
-                         seed=derived_seed(g.seed, "smc", key, i), stop=stops(g, "workflow"))
+                         seed=derived_seed(g.seed, "smc", chunk, key, i), stop=stops(g, "workflow"))
             out += gen.generate(prompts[i:i + g.batch_size], s, None)
         return out
 
@@ -285,7 +293,7 @@ def sample_smc(ctx: RunContext) -> dict:
         return {"skipped": True}
     if ctx.cfg.generator.adapter:
         raise ConfigError("smc samples with the base model here; generator.adapter is not supported")
-    ctx.store.discard_unfinished(ctx.run_id, 0, ["generations", "checks"])  # a crashed attempt starts over
+    done = finished_queries(ctx)
     bench = load_benchmark(ctx.cfg.benchmark)
     write_queries(ctx)
     tok = load_tokenizer(ctx.cfg.generator.model)
@@ -299,24 +307,47 @@ def sample_smc(ctx: RunContext) -> dict:
         prompt = workflow_prompt(it.prompt, bench.family, prompt_dir=pd, design=d, menu=menu) + STEP_HINT
         queries.append(Query(it, render(tok, prompt, prompt_dir=pd), [Particle(opening(ro, d)) for _ in range(s.N)],
                              np.random.default_rng(derived_seed(s.seed, "resample", it.id))))
+    chunks = [queries[i:i + CHUNK] for i in range(0, len(queries), CHUNK)]
+    todo = [c for c in chunks if c[0].item.id not in done]
+    if len(todo) < len(chunks):
+        log.info("smc run %s: %d of %d chunks of queries written by an earlier attempt, resumed after them",
+                 ctx.run_id, len(chunks) - len(todo), len(chunks))
     # served sections: SMC samples and runs workflows here, outside a stage, so it runs their servers itself
     with serving(ctx.cfg, SECTIONS, server_log_dir(ctx.store, ctx.run_id, "smc")) as cfg:
         gen = make_generator(cfg.generator)
         try:
-            cache = ctx.store.cache_dir()
-            smc = SMC(ctx, _sampler(ctx, gen), lambda jobs: run_checks(cfg, jobs, "smc", cache_dir=cache),
-                      _reward_fn(ctx, bench))
-            smc.sweep(queries) if s.resample else smc.draw(queries)
+            run = partial(run_checks, cfg, purpose="smc", cache_dir=ctx.store.cache_dir())
+            reward = _reward_fn(ctx, bench)
+            for chunk in tqdm(todo, desc="smc", unit="chunk", postfix={"queries": CHUNK}):
+                smc = SMC(ctx, _sampler(ctx, gen, chunk[0].item.id), run, reward)
+                smc.sweep(chunk) if s.resample else smc.draw(chunk)
+                ctx.store.write("generations", smc.rows, ctx.run_id, 0)
+                ctx.store.write("checks", smc.checks, ctx.run_id, 0)
+                ctx.store.write("generations", final_rows(ctx, chunk), ctx.run_id, 0)  # last: the chunk is whole
         finally:
             gen.close()
-    ctx.store.write("generations", smc.rows, ctx.run_id, 0)
-    ctx.store.write("checks", smc.checks, ctx.run_id, 0)
-    finals = final_rows(ctx, queries)
-    ctx.store.write("generations", finals, ctx.run_id, 0)
-    counts = {"queries": len(queries), "rollouts": len(smc.rows), "runs": len(smc.checks), "workflows": len(finals),
-              "steps_with_comments": sum(1 for r in smc.rows if len(STEP.findall(r["text"])) > 1)}
+    gens = ctx.store.read("generations", ctx.run_id, 0)
+    rollouts = gens.filter(pl.col("kind") == "smc")["text"].to_list()
+    runs = ctx.store.read("checks", ctx.run_id, 0).height
+    counts = {"queries": len(queries), "rollouts": len(rollouts), "runs": runs,
+              "workflows": gens.filter(pl.col("kind") == "workflow").height,
+              "steps_with_comments": sum(1 for t in rollouts if len(STEP.findall(t)) > 1)}
     ctx.finish("rollout", method="smc", **counts)
     return counts
+
+
+def finished_queries(ctx: RunContext) -> set[str]:
+    """The queries an earlier, cut-off attempt finished (their final workflows are in the store); the parts of a
+    chunk it had not finished (rollouts or runs without final workflows: written before them) are removed."""
+    finals = ctx.store.read("generations", ctx.run_id, 0).filter(pl.col("kind") == "workflow")
+    done = set(finals["query_id"].to_list())
+    cut = [p for table in ("generations", "checks") for p in ctx.store.parts(table, ctx.run_id, 0)
+           if not ctx.store.part_values(p, "query_id") <= done]
+    if cut:
+        log.warning("smc run %s: removing %d part(s) of a chunk an earlier attempt did not finish", ctx.run_id,
+                    len(cut))
+        ctx.store.discard_parts(cut)
+    return done
 
 
 def run_smc(config: str, call=None, run_id: str | None = None, split: str = "test",

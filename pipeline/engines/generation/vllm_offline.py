@@ -21,6 +21,7 @@ from typing import Any
 
 from pipeline.engines.generation.base import Completion, GenerationError, Generator, Sampling, adapter_id
 from pipeline.engines.models import load_tokenizer, resolve_model
+from pipeline.engines.neighbours import mark, unmark, warn_if_shared
 
 
 def import_vllm() -> Any:
@@ -75,6 +76,19 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def shutdown(llm: Any) -> None:
+    """Stop an engine now. Dropping its last reference stops it only when the garbage collector reaches it (the
+    engine core stops in a `weakref.finalize`; its objects hold cycles), which may be at the process's exit, beside
+    whatever threads are up then: a CI test worker died of SIGSEGV at the end of tests/test_vllm.py, where the
+    module's engine was only dropped."""
+    import gc
+
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+    gc.collect()
+
+
 class VLLMGenerator(Generator):
     backend = "vllm"
 
@@ -87,7 +101,13 @@ class VLLMGenerator(Generator):
         kw = engine_kwargs(model_ref, **engine)
         self.lora_enabled = bool(kw.get("enable_lora")) if llm is None else bool(
             getattr(llm.llm_engine.vllm_config, "lora_config", None))
+        self._owned = llm is None  # an engine passed in is its owner's to stop
+        self._marked = self._owned and not cuda_available()
+        if self._marked:  # a CPU engine: other jobs' engines on this CPU slow it, and it them
+            warn_if_shared("the vLLM generator")
         self.llm = llm if llm is not None else vllm.LLM(**kw)
+        if self._marked:
+            mark("vLLM generator")
         self._sampling_params = vllm.SamplingParams
 
     def params(self, sampling: Sampling, count: int) -> list[Any]:
@@ -113,7 +133,11 @@ class VLLMGenerator(Generator):
         return [[_completion(list(o.prompt_token_ids), c) for c in o.outputs] for o in outs]
 
     def close(self) -> None:
-        self.llm = None  # the in-process engine goes with its last reference
+        if self._owned and self.llm is not None:
+            shutdown(self.llm)
+        self.llm = None
+        if self._marked:
+            unmark("vLLM generator")
 
 
 def _completion(prompt_ids: list[int], c: Any) -> Completion:

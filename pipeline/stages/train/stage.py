@@ -25,6 +25,7 @@ import torch
 
 from pipeline.core.packing import Pass
 from pipeline.engines.models import save_adapter
+from pipeline.engines.neighbours import computing
 from pipeline.stages.progress import clear_progress, load_progress, progress_path, save_progress
 from pipeline.stages.train.batch import pass_batch
 from pipeline.stages.train.loss import pass_loss_input, pass_shares, step_weights
@@ -47,12 +48,15 @@ def run_train(ctx: RunContext) -> dict[str, Any]:
     from pipeline.stages.parallel import make_accelerator
 
     objective = check_objective(ctx)
-    setup = load_stage(ctx, objective, make_accelerator())
-    # the hash of the config this invocation trains with (--set included): progress of another one is not resumed
-    saved = load_progress(progress_path(ctx.store, ctx.run_id, ctx.round), ctx.cfg.config_hash(), len(setup.steps))
-    # progress files keep the pair under "passes" as a tuple (old, ref)
-    ref = RefLogprobs(*saved["passes"]) if saved is not None else reference_passes(setup)
-    return write_outputs(setup, optimise(setup, ref, saved))
+    accel = make_accelerator()
+    with computing("the train stage") if accel.device.type == "cpu" else contextlib.nullcontext():
+        setup = load_stage(ctx, objective, accel)
+        # the hash of the config this invocation trains with (--set included): progress of another is not resumed
+        saved = load_progress(progress_path(ctx.store, ctx.run_id, ctx.round), ctx.cfg.config_hash(),
+                              len(setup.steps))
+        # progress files keep the pair under "passes" as a tuple (old, ref)
+        ref = RefLogprobs(*saved["passes"]) if saved is not None else reference_passes(setup)
+        return write_outputs(setup, optimise(setup, ref, saved))
 
 
 def optimise(setup: TrainSetup, ref: RefLogprobs, saved: dict[str, Any] | None = None) -> list[StepMetrics]:
