@@ -227,6 +227,15 @@ def test_compare_methods_end_to_end_pairs_by_hand_and_resumes(tmp_path, monkeypa
     assert [t["stage"] for t in lines] == ["rollout", "score", "curate", "train"]
     assert runs["spogw"]["train_wall_s"] == pytest.approx(sum(t["wall_s"] for t in lines), abs=0.1)
     assert runs["task_best"]["train_wall_s"] is None
+    # evaluation wall time: the evaluation run's sampling and scoring, or its scoring alone for a fixed program
+    # (the summary rounds seconds to one decimal)
+    ev = [t for t in _timings(st, runs["spogw"]["eval_run_id"]) if not t["skipped"]]
+    assert [t["stage"] for t in ev] == ["rollout", "score"]
+    assert runs["spogw"]["eval_wall_s"] == pytest.approx(ev[0]["wall_s"] + ev[1]["wall_s"], abs=0.05)
+    fixed = [t for t in _timings(st, runs["task_best"]["eval_run_id"]) if not t["skipped"]]
+    assert [t["stage"] for t in fixed] == ["score"]
+    assert runs["task_best"]["eval_wall_s"] == pytest.approx(fixed[0]["wall_s"], abs=0.05)
+    assert arms["spogw"]["eval_wall_s"] == runs["spogw"]["eval_wall_s"]  # one seed: its mean is itself
     md = (tmp_path / "experiments" / "cm-methods" / "methods.md").read_text()
     assert "| scoreflow | sample | 1 | 0.625 | 0.625 | 0.625 | n/a | +0.375 [" in md
     assert out.results.endswith("cm-methods")
@@ -335,3 +344,17 @@ def test_every_arm_is_compared_on_the_queries_all_hold(tmp_path):
     assert (row.queries, row.mean_at_l, row.exec_tokens_per_query, row.gen_tokens_per_query) == (2, 0.5, 200.0, 10.0)
     _, whole = mm.seed_rows(Store(tmp_path), recs[1], spogw, keep)  # nothing left out: the evaluation's own numbers
     assert (whole.queries, whole.exec_tokens_per_query) == (2, 50)
+
+
+def test_an_evaluation_is_timed_only_when_each_of_its_stages_is(tmp_path):
+    """eval_wall_s sums the evaluation run's stage lines, and is None while a stage its evaluation runs has none: an
+    SMC run sampled before its sampling was timed has only its score line, and chunk lines are not the stage's."""
+    from pipeline.stages.runner import StageResult, record_timing
+
+    st = Store(tmp_path)
+    record_timing(tmp_path, "r", StageResult("rollout", 0, False, 40.0, {}, shard="chunk 1/2"))
+    record_timing(tmp_path, "r", StageResult("score", 0, False, 12.5, {}))
+    assert mm.eval_wall_s(st, "r", "smc") is None and mm.eval_wall_s(st, "r", "task_best") == 12.5
+    record_timing(tmp_path, "r", StageResult("rollout", 0, False, 70.3, {}))
+    record_timing(tmp_path, "r", StageResult("score", 0, True, 0.0, {}))  # a resume's skip changes nothing
+    assert mm.eval_wall_s(st, "r", "smc") == mm.eval_wall_s(st, "r", "sample") == 82.8  # 70.3 + 12.5

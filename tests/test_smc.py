@@ -171,6 +171,11 @@ def test_smc_run_end_to_end(tmp_path, monkeypatch):
     prov = json.loads(gens.filter(gens["kind"] == "workflow")["sampling"][0])
     assert (prov["method"], prov["N"], prov["K"], prov["T"]) == ("smc", 3, 2, 2)
     assert gen.calls == 1  # step 1's extension only: complete particles need no look-ahead or step 2
+    # the sampling is timed: one chunk of 2 queries, then the stage's own line (their sum; the score stage, called
+    # here without a flow, writes none)
+    lines = [json.loads(x) for x in (st.run_dir("s-smc") / "timings.jsonl").read_text().splitlines()]
+    assert [(t["stage"], t.get("shard")) for t in lines] == [("rollout", "chunk 1/1"), ("rollout", None)]
+    assert lines[1]["wall_s"] == lines[0]["wall_s"] and not lines[1]["skipped"]
 
 
 def test_plain_draw_samples_n_complete_workflows_and_runs_nothing():
@@ -249,3 +254,9 @@ def test_a_run_cut_off_mid_chunk_resumes_after_its_whole_chunks(tmp_path, monkey
     gens = st.read("generations", "s-smc", 0)
     assert gens.filter(pl.col("query_id") == seen[0]).sort("gen_id").equals(first)  # kept as it was
     assert gens["gen_id"].n_unique() == gens.height == 12 and s["workflows"] == 6
+    # the sampling's wall time is the sum of the whole chunks of both attempts (the cut-off chunk's is not counted)
+    lines = [json.loads(x) for x in (st.run_dir("s-smc") / "timings.jsonl").read_text().splitlines()]
+    chunks = [t for t in lines if t.get("shard")]
+    assert [t["shard"] for t in chunks] == ["chunk 1/2", "chunk 2/2"]
+    total = [t for t in lines if t["stage"] == "rollout" and "shard" not in t]
+    assert len(total) == 1 and total[0]["wall_s"] == pytest.approx(chunks[0]["wall_s"] + chunks[1]["wall_s"], abs=0.01)

@@ -30,8 +30,10 @@ up across arms.
 Per arm (a method's evaluation; `w4s` and `w4s/refined` are two arms of one training run) the summary gives Mean@L,
 Best@L, Majority@L (Sel@L where the mode selects), valid share, generator and executor tokens per held-out query (the
 store's `query_usage`), training wall time (the training run's stage wall seconds, pipeline.studies.report's
-`stage_timings`, mean over seeds) and the paired difference to the base model and to SPOGW per (seed, query) with the
-seeds-then-queries interval (`experiment.paired_interval`). Sel@L is paired with the other arm's Mean@L when that arm
+`stage_timings`, mean over seeds), evaluation wall time (the evaluation run's sampling and scoring, or its scoring
+alone for a fixed program; SMC's particles and look-aheads are its sampling; mean over the seeds that timed it)
+and the paired difference to the base model and to SPOGW per (seed, query) with the seeds-then-queries interval
+(`experiment.paired_interval`). Sel@L is paired with the other arm's Mean@L when that arm
 has none: both are the score of the one workflow delivered per query.
 
 `lr_sweep`: before the comparison, each trained method trains one seed (the first) one round per learning rate, in
@@ -102,6 +104,8 @@ log = logging.getLogger("pipeline.studies.methods")
 # how an arm is evaluated on the held-out split (module doc)
 SAMPLE, REFINED, SMC, TASK_BEST_EVAL = "sample", "refined", "smc", TASK_BEST
 EVALUATIONS = (SAMPLE, REFINED, SMC, TASK_BEST_EVAL)
+# the stages an evaluation's run times (timings.jsonl): sampling then scoring, or scoring alone for fixed programs
+TIMED = {SAMPLE: EVAL_STAGES, SMC: EVAL_STAGES, REFINED: ("score",), TASK_BEST_EVAL: ("score",)}
 ALL_METRICS = (*METRICS, "select_at_l")
 # held-out scores are the benchmark metric: no reward shaping in any evaluation
 METRIC_ONLY = ("scoring.reward.complexity_weight=0", "scoring.reward.cost_weight=0",
@@ -276,9 +280,16 @@ def arm_eval_sets(cfg: RunConfig) -> list[str]:
     return out
 
 
-def train_wall_s(store: Store, run_id: str) -> float:
+def run_wall_s(store: Store, run_id: str) -> float:
     """Wall seconds the run's stages took (timings.jsonl: the last attempt of each stage that did work)."""
     return round_s(float(stage_timings(store, run_id)["wall_s"].sum()))
+
+
+def eval_wall_s(store: Store, run_id: str, evaluation: str) -> float | None:
+    """Wall seconds of a held-out evaluation run, its sampling and scoring (`TIMED`); None where one of them has no
+    timing (an SMC run sampled before its sampling was timed): a part of the cost is not a cost."""
+    t = stage_timings(store, run_id)
+    return run_wall_s(store, run_id) if set(TIMED[evaluation]) <= set(t["stage"]) else None
 
 
 # ---- W4S: refine on validation, then the best refined workflow on test --------------------------------------------
@@ -365,7 +376,7 @@ def sweep_lr(path: Path, cfg: RunConfig, chosen: list[Method], sets: list[str], 
                                                           arm_eval_sets(load_config(path, own)), call))
             rows.append(SweepRun(lr=lr, run_id=rid, eval_run_id=summ.eval_run_id, queries=summ.queries,
                                  mean_at_l=summ.mean_at_l, best_at_l=summ.best_at_l,
-                                 train_wall_s=train_wall_s(store, rid)))
+                                 train_wall_s=run_wall_s(store, rid)))
         scored = [r for r in rows if r.mean_at_l is not None]
         best = max(scored, key=lambda r: r.mean_at_l) if scored else None  # max keeps the first of equal ones
         out[m.name] = LrSweep(split="dev", seed=sp.seed, runs=rows, chosen=None if best is None else best.lr)
@@ -588,8 +599,9 @@ def seed_rows(store: Store, rec: ArmRun, summ: EvalSummary,
                         valid_share=summ.valid_share if whole else _mean_of(rows, "valid_share"),
                         gen_tokens_per_query=summ.gen_tokens_per_query if whole else _mean_of(rows, "gen_tokens"),
                         exec_tokens_per_query=summ.exec_tokens_per_query if whole else _mean_of(rows, "exec_tokens"),
-                        train_wall_s=train_wall_s(store, rec.train_run_id) if rec.train_run_id else None,
-                        select_wall_s=train_wall_s(store, rec.validation_run_id) if rec.validation_run_id else None)
+                        train_wall_s=run_wall_s(store, rec.train_run_id) if rec.train_run_id else None,
+                        eval_wall_s=eval_wall_s(store, rec.eval_run_id, rec.evaluation),
+                        select_wall_s=run_wall_s(store, rec.validation_run_id) if rec.validation_run_id else None)
     return rows, row
 
 
@@ -600,6 +612,7 @@ def arm_means(arm: str, rows: list[dict], mine: list[MethodSeedRow]) -> MethodAr
                      gen_tokens_per_query=_mean_of(rows, "gen_tokens"),
                      exec_tokens_per_query=_mean_of(rows, "exec_tokens"),
                      train_wall_s=mean_or_none([p.train_wall_s for p in mine if p.train_wall_s is not None]),
+                     eval_wall_s=mean_or_none([p.eval_wall_s for p in mine if p.eval_wall_s is not None]),
                      select_wall_s=mean_or_none([p.select_wall_s for p in mine if p.select_wall_s is not None]))
 
 

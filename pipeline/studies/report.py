@@ -50,12 +50,18 @@ def write_study(store: Store, dest, name: str, body: dict, markdown: str):
     return dest
 
 
+def timing_lines(store: Store, run_id: str) -> list[dict]:
+    """The lines of the run's timings.jsonl (pipeline.stages.runner.record_timing), oldest first; none before the
+    run's first timed stage."""
+    path = store.run_dir(run_id) / "timings.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
 def stage_timings(store: Store, run_id: str) -> pl.DataFrame:
     """Wall seconds per (round, stage), and the machine that took them (null: a line written before lines named
     it): the last run of each stage that did work (skips are 0 s)."""
-    path = store.run_dir(run_id) / "timings.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    rows = [r for r in rows if not r.get("skipped") and "shard" not in r]  # a sharded stage's own line is its total
+    rows = [r for r in timing_lines(store, run_id)
+            if not r.get("skipped") and "shard" not in r]  # a sharded stage's own line is its total
     schema = {"round": pl.Int64, "stage": pl.String, "wall_s": pl.Float64, "machine": pl.String}
     return (pl.DataFrame([{c: r.get(c) for c in schema} for r in rows], schema=schema)
             .group_by("round", "stage", maintain_order=True).agg(pl.col("wall_s").last(), pl.col("machine").last())

@@ -29,7 +29,9 @@ query, `executed_per_query`), in the run `<run>-smc-plain-n<N>`.
 
 The queries go in chunks of `CHUNK`: each chunk is sampled, run and written whole (its rollouts, runs, then its final
 workflows), so a run cut off resumes at the first chunk without final workflows; what a cut-off chunk had written is
-removed first. Not implemented: the refiner (M > 0, MCTS in the paper).
+removed first. Each whole chunk's wall time is a `rollout` line of the run's timings.jsonl marked as a shard
+(`chunk i/n`); once every chunk is written, the stage's own line is their sum over every attempt, so a run that took
+several sessions reports the sampling it kept. Not implemented: the refiner (M > 0, MCTS in the paper).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import json
 import logging
 import math
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -51,6 +54,8 @@ from pipeline.engines.checks import CheckJob, run_checks
 from pipeline.engines.servers import SECTIONS, server_log_dir, serving
 from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext, derived_seed, open_run
+from pipeline.stages.runner import StageResult, record_timing, round_s
+from pipeline.studies.report import timing_lines
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +313,7 @@ def sample_smc(ctx: RunContext) -> dict:
         queries.append(Query(it, render(tok, prompt, prompt_dir=pd), [Particle(opening(ro, d)) for _ in range(s.N)],
                              np.random.default_rng(derived_seed(s.seed, "resample", it.id))))
     chunks = [queries[i:i + CHUNK] for i in range(0, len(queries), CHUNK)]
-    todo = [c for c in chunks if c[0].item.id not in done]
+    todo = [(i, c) for i, c in enumerate(chunks) if c[0].item.id not in done]
     if len(todo) < len(chunks):
         log.info("smc run %s: %d of %d chunks of queries written by an earlier attempt, resumed after them",
                  ctx.run_id, len(chunks) - len(todo), len(chunks))
@@ -318,12 +323,15 @@ def sample_smc(ctx: RunContext) -> dict:
         try:
             run = partial(run_checks, cfg, purpose="smc", cache_dir=ctx.store.cache_dir())
             reward = _reward_fn(ctx, bench)
-            for chunk in tqdm(todo, desc="smc", unit="chunk", postfix={"queries": CHUNK}):
+            for i, chunk in tqdm(todo, desc="smc", unit="chunk", postfix={"queries": CHUNK}):
+                t0 = time.perf_counter()
                 smc = SMC(ctx, _sampler(ctx, gen, chunk[0].item.id), run, reward)
                 smc.sweep(chunk) if s.resample else smc.draw(chunk)
                 ctx.store.write("generations", smc.rows, ctx.run_id, 0)
                 ctx.store.write("checks", smc.checks, ctx.run_id, 0)
                 ctx.store.write("generations", final_rows(ctx, chunk), ctx.run_id, 0)  # last: the chunk is whole
+                record_timing(ctx.store.root, ctx.run_id, StageResult(
+                    "rollout", 0, False, round_s(time.perf_counter() - t0), {}, shard=f"chunk {i + 1}/{len(chunks)}"))
         finally:
             gen.close()
     gens = ctx.store.read("generations", ctx.run_id, 0)
@@ -333,7 +341,14 @@ def sample_smc(ctx: RunContext) -> dict:
               "workflows": gens.filter(pl.col("kind") == "workflow").height,
               "steps_with_comments": sum(1 for t in rollouts if len(STEP.findall(t)) > 1)}
     ctx.finish("rollout", method="smc", **counts)
+    record_timing(ctx.store.root, ctx.run_id, StageResult("rollout", 0, False, sampled_s(ctx), counts))
     return counts
+
+
+def sampled_s(ctx: RunContext) -> float:
+    """Wall seconds of the run's whole chunks, over every attempt (each chunk is written, and timed, once)."""
+    return round_s(sum(r["wall_s"] for r in timing_lines(ctx.store, ctx.run_id)
+                       if r["stage"] == "rollout" and str(r.get("shard", "")).startswith("chunk ")))
 
 
 def finished_queries(ctx: RunContext) -> set[str]:

@@ -582,7 +582,8 @@ class ArmRun(Record):
 @dataclass(kw_only=True)
 class ArmNumbers(Record):
     """An arm's held-out numbers, for one seed or over its seeds: means (Sel@L only where the arm selects), valid
-    share, tokens per query, wall seconds of training and (W4S's refined arm) of validation."""
+    share, tokens per query, wall seconds of training, of the held-out evaluation (sampling and scoring; None where a
+    part of it was not timed) and (W4S's refined arm) of validation."""
 
     mean_at_l: float | None = None
     best_at_l: float | None = None
@@ -593,7 +594,8 @@ class ArmNumbers(Record):
     exec_tokens_per_query: float | None = None
     train_wall_s: float | None = None
     select_wall_s: float | None = None
-    OPTIONAL = ("select_at_l", "select_wall_s")
+    eval_wall_s: float | None = None
+    OPTIONAL = ("select_at_l", "select_wall_s", "eval_wall_s")
 
 
 @dataclass(kw_only=True)
@@ -682,7 +684,7 @@ class MethodsSummary(Record):
     def _arms_table(self, metrics: list[str]) -> list[str]:
         head = ["arm", "evaluation", "seeds", *map(metric_name, metrics), "Mean@L vs base",
                 f"Mean@L vs {REFERENCE_ARM}", f"Mean@L vs {BEST_FIXED_ARM}", "generator tokens/query",
-                "executor tokens/query", "training s/seed", "valid"]
+                "executor tokens/query", "training s/seed", "evaluation s/seed", "valid"]
         lines = [f"Held-out {self.split}, {self.eval_queries} queries, L = {self.eval_l}, seeds {self.seeds}, "
                  f"{self.rounds} round(s); differences: mean [95% interval resampling seeds, then queries].", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -690,7 +692,8 @@ class MethodsSummary(Record):
             cells = [a.arm, a.evaluation, str(len(a.seeds)), *(num(getattr(a, m)) for m in metrics),
                      self._diff(a.arm, BASE_ARM), self._diff(a.arm, REFERENCE_ARM), self._diff(a.arm, BEST_FIXED_ARM),
                      num(a.gen_tokens_per_query, 0),
-                     num(a.exec_tokens_per_query, 0), num(a.train_wall_s, 0), num(a.valid_share, 2)]
+                     num(a.exec_tokens_per_query, 0), num(a.train_wall_s, 0), num(a.eval_wall_s, 0),
+                     num(a.valid_share, 2)]
             lines.append("| " + " | ".join(cells) + " |")
         return lines
 
@@ -706,11 +709,11 @@ class MethodsSummary(Record):
 
     def _seeds_table(self, metrics: list[str]) -> list[str]:
         lines = ["| arm | seed | " + " | ".join(map(metric_name, metrics))
-                 + " | generator tokens/query | executor tokens/query | training s | evaluation run |",
-                 "|" + "---|" * (len(metrics) + 6)]
+                 + " | generator tokens/query | executor tokens/query | training s | evaluation s | evaluation run |",
+                 "|" + "---|" * (len(metrics) + 7)]
         lines += [f"| {p.arm} | {p.seed} | " + " | ".join(num(getattr(p, m)) for m in metrics)
                   + f" | {num(p.gen_tokens_per_query, 0)} | {num(p.exec_tokens_per_query, 0)} | "
-                  f"{num(p.train_wall_s, 0)} | {p.eval_run_id} |" for p in self.per_seed]
+                  f"{num(p.train_wall_s, 0)} | {num(p.eval_wall_s, 0)} | {p.eval_run_id} |" for p in self.per_seed]
         return lines
 
     def _sweep_table(self) -> list[str]:
