@@ -168,6 +168,7 @@ def test_task_best_picks_the_generic_program_on_the_training_queries(tmp_path, e
     assert sel.height == 2 * 8
     assert s["selected"] == {"chain_sum": {"label": "src:g2", "order": 7, "mean_score": 1.0, "exec_tokens": 0.0,
                                            "queries": 2}}
+    assert type(s["selected"]["chain_sum"]["exec_tokens"]) is float  # not DuckDB's decimal: JSON writes it a string
     assert (s["eval_run_id"], s["mean_at_l"], s["best_at_l"], s["majority_at_l"]) == ("b-baseline-task_best", 1.0,
                                                                                         1.0, 1.0)
     texts = set(st.read("generations", "b-baseline-task_best")["text"].to_list())

@@ -307,13 +307,14 @@ def select_per_task(rows: list[dict]) -> dict[str, dict]:
 
 
 def _selection_rows(store: Store, run_id: str, tasks: dict[str, str]) -> list[dict]:
-    """The selection run's scores as `select_per_task` rows, without a candidate's run on its own query."""
+    """The selection run's scores as `select_per_task` rows, without a candidate's run on its own query (tokens as
+    floats: DuckDB sums them as decimals, which JSON would write as strings)."""
     df = store.sql("SELECT s.query_id, s.slot, s.score, coalesce(s.tokens_in, 0) + coalesce(s.tokens_out, 0) AS tok, "
                    "g.model, g.sampling FROM generation_scores s JOIN (SELECT run_id, round, gen_id, any_value(model) "
                    "AS model, any_value(sampling) AS sampling FROM generations GROUP BY ALL) g "
                    "USING (run_id, round, gen_id) WHERE s.run_id = $run AND s.round = 0 AND s.kind = 'workflow'",
                    {"run": run_id})
-    return [{"task": tasks[q], "label": m, "order": slot, "score": 0.0 if s is None else s, "exec_tokens": tok}
+    return [{"task": tasks[q], "label": m, "order": slot, "score": 0.0 if s is None else s, "exec_tokens": float(tok)}
             for q, slot, s, tok, m, prov in df.iter_rows() if json.loads(prov or "{}").get("query_id") != q]
 
 
