@@ -358,3 +358,28 @@ def test_an_evaluation_is_timed_only_when_each_of_its_stages_is(tmp_path):
     record_timing(tmp_path, "r", StageResult("rollout", 0, False, 70.3, {}))
     record_timing(tmp_path, "r", StageResult("score", 0, True, 0.0, {}))  # a resume's skip changes nothing
     assert mm.eval_wall_s(st, "r", "smc") == mm.eval_wall_s(st, "r", "sample") == 82.8  # 70.3 + 12.5
+
+
+def test_design_counts_per_arm_on_the_kept_queries_pooled_over_seeds(tmp_path):
+    """Held-out workflows per written design, counted by hand: only round 0's workflows (not agents), only the kept
+    queries; a run without designs (fixed programs) has none; an arm pools its seeds' counts."""
+    from pipeline.studies.summaries import MethodSeedRow
+
+    st = Store(tmp_path)
+    rows = [("g1", "workflow", "q1", "pot"), ("g2", "workflow", "q1", "pot"), ("g3", "workflow", "q2", "other"),
+            ("g4", "workflow", "q3", "pot"), ("a1", "agent", "q1", None), ("g5", "workflow", "q2", "direct")]
+    st.write("generations", [{"gen_id": g, "kind": k, "query_id": q, "slot": i, "valid": True, "text": "x",
+                              "design": d} for i, (g, k, q, d) in enumerate(rows)], "ev", 0)
+    st.write("generations", [{"gen_id": "f1", "kind": "workflow", "query_id": "q1", "slot": 0, "valid": True,
+                              "text": "x", "design": None}], "fixed", 0)
+    assert mm.design_counts(st, "ev") == {"direct": 1, "other": 1, "pot": 3}
+    assert mm.design_counts(st, "ev", {"q1", "q2"}) == {"direct": 1, "other": 1, "pot": 2}
+    assert mm.design_counts(st, "fixed") is None
+
+    def row(seed, designs):
+        return MethodSeedRow(arm="a", method="a", evaluation="sample", seed=seed, train_run_id=None,
+                             eval_run_id=f"e{seed}", queries=2, designs=designs)
+
+    assert mm.pooled_designs([row(0, {"pot": 2, "other": 1}), row(1, {"pot": 1, "direct": 4})]) == {
+        "direct": 4, "other": 1, "pot": 3}
+    assert mm.pooled_designs([row(0, None)]) is None

@@ -260,3 +260,19 @@ def test_a_run_cut_off_mid_chunk_resumes_after_its_whole_chunks(tmp_path, monkey
     assert [t["shard"] for t in chunks] == ["chunk 1/2", "chunk 2/2"]
     total = [t for t in lines if t["stage"] == "rollout" and "shard" not in t]
     assert len(total) == 1 and total[0]["wall_s"] == pytest.approx(chunks[0]["wall_s"] + chunks[1]["wall_s"], abs=0.01)
+
+
+def test_final_workflows_name_their_written_design_of_the_menu():
+    """As the rollout stage does: a final workflow that is a menu design's code is that design, one unlike any is
+    `other`; without a menu no design is named."""
+    from pipeline.config import RolloutConfig
+    from pipeline.engines.prompting import load_design
+    from pipeline.studies.smc import final_rows
+
+    menu = ["configs/programs/mixed_direct.py", "configs/programs/mixed_pot.py"]
+    pot = load_design(menu[1]).code
+    particles = [Particle("", True, [f"```python\n{pot}\n```"]), Particle("", True, [X])]
+    q = Query(SimpleNamespace(id="q"), "P", particles, Uniforms())
+    ctx = SimpleNamespace(cfg=RunConfig(smc=SMCConfig(N=2), rollout=RolloutConfig(example_menu=menu)))
+    assert [r["design"] for r in final_rows(ctx, [q])] == ["mixed_pot", "other"]
+    assert [r["design"] for r in final_rows(SimpleNamespace(cfg=RunConfig(smc=SMCConfig(N=2))), [q])] == [None, None]

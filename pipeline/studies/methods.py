@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -549,6 +550,22 @@ def _metrics(rows: list[dict]) -> dict:
     return {m: mean_or_none([r[m] for r in rows if r.get(m) is not None]) for m in ALL_METRICS}
 
 
+def design_counts(store: Store, run_id: str, keep: set[str] | None = None) -> dict[str, int] | None:
+    """The evaluation run's workflows per written design, on the queries of `keep` (None: all): the rollout's
+    `generations.design`, the nearest design of the task's menu by code similarity (`other`: none near enough).
+    None for a run without designs: no menu, or fixed programs (task_best, W4S's refined workflow)."""
+    df = store.sql("SELECT query_id, design FROM generations WHERE run_id = $run AND round = 0 AND kind = 'workflow' "
+                   "AND design IS NOT NULL", {"run": run_id})
+    designs = [d for q, d in df.iter_rows() if keep is None or q in keep]
+    return dict(sorted(Counter(designs).items())) or None
+
+
+def pooled_designs(rows: list[MethodSeedRow]) -> dict[str, int] | None:
+    """An arm's design counts over its seeds (None: no seed's run has designs)."""
+    total = sum((Counter(r.designs) for r in rows if r.designs), Counter())
+    return dict(sorted(total.items())) or None
+
+
 def summarise(store: Store, cfg: RunConfig, methods: list[str], records: list[ArmRun],
               seeds: list[int]) -> MethodsSummary:
     """Per (arm, seed, query) numbers from the evaluation runs of `records`; per arm their means, tokens and training
@@ -601,6 +618,7 @@ def seed_rows(store: Store, rec: ArmRun, summ: EvalSummary,
                         exec_tokens_per_query=summ.exec_tokens_per_query if whole else _mean_of(rows, "exec_tokens"),
                         train_wall_s=run_wall_s(store, rec.train_run_id) if rec.train_run_id else None,
                         eval_wall_s=eval_wall_s(store, rec.eval_run_id, rec.evaluation),
+                        designs=design_counts(store, rec.eval_run_id, keep),
                         select_wall_s=run_wall_s(store, rec.validation_run_id) if rec.validation_run_id else None)
     return rows, row
 
@@ -613,6 +631,7 @@ def arm_means(arm: str, rows: list[dict], mine: list[MethodSeedRow]) -> MethodAr
                      exec_tokens_per_query=_mean_of(rows, "exec_tokens"),
                      train_wall_s=mean_or_none([p.train_wall_s for p in mine if p.train_wall_s is not None]),
                      eval_wall_s=mean_or_none([p.eval_wall_s for p in mine if p.eval_wall_s is not None]),
+                     designs=pooled_designs(mine),
                      select_wall_s=mean_or_none([p.select_wall_s for p in mine if p.select_wall_s is not None]))
 
 

@@ -267,10 +267,13 @@ def _sampler(ctx: RunContext, gen, chunk: str) -> Sampler:
 
 def final_rows(ctx: RunContext, queries: list[Query]) -> list[dict]:
     """The N workflows of each query after the last step: each particle's first rollout (generator tokens are in
-    the `smc` rows already)."""
+    the `smc` rows already), with its written design as the rollout stage names it (the nearest of the menu)."""
+    from pipeline.core.designs import nearest_design
+    from pipeline.engines.prompting import load_design
     from pipeline.stages.sampling import gen_id
 
     g, rows = ctx.cfg.generator, []
+    menu = {d.name: d.code for d in map(load_design, ctx.cfg.rollout.example_menu)}
     for q in queries:
         for n, p in enumerate(q.particles):
             text = p.rollouts[0]
@@ -281,7 +284,8 @@ def final_rows(ctx: RunContext, queries: list[Query]) -> list[dict]:
             rows.append(dict(gen_id=gen_id(0, q.item.id, "workflow", n), kind="workflow", query_id=q.item.id, slot=n,
                              text=text, model=g.model, backend=g.backend, sampling=json.dumps(prov),
                              prompt_token_ids=[], token_ids=[], valid=reason is None, invalid_reason=reason,
-                             attempt=0, cost_usd=0.0))
+                             attempt=0, cost_usd=0.0,
+                             design=nearest_design(extract_code(text), menu)[0] if menu else None))
     return rows
 
 

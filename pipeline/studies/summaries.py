@@ -583,7 +583,8 @@ class ArmRun(Record):
 class ArmNumbers(Record):
     """An arm's held-out numbers, for one seed or over its seeds: means (Sel@L only where the arm selects), valid
     share, tokens per query, wall seconds of training, of the held-out evaluation (sampling and scoring; None where a
-    part of it was not timed) and (W4S's refined arm) of validation."""
+    part of it was not timed) and (W4S's refined arm) of validation; the held-out workflows per written design of
+    the task's menu (`designs`: counts; none without a menu or for fixed programs)."""
 
     mean_at_l: float | None = None
     best_at_l: float | None = None
@@ -595,7 +596,8 @@ class ArmNumbers(Record):
     train_wall_s: float | None = None
     select_wall_s: float | None = None
     eval_wall_s: float | None = None
-    OPTIONAL = ("select_at_l", "select_wall_s", "eval_wall_s")
+    designs: dict[str, int] | None = None
+    OPTIONAL = ("select_at_l", "select_wall_s", "eval_wall_s", "designs")
 
 
 @dataclass(kw_only=True)
@@ -674,8 +676,22 @@ class MethodsSummary(Record):
         metrics = [*METRICS, *(["select_at_l"] if sel else [])]
         left = ([f"Not run in this comparison (left out by --methods; docs/methods.md gives why): "
                  f"{', '.join(self.not_run)}.", ""] if self.not_run else [])
-        return "\n".join([*self._arms_table(metrics), "", *left, *self._paired_table(), "",
+        return "\n".join([*self._arms_table(metrics), "", *left, *self._designs_table(), *self._paired_table(), "",
                           *self._seeds_table(metrics), *self._sweep_table()])
+
+    def _designs_table(self) -> list[str]:
+        """Per arm with designs, its held-out workflows per design: count (share of the arm's workflows)."""
+        arms = [a for a in self.arms if a.designs]
+        names = sorted({d for a in arms for d in a.designs}, key=lambda d: (d == "other", d))  # other: last
+        if not arms:
+            return []
+        lines = ["Held-out workflows per design (the nearest design of the menu by code similarity; other: none near "
+                 "enough): count (share).", "", "| arm | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+        for a in arms:
+            n = sum(a.designs.values())
+            lines.append(f"| {a.arm} | " + " | ".join(f"{a.designs.get(d, 0)} ({a.designs.get(d, 0) / n:.0%})"
+                                                      for d in names) + " |")
+        return [*lines, ""]
 
     def _diff(self, arm: str, against: str) -> str:
         p = find_diff(self.paired, arm, against, "mean_at_l")
