@@ -289,8 +289,8 @@ def run_wall_s(store: Store, run_id: str) -> float:
 def eval_wall_s(store: Store, run_id: str, evaluation: str) -> float | None:
     """Wall seconds of a held-out evaluation run, its sampling and scoring (`TIMED`); None where one of them has no
     timing (an SMC run sampled before its sampling was timed): a part of the cost is not a cost."""
-    t = stage_timings(store, run_id)
-    return run_wall_s(store, run_id) if set(TIMED[evaluation]) <= set(t["stage"]) else None
+    t = stage_timings(store, run_id)  # read once: the stages it has and their sum
+    return round_s(float(t["wall_s"].sum())) if set(TIMED[evaluation]) <= set(t["stage"]) else None
 
 
 # ---- W4S: refine on validation, then the best refined workflow on test --------------------------------------------
