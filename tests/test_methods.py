@@ -383,3 +383,28 @@ def test_design_counts_per_arm_on_the_kept_queries_pooled_over_seeds(tmp_path):
     assert mm.pooled_designs([row(0, {"pot": 2, "other": 1}), row(1, {"pot": 1, "direct": 4})]) == {
         "direct": 4, "other": 1, "pot": 3}
     assert mm.pooled_designs([row(0, None)]) is None
+
+
+def test_a_run_of_fewer_methods_keeps_the_other_arms_of_the_summary(tmp_path, monkeypatch):
+    """`--methods scoreflow` after a run of spogw and scoreflow: the summary still holds spogw, read again from its
+    runs (the same numbers, by hand: 1.0 and 0.625), and pairs scoreflow with it; no stage of spogw runs again. A
+    summary written for another L is replaced, not merged."""
+    fakes = Fakes().install(monkeypatch)
+    call = direct_call(RetryPolicy(retries=0, delay_s=0))
+    mm.run_methods("configs/smoke.yaml", call, ["spogw", "scoreflow"], seeds=1, run_id="sub", sets=_sets(tmp_path))
+    fakes.calls.clear()
+    out = mm.run_methods("configs/smoke.yaml", call, ["scoreflow"], seeds=1, run_id="sub", sets=_sets(tmp_path))
+    assert fakes.calls == []
+    body = json.loads((tmp_path / "experiments" / "sub-methods" / "methods.json").read_text())
+    assert [(a["arm"], a["mean_at_l"]) for a in body["arms"]] == [("base", 0.25), ("scoreflow", 0.625),
+                                                                  ("spogw", 1.0)]
+    assert body["methods"] == out.methods == ["scoreflow", "spogw"] and "spogw" not in body["not_run"]
+    paired = {(p["arm"], p["against"], p["metric"]): p["mean"] for p in body["paired"]}
+    assert paired[("scoreflow", "spogw", "mean_at_l")] == pytest.approx(-0.375)
+    assert [r["train_run_id"] for r in body["per_seed"]] == [None, "sub-scoreflow-s0", "sub-spogw-s0"]
+
+    # another L: spogw's L=4 rows cannot pair with L=2 ones, so the old summary is replaced
+    mm.run_methods("configs/smoke.yaml", call, ["scoreflow"], seeds=1, run_id="sub",
+                   sets=_sets(tmp_path, "experiment.eval_l=2"))
+    body = json.loads((tmp_path / "experiments" / "sub-methods" / "methods.json").read_text())
+    assert [a["arm"] for a in body["arms"]] == ["base", "scoreflow"] and body["eval_l"] == 2

@@ -87,6 +87,12 @@ def load_design(path: str) -> Design:
     return Design(file.stem, note, "\n".join(body).strip("\n"))
 
 
+def menu_code(paths: Sequence[str]) -> dict[str, str]:
+    """The code of each design of the menu in `paths` by name: what `pipeline.core.designs.nearest_design` matches a
+    written workflow against (the rollout stage, SMC and the report name designs the same way)."""
+    return {d.name: d.code for d in map(load_design, paths)}
+
+
 def menu_listing(menu: Sequence[Design]) -> str:
     """The `$menu` block: one line per design, its name and what it does."""
     return "\n".join(f"- {d.name}: {d.note}" for d in menu)

@@ -33,6 +33,7 @@ from pipeline.engines.prompting import (
     agent_prompt,
     agent_system,
     load_design,
+    menu_code,
     render,
     require_chat_template,
     workflow_prompt,
@@ -102,7 +103,7 @@ class Sampler:
         self.prompt_round = k = exemplar_source(ctx)[1]
         # the example menu; its designs by name, to name the design each written workflow follows
         self.menu = [load_design(p) for p in self.cfg.rollout.example_menu]
-        self.menu_code = {d.name: d.code for d in self.menu}
+        self.menu_code = menu_code(self.cfg.rollout.example_menu)
         self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, k)
         self.tau_w = tau_at(self.cfg.rollout.tau_workflow, self.cfg.rollout.tau_decay, k)
 

@@ -637,13 +637,8 @@ class Store:
         return body
 
     def manifest(self, run_id: str, round: int, stage: str) -> dict | None:
-        path = self._manifest_path(run_id, round, stage)
-        if self.remote:
-            try:
-                return json.loads(self.fs.cat_file(self.url(path)))
-            except FileNotFoundError:
-                return None
-        return json.loads(path.read_text()) if path.is_file() else None
+        text = self.read_text(self._manifest_path(run_id, round, stage))
+        return None if text is None else json.loads(text)
 
     def clear_manifest(self, run_id: str, round: int, stage: str) -> None:
         path = self._manifest_path(run_id, round, stage)
@@ -659,7 +654,10 @@ class Store:
 
     def read_config(self, run_id: str) -> str | None:
         """The run's frozen config.yaml text; None: no such run."""
-        path = self.run_dir(run_id) / "config.yaml"
+        return self.read_text(self.run_dir(run_id) / "config.yaml")
+
+    def read_text(self, path: Any) -> str | None:
+        """A file of the store as text; None: no such file."""
         if self.remote:
             try:
                 return self.fs.cat_file(self.url(path)).decode()

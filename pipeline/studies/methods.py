@@ -43,11 +43,14 @@ the test split is never used for the choice); the best dev Mean@L (ties: the fir
 
 Written to `<store>/experiments/<run_id>-methods/methods.json` (every number, per seed and per query) and
 `methods.md` (the tables), rewritten after each seed. Re-running resumes: finished stages are skipped by their
-manifests, in training, evaluation, validation and reference runs alike.
+manifests, in training, evaluation, validation and reference runs alike. A run naming fewer methods than the summary
+on disk (`--methods smc` to finish one arm) keeps the other arms in it, their numbers read again from their runs
+(`earlier_arms`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
@@ -416,6 +419,7 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
         sweep = sweep_lr(path, cfg, chosen, sets, arm_sets, list(lr_sweep), plans[0], call) if lr_sweep else {}
         lrs = {name: s.chosen for name, s in sweep.items()}
         records: list[ArmRun] = []
+        earlier, earlier_sweep, earlier_lr = earlier_arms(store, cfg, chosen)
         shared: dict[tuple[str, str], dict] = {}  # references' runs by (method, evaluation); unseeded: the one run
         walls: dict[int, float] = {}
         done: list[int] = []
@@ -461,8 +465,9 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                     drop_resume_copies(store, kept, sp.seed)
             walls[sp.seed] = round_s(time.perf_counter() - t_seed)
             done.append(sp.seed)
-            summary = summarise(store, cfg, [m.name for m in chosen], records, done)
-            summary.lr_sweep, summary.lr = sweep, lrs
+            names = list(dict.fromkeys([m.name for m in chosen] + [r.method for r in earlier]))
+            summary = summarise(store, cfg, names, with_earlier(records, earlier, done, names), done)
+            summary.lr_sweep, summary.lr = earlier_sweep | sweep, earlier_lr | lrs
             out = write_results(store, summary, {"command": command, "config": str(path), "sets": sets,
                                                  "arm_sets": arm_sets, "seed_wall_s": walls,
                                                  "wall_s": round_s(time.perf_counter() - t0)})
@@ -472,6 +477,50 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
         summary.results = str(out)
         summary.wall_s = round_s(time.perf_counter() - t0)
         return summary
+
+
+def earlier_arms(store: Store, cfg: RunConfig,
+                 chosen: list[Method]) -> tuple[list[ArmRun], dict[str, LrSweep], dict[str, float | None]]:
+    """The arms of the comparison's summary on disk whose methods this run leaves out (`--methods` naming fewer
+    than an earlier run of the same comparison), with their learning-rate sweeps and rates, so that this run's summary
+    keeps them rather than replacing the fuller table with a smaller one. Their numbers are computed again from
+    their runs in the store; an arm whose evaluation run is gone is dropped with a warning. None where the summary
+    on disk was written for another split, L, query count or number of rounds: it is replaced, with a warning."""
+    none: tuple[list[ArmRun], dict, dict] = ([], {}, {})
+    text = store.read_text(methods_dir(store, cfg.run_id) / "methods.json")
+    if text is None:
+        return none
+    old = MethodsSummary.from_dict(json.loads(text))
+    ex, names = cfg.experiment, {m.name for m in chosen}
+    left = [r for r in old.per_seed if r.method not in names and r.arm != BASE_ARM]
+    if not left:
+        return none
+    if (old.split, old.eval_l, old.eval_queries, old.rounds) != (ex.eval_split, ex.eval_l, ex.eval_queries,
+                                                                 cfg.rounds):
+        log.warning("the summary in %s was written for another comparison (split %s, L %s, %s queries, %s rounds): "
+                    "this run replaces it, and its arms %s are left out", methods_dir(store, cfg.run_id), old.split,
+                    old.eval_l, old.eval_queries, old.rounds, sorted({r.arm for r in left}))
+        return none
+    kept, gone = [], []
+    for r in left:
+        (kept if store.manifest(r.eval_run_id, 0, "score") else gone).append(ArmRun(**{
+            n: getattr(r, n) for n in ArmRun.names()}))
+    if gone:
+        log.warning("earlier arms whose evaluation runs are no longer in the store are left out: %s",
+                    sorted({(r.arm, r.seed) for r in gone}))
+    if kept:
+        log.info("the summary keeps the arms of an earlier run of this comparison: %s",
+                 list(dict.fromkeys(r.arm for r in kept)))
+    return (kept, {k: v for k, v in old.lr_sweep.items() if k not in names},
+            {k: v for k, v in old.lr.items() if k not in names})
+
+
+def with_earlier(records: list[ArmRun], earlier: list[ArmRun], seeds: list[int], methods: list[str]) -> list[ArmRun]:
+    """This run's records and the earlier arms' records of `seeds`, seed by seed in the order of `methods` (the base
+    model first), so the tables read as one run's would."""
+    order = {m: i for i, m in enumerate(methods)}
+    merged = records + [r for r in earlier if r.seed in seeds]
+    return sorted(merged, key=lambda r: (r.seed, -1 if r.arm == BASE_ARM else order[r.method]))
 
 
 def status(config: str | Path, methods: list[str] | None = None, seeds: int | None = None, run_id: str | None = None,

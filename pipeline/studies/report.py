@@ -201,13 +201,13 @@ def design_copies(store: Store, run_id: str) -> pl.DataFrame:
     that design's room (docs/learning.md, the mixed task). Empty without a menu, or where its files are not here."""
     from pipeline.config import ConfigError
     from pipeline.core.designs import similarity
-    from pipeline.engines.prompting import PromptError, load_design
+    from pipeline.engines.prompting import PromptError, menu_code
     from pipeline.engines.workflow import extract_code
     from pipeline.run import run_config
 
     empty = pl.DataFrame()
     try:
-        menu = {d.name: d.code for d in map(load_design, run_config(store, run_id).rollout.example_menu)}
+        menu = menu_code(run_config(store, run_id).rollout.example_menu)
     except (PromptError, ConfigError):  # no such run, a config this version does not read, the menu's files not here
         return empty
     if not menu:

@@ -269,11 +269,11 @@ def final_rows(ctx: RunContext, queries: list[Query]) -> list[dict]:
     """The N workflows of each query after the last step: each particle's first rollout (generator tokens are in
     the `smc` rows already), with its written design as the rollout stage names it (the nearest of the menu)."""
     from pipeline.core.designs import nearest_design
-    from pipeline.engines.prompting import load_design
+    from pipeline.engines.prompting import menu_code
     from pipeline.stages.sampling import gen_id
 
     g, rows = ctx.cfg.generator, []
-    menu = {d.name: d.code for d in map(load_design, ctx.cfg.rollout.example_menu)}
+    menu = menu_code(ctx.cfg.rollout.example_menu)
     for q in queries:
         for n, p in enumerate(q.particles):
             text = p.rollouts[0]
