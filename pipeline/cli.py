@@ -631,14 +631,19 @@ def compare_methods(
 
 def _echo_status(rows: list[dict]) -> None:
     """A study's `--status`: one line a run, then the stages left and the time they need by those done so far."""
+    from pipeline.engines.hardware import machine
     from pipeline.studies.experiment import status_table, time_left, timing_machines
 
     _print_df(status_table(rows), len(rows))
-    left, unknown = time_left(rows)
+    here = machine()
+    left, unknown, elsewhere = time_left(rows, here)
     todo = sum(not r["done"] for r in rows)
     typer.echo(f"{todo} of {len(rows)} stages left" + (f": about {left / 60:.0f} min by the stages done so far"
                                                        if todo else "")
                + (f", {unknown} of them without an estimate (none of their kind done yet)" if unknown else ""))
+    if elsewhere:
+        typer.echo(f"{elsewhere} of the stages left are estimated from stages other machines took (this one, {here}, "
+                   "has timed none of their kind); the others from this machine's")
     if machines := timing_machines(rows):
         typer.echo("timed on: " + "; ".join(f"{m}: {n} stages" for m, n in machines.items()))
 

@@ -630,10 +630,10 @@ def test_time_left_is_the_mean_of_the_stages_of_a_kind_already_done():
             row("evaluate", "rollout", True, None),  # done without a timing (a fixed program's rollout): 0 s
             row("evaluate", "score", False, None), row("evaluate", "rollout", False, None),
             row("train", "train", False, None)]  # no train stage done yet: no estimate
-    assert time_left(rows) == (450.0, 1)
+    assert time_left(rows) == (450.0, 1, 0)
     # no reference done: its score stage by the mean of every done score stage (450 s), its rollout by theirs (0 s)
     assert time_left([*rows, row("reference", "score", False, None), row("reference", "rollout", False, None)]) \
-        == (900.0, 1)
+        == (900.0, 1, 0)
 
 
 def test_time_left_scales_by_the_workflows_of_a_stage():
@@ -647,12 +647,30 @@ def test_time_left_scales_by_the_workflows_of_a_stage():
                 "workflows": workflows}
 
     done = [row("evaluate", True, 600.0, 128), row("evaluate", True, 300.0, 64)]
-    assert time_left([*done, row("evaluate", False, None, 32)]) == (150.0, 0)
-    assert time_left([*done, row("reference on dev", False, None, 64)]) == (300.0, 0)
-    assert time_left([*done, row("evaluate", False, None, None)]) == (450.0, 0)
+    assert time_left([*done, row("evaluate", False, None, 32)]) == (150.0, 0, 0)
+    assert time_left([*done, row("reference on dev", False, None, 64)]) == (300.0, 0, 0)
+    assert time_left([*done, row("evaluate", False, None, None)]) == (450.0, 0, 0)
     # a done stage without a count adds to the mean only: 900 + 0 s over 3 stages, 4.6875 s a workflow as before
     assert time_left([*done, row("evaluate", True, 0.0, None), row("evaluate", False, None, 32),
-                      row("evaluate", False, None, None)]) == (150.0 + 300.0, 0)
+                      row("evaluate", False, None, None)]) == (150.0 + 300.0, 0, 0)
+
+
+def test_time_left_prefers_the_stages_this_machine_timed():
+    """Done: a score stage on a fast machine (100 s for 100 workflows: 1 s each) and one here (300 s for 100: 3 s
+    each); a rollout on the fast machine only (50 s for 100). Left, 100 workflows each: the score stage by this
+    machine's rate alone (300 s, not the pooled 2 s a workflow), the rollout by the fast machine's (50 s, counted as
+    estimated elsewhere). Without a machine: both pooled (200 + 50 s)."""
+    from pipeline.studies.experiment import time_left
+
+    def row(stage, done, wall, machine):
+        return {"part": "evaluate", "run_id": "r", "round": 0, "stage": stage, "done": done, "wall_s": wall,
+                "workflows": 100, "machine": machine}
+
+    rows = [row("score", True, 100.0, "fast"), row("score", True, 300.0, "here"), row("rollout", True, 50.0, "fast"),
+            row("score", False, None, None), row("rollout", False, None, None)]
+    assert time_left(rows, "here") == (350.0, 0, 1)
+    assert time_left(rows) == (250.0, 0, 0)
+    assert time_left(rows, "fast") == (150.0, 0, 0)  # both kinds timed there: 1 s and 0.5 s a workflow
 
 
 def test_planned_workflows_of_a_training_round_an_evaluation_and_a_selection():

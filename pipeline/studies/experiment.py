@@ -507,33 +507,42 @@ def timing_machines(rows: list[dict]) -> dict[str, int]:
     return out
 
 
-def time_left(rows: list[dict]) -> tuple[float, int]:
-    """(seconds, stages without an estimate) for the stages of `status` not done. A stage is estimated from the done
-    stages of the same part and stage name (e.g. every evaluation's score stage), else of the same stage name in any
-    part (a reference's score stage by the evaluations'): their wall seconds per workflow times its workflows, so an
-    evaluation of 32 queries is not costed as one of 64; where either side has no workflow count, their mean wall
-    time. A done stage without a timing counts 0 s: a fixed program's rollout writes its programs in the command,
-    not as a timed stage."""
-    walls: dict[tuple[str, str] | str, list[float]] = {}
-    rates: dict[tuple[str, str] | str, list[float]] = {}  # key -> [seconds, workflows] of the done stages counted
+def time_left(rows: list[dict], machine: str | None = None) -> tuple[float, int, int]:
+    """(seconds, stages without an estimate, stages estimated from other machines' stages) for the stages of
+    `status` not done. A stage is estimated from the done stages of the same part and stage name (e.g. every
+    evaluation's score stage), else of the same stage name in any part (a reference's score stage by the
+    evaluations'): their wall seconds per workflow times its workflows, so an evaluation of 32 queries is not costed
+    as one of 64; where either side has no workflow count, their mean wall time. With `machine` (this one,
+    `pipeline.engines.hardware.machine()`), the done stages that machine timed come first, kind by kind: machines
+    differ by several times (docs/performance.md), and a stage another machine timed is no estimate for this one
+    where this one has timed its kind. A done stage without a timing counts 0 s: a fixed program's rollout writes
+    its programs in the command, not as a timed stage."""
+    walls: dict[tuple, list[float]] = {}
+    rates: dict[tuple, list[float]] = {}  # key -> [seconds, workflows] of the done stages counted
     for r in rows:
         if r["done"]:
-            for key in ((r["part"], r["stage"]), r["stage"]):
-                walls.setdefault(key, []).append(r["wall_s"] or 0.0)
-                if r.get("workflows"):
-                    acc = rates.setdefault(key, [0.0, 0])
-                    acc[0] += r["wall_s"] or 0.0
-                    acc[1] += r["workflows"]
-    known, unknown = 0.0, 0
+            mine = machine is not None and r.get("machine") == machine
+            for key in ((r["part"], r["stage"]), (r["stage"],)):
+                for k in ((*key, machine), key) if mine else (key,):
+                    walls.setdefault(k, []).append(r["wall_s"] or 0.0)
+                    if r.get("workflows"):
+                        acc = rates.setdefault(k, [0.0, 0])
+                        acc[0] += r["wall_s"] or 0.0
+                        acc[1] += r["workflows"]
+    known, unknown, elsewhere = 0.0, 0, 0
     for r in (r for r in rows if not r["done"]):
-        key = next((k for k in ((r["part"], r["stage"]), r["stage"]) if k in walls), None)
+        kinds = ((r["part"], r["stage"]), (r["stage"],))
+        order = [(*k, machine) for k in kinds] + list(kinds) if machine is not None else list(kinds)
+        key = next((k for k in order if k in walls), None)
         if key is None:
             unknown += 1
-        elif r.get("workflows") and key in rates:
+            continue
+        elsewhere += machine is not None and key[-1] != machine
+        if r.get("workflows") and key in rates:
             known += rates[key][0] / rates[key][1] * r["workflows"]
         else:
             known += mean_or_none(walls[key])
-    return known, unknown
+    return known, unknown, elsewhere
 
 
 def status_table(rows: list[dict]) -> pl.DataFrame:
