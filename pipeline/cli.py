@@ -643,7 +643,7 @@ def _echo_status(rows: list[dict]) -> None:
                + (f", {unknown} of them without an estimate (none of their kind done yet)" if unknown else ""))
     if elsewhere:
         typer.echo(f"{elsewhere} of the stages left are estimated from stages other machines took (this one, {here}, "
-                   "has timed none of their kind); the others from this machine's")
+                   "has timed none of their kind); the rest with an estimate from this machine's")
     if machines := timing_machines(rows):
         typer.echo("timed on: " + "; ".join(f"{m}: {n} stages" for m, n in machines.items()))
 

@@ -484,8 +484,9 @@ def earlier_arms(store: Store, cfg: RunConfig,
     """The arms of the comparison's summary on disk whose methods this run leaves out (`--methods` naming fewer
     than an earlier run of the same comparison), with their learning-rate sweeps and rates, so that this run's summary
     keeps them rather than replacing the fuller table with a smaller one. Their numbers are computed again from
-    their runs in the store; an arm whose evaluation run is gone is dropped with a warning. None where the summary
-    on disk was written for another split, L, query count or number of rounds: it is replaced, with a warning."""
+    their runs in the store; an arm whose evaluation run is gone is dropped with a warning. Nothing (empty) where the
+    summary on disk was written for another split, L, query count or number of rounds: it is replaced
+    (with a warning)."""
     none: tuple[list[ArmRun], dict, dict] = ([], {}, {})
     text = store.read_text(methods_dir(store, cfg.run_id) / "methods.json")
     if text is None:
