@@ -448,11 +448,13 @@ def test_round_0_trains_from_generator_adapter(tmp_path, tiny_model):
         load_policy(bad, "cpu")
 
 
-def test_a_killed_train_stage_resumes_at_its_last_saved_step(tmp_path, tiny_model, monkeypatch):
+@pytest.mark.parametrize("dies_in, saved_at", [(3, 2), (1, 0)])
+def test_a_killed_train_stage_resumes_at_its_last_saved_step(tmp_path, tiny_model, monkeypatch, dies_in, saved_at):
     """training.save_steps = 2 on a 5-step round: the loop dies in step 3 (0-based), after its progress was saved
-    at the end of step 1. The re-run loads it (π_old is not recomputed: that pass would fail here), trains steps 2-4
-    (step 2 again: it was done but not saved) and ends with the adapter and the per-step losses of an uninterrupted
-    run, exactly; the progress file is gone once the checkpoint is written."""
+    at the end of step 1, or in step 1, before any save_steps boundary, where only the progress written once the
+    reference passes were done (next step 0) is on disk. The re-run loads it (π_old is not recomputed: that pass
+    would fail here), trains from the saved step (a step done but not saved runs again) and ends with the adapter and
+    the per-step losses of an uninterrupted run, exactly; the progress file is gone once the checkpoint is written."""
     from safetensors.torch import load_file
     from test_curate import _ctx
 
@@ -479,15 +481,15 @@ def test_a_killed_train_stage_resumes_at_its_last_saved_step(tmp_path, tiny_mode
     real_metrics = train.StepMetrics
 
     def dying(**fields):  # a step's metrics are made once its update is done
-        if fields["step"] == 3:
-            raise MemoryError("killed in step 3")
+        if fields["step"] == dies_in:
+            raise MemoryError(f"killed in step {dies_in}")
         return real_metrics(**fields)
 
     monkeypatch.setattr(train, "StepMetrics", dying)
     with pytest.raises(MemoryError):
         train.run_train(killed)
     saved = progress_path(killed.store, killed.run_id, 0)
-    assert torch.load(saved, weights_only=False)["next_step"] == 2
+    assert torch.load(saved, weights_only=False)["next_step"] == saved_at
     monkeypatch.setattr(train, "StepMetrics", real_metrics)
     monkeypatch.setattr(train, "reference_passes", lambda s: pytest.fail("π_old recomputed on resume"))
     counts = train.run_train(killed)

@@ -1,13 +1,14 @@
 """A train stage's progress between optimiser steps (`training.save_steps`), so that a killed stage (the out-of-memory
 killer, a lost session) resumes at its last saved step instead of step 0.
 
-Every `save_steps` steps rank 0 writes `<run>/round=<k>/_train_progress.pt`: the trainable weights, the optimiser's
-and the scheduler's state, the metrics of the steps done, torch's RNG state, and π_old / reference log-probs (so a
-resumed stage skips those passes too). The file is written whole or not at all (temp file + rename). The step plan
-is a function of the seed and the round's rows, so the resumed loop runs the same remaining steps: the adapter at
-the end equals an uninterrupted run's (tests/test_train.py). A file of another config (its hash) or another step
-plan (its step count) is ignored and overwritten; the file is removed once the stage has written its checkpoint.
-Object-storage stores keep no progress (their stages restart from step 0, as before).
+Once its π_old / reference passes are done (step 0), then every `save_steps` steps, rank 0 writes
+`<run>/round=<k>/_train_progress.pt`: the trainable weights, the optimiser's and the scheduler's state, the metrics
+of the steps done, torch's RNG state, and π_old / reference log-probs (so a resumed stage skips those passes: on the
+AVX2 CPU they took 20 of a two-level round's 100 minutes). The file is written whole or not at all (temp file +
+rename). The step plan is a function of the seed and the round's rows, so the resumed loop runs the same remaining
+steps: the adapter at the end equals an uninterrupted run's (tests/test_train.py). A file of another config (its
+hash) or another step plan (its step count) is ignored and overwritten; the file is removed once the stage has
+written its checkpoint. Object-storage stores keep no progress (their stages restart from step 0, as before).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def load_progress(path: Path | None, config_hash: str, n_steps: int) -> dict | N
     if state.get("config_hash") != config_hash or state.get("n_steps") != n_steps:
         log.warning("ignoring train progress %s: it belongs to another config or step plan", path)
         return None
-    if not 0 < state.get("next_step", 0) < n_steps:
+    if not 0 <= state.get("next_step", -1) < n_steps:
         return None
     return state
 

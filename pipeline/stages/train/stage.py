@@ -9,7 +9,8 @@
 Crash safety: the checkpoint is saved to a temp folder and renamed into place; `train_metrics` and the `checkpoints`
 row are written once, at the end, after the adapter is saved. A re-run without the stage manifest deletes those parts
 and any checkpoint folder of the unfinished attempt (the runner), and the loop resumes at the last step saved by
-`training.save_steps` (`pipeline.stages.progress`; step 0 when none).
+`training.save_steps` (`pipeline.stages.progress`), or at step 0 with π_old and the reference kept once their
+passes are done.
 """
 
 from __future__ import annotations
@@ -84,6 +85,16 @@ def optimise(setup: TrainSetup, ref: RefLogprobs, saved: dict[str, Any] | None =
         metrics, start = [StepMetrics(**m) for m in saved["metrics"]], saved["next_step"]
         log.info("round %d: training resumes at step %d of %d (saved progress)", ctx.round, start, len(steps))
     path = progress_path(ctx.store, ctx.run_id, ctx.round) if train_cfg.save_steps and accel.is_main_process else None
+
+    def save(next_step: int) -> None:
+        save_progress(path, {"config_hash": ctx.cfg.config_hash(), "n_steps": len(steps), "next_step": next_step,
+                             "trainable": {n: p.detach().clone() for n, p in trainable.items()},
+                             "optimizer": optimizer.state_dict(), "scheduler": sched.state_dict(),
+                             "rng": torch.get_rng_state(), "metrics": [asdict(m) for m in metrics],
+                             "passes": (ref.old, ref.ref)})
+
+    if path is not None and saved is None and steps:
+        save(0)  # the reference passes can take a fifth of a stage on a CPU: a kill before save_steps keeps them
     setup.policy.train()
     for step in tqdm(range(start, len(steps)), desc=f"train round {ctx.round} ({setup.objective.name})", unit="step",
                      initial=start, total=len(steps), disable=not accel.is_main_process):
@@ -100,11 +111,7 @@ def optimise(setup: TrainSetup, ref: RefLogprobs, saved: dict[str, Any] | None =
         optimizer.zero_grad(set_to_none=True)
         metrics.append(_step_metrics(step, planned.epoch, lr, float(grad_norm), sums, accel.num_processes, t0))
         if path is not None and (step + 1) % train_cfg.save_steps == 0 and step + 1 < len(steps):
-            save_progress(path, {"config_hash": ctx.cfg.config_hash(), "n_steps": len(steps), "next_step": step + 1,
-                                 "trainable": {n: p.detach().clone() for n, p in trainable.items()},
-                                 "optimizer": optimizer.state_dict(), "scheduler": sched.state_dict(),
-                                 "rng": torch.get_rng_state(), "metrics": [asdict(m) for m in metrics],
-                                 "passes": (ref.old, ref.ref)})
+            save(step + 1)
     setup.policy.eval()
     return metrics
 
