@@ -123,6 +123,41 @@ def test_math_score(answer, gold, equivalent):
     assert r.details["equivalent"] is equivalent
 
 
+def test_a_math_verify_timeout_is_tried_again_then_said_never_read_as_a_wrong_answer(monkeypatch):
+    """math_verify reads its own timeout as "unparsable", so on a loaded machine a right answer scored 0 (CI saw
+    `\\boxed{x^2+2x+1}` vs `(x+1)^2` fail so). A parse that times out at 5 s runs once more at 30 s (the right
+    verdict); one that times out at both raises MetricTimeout, which the score stage writes as `timeout`."""
+    import math_verify
+    from math_verify.errors import TimeoutException
+
+    from pipeline.engines.benchmarks import metrics
+
+    real, budgets = math_verify.parse, []
+
+    def slow_first(text, *, parsing_timeout, raise_on_error):
+        budgets.append(parsing_timeout)
+        if parsing_timeout < 30:
+            raise TimeoutException("slow")
+        return real(text, parsing_timeout=parsing_timeout, raise_on_error=raise_on_error)
+
+    monkeypatch.setattr(math_verify, "parse", slow_first)
+    r = math_score(r"\boxed{x^2+2x+1}", "(x+1)^2")
+    assert r.score == 1.0 and r.details["equivalent"] is True and budgets == [5, 30, 30]
+
+    def always_slow(text, *, parsing_timeout, raise_on_error):
+        budgets.append(parsing_timeout)
+        raise TimeoutException("slow")
+
+    budgets.clear()
+    monkeypatch.setattr(math_verify, "parse", always_slow)
+    with pytest.raises(metrics.MetricTimeout, match="timed out at 5 s, then at 30 s"):
+        math_score(r"\boxed{x^2+2x+1}", "(x+1)^2")
+    assert budgets == [5, 30]  # the gold's parse timed out each time; the whole text is not tried after a timeout
+    # an unparsable answer is still a wrong one, not a timeout
+    monkeypatch.setattr(math_verify, "parse", real)
+    assert math_score(r"\boxed{\frac{}{", "7").score == 0.0
+
+
 def test_math_score_details():
     r = math_score(r"so $\boxed{\dfrac{1}{2}}$", r"\frac{1}{2}")
     assert r.details["boxed"] == r"\dfrac{1}{2}" and r.details["gold"] == r"\frac{1}{2}"

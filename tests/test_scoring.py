@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import polars as pl
 import pytest
 import yaml
 from test_executors import FaultServer, free_port
@@ -299,6 +300,33 @@ def test_flags_and_reward_hack_in_the_scores(tmp_path, zero_flagged):
                    "2": ("reward_hack", 0.0, 0.0, ""), "3": ("ok", 1.0, paid, "workflow:signals")}
     assert json.loads(rows["1"]["details"])["reward"]["zeroed_by_flags"] is zero_flagged
     assert json.loads(rows["2"]["details"])["metric"]["first_failure"]["error_type"] == "RewardHack"
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_a_metric_that_times_out_is_a_timeout_not_a_wrong_answer(tmp_path, monkeypatch):
+    """A metric raising MetricTimeout (math_verify undecided in its budgets) gives status `timeout` with the reason,
+    not `ok` at 0: final by default; under scoring.retry_timeouts run again (--only-failed), where a metric that
+    decides now gives the row its score."""
+    from pipeline.engines.benchmarks.metrics import MetricTimeout
+    from pipeline.engines.benchmarks.procedural import Procedural
+
+    real = Procedural.score
+
+    def undecided(self, item, answer):
+        raise MetricTimeout("math_verify timed out at 5 s, then at 30 s")
+
+    monkeypatch.setattr(Procedural, "score", undecided)
+    path, root = make_run(tmp_path, [SOLVER], reps=1, retry_timeouts=True)
+    out = run_score(open_run(path, "t", 0))
+    assert out["by_status"] == {"timeout": 2} and out["done"] is False
+    df = scores(root)  # transient under retry_timeouts: the call gave each run one more attempt, still undecided
+    assert df.height == 4 and set(df["status"]) == {"timeout"} and set(df["metric"]) == {0.0}
+    assert "metric failed: MetricTimeout: math_verify timed out" in df["error"][0]
+    monkeypatch.setattr(Procedural, "score", real)
+    out = run_score(open_run(path, "t", 0), only_failed=True)
+    assert out["ran"] == 2 and out["done"] is True
+    retried = scores(root).filter(pl.col("attempt") == 2)
+    assert retried["status"].to_list() == ["ok", "ok"] and retried["metric"].to_list() == [1.0, 1.0]
 
 
 @pytest.mark.slow

@@ -168,12 +168,13 @@ class _Scorer:
                     details.update(more)
                     if more["metric"].get("status") == "reward_hack":  # a look-alike value: said in the status
                         row["status"] = "reward_hack"
-                except Exception as e:  # an executor-backed judge failing is transient; anything else is not
+                except Exception as e:  # an executor-backed judge failing is transient; a metric that could not
+                    # decide in time (MetricTimeout) is a timeout; anything else is an error
                     from pipeline.engines.executors import ExecutorError
 
-                    transient = isinstance(e, ExecutorError)
-                    row.update(status="executor_error" if transient else "exec_error",
-                               error=f"metric failed: {type(e).__name__}: {e}"[:4000])
+                    status = "executor_error" if isinstance(e, ExecutorError) else \
+                        "timeout" if isinstance(e, TimeoutError) else "exec_error"
+                    row.update(status=status, error=f"metric failed: {type(e).__name__}: {e}"[:4000])
         w = self.cfg.scoring.reward
         parts = reward(row["metric"], code, row["tokens_in"], row["tokens_out"], w.complexity_weight, w.cost_weight,
                        self.diversity.get(job.gen_id, 1.0), w.diversity_weight, w.token_budget)

@@ -92,20 +92,52 @@ def last_boxed(text: str) -> str | None:
 # ---------------------------------------------------------------- MATH (math_verify)
 
 _MATH_TIMEOUT_S = 5  # per parse / verify call inside math_verify
+# A parse of "(x+1)^2" takes milliseconds, but its first call in a process builds the LaTeX parser, and on a loaded
+# 2-core machine that overran 5 s: math_verify then returns "unparsable" and a right answer scored 0. A timed-out
+# check is tried once more with this budget, then reported as a timeout (MetricTimeout), never as a wrong answer.
+_MATH_RETRY_TIMEOUT_S = 30
 
 
-def _verify_now(gold: str, candidate: str) -> dict[str, Any]:
-    """parse + verify in the calling (main) thread, with math_verify's signal-based timeouts."""
+class MetricTimeout(TimeoutError):
+    """The metric could not decide in its time budget: the score stage writes status `timeout`, not a verdict."""
+
+
+def _verify_once(gold: str, candidate: str, timeout_s: int) -> dict[str, Any]:
+    """parse + verify with math_verify's own handling of bad input (unparsable: [], an error: not equivalent), but
+    its TimeoutException (a BaseException) raised instead of being read as either."""
     from math_verify import parse, verify
 
-    gold_parsed = parse(f"${gold}$", parsing_timeout=_MATH_TIMEOUT_S)
-    pred_parsed = parse(candidate, parsing_timeout=_MATH_TIMEOUT_S)
-    ok = bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=_MATH_TIMEOUT_S))
+    def parsed(text: str) -> list:
+        try:
+            return parse(text, parsing_timeout=timeout_s, raise_on_error=True)
+        except Exception:  # noqa: BLE001 - unparsable, as math_verify's default (raise_on_error=False) says
+            return []
+
+    gold_parsed, pred_parsed = parsed(f"${gold}$"), parsed(candidate)
+    try:
+        ok = bool(gold_parsed and pred_parsed
+                  and verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s, raise_on_error=True))
+    except Exception:  # noqa: BLE001 - not equivalent, as math_verify's default says
+        ok = False
     return {
         "equivalent": ok,
         "gold_parsed": str(gold_parsed[-1]) if gold_parsed else None,
         "parsed": str(pred_parsed[-1]) if pred_parsed else None,
     }
+
+
+def _verify_now(gold: str, candidate: str) -> dict[str, Any]:
+    """parse + verify in the calling (main) thread, with math_verify's signal-based timeouts; a check that times out
+    at _MATH_TIMEOUT_S runs once more at _MATH_RETRY_TIMEOUT_S, then says `timed_out`."""
+    from math_verify.errors import TimeoutException
+
+    for timeout_s in (_MATH_TIMEOUT_S, _MATH_RETRY_TIMEOUT_S):
+        try:
+            return _verify_once(gold, candidate, timeout_s)
+        except TimeoutException:
+            continue
+    return {"equivalent": False, "timed_out": True,
+            "error": f"math_verify timed out at {_MATH_TIMEOUT_S} s, then at {_MATH_RETRY_TIMEOUT_S} s"}
 
 
 def serve_math_verify() -> None:  # pragma: no cover - the child process of _VerifyWorker
@@ -157,14 +189,19 @@ class _VerifyWorker:
                 line = self._proc.stdout.readline() if ready else None
                 if line:
                     return json.loads(line)
-                error = "math_verify worker died" if ready else f"timeout after {self.wall_timeout_s:.0f}s"
+                if not ready:
+                    self.stop()
+                    return {"equivalent": False, "timed_out": True,
+                            "error": f"timeout after {self.wall_timeout_s:.0f}s"}
+                error = "math_verify worker died"
             except OSError as e:  # broken pipe: the child died (e.g. out of memory)
                 error = f"math_verify worker died: {e}"
             self.stop()
             return {"equivalent": False, "error": error}
 
 
-_worker = _VerifyWorker(wall_timeout_s=4 * _MATH_TIMEOUT_S + 30)  # start + import of sympy included
+# two tries of three calls (parse, parse, verify), plus the child's start and import of sympy
+_worker = _VerifyWorker(wall_timeout_s=3 * (_MATH_TIMEOUT_S + _MATH_RETRY_TIMEOUT_S) + 30)
 atexit.register(_worker.stop)
 
 
@@ -180,12 +217,15 @@ def math_equivalent(gold: str, candidate: str) -> dict[str, Any]:
 
 
 def math_score(answer: str, gold: str) -> MetricResult:
-    """MATH: the candidate's last \\boxed{} content if any (else the whole answer) vs the gold answer."""
+    """MATH: the candidate's last \\boxed{} content if any (else the whole answer) vs the gold answer. Raises
+    MetricTimeout where math_verify could not decide in its budgets (a busy machine, not a wrong answer)."""
     boxed = last_boxed(answer)
     candidate = f"${boxed}$" if boxed is not None else answer
     res = math_equivalent(gold, candidate)
-    if boxed is not None and not res["equivalent"] and res.get("parsed") is None:
+    if boxed is not None and not res["equivalent"] and res.get("parsed") is None and not res.get("timed_out"):
         res = math_equivalent(gold, answer)  # an unparsable box: let math_verify look at the whole text
+    if res.get("timed_out"):
+        raise MetricTimeout(f"{res['error']} (gold {gold!r}, candidate {candidate[:200]!r})")
     details = {"boxed": boxed, "gold": gold, **res}
     return MetricResult(float(res["equivalent"]), details)
 
