@@ -396,12 +396,13 @@ def test_a_run_of_fewer_methods_keeps_the_other_arms_of_the_summary(tmp_path, mo
     out = mm.run_methods("configs/smoke.yaml", call, ["scoreflow"], seeds=1, run_id="sub", sets=_sets(tmp_path))
     assert fakes.calls == []
     body = json.loads((tmp_path / "experiments" / "sub-methods" / "methods.json").read_text())
-    assert [(a["arm"], a["mean_at_l"]) for a in body["arms"]] == [("base", 0.25), ("scoreflow", 0.625),
-                                                                  ("spogw", 1.0)]
-    assert body["methods"] == out.methods == ["scoreflow", "spogw"] and "spogw" not in body["not_run"]
+    # in the registry's order (spogw before scoreflow), as a run of both wrote them
+    assert [(a["arm"], a["mean_at_l"]) for a in body["arms"]] == [("base", 0.25), ("spogw", 1.0),
+                                                                  ("scoreflow", 0.625)]
+    assert body["methods"] == out.methods == ["spogw", "scoreflow"] and "spogw" not in body["not_run"]
     paired = {(p["arm"], p["against"], p["metric"]): p["mean"] for p in body["paired"]}
     assert paired[("scoreflow", "spogw", "mean_at_l")] == pytest.approx(-0.375)
-    assert [r["train_run_id"] for r in body["per_seed"]] == [None, "sub-scoreflow-s0", "sub-spogw-s0"]
+    assert [r["train_run_id"] for r in body["per_seed"]] == [None, "sub-spogw-s0", "sub-scoreflow-s0"]
 
     # another L: spogw's L=4 rows cannot pair with L=2 ones, so the old summary is replaced
     mm.run_methods("configs/smoke.yaml", call, ["scoreflow"], seeds=1, run_id="sub",

@@ -465,7 +465,8 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                     drop_resume_copies(store, kept, sp.seed)
             walls[sp.seed] = round_s(time.perf_counter() - t_seed)
             done.append(sp.seed)
-            names = list(dict.fromkeys([m.name for m in chosen] + [r.method for r in earlier]))
+            # the registry's order: a run of fewer methods writes the tables in the order of a run of them all
+            names = [n for n in METHODS if n in {m.name for m in chosen} | {r.method for r in earlier}]
             summary = summarise(store, cfg, names, with_earlier(records, earlier, done, names), done)
             summary.lr_sweep, summary.lr = earlier_sweep | sweep, earlier_lr | lrs
             out = write_results(store, summary, {"command": command, "config": str(path), "sets": sets,
