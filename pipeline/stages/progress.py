@@ -4,7 +4,7 @@ killer, a lost session) resumes at its last saved step instead of step 0.
 Once its π_old / reference passes are done (step 0), then every `save_steps` steps, rank 0 writes
 `<run>/round=<k>/_train_progress.pt`: the trainable weights, the optimiser's and the scheduler's state, the metrics
 of the steps done, torch's RNG state, and π_old / reference log-probs (so a resumed stage skips those passes: on the
-AVX2 CPU they took 20 of a two-level round's 100 minutes). The file is written whole or not at all (temp file +
+2-core AVX2 EPYC they took 20-40 minutes of a two-level round). The file is written whole or not at all (temp file +
 rename). The step plan is a function of the seed and the round's rows, so the resumed loop runs the same remaining
 steps: the adapter at the end equals an uninterrupted run's (tests/test_train.py). A file of another config (its
 hash) or another step plan (its step count) is ignored and overwritten; the file is removed once the stage has

@@ -94,7 +94,7 @@ def optimise(setup: TrainSetup, ref: RefLogprobs, saved: dict[str, Any] | None =
                              "passes": (ref.old, ref.ref)})
 
     if path is not None and saved is None and steps:
-        save(0)  # the reference passes can take a fifth of a stage on a CPU: a kill before save_steps keeps them
+        save(0)  # the reference passes can take 40 min on a CPU: a kill before save_steps keeps them
     setup.policy.train()
     for step in tqdm(range(start, len(steps)), desc=f"train round {ctx.round} ({setup.objective.name})", unit="step",
                      initial=start, total=len(steps), disable=not accel.is_main_process):
