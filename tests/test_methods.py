@@ -409,3 +409,29 @@ def test_a_run_of_fewer_methods_keeps_the_other_arms_of_the_summary(tmp_path, mo
                    sets=_sets(tmp_path, "experiment.eval_l=2"))
     body = json.loads((tmp_path / "experiments" / "sub-methods" / "methods.json").read_text())
     assert [a["arm"] for a in body["arms"]] == ["base", "scoreflow"] and body["eval_l"] == 2
+
+
+def test_a_resumed_run_keeps_a_summary_of_more_seeds_until_it_reaches_them(tmp_path, monkeypatch):
+    """A resumed two-seed run passes seed 0 first: its interim write would replace the two-seed summary on disk with a
+    one-seed one (as a crash during seed 1 would then leave it), so it writes only after its last seed. A first run
+    writes after each seed; a run asking for fewer seeds than the summary holds replaces it at its end."""
+    Fakes().install(monkeypatch)
+    call = direct_call(RetryPolicy(retries=0, delay_s=0))
+    writes: list[list[int]] = []
+    real = mm.write_results
+
+    def spy(store, summary, extra):
+        writes.append(list(summary.seeds))
+        return real(store, summary, extra)
+
+    monkeypatch.setattr(mm, "write_results", spy)
+    mm.run_methods("configs/smoke.yaml", call, ["spogw"], seeds=2, run_id="rs", sets=_sets(tmp_path))
+    assert writes == [[0], [0, 1]]
+    writes.clear()
+    mm.run_methods("configs/smoke.yaml", call, ["spogw"], seeds=2, run_id="rs", sets=_sets(tmp_path))
+    assert writes == [[0, 1]]
+    body = json.loads((tmp_path / "experiments" / "rs-methods" / "methods.json").read_text())
+    assert body["seeds"] == [0, 1]
+    writes.clear()
+    mm.run_methods("configs/smoke.yaml", call, ["spogw"], seeds=1, run_id="rs", sets=_sets(tmp_path))
+    assert writes == [[0]]

@@ -420,6 +420,8 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
         lrs = {name: s.chosen for name, s in sweep.items()}
         records: list[ArmRun] = []
         earlier, earlier_sweep, earlier_lr = earlier_arms(store, cfg, chosen)
+        on_disk = summary_on_disk(store, cfg)
+        held = [] if on_disk is None else on_disk.seeds  # the seeds of the same comparison's summary on disk
         shared: dict[tuple[str, str], dict] = {}  # references' runs by (method, evaluation); unseeded: the one run
         walls: dict[int, float] = {}
         done: list[int] = []
@@ -467,6 +469,14 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
             done.append(sp.seed)
             # the registry's order: a run of fewer methods writes the tables in the order of a run of them all
             names = [n for n in METHODS if n in {m.name for m in chosen} | {r.method for r in earlier}]
+            ahead = sorted(set(held) - set(done))
+            if ahead and sp is not plans[-1]:
+                # a resumed run passes its finished seeds first: their summary must not replace a fuller one
+                log.info("after seed %d: the summary on disk holds seeds %s this run has not reached; it is kept "
+                         "until this run's last seed", sp.seed, ahead)
+                continue
+            if ahead:
+                log.warning("this run's summary of seeds %s replaces one that also held seeds %s", done, ahead)
             summary = summarise(store, cfg, names, with_earlier(records, earlier, done, names), done)
             summary.lr_sweep, summary.lr = earlier_sweep | sweep, earlier_lr | lrs
             out = write_results(store, summary, {"command": command, "config": str(path), "sets": sets,
@@ -489,16 +499,14 @@ def earlier_arms(store: Store, cfg: RunConfig,
     summary on disk was written for another split, L, query count or number of rounds: it is replaced
     (with a warning)."""
     none: tuple[list[ArmRun], dict, dict] = ([], {}, {})
-    text = store.read_text(methods_dir(store, cfg.run_id) / "methods.json")
-    if text is None:
+    old = read_summary(store, cfg)
+    if old is None:
         return none
-    old = MethodsSummary.from_dict(json.loads(text))
-    ex, names = cfg.experiment, {m.name for m in chosen}
+    names = {m.name for m in chosen}
     left = [r for r in old.per_seed if r.method not in names and r.arm != BASE_ARM]
     if not left:
         return none
-    if (old.split, old.eval_l, old.eval_queries, old.rounds) != (ex.eval_split, ex.eval_l, ex.eval_queries,
-                                                                 cfg.rounds):
+    if not same_comparison(old, cfg):
         log.warning("the summary in %s was written for another comparison (split %s, L %s, %s queries, %s rounds): "
                     "this run replaces it, and its arms %s are left out", methods_dir(store, cfg.run_id), old.split,
                     old.eval_l, old.eval_queries, old.rounds, sorted({r.arm for r in left}))
@@ -515,6 +523,26 @@ def earlier_arms(store: Store, cfg: RunConfig,
                  list(dict.fromkeys(r.arm for r in kept)))
     return (kept, {k: v for k, v in old.lr_sweep.items() if k not in names},
             {k: v for k, v in old.lr.items() if k not in names})
+
+
+def same_comparison(old: MethodsSummary, cfg: RunConfig) -> bool:
+    """Whether a summary on disk was written for the comparison `cfg` runs: the same split, L, query count and
+    number of rounds (other arms or seeds may differ)."""
+    ex = cfg.experiment
+    return (old.split, old.eval_l, old.eval_queries, old.rounds) == (ex.eval_split, ex.eval_l, ex.eval_queries,
+                                                                     cfg.rounds)
+
+
+def read_summary(store: Store, cfg: RunConfig) -> MethodsSummary | None:
+    """The comparison's methods.json as written last, or None before its first seed."""
+    text = store.read_text(methods_dir(store, cfg.run_id) / "methods.json")
+    return None if text is None else MethodsSummary.from_dict(json.loads(text))
+
+
+def summary_on_disk(store: Store, cfg: RunConfig) -> MethodsSummary | None:
+    """The comparison's summary on disk when it was written for the same comparison (`same_comparison`)."""
+    old = read_summary(store, cfg)
+    return old if old is not None and same_comparison(old, cfg) else None
 
 
 def with_earlier(records: list[ArmRun], earlier: list[ArmRun], seeds: list[int], methods: list[str]) -> list[ArmRun]:
