@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import polars as pl
 import pytest
 from conftest import wait_until
 from test_executors import FaultServer
@@ -420,6 +421,24 @@ def test_score_stage_seeds_by_slot_and_a_second_store_sharing_the_cache_computes
     stats = round_stats(Store(root_b), "t").to_dicts()[0]
     assert (stats["cached_calls"], stats["cache_hit_rate"], stats["computed_tokens_out"]) == (8, 1.0, 0)
     assert Store(root_b).sql("SELECT count(*) AS n FROM executor_cache")["n"][0] == 8
+
+
+def test_a_querys_workflows_hold_distinct_slots_under_plans_too():
+    """Common random numbers pair runs by their slot within the query. Flat workflows keep theirs (a repair its
+    original's); under plans (two-level, 2 plans x 3 workflows) each plan counts its workflows from 0, so the query
+    slot is plan slot x 3 + slot, by hand: plan a2 (slot 1), workflow slot 2 -> 5; two plans' first workflows no
+    longer share slot 0. A workflow without a slot stays unpaired."""
+    from pipeline.stages.score import query_slots
+
+    flat = pl.DataFrame({"gen_id": ["f0", "f1", "f1-r1", "fx"], "slot": [0, 1, 1, None],
+                         "parent_id": [None, None, None, None]}, schema_overrides={"parent_id": pl.Utf8})
+    assert query_slots(flat, {}, 3) == {"f0": 0, "f1": 1, "f1-r1": 1}
+    under = pl.DataFrame({"gen_id": ["w10", "w11", "w12", "w20", "w21", "w22"], "slot": [0, 1, 2, 0, 1, 2],
+                          "parent_id": ["a1", "a1", "a1", "a2", "a2", "a2"]})
+    assert query_slots(under, {"a1": 0, "a2": 1}, 3) == {"w10": 0, "w11": 1, "w12": 2, "w20": 3, "w21": 4, "w22": 5}
+    # the held-out shape of L = 2 (2 plans x 1 workflow): slots 0 and 1, as a flat arm's two samples
+    two = pl.DataFrame({"gen_id": ["x", "y"], "slot": [0, 0], "parent_id": ["a1", "a2"]})
+    assert query_slots(two, {"a1": 0, "a2": 1}, 1) == {"x": 0, "y": 1}
 
 
 # ---- stores written before, and the config ---------------------------------------------------------------------

@@ -83,7 +83,8 @@ class _Scorer:
 
     def __init__(self, ctx: RunContext, bench: Benchmark, texts: dict[str, str], items: dict[str, Item],
                  diversity: dict[str, float] | None = None, slots: dict[str, int] | None = None):
-        """`slots`: gen_id -> its sample slot (`generations.slot`), where common random numbers pair arms."""
+        """`slots`: gen_id -> its sample slot within its query (`query_slots`), where common random numbers pair
+        arms."""
         cfg = ctx.cfg
         self.cfg, self.bench, self.texts, self.items = cfg, bench, texts, items
         self.diversity, self.slots = diversity or {}, slots or {}
@@ -276,11 +277,26 @@ async def _score_passes(ctx: RunContext, passes: list[bool], plan_jobs: Callable
     return ran, counts
 
 
-def _round_workflows(ctx: RunContext) -> tuple[pl.DataFrame, dict[str, Item]]:
-    """The round's workflow generations (one row per gen_id, in a fixed order) and their queries' items."""
+def query_slots(workflows: pl.DataFrame, agent_slots: dict[str, int], per_agent: int) -> dict[str, int]:
+    """gen_id -> the workflow's sample slot within its query, where common random numbers pair runs: a flat
+    workflow's own `slot` (a repair keeps its original's; a refinement turn's its own); a workflow under a plan
+    (`parent_id` an agent's gen_id) plan slot x `per_agent` + its slot, since its own slot counts within the plan
+    only and two plans' first workflows would otherwise share one seed, and so one sample of every sampled call they
+    share. A query's L workflows hold L slots in either mode. A workflow without a slot has none (unpaired)."""
+    return {g: agent_slots[parent] * per_agent + s if parent in agent_slots else s
+            for g, s, parent in zip(workflows["gen_id"], workflows["slot"], workflows["parent_id"], strict=True)
+            if s is not None}
+
+
+def _round_workflows(ctx: RunContext) -> tuple[pl.DataFrame, dict[str, Item], dict[str, int]]:
+    """The round's workflow generations (one row per gen_id, in a fixed order), their queries' items and their
+    slots within their queries (`query_slots`)."""
     store = ctx.store
-    gens = store.read("generations", ctx.run_id, ctx.round).filter(pl.col("kind") == "workflow")
+    every = store.read("generations", ctx.run_id, ctx.round)
+    gens = every.filter(pl.col("kind") == "workflow")
     gens = gens.unique("gen_id", keep="first").sort(["query_id", "gen_id"])
+    agents = every.filter(pl.col("kind") == "agent").unique("gen_id", keep="first")
+    slots = query_slots(gens, dict(zip(agents["gen_id"], agents["slot"], strict=True)), ctx.cfg.rollout.n_workflows)
     if gens.height == 0:
         raise ValueError(f"run {ctx.run_id!r} round {ctx.round}: no workflow generations; run `pipeline rollout` first")
     items = _items(store.read("queries", ctx.run_id, ctx.round))
@@ -288,7 +304,7 @@ def _round_workflows(ctx: RunContext) -> tuple[pl.DataFrame, dict[str, Item]]:
     if missing:
         raise ValueError(f"run {ctx.run_id!r} round {ctx.round}: generations reference queries without a "
                          f"`queries` row: {missing[:5]}")
-    return gens, items
+    return gens, items, slots
 
 
 def _tally(ctx: RunContext, gen_ids: set[str], manifest: str) -> dict:
@@ -324,14 +340,13 @@ def run_score(ctx: RunContext, only_failed: bool = False, shard: Shard | None = 
 def score_workflows(ctx: RunContext, only_failed: bool = False, shard: Shard | None = None) -> dict:
     """Score the round's workflow generations in the sandbox (see the module doc); returns counts."""
     store, cfg = ctx.store, ctx.cfg
-    gens, items = _round_workflows(ctx)
+    gens, items, slots = _round_workflows(ctx)
     if shard is not None:
         gens = gens.filter(pl.col("query_id").map_elements(shard.owns, return_dtype=pl.Boolean))
     transient = transient_statuses(cfg.scoring.retry_timeouts)
     pairs = list(zip(gens["gen_id"], gens["query_id"], strict=True))
     texts = dict(zip(gens["gen_id"], gens["text"], strict=True))
     diversity = group_diversity(gens)  # groups are (query, parent): a shard holds whole groups
-    slots = {g: s for g, s in zip(gens["gen_id"], gens["slot"], strict=True) if s is not None}
 
     def plan_jobs(retry_pass: bool) -> list[Job]:
         return plan(pairs, latest_attempts(store, ctx.run_id, ctx.round), cfg.scoring.reps, retry_pass, transient)
@@ -348,5 +363,5 @@ def score_workflows(ctx: RunContext, only_failed: bool = False, shard: Shard | N
 def finish_score(ctx: RunContext, only_failed: bool = False) -> dict:
     """The merge of a sharded score stage: the round's counts from the store, and the `score` manifest if every run
     is final. Runs nothing (the shards did); the runner calls it once every shard has its manifest."""
-    gens, _ = _round_workflows(ctx)
+    gens, _, _ = _round_workflows(ctx)
     return {"ran": 0, **_tally(ctx, set(gens["gen_id"]), "score")}
