@@ -419,9 +419,9 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
         sweep = sweep_lr(path, cfg, chosen, sets, arm_sets, list(lr_sweep), plans[0], call) if lr_sweep else {}
         lrs = {name: s.chosen for name, s in sweep.items()}
         records: list[ArmRun] = []
-        earlier, earlier_sweep, earlier_lr = earlier_arms(store, cfg, chosen)
-        on_disk = summary_on_disk(store, cfg)
-        held = [] if on_disk is None else on_disk.seeds  # the seeds of the same comparison's summary on disk
+        on_disk = read_summary(store, cfg)  # read once: the arms it keeps and the seeds it holds
+        earlier, earlier_sweep, earlier_lr = earlier_arms(store, cfg, chosen, on_disk)
+        held = on_disk.seeds if on_disk is not None and same_comparison(on_disk, cfg) else []
         shared: dict[tuple[str, str], dict] = {}  # references' runs by (method, evaluation); unseeded: the one run
         walls: dict[int, float] = {}
         done: list[int] = []
@@ -490,16 +490,15 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
         return summary
 
 
-def earlier_arms(store: Store, cfg: RunConfig,
-                 chosen: list[Method]) -> tuple[list[ArmRun], dict[str, LrSweep], dict[str, float | None]]:
-    """The arms of the comparison's summary on disk whose methods this run leaves out (`--methods` naming fewer
-    than an earlier run of the same comparison), with their learning-rate sweeps and rates, so that this run's summary
-    keeps them rather than replacing the fuller table with a smaller one. Their numbers are computed again from
-    their runs in the store; an arm whose evaluation run is gone is dropped with a warning. Nothing (empty) where the
-    summary on disk was written for another split, L, query count or number of rounds: it is replaced
-    (with a warning)."""
+def earlier_arms(store: Store, cfg: RunConfig, chosen: list[Method],
+                 old: MethodsSummary | None) -> tuple[list[ArmRun], dict[str, LrSweep], dict[str, float | None]]:
+    """The arms of the comparison's summary on disk (`old`, `read_summary`) whose methods this run leaves out
+    (`--methods` naming fewer than an earlier run of the same comparison), with their learning-rate sweeps and rates,
+    so that this run's summary keeps them rather than replacing the fuller table with a smaller one. Their numbers are
+    computed again from their runs in the store; an arm whose evaluation run is gone is dropped with a warning.
+    Nothing (empty) where the summary on disk was written for another split, L, query count or number of rounds: it
+    is replaced (with a warning)."""
     none: tuple[list[ArmRun], dict, dict] = ([], {}, {})
-    old = read_summary(store, cfg)
     if old is None:
         return none
     names = {m.name for m in chosen}
@@ -537,12 +536,6 @@ def read_summary(store: Store, cfg: RunConfig) -> MethodsSummary | None:
     """The comparison's methods.json as written last, or None before its first seed."""
     text = store.read_text(methods_dir(store, cfg.run_id) / "methods.json")
     return None if text is None else MethodsSummary.from_dict(json.loads(text))
-
-
-def summary_on_disk(store: Store, cfg: RunConfig) -> MethodsSummary | None:
-    """The comparison's summary on disk when it was written for the same comparison (`same_comparison`)."""
-    old = read_summary(store, cfg)
-    return old if old is not None and same_comparison(old, cfg) else None
 
 
 def with_earlier(records: list[ArmRun], earlier: list[ArmRun], seeds: list[int], methods: list[str]) -> list[ArmRun]:
