@@ -235,6 +235,30 @@ def test_never_a_reply_for_another_model_adapter_dtype_or_parameter(tmp_path):
     assert not isinstance(CachedExecutor.open(Counting(), off, folder), CachedExecutor)
 
 
+def test_the_same_weights_written_elsewhere_and_later_are_the_same_model(tmp_path, monkeypatch):
+    """Base weights are keyed by content, not path or modification time: a store's cache moved to a fresh machine,
+    where setup wrote the same weights at another time, answers there (keyed by mtime it missed every call: the
+    CRN bench's copy of an earlier session's cache). Other weights of the same size are another model; the content
+    is hashed once per machine."""
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "home"))
+    monkeypatch.setattr(cache_mod, "HASHED_FILE_MB", 0)  # every file is a "large" one here
+    first = model_folder(tmp_path / "machine1" / "m", b"weights A")
+    moved = model_folder(tmp_path / "machine2" / "model", b"weights A")
+    os.utime(Path(moved) / "model.safetensors", ns=(10**18, 10**18))  # written at another time
+    other = model_folder(tmp_path / "machine3" / "m", b"weights B")  # the same size, other weights
+    ex = cached(ExecutorConfig(kind="local", model=first), tmp_path / "cache")
+    reply = run(ex.complete(MSG, 0.7, 1, seed=3)).texts
+    there = cached(ExecutorConfig(kind="local", model=moved), tmp_path / "cache")
+    assert run(there.complete(MSG, 0.7, 1, seed=3)).texts == reply and there.inner.calls == []
+    elsewhere = cached(ExecutorConfig(kind="local", model=other), tmp_path / "cache")
+    assert not run(elsewhere.complete(MSG, 0.7, 1, seed=3)).cached and len(elsewhere.inner.calls) == 1  # a miss
+    assert len(list((tmp_path / "home" / "fingerprints").iterdir())) == 6  # one per file (2 a folder), remembered
+    cache_mod.folder_fingerprint.cache_clear()
+    monkeypatch.setattr(cache_mod.hashlib, "file_digest", None)  # a second look reads the memo, hashes nothing
+    assert cache_mod.executor_identity(ExecutorConfig(kind="local", model=moved)) == \
+        cache_mod.executor_identity(ExecutorConfig(kind="local", model=first))
+
+
 def test_a_stage_pointed_at_its_own_server_keeps_the_cache_and_auto_keys_on_the_dtype_loaded(tmp_path, monkeypatch):
     """`servers.serving` points a served section at the stage's server (base_url set, serve cleared): the cache must
     still know what answers, or no served executor would ever be cached. `auto` is keyed as the dtype this machine

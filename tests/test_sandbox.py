@@ -206,3 +206,35 @@ def test_workflows_import_the_stdlib_but_not_site_packages(sb):
     assert (n, dec, out) == ("42", "3.0", "[1]")
     if sb.isolation.get("file_view"):
         assert third == "none"
+
+
+def test_a_workflows_set_order_is_the_same_in_every_sandbox_process(sb):
+    """A vote's tie-break (`max(set(votes), key=votes.count)`) follows the set's iteration order, which Python
+    randomises per interpreter unless PYTHONHASHSEED is fixed. Two zygotes (two scoring processes, or two sessions)
+    must iterate alike, or the same replies give other answers and common random numbers leave that noise behind
+    (seen in the CRN bench: the same program, the same cached replies, 60 in one arm and 44 in the other)."""
+    code = ("async def solve(p):\n    votes = [str(n) for n in range(40)]\n"
+            "    return ','.join(set(votes)) + '|' + str(hash('tie-break'))\n")
+    other = Sandbox()
+    try:
+        other.ensure_started()
+        answers = [run(sb, code).answer, run(sb, code).answer, run(other, code).answer]
+    finally:
+        other.close()
+    assert answers[0] == answers[1] == answers[2]
+
+
+def test_the_workflows_random_module_is_seeded_by_its_slot_under_common_random_numbers(sb):
+    """The workflow's own draws pair across arms like its executor calls: the same slot draws the same, another
+    rep or query draws otherwise; without a slot (common random numbers off) two runs draw independently."""
+    from pipeline.engines.executors import CallSeeds, SampleSlot
+
+    code = "import random\nasync def solve(p):\n    return repr([random.random() for _ in range(3)])\n"
+    slot = SampleSlot(seed=0, query_id="q1", slot=2, rep=0)
+    first, again = (run(sb, code, seeds=CallSeeds(slot)).answer for _ in range(2))
+    other_rep = run(sb, code, seeds=CallSeeds(SampleSlot(seed=0, query_id="q1", slot=2, rep=1))).answer
+    other_query = run(sb, code, seeds=CallSeeds(SampleSlot(seed=0, query_id="q2", slot=2, rep=0))).answer
+    unseeded = [run(sb, code, seeds=CallSeeds(None)).answer for _ in range(2)]
+    assert first == again
+    assert len({first, other_rep, other_query}) == 3
+    assert unseeded[0] != unseeded[1] and first not in unseeded

@@ -21,6 +21,7 @@ The cache is local: an `s3://` store has none (object storage has no append; `st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import functools
 import hashlib
@@ -39,7 +40,7 @@ from pipeline.engines.executors import Executor, ExecutorReply, cost_usd
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # in every key: a change of what an entry means starts a new cache
+CACHE_VERSION = 2  # in every key: a change of what an entry means starts a new cache (2: weights by content)
 RESCAN_S = 2.0
 HASHED_FILE_MB = 64  # model files up to this size are hashed by content (configs, tokenizers, LoRA adapters)
 SAMPLER = "row-generators-v1"  # the local executor's sampling procedure (executors._RowSampler)
@@ -154,32 +155,53 @@ class ShardCache:
 # ---- executor identity -----------------------------------------------------------------------------------------
 
 
+def large_file_digest(f: Path) -> str:
+    """SHA-256 of a large file's content (base weights), computed once per machine: remembered under the pipeline's
+    cache folder by (path, size, modification time, inode), which change whenever the file does. Content, not the
+    modification time, is the identity, so a store's cache answers on another machine (or a fresh clone) whose
+    copy of the same weights was written at another time; hashing 2.5 GB once costs a few seconds."""
+    from pipeline.engines.models import cache_dir
+
+    st = f.resolve().stat()
+    stamp = digest([str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ino])
+    memo = cache_dir() / "fingerprints" / stamp
+    with contextlib.suppress(OSError):
+        return memo.read_text().strip()
+    log.info("fingerprinting %s (%.1f GB) by its content, once on this machine", f, st.st_size / 1e9)
+    with f.open("rb") as fh:
+        value = hashlib.file_digest(fh, "sha256").hexdigest()
+    with contextlib.suppress(OSError):  # a read-only home only costs the hash again next time
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(value)
+        os.replace(tmp, memo)
+    return value
+
+
 @functools.lru_cache(maxsize=64)
 def folder_fingerprint(path: str) -> str:
-    """A model or adapter folder's identity: its files' contents up to HASHED_FILE_MB (configs, tokenizer, a LoRA
-    adapter's weights) and, for larger files (base weights), name, size and modification time, as make does:
-    hashing gigabytes at every stage start would cost more than many calls."""
+    """A model or adapter folder's identity: its files' names and contents (files over HASHED_FILE_MB, the base
+    weights, through `large_file_digest`), not where it lies nor when it was written."""
     root = Path(path)
     h = hashlib.sha256()
     for f in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        st = f.stat()
         h.update(f.relative_to(root).as_posix().encode() + b"\0")
-        if st.st_size <= HASHED_FILE_MB << 20:
+        if f.stat().st_size <= HASHED_FILE_MB << 20:
             h.update(hashlib.sha256(f.read_bytes()).digest())
         else:
-            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+            h.update(bytes.fromhex(large_file_digest(f)))
     return h.hexdigest()
 
 
 def model_identity(ref: str) -> dict:
-    """What a model ref loads: the resolved folder and its fingerprint, a PEFT adapter's base included; a hub id
-    (no folder here) is its name."""
+    """What a model ref loads: its folder's fingerprint (contents, not path: the same weights anywhere are the same
+    model), a PEFT adapter's base included; a hub id (no folder here) is its name."""
     from pipeline.engines.models import resolve_model
 
     path = resolve_model(ref)
     if not Path(path).is_dir():
         return {"hub_id": path}
-    out: dict[str, Any] = {"path": path, "files": folder_fingerprint(path)}
+    out: dict[str, Any] = {"files": folder_fingerprint(path)}
     adapter_cfg = Path(path) / "adapter_config.json"
     if adapter_cfg.is_file():  # an adapter folder: its base is part of what it computes
         base = json.loads(adapter_cfg.read_text()).get("base_model_name_or_path")

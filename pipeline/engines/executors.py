@@ -80,6 +80,16 @@ class CallSeeds:
         self.where, self.default_temperature = where, default_temperature
         self._made: dict[str, int] = {}  # call signature -> identical calls made so far
 
+    def run_seed(self) -> int | None:
+        """The seed of the workflow's own `random` module (the sandbox seeds it before the workflow runs): a
+        workflow that draws, e.g. `random.choice(replies)`, draws the same in every arm at this slot. None without
+        a slot: the run's `random` stays seeded from the OS."""
+        if self.where is None:
+            return None
+        w = self.where
+        body = json.dumps([w.seed, w.query_id, w.slot, w.rep, "random"])
+        return int.from_bytes(hashlib.sha256(body.encode()).digest()[:8], "big") % SEED_RANGE
+
     def seed(self, messages: list[dict], temperature: float | None, n: int, max_tokens: int | None) -> int | None:
         temperature = self.default_temperature if temperature is None else temperature
         if self.where is None or temperature == 0:

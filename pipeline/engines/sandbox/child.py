@@ -19,6 +19,7 @@ import io
 import json
 import math  # noqa: F401
 import os
+import random
 import re  # noqa: F401
 import resource
 import signal
@@ -183,6 +184,8 @@ async def _workflow(ch: _Channel, payload: dict) -> dict:
         return await _run_tests_forked(code, list(public.get("tests") or []), float(public.get("timeout_s", 5.0)))
 
     ns = {"__name__": "workflow", "__builtins__": builtins, "llm": llm, "run_tests": run_tests}
+    if payload.get("random_seed") is not None:  # common random numbers: the workflow's own draws pair across arms
+        random.seed(int(payload["random_seed"]))
     try:
         exec(compile(payload["code"], "<workflow>", "exec"), ns)
         answer = await ns["solve"](payload["problem"])

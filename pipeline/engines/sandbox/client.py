@@ -178,8 +178,13 @@ class Sandbox:
         root = str(Path(__file__).resolve().parents[3])
         boot = f"import sys; sys.path.insert(0, {root!r}); from pipeline.engines.sandbox.zygote import main; main()"
         log = tempfile.TemporaryFile()  # noqa: SIM115  (the zygote's stderr, read only if it fails to start)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}  # no secrets reach the zygote
-        self._proc = subprocess.Popen([sys.executable, "-I", "-c", boot, str(theirs.fileno()), json.dumps(self.deny)],
+        # no secrets reach the zygote. A fixed hash seed, inherited by every forked run: iterating a set or dict of
+        # strings then goes in one order in every run, process and session, so a workflow's tie-break (`max(set(votes),
+        # key=votes.count)`) is a function of its replies, and common random numbers leave no noise behind. -s -P
+        # rather than -I, which would ignore PYTHONHASHSEED; the environment is this dict alone either way.
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+        self._proc = subprocess.Popen([sys.executable, "-s", "-P", "-c", boot, str(theirs.fileno()),
+                                       json.dumps(self.deny)],
                                       pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                       stdout=log, stderr=log, start_new_session=True, cwd="/")
         theirs.close()
@@ -436,7 +441,8 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
             res.computed_tokens_out += int(comp.tokens_out)
         await reply({"id": rid, "texts": list(comp.texts)})
 
-    payload = {"code": code, "problem": problem, "public_tests": public_tests, "output_chars": limits.output_chars}
+    payload = {"code": code, "problem": problem, "public_tests": public_tests, "output_chars": limits.output_chars,
+               "random_seed": None if seeds is None else seeds.run_seed()}
     out = await (sandbox or default_sandbox()).run("workflow", payload, limits, on_request, waited)
     result = out["result"] or {}
     res.wall_s = out["wall_s"]
