@@ -86,9 +86,7 @@ class CallSeeds:
         a slot: the run's `random` stays seeded from the OS."""
         if self.where is None:
             return None
-        w = self.where
-        body = json.dumps([w.seed, w.query_id, w.slot, w.rep, "random"])
-        return int.from_bytes(hashlib.sha256(body.encode()).digest()[:8], "big") % SEED_RANGE
+        return self._derive("random")
 
     def seed(self, messages: list[dict], temperature: float | None, n: int, max_tokens: int | None) -> int | None:
         temperature = self.default_temperature if temperature is None else temperature
@@ -97,8 +95,12 @@ class CallSeeds:
         sig = call_signature(messages, temperature, n, max_tokens)
         k = self._made.get(sig, 0)  # a vote of three identical calls: k = 0, 1, 2, three samples
         self._made[sig] = k + 1
+        return self._derive(sig, k)
+
+    def _derive(self, *what) -> int:
+        """A seed in [0, SEED_RANGE) from the slot and `what`: a hash, so any change of an input changes it."""
         w = self.where
-        body = json.dumps([w.seed, w.query_id, w.slot, w.rep, sig, k])
+        body = json.dumps([w.seed, w.query_id, w.slot, w.rep, *what])
         return int.from_bytes(hashlib.sha256(body.encode()).digest()[:8], "big") % SEED_RANGE
 
 
