@@ -96,7 +96,8 @@ def test_widths_and_ratio_by_hand():
     assert r.lines() == ["without CRN  a - b: 0.500 [0.000, 1.000], half-width 0.500",
                          "   with CRN  a - b: 0.500 [0.250, 0.750], half-width 0.250",
                          "a - b: half-width with / without CRN 0.50",
-                         "   with CRN  executor tokens computed 300 of 900 used, wall 1.5 s",
+                         "   with CRN  executor tokens computed 300 of 900 used, wall 1.5 s in this invocation "
+                         "(a resumed mode: only what it scored now)",
                          "   with CRN  arm a: 1 of 4 queries with score variance (0.250)"]
 
 

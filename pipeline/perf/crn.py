@@ -105,7 +105,7 @@ class CrnResult:
                  f"{num(w.half_width)}" for w in self.widths]
                 + [f"{pair}: half-width with / without CRN {num(r, 2)}" for pair, r in self.ratios.items()]
                 + [f"{c.mode:>7} CRN  executor tokens computed {c.computed_tokens} of {c.used_tokens} used, wall "
-                   f"{c.wall_s} s" for c in self.costs]
+                   f"{c.wall_s} s in this invocation (a resumed mode: only what it scored now)" for c in self.costs]
                 + [f"{v.mode:>7} CRN  arm {v.arm}: {v.varied} of {v.queries} queries with score variance "
                    f"({num(v.share)})" for v in self.variance])
 
