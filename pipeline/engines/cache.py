@@ -162,8 +162,9 @@ def large_file_digest(f: Path) -> str:
     copy of the same weights was written at another time; hashing 2.5 GB once costs a few seconds."""
     from pipeline.engines.models import cache_dir
 
-    st = f.resolve().stat()
-    stamp = digest([str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ino])
+    real = f.resolve()
+    st = real.stat()
+    stamp = digest([str(real), st.st_size, st.st_mtime_ns, st.st_ino])
     memo = cache_dir() / "fingerprints" / stamp
     with contextlib.suppress(OSError):
         return memo.read_text().strip()
