@@ -791,14 +791,22 @@ def headroom(
     = None,
     run_id: RunIdOpt = None,
     sets: SetOpt = None,
+    show_status: StatusOpt = False,
 ) -> None:
     """Headroom before training: every design of the menu as a fixed program on dev, the best single
     design against the cross-fitted per-query oracle at its executor budget, the frontier; writes
     <store>/headroom/<run_id>/ (headroom.json, designs.csv, per_query.csv, frontier.png) and prints the gate."""
     from pipeline.engines.servers import ServeError
     from pipeline.stages.runner import StageError
-    from pipeline.studies.headroom import markdown, run_headroom
+    from pipeline.studies.headroom import markdown, run_headroom, status
 
+    if show_status:
+        try:
+            rows = status(config, run_id, split, reps, sets or [])
+        except (ConfigError, ValueError) as e:
+            _fail(str(e))
+        _echo_status(rows)
+        return
     try:
         summ = run_headroom(config, None, run_id, split, reps, sets or [])
     except (ConfigError, StageError, ServeError) as e:

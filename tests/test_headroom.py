@@ -35,7 +35,7 @@ from pipeline.engines.workflow import check_workflow
 from pipeline.stages.sampling import draw_design
 from pipeline.store import Store, round_stats
 from pipeline.studies.evaluate import eval_summary
-from pipeline.studies.headroom import analyse, build_runs, markdown, plot_frontier, run_headroom
+from pipeline.studies.headroom import analyse, build_runs, markdown, plot_frontier, run_headroom, status
 
 
 def abc() -> Runs:
@@ -184,7 +184,13 @@ def test_headroom_study_end_to_end(tmp_path, server):
     prog.write_text(f"async def solve(problem):\n    return {str(q1.reference['answer'])!r}\n")
     path = _config(tmp_path, server.url, ["io", f"program:{prog}"])
     server.reply, server.finish_reason = str(q0.reference["answer"]), "length"
+    assert [(r["run_id"], r["stage"], r["done"]) for r in status(path)] == [
+        ("h-headroom-baseline-dev-io", "rollout", False), ("h-headroom-baseline-dev-io", "score", False),
+        ("h-headroom-baseline-dev-program-q1_answer", "rollout", False),
+        ("h-headroom-baseline-dev-program-q1_answer", "score", False)]
     s = run_headroom(path, in_process)
+    after = status(path)  # every stage done, each round's workflows read from its rollout: 2 queries x 2 runs
+    assert [(r["done"], r["workflows"]) for r in after] == [(True, 4)] * 4
     assert s["design_runs"] == {"io": "h-headroom-baseline-dev-io",
                                 "program-q1_answer": "h-headroom-baseline-dev-program-q1_answer"}
     assert (s["queries"], s["reps"], s["dropped"]) == (2, 2, [])

@@ -137,6 +137,21 @@ def analyse(runs: Runs, parts: Sequence[str], rule: str, gate: float) -> dict:
     return out
 
 
+def status(config: str | Path, run_id: str | None = None, split: str = "dev", reps: int | None = None,
+           sets: list[str] | None = None) -> list[dict]:
+    """Where the study stands, read from the store (nothing runs): per design's run, its stages done and their wall
+    seconds (`pipeline.studies.experiment.stage_rows`), for `pipeline headroom --status`."""
+    from pipeline.stages.rounds import study_config
+    from pipeline.studies.evaluate import EVAL_STAGES
+    from pipeline.studies.experiment import stage_rows
+
+    cfg = study_config(config, sets or [], run_id)[2]
+    n, reps = cfg.headroom.queries, reps or cfg.headroom.reps
+    planned = None if n is None else n * reps  # None (all queries): each design's rollout gives its count
+    return stage_rows(store_for(cfg.store), [(f"design on {split}", baseline_run_id(owner(cfg), method_tag(d), split),
+                                              1, EVAL_STAGES, planned) for d in headroom_designs(cfg)])
+
+
 def run_headroom(config: str | Path, call=None, run_id: str | None = None, split: str = "dev",
                  reps: int | None = None, sets: list[str] | None = None) -> dict:
     """Run (or resume) every design on `split` through `call` (a stage caller; default in this process), analyse,
