@@ -23,6 +23,7 @@ from pipeline.core.headroom import (
     best_design,
     cross_fit,
     frontier,
+    gain_within,
     greedy,
     pareto,
     part_router,
@@ -34,6 +35,7 @@ from pipeline.engines.prompting import PromptError, design_prefix, load_design, 
 from pipeline.engines.workflow import check_workflow
 from pipeline.stages.sampling import draw_design
 from pipeline.store import Store, round_stats
+from pipeline.studies import headroom as headroom_study
 from pipeline.studies.evaluate import eval_summary
 from pipeline.studies.headroom import analyse, build_runs, markdown, plot_frontier, run_headroom, status
 
@@ -98,6 +100,10 @@ def test_frontier_and_pareto():
     fr = {o.anchor: o for o in frontier(abc(), "greedy")}
     assert fr["B"].tokens <= fr["B"].budget == 50.0 and fr["B"].score == 0.25  # B's own score: nothing cheaper
     assert fr["C"].score == 0.75 and fr["A"].score == 0.75
+    # the gain over the designs within each budget: at A's (100 a query) A 0.5 and B 0.25 fit: 0.75 - 0.5; at B's
+    # (50) B alone: 0.25 - 0.25; at C's (300) all three: 0.75 - 0.75
+    points = [Point("A", 0.5, 100.0), Point("B", 0.25, 50.0), Point("C", 0.75, 300.0)]
+    assert [gain_within(points, fr[d]) for d in "ABC"] == [0.25, 0.0, 0.0]
     pts = [Point("A", 0.5, 100), Point("B", 0.25, 50), Point("C", 0.75, 300), Point("D", 0.25, 200),
            Point("E", 0.5, 100)]
     # D is beaten by A (more score, fewer tokens); A and E are equal, so neither dominates the other
@@ -146,6 +152,9 @@ def test_analyse_gate_and_per_part(tmp_path):
     lines = markdown(summary)
     assert lines[1] == "(a) best single design: C 0.750 at 300 executor tokens per run"
     assert "does not pass" in lines[3]
+    assert lines[4] == ("largest gain along the frontier: +0.250 at A's budget (100 tokens) over the designs within it "
+                        "(the gate reads it at (a)'s budget)")
+    assert lines[8] == "| A | 0.500 | 100 | yes | n/a | 0.750 | +0.250 |"
     fig = plot_frontier(summary, tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 0 and len(fig.axes[0].collections) == 2  # designs, oracle star
 
@@ -172,7 +181,7 @@ def _config(tmp_path: Path, url: str, designs: list[str]) -> Path:
 
 
 @pytest.mark.usefixtures("shared_sandbox")
-def test_headroom_study_end_to_end(tmp_path, server):
+def test_headroom_study_end_to_end(tmp_path, server, monkeypatch):
     """Two designs on the 2 dev queries, 2 runs each: `io` (the executor always says q0's answer: right on q0, 10
     tokens a run, every reply cut at the cap) and a program that returns q1's answer without the executor (right on
     q1, 0 tokens). Both score 0.5; the best single design is the cheaper program (budget 0 tokens), where the oracle
@@ -210,8 +219,9 @@ def test_headroom_study_end_to_end(tmp_path, server):
     st = Store(tmp_path / "store")
     assert eval_summary(st, "h-headroom-baseline-dev-io")["truncated_share"] == 1.0
     assert round_stats(st, "h-headroom-baseline-dev-io")["truncated_share"].to_list() == [1.0]
-    # resumes: nothing runs again
+    # resumes: nothing runs again, and with every design scored no executor server starts (a vLLM start is minutes)
     before = len(server.requests)
+    monkeypatch.setattr(headroom_study, "sharing", lambda *a: pytest.fail("a server started for a finished study"))
     assert run_headroom(path, in_process)["oracle"] == s["oracle"] and len(server.requests) == before
 
 

@@ -184,6 +184,14 @@ def frontier(runs: Runs, rule: str) -> list[Oracle]:
     return [cross_fit(runs, rule, i) for i in range(len(runs.designs))]
 
 
+def gain_within(points: Sequence[Point], oracle: Oracle) -> float:
+    """The oracle's score minus the best design's among those that fit its budget (mean tokens at most the anchor's,
+    the anchor itself included): what choosing per query adds over one design for all at that budget. The gate reads
+    it at the best design's budget only; along the frontier it shows where the room is when it is in cost."""
+    fits = [p.score for p in points if p.tokens <= oracle.budget * (1 + 1e-9)]  # the anchor's mean, up to rounding
+    return oracle.score - max(fits)
+
+
 def part_router(runs: Runs, parts: Sequence[str], anchor: int) -> tuple[Oracle, dict[str, str]]:
     """One design per part, chosen on run r by its mean over the part's queries (ties as `pick`), scored on r'; and
     the choice made on all runs together (part -> design) for the report."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,12 +29,21 @@ import numpy as np
 import polars as pl
 
 from pipeline.config import ConfigError, RunConfig
-from pipeline.core.headroom import Runs, best_design, cross_fit, design_points, frontier, pareto, part_router
+from pipeline.core.headroom import (
+    Runs,
+    best_design,
+    cross_fit,
+    design_points,
+    frontier,
+    gain_within,
+    pareto,
+    part_router,
+)
 from pipeline.engines.servers import sharing
 from pipeline.store import Store, store_for
 from pipeline.store.views import TRUNCATED_SHARE_SQL
 from pipeline.studies.baselines import PROGRAM_PREFIX, baseline_run_id, check_method, method_tag, run_baseline
-from pipeline.studies.formatting import num
+from pipeline.studies.formatting import num, signed
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +134,8 @@ def analyse(runs: Runs, parts: Sequence[str], rule: str, gate: float) -> dict:
            "best": asdict(points[best]), "oracle": asdict(oracle), "oracle_in_sample": asdict(in_sample),
            "gain": oracle.score - points[best].score, "gate": gate, "rule": rule,
            "passes": oracle.score - points[best].score >= gate,
-           "frontier": [asdict(o) for o in front], "queries": len(runs.queries), "reps": runs.reps,
+           "frontier": [asdict(o) | {"gain": gain_within(points, o)} for o in front],
+           "queries": len(runs.queries), "reps": runs.reps,
            "per_part": {}}
     if len(set(parts)) > 1:
         router, chosen = part_router(runs, parts, best)
@@ -142,14 +153,20 @@ def status(config: str | Path, run_id: str | None = None, split: str = "dev", re
     """Where the study stands, read from the store (nothing runs): per design's run, its stages done and their wall
     seconds (`pipeline.studies.experiment.stage_rows`), for `pipeline headroom --status`."""
     from pipeline.stages.rounds import study_config
+
+    cfg = study_config(config, sets or [], run_id)[2]
+    return stage_status(store_for(cfg.store), cfg, split, reps or cfg.headroom.reps)
+
+
+def stage_status(store: Store, cfg: RunConfig, split: str, reps: int) -> list[dict]:
+    """`status` of a loaded config: the designs' runs as planned runs of one round (rollout, score)."""
     from pipeline.studies.evaluate import EVAL_STAGES
     from pipeline.studies.experiment import stage_rows
 
-    cfg = study_config(config, sets or [], run_id)[2]
-    n, reps = cfg.headroom.queries, reps or cfg.headroom.reps
+    n = cfg.headroom.queries
     planned = None if n is None else n * reps  # None (all queries): each design's rollout gives its count
-    return stage_rows(store_for(cfg.store), [(f"design on {split}", baseline_run_id(owner(cfg), method_tag(d), split),
-                                              1, EVAL_STAGES, planned) for d in headroom_designs(cfg)])
+    return stage_rows(store, [(f"design on {split}", baseline_run_id(owner(cfg), method_tag(d), split), 1,
+                               EVAL_STAGES, planned) for d in headroom_designs(cfg)])
 
 
 def run_headroom(config: str | Path, call=None, run_id: str | None = None, split: str = "dev",
@@ -167,7 +184,8 @@ def run_headroom(config: str | Path, call=None, run_id: str | None = None, split
     store = store_for(cfg.store)
     extra = sets + study_sets(cfg, reps)
     runs_of = {method_tag(d): baseline_run_id(owner(cfg), method_tag(d), split) for d in designs}
-    with sharing(cfg, headroom_dir(store, cfg.run_id) / "server-logs"):  # one executor server for every design
+    left = not all(r["done"] for r in stage_status(store, cfg, split, reps))  # all done: read back, start nothing
+    with sharing(cfg, headroom_dir(store, cfg.run_id) / "server-logs") if left else nullcontext():
         for d in designs:
             log.info("headroom: design %s on %s (%d runs per query)", d, split, reps)
             run_baseline(str(path), d, call, owner(cfg), split, extra)
@@ -241,12 +259,17 @@ def markdown(summary: dict) -> list[str]:
              f"(b) per-query oracle, cross-fitted ({o['rule']}, budget {o['budget']:.0f}): {o['score']:.3f} at "
              f"{o['tokens']:.0f} tokens; in sample (optimistic) {i['score']:.3f}",
              f"gain (b) - (a): {summary['gain']:+.3f}; gate {summary['gate']:.2f}: "
-             + ("PASSES: go on to training" if summary["passes"] else "does not pass: no training run"), "",
-             "| design | score | executor tokens / run | Pareto | executor calls cut at the cap | oracle at its "
-             "budget |", "|---|---|---|---|---|---|"]
-    at = {f["anchor"]: f["score"] for f in summary["frontier"]}
+             + ("PASSES: go on to training" if summary["passes"] else "does not pass: no training run")]
+    at = {f["anchor"]: f for f in summary["frontier"]}
+    if "gain" in summary["frontier"][0]:  # summaries written before the column have none
+        top = max(summary["frontier"], key=lambda f: f["gain"])
+        lines.append(f"largest gain along the frontier: {top['gain']:+.3f} at {top['anchor']}'s budget "
+                     f"({top['budget']:.0f} tokens) over the designs within it (the gate reads it at (a)'s budget)")
+    lines += ["", "| design | score | executor tokens / run | Pareto | executor calls cut at the cap | oracle at its "
+              "budget | oracle - the best design within that budget |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {p['name']} | {p['score']:.3f} | {p['tokens']:.0f} | {'yes' if p['pareto'] else ''} | "
-              f"{num(p.get('truncated_share'))} | {num(at.get(p['name']))} |" for p in summary["designs"]]
+              f"{num(p.get('truncated_share'))} | {num(at.get(p['name'], {}).get('score'))} | "
+              f"{signed(at.get(p['name'], {}).get('gain'))} |" for p in summary["designs"]]
     if summary["per_part"]:
         names = [p["name"] for p in summary["designs"]]
         lines += ["", "| part | queries | best design | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]
