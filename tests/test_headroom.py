@@ -23,6 +23,7 @@ from pipeline.core.headroom import (
     best_design,
     cross_fit,
     frontier,
+    gain_per_query,
     gain_within,
     greedy,
     pareto,
@@ -104,6 +105,14 @@ def test_frontier_and_pareto():
     # (50) B alone: 0.25 - 0.25; at C's (300) all three: 0.75 - 0.75
     points = [Point("A", 0.5, 100.0), Point("B", 0.25, 50.0), Point("C", 0.75, 300.0)]
     assert [gain_within(points, fr[d]) for d in "ABC"] == [0.25, 0.0, 0.0]
+    # per query, anchored at A (budget 200 a run). Pair (0 -> 1): on run 0 q1 A (the anchor ties C), q2 B and C tie ->
+    # the cheaper B; 150 fits; on run 1 A scores q1 1, B scores q2 0; A itself 1, 0 -> [0, 0]. Pair (1 -> 0): on run 1
+    # q1 A, q2 C (400 > 200) -> the trade losing least a token saved: q2 C -> B (1/250) -> 150; on run 0 A 1, B 1;
+    # A itself 1, 0 -> [0, 1]. Mean over pairs [0, 0.5], whose mean is the oracle's 0.75 minus A's 0.5
+    assert gain_per_query(abc(), "greedy", 0).tolist() == [0.0, 0.5]
+    assert gain_per_query(abc(), "greedy", 2).tolist() == [0.0, 0.0]  # at C's budget the oracle is C on both pairs
+    with pytest.raises(ValueError, match="unknown budget rule 'best'"):
+        gain_per_query(abc(), "best", 0)
     pts = [Point("A", 0.5, 100), Point("B", 0.25, 50), Point("C", 0.75, 300), Point("D", 0.25, 200),
            Point("E", 0.5, 100)]
     # D is beaten by A (more score, fewer tokens); A and E are equal, so neither dominates the other
@@ -151,7 +160,8 @@ def test_analyse_gate_and_per_part(tmp_path):
     summary = out | {"run_id": "h", "split": "dev", "dropped": []}
     lines = markdown(summary)
     assert lines[1] == "(a) best single design: C 0.750 at 300 executor tokens per run"
-    assert "does not pass" in lines[3]
+    assert lines[3] == ("gain (b) - (a): +0.000 [+0.000, +0.000] (95%, queries resampled); gate 0.05 on the point "
+                        "estimate: does not pass: no training run")
     assert lines[4] == ("largest gain along the frontier: +0.250 at A's budget (100 tokens) over the designs within it "
                         "(the gate reads it at (a)'s budget)")
     assert lines[8] == "| A | 0.500 | 100 | yes | n/a | 0.750 | +0.250 |"

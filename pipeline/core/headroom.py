@@ -171,6 +171,17 @@ def cross_fit(runs: Runs, rule: str, anchor: int, in_sample: bool = False) -> Or
                   {d: float(counts[i] / total) for i, d in enumerate(runs.designs) if counts[i]})
 
 
+def gain_per_query(runs: Runs, rule: str, anchor: int) -> np.ndarray:
+    """Per query, the cross-fitted oracle's score (anchored at `anchor`) minus the anchor design's on the same scoring
+    run, averaged over the ordered pairs of runs: the paired differences whose mean is `cross_fit`'s score minus the
+    anchor's mean, so that a bootstrap over queries gives the gate's gain an interval."""
+    if rule not in BUDGET_RULES:
+        raise ValueError(f"unknown budget rule {rule!r}; known: {', '.join(BUDGET_RULES)}")
+    choose, cols = BUDGET_RULES[rule], np.arange(len(runs.queries))
+    return np.mean([runs.scores[choose(runs.scores[:, :, r], runs.tokens[:, :, r], anchor), cols, r2]
+                    - runs.scores[anchor, :, r2] for r, r2 in permutations(range(runs.reps), 2)], axis=0)
+
+
 def pareto(points: Sequence[Point]) -> list[bool]:
     """Per point: no other point has at least its score at most its tokens and is better in one of the two."""
     def dominated(p: Point) -> bool:

@@ -35,15 +35,17 @@ from pipeline.core.headroom import (
     cross_fit,
     design_points,
     frontier,
+    gain_per_query,
     gain_within,
     pareto,
     part_router,
 )
+from pipeline.core.learning import bootstrap_ci
 from pipeline.engines.servers import sharing
 from pipeline.store import Store, store_for
 from pipeline.store.views import TRUNCATED_SHARE_SQL
 from pipeline.studies.baselines import PROGRAM_PREFIX, baseline_run_id, check_method, method_tag, run_baseline
-from pipeline.studies.formatting import num, signed
+from pipeline.studies.formatting import num, signed, span
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +132,11 @@ def analyse(runs: Runs, parts: Sequence[str], rule: str, gate: float) -> dict:
     in_sample = cross_fit(runs, rule, best, in_sample=True)
     front = frontier(runs, rule)
     on_front = pareto(points)
+    ci = bootstrap_ci(gain_per_query(runs, rule, best))  # the gain's 95% interval, queries resampled
     out = {"designs": [asdict(p) | {"pareto": f} for p, f in zip(points, on_front, strict=True)],
            "best": asdict(points[best]), "oracle": asdict(oracle), "oracle_in_sample": asdict(in_sample),
            "gain": oracle.score - points[best].score, "gate": gate, "rule": rule,
+           "gain_interval": [ci.lo, ci.hi],
            "passes": oracle.score - points[best].score >= gate,
            "frontier": [asdict(o) | {"gain": gain_within(points, o)} for o in front],
            "queries": len(runs.queries), "reps": runs.reps,
@@ -258,7 +262,9 @@ def markdown(summary: dict) -> list[str]:
              f"(a) best single design: {b['name']} {b['score']:.3f} at {b['tokens']:.0f} executor tokens per run",
              f"(b) per-query oracle, cross-fitted ({o['rule']}, budget {o['budget']:.0f}): {o['score']:.3f} at "
              f"{o['tokens']:.0f} tokens; in sample (optimistic) {i['score']:.3f}",
-             f"gain (b) - (a): {summary['gain']:+.3f}; gate {summary['gate']:.2f}: "
+             f"gain (b) - (a): {summary['gain']:+.3f}"
+             + (f" {span(*summary['gain_interval'])} (95%, queries resampled)" if "gain_interval" in summary else "")
+             + f"; gate {summary['gate']:.2f} on the point estimate: "
              + ("PASSES: go on to training" if summary["passes"] else "does not pass: no training run")]
     at = {f["anchor"]: f for f in summary["frontier"]}
     if "gain" in summary["frontier"][0]:  # summaries written before the column have none
