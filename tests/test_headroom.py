@@ -101,14 +101,14 @@ def test_frontier_and_pareto():
     fr = {o.anchor: o for o in frontier(abc(), "greedy")}
     assert fr["B"].tokens <= fr["B"].budget == 50.0 and fr["B"].score == 0.25  # B's own score: nothing cheaper
     assert fr["C"].score == 0.75 and fr["A"].score == 0.75
-    # the gain over the designs within each budget: at A's (100 a query) A 0.5 and B 0.25 fit: 0.75 - 0.5; at B's
+    # the gain over the designs within each budget: at A's (100 a run) A 0.5 and B 0.25 fit: 0.75 - 0.5; at B's
     # (50) B alone: 0.25 - 0.25; at C's (300) all three: 0.75 - 0.75
     points = [Point("A", 0.5, 100.0), Point("B", 0.25, 50.0), Point("C", 0.75, 300.0)]
     assert [gain_within(points, fr[d]) for d in "ABC"] == [0.25, 0.0, 0.0]
-    # per query, anchored at A (budget 200 a run). Pair (0 -> 1): on run 0 q1 A (the anchor ties C), q2 B and C tie ->
-    # the cheaper B; 150 fits; on run 1 A scores q1 1, B scores q2 0; A itself 1, 0 -> [0, 0]. Pair (1 -> 0): on run 1
-    # q1 A, q2 C (400 > 200) -> the trade losing least a token saved: q2 C -> B (1/250) -> 150; on run 0 A 1, B 1;
-    # A itself 1, 0 -> [0, 1]. Mean over pairs [0, 0.5], whose mean is the oracle's 0.75 minus A's 0.5
+    # per query, anchored at A (budget 200: 100 on each query). Pair (0 -> 1): on run 0 q1 A (the anchor ties C), q2
+    # B and C tie -> the cheaper B; 150 fits; on run 1 A scores q1 1, B scores q2 0; A itself 1, 0 -> [0, 0]. Pair
+    # (1 -> 0): on run 1 q1 A, q2 C (400 > 200) -> the trade losing least a token saved: q2 C -> B (1/250) -> 150; on
+    # run 0 A 1, B 1; A itself 1, 0 -> [0, 1]. Mean over pairs [0, 0.5], whose mean is the oracle's 0.75 minus A's 0.5
     assert gain_per_query(abc(), "greedy", 0).tolist() == [0.0, 0.5]
     assert gain_per_query(abc(), "greedy", 2).tolist() == [0.0, 0.0]  # at C's budget the oracle is C on both pairs
     with pytest.raises(ValueError, match="unknown budget rule 'best'"):
