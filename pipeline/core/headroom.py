@@ -149,25 +149,31 @@ def best_design(runs: Runs) -> int:
     return min(range(len(pts)), key=lambda i: (-pts[i].score, pts[i].tokens, i))
 
 
-def cross_fit(runs: Runs, rule: str, anchor: int, in_sample: bool = False) -> Oracle:
-    """The per-query oracle under budget rule `rule` anchored at design `anchor`, chosen on run r and scored on run
-    r' for every ordered pair r != r' (in_sample: r' = r, the optimistic upper bound, for comparison only)."""
+def choices(runs: Runs, rule: str, anchor: int, in_sample: bool = False) -> list[tuple[int, int, np.ndarray]]:
+    """(r, r', the design per query chosen on run r under `rule` anchored at `anchor`) for every ordered pair of runs
+    r != r' (in_sample: r' = r): what `cross_fit` and `gain_per_query` score on run r'."""
     if rule not in BUDGET_RULES:
         raise ValueError(f"unknown budget rule {rule!r}; known: {', '.join(BUDGET_RULES)}")
     choose = BUDGET_RULES[rule]
     pairs = [(r, r) for r in range(runs.reps)] if in_sample else list(permutations(range(runs.reps), 2))
+    return [(r, r2, choose(runs.scores[:, :, r], runs.tokens[:, :, r], anchor)) for r, r2 in pairs]
+
+
+def cross_fit(runs: Runs, rule: str, anchor: int, in_sample: bool = False) -> Oracle:
+    """The per-query oracle under budget rule `rule` anchored at design `anchor`, chosen on run r and scored on run
+    r' for every ordered pair r != r' (in_sample: r' = r, the optimistic upper bound, for comparison only)."""
+    made = choices(runs, rule, anchor, in_sample)
     cols = np.arange(len(runs.queries))
     scores, tokens, budgets = [], [], []
     counts = np.zeros(len(runs.designs))
-    for r, r2 in pairs:
-        choice = choose(runs.scores[:, :, r], runs.tokens[:, :, r], anchor)
+    for r, r2, choice in made:
         scores.append(runs.scores[choice, cols, r2].mean())
         tokens.append(runs.tokens[choice, cols, r2].mean())
         budgets.append(runs.tokens[anchor, :, r].mean())
         counts += np.bincount(choice, minlength=len(runs.designs))
     total = counts.sum()
     return Oracle(rule + (" (in sample)" if in_sample else ""), runs.designs[anchor], float(np.mean(scores)),
-                  float(np.mean(tokens)), float(np.mean(budgets)), len(pairs),
+                  float(np.mean(tokens)), float(np.mean(budgets)), len(made),
                   {d: float(counts[i] / total) for i, d in enumerate(runs.designs) if counts[i]})
 
 
@@ -175,11 +181,9 @@ def gain_per_query(runs: Runs, rule: str, anchor: int) -> np.ndarray:
     """Per query, the cross-fitted oracle's score (anchored at `anchor`) minus the anchor design's on the same scoring
     run, averaged over the ordered pairs of runs: the paired differences whose mean is `cross_fit`'s score minus the
     anchor's mean, so that a bootstrap over queries gives the gate's gain an interval."""
-    if rule not in BUDGET_RULES:
-        raise ValueError(f"unknown budget rule {rule!r}; known: {', '.join(BUDGET_RULES)}")
-    choose, cols = BUDGET_RULES[rule], np.arange(len(runs.queries))
-    return np.mean([runs.scores[choose(runs.scores[:, :, r], runs.tokens[:, :, r], anchor), cols, r2]
-                    - runs.scores[anchor, :, r2] for r, r2 in permutations(range(runs.reps), 2)], axis=0)
+    cols = np.arange(len(runs.queries))
+    return np.mean([runs.scores[choice, cols, r2] - runs.scores[anchor, :, r2]
+                    for _, r2, choice in choices(runs, rule, anchor)], axis=0)
 
 
 def pareto(points: Sequence[Point]) -> list[bool]:
