@@ -503,6 +503,35 @@ def test_example_menu_draws_one_design_per_slot(tmp_path, fake, monkeypatch):
     assert sum(len(c[0]) for c in gens[0].calls) == len(distinct) and len(distinct) >= 3
 
 
+def test_policy_menu_shows_every_design_and_forces_none(tmp_path, fake, monkeypatch):
+    """rollout.menu_choice policy (the default): one prompt per query shows every design's code, the assistant turn
+    opens with workflow_prefix only, all m slots sample from that one prompt, and each row's `choice` is the design
+    its own `# design:` line names (`example` stays null: no design was drawn)."""
+    io = tmp_path / "io.py"
+    io.write_text("# design: answer directly\nasync def solve(problem):\n    return (await llm(problem))[0]\n")
+    vote = tmp_path / "vote.py"
+    vote.write_text("# design: sample and vote\nasync def solve(problem):\n    r = await llm(problem, n=5)\n"
+                    "    return max(r, key=r.count)\n")
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "workflow.txt").write_text("$designs\nTask:\n$problem\n")
+    gens = fake()
+    said = [" vote\nasync def solve(problem):\n    return 1\n```", " io + vote\nasync def solve(p):\n    return 2\n```",
+            " my own\nasync def solve(p):\n    return 3\n```"]
+    monkeypatch.setattr(FakeGen, "_generate", lambda self, ps, smp, a: self.calls.append((ps, smp, a)) or [
+        [Completion(said[i % 3], [1], [3], [-1.0], "stop") for i in range(smp.n)] for _ in ps])
+    ctx = make_ctx(tmp_path, rollout={"m": 6, "example_menu": [str(io), str(vote)], "prompt_dir": str(prompts),
+                                      "workflow_prefix": "```python\n# design:"})
+    run_rollout(ctx)
+    df = ctx.store.read("generations", "t", 0).sort("gen_id")
+    assert [len(c[0]) for c in gens[0].calls] == [2] and gens[0].calls[0][1].n == 6  # one prompt a query, n = m
+    for r in df.iter_rows(named=True):
+        shown = r["prompt_text"]
+        assert "r = await llm(problem, n=5)" in shown and "return (await llm(problem))[0]" in shown
+        assert r["prompt_text"].endswith("```python\n# design:") and r["example"] is None
+    assert df.filter(pl.col("query_id") == "q0")["choice"].to_list() == ["vote", "combined", "own"] * 2
+
+
 def test_example_menu_file_missing_writes_nothing(tmp_path, fake):
     fake()
     ctx = make_ctx(tmp_path, rollout={"example_menu": [str(tmp_path / "nope.py")]})

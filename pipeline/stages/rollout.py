@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pipeline.core.designs import nearest_design
+from pipeline.core.designs import declared_choice, nearest_design
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.engines.executors import cost_usd
 from pipeline.engines.generation import BACKENDS, Completion, Generator, Sampling, make_generator
@@ -104,6 +104,7 @@ class Sampler:
         # the example menu; its designs by name, to name the design each written workflow follows
         self.menu = [load_design(p) for p in self.cfg.rollout.example_menu]
         self.menu_code = menu_code(self.cfg.rollout.example_menu)
+        self.menu_names = [d.name for d in self.menu]
         self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, k)
         self.tau_w = tau_at(self.cfg.rollout.tau_workflow, self.cfg.rollout.tau_decay, k)
 
@@ -118,8 +119,8 @@ class Sampler:
         slots = [s for s in range(n) if gen_id(self.ctx.round, item.id, kind, s, parent_id) not in have]
         if not slots:
             return []
-        if kind != "workflow" or not self.menu:
-            return [self._prompt(kind, item, slots, parent)]
+        if kind != "workflow" or not self.menu or self.cfg.rollout.menu_choice == "policy":
+            return [self._prompt(kind, item, slots, parent)]  # policy: one prompt shows the whole menu
         drawn: dict[int, list[int]] = {}
         for s in slots:
             drawn.setdefault(draw_design(self.cfg.rollout.menu_seed, item.id, s, len(self.menu)), []).append(s)
@@ -178,7 +179,7 @@ class Sampler:
 
     def rows(self, req: Request, comps: list[Completion], sampling: Sampling, latency: float) -> list[dict]:
         g = self.cfg.generator
-        rows = []
+        rows, menu_workflow = [], bool(self.menu) and req.kind == "workflow"
         for gid, slot, c in zip(req.gen_ids, req.slots, comps, strict=True):
             text = req.prefix + c.text
             reason = _validate(req.kind, text, self.cfg.rollout.max_workflow_chars)
@@ -191,8 +192,8 @@ class Sampler:
                 retokenized=c.retokenized, latency_s=latency, attempt=0,
                 cost_usd=cost_usd(g.prices, len(c.prompt_token_ids or []), len(c.token_ids or [])),
                 example=req.example,
-                design=nearest_design(extract_code(text), self.menu_code)[0] if self.menu and req.kind == "workflow"
-                else None,
+                design=nearest_design(extract_code(text), self.menu_code)[0] if menu_workflow else None,
+                choice=declared_choice(text, self.menu_names) if menu_workflow else None,
             ))
         return rows
 
