@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import math
-import numbers
 import re
 import select
 import subprocess
@@ -42,6 +40,7 @@ from pipeline.engines.benchmarks.metrics import choice_letter, math_score, norma
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+_USER_SCORER = Path(__file__).with_name("user_scorer.py")  # the worker's program
 _LOAD_TIMEOUT_S = 120  # importing the user's module in the worker (it may import torch or sympy)
 _MAX_ERRORS_SHOWN = 20
 
@@ -80,65 +79,6 @@ def resolve_scorer_spec(spec: str) -> str:
     return spec
 
 
-def load_scorer(spec: str) -> Callable[..., Any]:
-    """The function named by a resolved spec (in the worker process)."""
-    target, function = split_scorer_spec(spec)
-    if target.endswith(".py"):
-        import importlib.util
-
-        module_spec = importlib.util.spec_from_file_location(f"user_scorer_{Path(target).stem}", target)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_spec.name] = module
-        module_spec.loader.exec_module(module)
-    else:
-        import importlib
-
-        module = importlib.import_module(target)
-    fn = getattr(module, function, None)
-    if not callable(fn):
-        raise AttributeError(f"{target} has no function {function!r}")
-    return fn
-
-
-def checked_score(value: Any) -> tuple[float, dict[str, Any]]:
-    """A scorer's return value as (score, details): a float in [0, 1], or a (float, details dict) pair; anything
-    else (NaN, a value outside [0, 1], a string, None) is a ValueError saying what came back."""
-    details: dict[str, Any] = {}
-    if isinstance(value, tuple):
-        if len(value) != 2 or not isinstance(value[1], dict):
-            raise ValueError(f"returned {value!r:.200}; expected a float or (float, details dict)")
-        value, details = value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"returned {type(value).__name__} {value!r:.200}; expected a float in [0, 1]")
-    score = float(value)
-    if math.isnan(score) or not 0.0 <= score <= 1.0:
-        raise ValueError(f"returned {score!r}, outside [0, 1]")
-    return score, details
-
-
-def serve_scorer() -> None:  # pragma: no cover - the worker process of ScorerWorker
-    """Load the scorer named by argv[1], say so on stdout, then answer JSON lines [answer, reference, metadata] with
-    {"score", "details"} or {"error"} lines."""
-    out, sys.stdout = sys.stdout, sys.stderr  # the user's prints must not corrupt the protocol
-    try:
-        fn = load_scorer(sys.argv[1])
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the scorer
-        out.write(json.dumps({"error": f"cannot load the scorer: {type(e).__name__}: {e}"}) + "\n")
-        out.flush()
-        return
-    out.write(json.dumps({"ready": True}) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        answer, reference, metadata = json.loads(line)
-        try:
-            score, details = checked_score(fn(answer, reference, **metadata))
-            reply = {"score": score, "details": json.loads(json.dumps(details, default=str))}
-        except Exception as e:  # noqa: BLE001 - one row's error, not the worker's
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-
-
 class ScorerWorker:
     """The user's scorer in a child Python process (plain subprocess: it never re-imports the caller's __main__),
     one call at a time. A call past `timeout_s` kills the child, which restarts at the next call."""
@@ -151,9 +91,9 @@ class ScorerWorker:
         _workers.add(self)
 
     def _start(self) -> None:
-        code = ("import json, sys; sys.path[:0] = json.loads(sys.argv[2]); "
-                "from pipeline.engines.benchmarks.tasks import serve_scorer; serve_scorer()")
-        self._proc = subprocess.Popen([sys.executable, "-c", code, self.spec, json.dumps(sys.path)],
+        # user_scorer.py needs the standard library only: the worker starts without importing this package
+        code = "import sys; exec(compile(open(sys.argv[1]).read(), sys.argv[1], 'exec'))"
+        self._proc = subprocess.Popen([sys.executable, "-c", code, str(_USER_SCORER), self.spec, json.dumps(sys.path)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         first = self._read(max(self.timeout_s, _LOAD_TIMEOUT_S))
         if first is None or "error" in first:
@@ -374,9 +314,10 @@ class FileCodeTask(FileTask, CodeBenchmark):
 
 def file_task(cfg: BenchmarkConfig, **defaults: Any) -> FileTask:
     """The `file` task of `cfg`; a plugin's entry point calls it with its own defaults (path, columns, scorer, ...),
-    which the config's fields override where the config sets them."""
+    which the config's fields override where the config gives them a value other than the field's default (a saved
+    config lists every field, so "set in the file" cannot tell)."""
     if defaults:
-        given = cfg.model_dump(exclude_unset=True)
+        given = cfg.model_dump(exclude_defaults=True)
         cfg = BenchmarkConfig.model_validate({**{k: _plain(v) for k, v in defaults.items()}, **given})
     return (FileCodeTask if cfg.scorer == "unit_tests" else FileTask)(cfg)
 
