@@ -437,7 +437,8 @@ def test_validate_names_each_row_whose_reference_does_not_score_one(tmp_path, mo
     # a scorer that raises on a reference is named with its row too
     broken = tmp_path / "s.py"
     broken.write_text("def score(answer, reference, **metadata):\n    return float(answer) / 0\n")
-    r = runner.invoke(app, ["validate", "examples/unit-conversion/config.yaml", "--set", f"benchmark.scorer={broken}:score"])
+    r = runner.invoke(app, ["validate", "examples/unit-conversion/config.yaml",
+                            "--set", f"benchmark.scorer={broken}:score"])
     assert r.exit_code == 1 and "100 of 100 reference answers do not score 1.0" in r.output
     assert "examples/unit-conversion/questions.jsonl:1 (id length-000): ScorerError: scorer" in r.output
     assert "ZeroDivisionError: float division by zero" in r.output
@@ -459,3 +460,30 @@ def test_tasks_lists_every_installed_task(monkeypatch):
     assert "100 items" in lines["file"] and "examples/unit-conversion/score.py:score" in lines["file"]
     assert "164 items" in lines["humaneval"] and "unit tests (sandbox)" in lines["humaneval"]
     assert "needs data" in lines["gsm8k"] or "benchmark.path" in lines["gsm8k"]
+
+
+# ---- the worked example, one round end to end ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_example_runs_a_round_on_the_smoke_model(tmp_path, monkeypatch):
+    """examples/unit-conversion/config.yaml as `pipeline run` runs it (the smoke model offline), at tiny sizes: the
+    task comes from the JSONL file and the five-line scorer, with no edit under pipeline/."""
+    from pipeline.stages.rounds import direct_call, run_rounds
+    from pipeline.stages.runner import RetryPolicy
+    from pipeline.store import Store
+
+    monkeypatch.chdir(ROOT)
+    sets = [f"store.root={tmp_path / 'runs'}", "benchmark.max_queries=2", "rollout.m=2", "generator.max_new_tokens=48",
+            "executor.max_tokens=16", "scoring.max_llm_calls=2"]
+    out = run_rounds("examples/unit-conversion/config.yaml", 1, "uc", direct_call(RetryPolicy(delay_s=0), isolate=False), sets=sets)
+    st = Store(tmp_path / "runs")
+    assert [st.manifest("uc", 0, s) is not None for s in ("rollout", "score", "curate", "train")] == [True] * 4
+    queries = st.read("queries", "uc", 0)
+    file_ids = {json.loads(x)["id"] for x in (EXAMPLE / "questions.jsonl").read_text().splitlines()}
+    assert queries.height == 2 and set(queries["query_id"]) <= file_ids and set(queries["benchmark"]) == {"file"}
+    assert set(queries["split"]) == {"train"}  # the config trains on `train`
+    runs = st.sql("SELECT status FROM latest_scores WHERE run_id = 'uc'")
+    assert runs.height == 4  # 2 queries x 2 workflows x 1 rep, each with a final status
+    assert set(runs["status"]) <= {"ok", "invalid", "exec_error", "timeout", "killed"}  # no scorer error
+    assert len(out["rounds"]) == 1

@@ -69,6 +69,7 @@ class Benchmark(ABC):
 
     def close(self) -> None:
         """Release what scoring holds (a user scorer's worker process); scoring calls it when done."""
+        return None
 
     def items(self, split: str | None = None) -> list[Item]:
         """The items of `split` (default: the config's train split), capped by max_queries."""
