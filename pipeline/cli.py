@@ -103,7 +103,8 @@ def validate(config: Path, sets: SetOpt = None) -> None:
         for prob in check.problems:
             typer.secho(f"  {prob.where} (id {prob.item_id}): {prob.message}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
-    typer.echo(f"references: {check.checked} of {check.checked} score 1.0")
+    typer.echo(f"references: {check.checked} of {check.checked} score 1.0" if check.checked else
+               "references: none scored")
     typer.echo(f"{config}: ok (run_id={cfg.run_id}, {n} {cfg.benchmark.name} queries, mode={cfg.rollout.mode}, "
                f"generator={cfg.generator.model} via {cfg.generator.backend}, executor={cfg.executor.kind})")
 

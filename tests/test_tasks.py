@@ -476,7 +476,8 @@ def test_the_example_runs_a_round_on_the_smoke_model(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     sets = [f"store.root={tmp_path / 'runs'}", "benchmark.max_queries=2", "rollout.m=2", "generator.max_new_tokens=48",
             "executor.max_tokens=16", "scoring.max_llm_calls=2"]
-    out = run_rounds("examples/unit-conversion/config.yaml", 1, "uc", direct_call(RetryPolicy(delay_s=0), isolate=False), sets=sets)
+    call = direct_call(RetryPolicy(delay_s=0), isolate=False)  # every stage in this process: no child's imports
+    out = run_rounds("examples/unit-conversion/config.yaml", 1, "uc", call, sets=sets)
     st = Store(tmp_path / "runs")
     assert [st.manifest("uc", 0, s) is not None for s in ("rollout", "score", "curate", "train")] == [True] * 4
     queries = st.read("queries", "uc", 0)
