@@ -348,6 +348,7 @@ version = "0.1"
 
 [project.entry-points."workflow_grpo.tasks"]
 unit-conversion = "unit_plugin:task"
+broken = "unit_plugin.missing:task"
 
 [tool.setuptools]
 packages = ["unit_plugin"]
@@ -390,6 +391,11 @@ def test_an_installed_plugin_task_is_found_listed_and_scored(plugin_site, monkey
     assert listed["unit-conversion"].size == 100 and listed["unit-conversion"].scorer == "unit_plugin.scoring:score"
     assert listed["unit-conversion"].source == "unit_plugin:task (unit-plugin)"
     assert listed["procedural"].source.startswith("pipeline.engines.benchmarks.procedural:Procedural (workflow")
+    # a plugin whose entry point does not import is listed with its error, and refused by name when used
+    assert listed["broken"].size is None and "No module named 'unit_plugin.missing'" in listed["broken"].note
+    with pytest.raises(BenchmarkError, match=r"task 'broken': its entry point 'unit_plugin.missing:task' does not "
+                                             r"load: ModuleNotFoundError"):
+        load_benchmark(BenchmarkConfig(name="broken"))
 
 
 @pytest.mark.usefixtures("shared_sandbox")
