@@ -17,7 +17,7 @@ import yaml
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.config import BenchmarkConfig, ConfigError, config_from_dict
+from pipeline.config import BenchmarkConfig, ConfigError, config_from_dict, task_entry_points
 from pipeline.engines.benchmarks import BenchmarkError, load_benchmark
 from pipeline.engines.benchmarks.base import Item, ScorerError
 from pipeline.engines.benchmarks.metrics import choice_letter
@@ -327,6 +327,16 @@ def test_score_stage_stores_scorer_failures_as_errors_and_only_failed_rescores_t
 def test_unknown_task_names_the_installed_ones():
     with pytest.raises(ConfigError, match=r"unknown task 'gsm9k'; installed tasks: .*file, gsm8k, hotpotqa, humaneval"):
         config_from_dict({"benchmark": {"name": "gsm9k"}}, "c.yaml")
+
+
+def test_an_install_older_than_the_entry_points_reads_them_from_pyproject(monkeypatch, tmp_path):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])  # metadata without the group
+    monkeypatch.syspath_prepend(str(tmp_path))  # another sys.path: the entry points are read anew
+    found = task_entry_points()
+    assert sorted(found) == ["drop", "file", "gsm8k", "hotpotqa", "humaneval", "math", "mbpp", "procedural"]
+    assert found["file"].value == "pipeline.engines.benchmarks.tasks:file_task"
 
 
 PLUGIN_INIT = '''from pathlib import Path

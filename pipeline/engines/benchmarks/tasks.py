@@ -401,7 +401,7 @@ def list_tasks(cfg: BenchmarkConfig | None = None) -> list[TaskInfo]:
 
     out = []
     for name, ep in sorted(task_entry_points().items()):
-        dist = getattr(getattr(ep, "dist", None), "name", None) or "?"
+        dist = getattr(getattr(ep, "dist", None), "name", None) or "pyproject.toml, not installed"
         source = f"{ep.value} ({dist})"
         try:
             task_cfg = cfg if cfg is not None and cfg.name == name else BenchmarkConfig(name=name)
