@@ -75,18 +75,57 @@ def _main(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug l
 
 @app.command(rich_help_panel=SETUP)
 def validate(config: Path, sets: SetOpt = None) -> None:
-    """Check a config file, and that its benchmark data loads, without running anything."""
+    """Check a config and its task before any compute: the rows, split sizes and label mix, then every row's
+    reference answer scored by the task's scorer (anything below 1.0 is a scorer or mapping bug, named with its
+    row). No model is loaded. Exits non-zero on any problem."""
     from pipeline.engines.benchmarks import BenchmarkError, load_benchmark
+    from pipeline.engines.benchmarks.tasks import check_task
     from pipeline.engines.servers import ServeError, check_served
 
     try:
         cfg = load_config(config, sets or [])
-        n = len(load_benchmark(cfg.benchmark).items())
+        bench = load_benchmark(cfg.benchmark)
+        n = len(bench.items())
         check_served(cfg)  # served sections: vLLM, the model and the port
+        check = check_task(bench)
     except (ConfigError, BenchmarkError, ServeError) as e:
         _fail(str(e))
+    typer.echo(f"task {check.name}: {check.rows} rows, scorer {check.scorer}")
+    typer.echo("splits: " + ", ".join(f"{k} {v}" for k, v in check.splits.items())
+               + f" (benchmark.train_split {cfg.benchmark.train_split}: {n} queries a round)")
+    if check.labels:
+        typer.echo("labels: " + ", ".join(f"{label} {count}" for label, count in check.labels.items()))
+    if check.note:
+        typer.echo(check.note)
+    if check.problems:
+        typer.secho(f"{len(check.problems)} of {check.checked} reference answers do not score 1.0 with the scorer:",
+                    fg=typer.colors.RED, err=True)
+        for prob in check.problems:
+            typer.secho(f"  {prob.where} (id {prob.item_id}): {prob.message}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+    typer.echo(f"references: {check.checked} of {check.checked} score 1.0" if check.checked else
+               "references: none scored")
     typer.echo(f"{config}: ok (run_id={cfg.run_id}, {n} {cfg.benchmark.name} queries, mode={cfg.rollout.mode}, "
                f"generator={cfg.generator.model} via {cfg.generator.backend}, executor={cfg.executor.kind})")
+
+
+@app.command(rich_help_panel=SETUP)
+def tasks(config: Annotated[Path | None, typer.Argument(help="Run config YAML: its task as configured (the others "
+                                                           "with their defaults).")] = None,
+          sets: SetOpt = None) -> None:
+    """List the installed tasks (entry-point group workflow_grpo.tasks: the shipped benchmarks, `file` and any
+    plugin's): name, size, scorer and where each comes from."""
+    from pipeline.engines.benchmarks.tasks import list_tasks
+
+    try:
+        bench_cfg = load_config(config, sets or []).benchmark if config is not None else None
+    except ConfigError as e:
+        _fail(str(e))
+    rows = list_tasks(bench_cfg)
+    width = max(len(r.name) for r in rows)
+    for r in rows:
+        size = f"{r.size} items" if r.size is not None else "-"
+        typer.echo(f"{r.name:<{width}}  {size:>10}  {r.scorer:<22}  {r.source}" + (f"  [{r.note}]" if r.note else ""))
 
 
 @app.command("prepare-model", rich_help_panel=SETUP)
@@ -147,7 +186,8 @@ def rollout(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt =
 def score(
     config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0, sets: SetOpt = None,
     store: StoreOpt = None, wait: WaitOpt = False,
-    only_failed: Annotated[bool, typer.Option("--only-failed", help="Re-run transient failures only.")] = False,
+    only_failed: Annotated[bool, typer.Option("--only-failed", help="Re-run transient failures, and the runs whose "
+                                              "task scorer failed (status error), only.")] = False,
     shards: ShardsOpt = 1,
 ) -> None:
     """Run each workflow of a round in the sandbox and write `scores` (idempotent)."""

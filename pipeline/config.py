@@ -255,7 +255,63 @@ class JudgeConfig(_Strict):
     api_key_env: str = Field("OPENAI_API_KEY", description="Env var holding the judge's API key.")
 
 
-BenchmarkName = Literal["humaneval", "mbpp", "gsm8k", "math", "drop", "hotpotqa", "procedural"]
+# Tasks (benchmarks) are found by name in this entry-point group: the shipped ones register in pyproject.toml the
+# same way a plugin package does, so `benchmark.name` is any installed task (pipeline.engines.benchmarks.base).
+TASK_GROUP = "workflow_grpo.tasks"
+SCORER_BUILTINS = ("exact", "text", "number", "math", "choice", "regex", "unit_tests")
+
+
+def task_entry_points() -> dict:
+    """name -> importlib.metadata.EntryPoint of every task installed under TASK_GROUP. Reading the installed metadata
+    takes ~0.1 s, and configs are validated often: read once per sys.path, so a folder added to the path (a plugin
+    installed into a target folder) is seen."""
+    return _entry_points_on(tuple(sys.path))
+
+
+@cache
+def _entry_points_on(path: tuple[str, ...]) -> dict:
+    from importlib.metadata import EntryPoint, entry_points
+
+    found = {ep.name: ep for ep in entry_points(group=TASK_GROUP)}
+    if any(ep.value.startswith("pipeline.") for ep in found.values()):
+        return found
+    # The source tree's own tasks missing from the installed metadata: an install older than the entry points (or
+    # none, running from a checkout). Its pyproject.toml, the one list of them, is read instead, and the fix said.
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    if not pyproject.is_file():
+        return found
+    import logging
+    import tomllib
+
+    table = tomllib.loads(pyproject.read_text()).get("project", {}).get("entry-points", {}).get(TASK_GROUP, {})
+    if table:
+        logging.getLogger(__name__).warning("the installed metadata lists none of this package's tasks: read from %s; "
+                                            "run `pip install -e .` again", pyproject)
+    return {name: EntryPoint(name, value, TASK_GROUP) for name, value in table.items()} | found
+
+
+def unknown_task_message(name: str, known: list[str]) -> str:
+    """The error for a task name nothing registers: the installed names, and how a name gets registered."""
+    if not known:
+        return (f"unknown task {name!r}: no task is registered under the entry-point group {TASK_GROUP!r}, not even "
+                "the shipped ones; install the package (pip install -e .) so its entry points exist")
+    return (f"unknown task {name!r}; installed tasks: {', '.join(sorted(known))}. A plugin package registers its "
+            f"tasks under the entry-point group {TASK_GROUP!r} (docs/tasks.md); after editing pyproject.toml run "
+            "pip install -e . again")
+
+
+class ColumnMap(_Strict):
+    """`benchmark.name: file`: which columns of the dataset hold what; every other column is metadata, passed to the
+    scorer as keyword arguments."""
+
+    query: str = Field("question", description="Column with the query text (what the workflow's solve gets).")
+    answer: str = Field("answer", description="Column with the reference answer the scorer compares against.")
+    id: str | None = Field(None, description="Column with a unique row id; null: `<file stem>-<row index>`.")
+    label: str | None = Field(
+        None, description="Column with a part/family label (the mix `pipeline validate` prints); null: none.",
+    )
+
+
 # A benchmark's items: `test` (test_share of them) and `validate` (the rest), which dev_share divides into `dev`
 # (model selection) and `train` (what rounds optimise on); pipeline.engines.benchmarks.base.split_items.
 Split = Literal["validate", "train", "dev", "test"]
@@ -263,8 +319,14 @@ SPLITS: tuple[str, ...] = get_args(Split)
 
 
 class BenchmarkConfig(_Strict):
-    name: BenchmarkName = Field("procedural", description="Which benchmark supplies the queries.")
-    path: str | None = Field(None, description="Local JSONL/Parquet file in the official format.")
+    name: str = Field(
+        "procedural", description="Which task supplies the queries: a shipped benchmark, `file` (a dataset and a "
+        "scorer of your own, docs/tasks.md) or a plugin's task (`pipeline tasks` lists them).",
+    )
+    path: str | None = Field(
+        None, description="Local data file: a shipped benchmark's in its official format; `file`: JSONL, JSON, CSV, "
+        "Parquet or a folder saved by `datasets`.",
+    )
     hub_id: str | None = Field(None, description="Hub dataset id (only where the hub is reachable).")
     tasks: list[str] = Field(
         default_factory=lambda: ["chain_sum", "basic_arithmetic"],
@@ -283,6 +345,50 @@ class BenchmarkConfig(_Strict):
         None, description="procedural: score 1 only when the answer's last number equals the gold number (GSM8K's "
         "rule); null: for gsm_symbolic only (its own check gives near misses partial credit).",
     )
+
+    columns: ColumnMap = Field(
+        default_factory=ColumnMap, description="file: the dataset's columns for the query, answer, id and label.",
+    )
+    scorer: str = Field(
+        "exact", description="file: a built-in (" + ", ".join(SCORER_BUILTINS) + ") or your function as "
+        "`module:function` or `path/to/file.py:function`, called as score(answer, reference, **metadata) and "
+        "returning a float in [0, 1] or (float, details).",
+    )
+    tolerance: float = Field(1e-6, ge=0, description="file, scorer number: relative tolerance of the comparison.")
+    pattern: str | None = Field(
+        None, description="file, scorer regex: what to extract from the answer (its last match; group 1 if the "
+        "pattern has a group), then compared as normalised text with the reference.",
+    )
+    scorer_timeout_s: float = Field(
+        10.0, gt=0, description="file: a call of your own scorer running longer is killed and its row gets status "
+        "`error`.",
+    )
+    family: Literal["code", "math", "qa", "procedural"] | None = Field(
+        None, description="file: the prompt family (its example workflow and contract); null: code for the "
+        "unit_tests scorer, math for math, else procedural.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _installed_task(cls, name: str) -> str:
+        known = task_entry_points()
+        if name not in known:
+            raise ValueError(unknown_task_message(name, list(known)))
+        return name
+
+    @field_validator("scorer")
+    @classmethod
+    def _scorer_form(cls, scorer: str) -> str:
+        if scorer not in SCORER_BUILTINS and ":" not in scorer:
+            raise ValueError(f"scorer {scorer!r}: use a built-in ({', '.join(SCORER_BUILTINS)}) or your function as "
+                             "module:function or path/to/file.py:function")
+        return scorer
+
+    @model_validator(mode="after")
+    def _regex_has_pattern(self) -> BenchmarkConfig:
+        if self.scorer == "regex" and not self.pattern:
+            raise ValueError("scorer regex needs benchmark.pattern (what to extract from an answer)")
+        return self
 
     @model_validator(mode="after")
     def _dev_split_exists(self) -> BenchmarkConfig:

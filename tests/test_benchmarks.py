@@ -85,9 +85,15 @@ def test_missing_field_names_file_line_and_field(tmp_path):
 
 
 def test_unsupported_suffix(tmp_path):
-    (tmp_path / "x.csv").write_text("question,answer\n")
-    with pytest.raises(BenchmarkError, match="unsupported file type '.csv'"):
-        _bench("gsm8k", tmp_path / "x.csv").load()
+    (tmp_path / "x.tsv").write_text("question\tanswer\n")
+    with pytest.raises(BenchmarkError, match="unsupported file type '.tsv'"):
+        _bench("gsm8k", tmp_path / "x.tsv").load()
+
+
+def test_a_csv_file_is_read_with_its_line_numbers(tmp_path):
+    (tmp_path / "x.csv").write_text('question,answer\n"two\nlines",#### 4\nq,no marker\n')
+    with pytest.raises(BenchmarkError, match=r"x.csv:4: field 'answer' has no '#### <number>' final answer"):
+        _bench("gsm8k", tmp_path / "x.csv").load()  # the second record starts on line 4: the first spans 2-3
 
 
 # ---------------------------------------------------------------- MATH

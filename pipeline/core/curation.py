@@ -488,7 +488,7 @@ def objective_rows(scores: Mapping[str, Sequence[float]], gen_ids: Mapping[str, 
 # ---- rows of the `groups` table --------------------------------------------------------------
 
 def left_out_reason(states: Sequence[str]) -> str | None:
-    bad = {s: sum(1 for x in states if x == s) for s in ("unscored", "transient") if s in states}
+    bad = {s: sum(1 for x in states if x == s) for s in ("unscored", "transient", "scorer_error") if s in states}
     if not bad:
         return None
     return "left out: " + ", ".join(f"{k} of {len(states)} workflows {v}" for v, k in bad.items())

@@ -5,7 +5,8 @@ store. Rows are written in parts of `scoring.batch_size` as runs finish (and wha
 SIGINT/exceptions); a kill -9 loses only the unwritten buffer, which the next invocation runs again.
 Each invocation plans from the store: a (gen_id, rep) without a row runs as attempt 0; with
 `--only-failed`, one whose latest attempt is transient (`executor_error`, and `timeout` when
-`scoring.retry_timeouts`) runs as attempt + 1. Final rows are never re-run, so nothing is duplicated.
+`scoring.retry_timeouts`) or whose task's own scorer failed (`error`: the user fixed the function) runs as
+attempt + 1. Other final rows are never re-run, so nothing is duplicated.
 The `score` manifest is written only when every (gen_id, rep) has a final status.
 
 Sharded (`shard=Shard(i, n)`): a call plans, runs and writes only the generations of its shard's queries (by a
@@ -27,14 +28,14 @@ from tqdm import tqdm
 
 from pipeline.core.reward import diversity_terms, reward
 from pipeline.core.tamper import flags
-from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
+from pipeline.engines.benchmarks.base import Benchmark, Item, ScorerError, load_benchmark
 from pipeline.engines.sandbox import Limits, SandboxResult, default_sandbox, run_workflow
 from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext
 from pipeline.stages import Shard
 from pipeline.stages.modes import get_mode
 from pipeline.store import Store
-from pipeline.store.schema import FINAL_STATUSES, transient_statuses
+from pipeline.store.schema import FINAL_STATUSES, RESCORED_STATUSES, transient_statuses
 
 log = logging.getLogger(__name__)
 MAX_ANSWER_CHARS = 20_000
@@ -58,7 +59,8 @@ def latest_attempts(store: Store, run_id: str, round: int) -> dict[tuple[str, in
 def plan(gens: list[tuple[str, str]], latest: dict[tuple[str, int], tuple[str, int]], reps: int,
          only_failed: bool, transient: set[str]) -> list[Job]:
     """The runs to do now. gens: (gen_id, query_id). Missing rows run as attempt 0 (normal run);
-    transient latest attempts run again as attempt + 1 (--only-failed); final ones never."""
+    latest attempts whose status is in `transient` run again as attempt + 1 (--only-failed: the transient statuses
+    and RESCORED_STATUSES); final ones never."""
     jobs = []
     for gen_id, query_id in gens:
         for rep in range(reps):
@@ -173,7 +175,9 @@ class _Scorer:
                     # decide in time (MetricTimeout) is a timeout; anything else is an error
                     from pipeline.engines.executors import ExecutorError
 
+                    # a task's own scorer failing (ScorerError) is `error`, re-scored by --only-failed once fixed
                     status = "executor_error" if isinstance(e, ExecutorError) else \
+                        "error" if isinstance(e, ScorerError) else \
                         "timeout" if isinstance(e, TimeoutError) else "exec_error"
                     row.update(status=status, error=f"metric failed: {type(e).__name__}: {e}"[:4000])
         w = self.cfg.scoring.reward
@@ -197,6 +201,7 @@ class _Scorer:
     async def aclose(self) -> None:
         if self._verdicts is not None:
             self._verdicts.close()
+        self.bench.close()
         for x in (self._executor, self._judge):
             if x is not None:
                 await x.aclose()
@@ -348,8 +353,12 @@ def score_workflows(ctx: RunContext, only_failed: bool = False, shard: Shard | N
     texts = dict(zip(gens["gen_id"], gens["text"], strict=True))
     diversity = group_diversity(gens)  # groups are (query, parent): a shard holds whole groups
 
+    # --only-failed also re-scores the runs whose task scorer failed; a normal call's retry pass does not (the
+    # function is as broken as it was a moment ago)
+    rerun = transient | set(RESCORED_STATUSES) if only_failed else transient
+
     def plan_jobs(retry_pass: bool) -> list[Job]:
-        return plan(pairs, latest_attempts(store, ctx.run_id, ctx.round), cfg.scoring.reps, retry_pass, transient)
+        return plan(pairs, latest_attempts(store, ctx.run_id, ctx.round), cfg.scoring.reps, retry_pass, rerun)
 
     # a normal call runs the missing rows, then gives transient failures (executor down) one new attempt, so a
     # retried stage heals a short outage by itself; --only-failed does the second pass alone

@@ -13,9 +13,13 @@ SCHEMA_VERSION = 1
 
 # `reward_hack`: the workflow ran, but its answer's code returned a look-alike of a value
 # (pipeline/engines/sandbox/grader.py)
-STATUSES = ("ok", "invalid", "exec_error", "timeout", "killed", "executor_error", "reward_hack")
-FINAL_STATUSES = ("ok", "invalid", "exec_error", "killed", "reward_hack")  # `timeout` is final unless configured
+# `error`: the task's own scorer (a user's function, pipeline.engines.benchmarks.tasks) failed on the answer: it raised,
+# hung past its timeout or returned no score in [0, 1]; the message is in `error`. Final for the stage (it goes on),
+# left out by curation, and re-scored by `score --only-failed` (RESCORED_STATUSES) once the function is fixed.
+STATUSES = ("ok", "invalid", "exec_error", "timeout", "killed", "executor_error", "reward_hack", "error")
+FINAL_STATUSES = ("ok", "invalid", "exec_error", "killed", "reward_hack", "error")  # `timeout`: final unless configured
 TRANSIENT_STATUSES = ("executor_error",)
+RESCORED_STATUSES = ("error",)  # final, but `score --only-failed` runs them again
 
 
 def transient_statuses(retry_timeouts: bool) -> set[str]:

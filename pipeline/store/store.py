@@ -542,10 +542,12 @@ class Store:
     def generation_scores(self, run_id: str, round: int, reps: int, transient: Iterable[str]) -> pl.DataFrame:
         """The `generation_scores` rows of one round, ordered (query, parent, slot), with `state`:
         ok (final: scored on all `reps`, or invalid), transient (a latest run has a status in `transient`,
-        which is re-run by `score --only-failed` and waited for by curation), or unscored (reps missing)."""
+        which is re-run by `score --only-failed` and waited for by curation), scorer_error (a run's user scorer
+        failed: status `error`, re-scored by `score --only-failed`), or unscored (reps missing)."""
         return self.sql(
             "SELECT *, CASE WHEN NOT valid THEN 'ok' "
             "WHEN transient_runs > 0 OR (list_contains($transient, 'timeout') AND timeout_runs > 0) THEN 'transient' "
+            "WHEN error_runs > 0 THEN 'scorer_error' "
             "WHEN reps_scored < $reps THEN 'unscored' ELSE 'ok' END AS state "
             "FROM generation_scores WHERE run_id = $run AND round = $round "
             "ORDER BY query_id, parent_id NULLS FIRST, slot, gen_id",

@@ -24,7 +24,8 @@ QUALIFY row_number() OVER (PARTITION BY run_id, round, gen_id, rep ORDER BY atte
 
 # A generation's score, the one definition: the mean over its reps' latest attempts, where an invalid workflow
 # (or a run with status `invalid`) counts 0 and a missing score 0; runs whose latest status is transient
-# (an executor outage) are left out of the mean and counted in `transient_runs`. NULL: no final run yet.
+# (an executor outage) are left out of the mean and counted in `transient_runs`; runs whose user scorer failed
+# (status `error`) count 0 and are counted in `error_runs`. NULL: no final run yet.
 GENERATION_SCORES_SQL = f"""
 WITH g AS (
     SELECT run_id, round, gen_id, any_value(kind) AS kind, any_value(parent_id) AS parent_id,
@@ -36,6 +37,7 @@ s AS (
     SELECT run_id, round, gen_id, count(DISTINCT rep) AS reps_scored,
            count(*) FILTER (WHERE status IN ({", ".join(f"'{t}'" for t in TRANSIENT_STATUSES)})) AS transient_runs,
            count(*) FILTER (WHERE status = 'timeout') AS timeout_runs,
+           count(*) FILTER (WHERE status = 'error') AS error_runs,
            avg(CASE WHEN status = 'invalid' THEN 0 ELSE coalesce(score, 0) END)
                FILTER (WHERE status NOT IN ({", ".join(f"'{t}'" for t in TRANSIENT_STATUSES)})) AS score,
            sum(llm_calls) AS llm_calls, sum(tokens_in) AS tokens_in, sum(tokens_out) AS tokens_out,
@@ -43,6 +45,7 @@ s AS (
     FROM latest_scores GROUP BY run_id, round, gen_id)
 SELECT g.*, r.gen_id IS NULL AS final, coalesce(s.reps_scored, 0) AS reps_scored,
        coalesce(s.transient_runs, 0) AS transient_runs, coalesce(s.timeout_runs, 0) AS timeout_runs,
+       coalesce(s.error_runs, 0) AS error_runs,
        CASE WHEN NOT g.valid THEN 0.0 ELSE s.score END AS score,
        s.llm_calls, s.tokens_in, s.tokens_out, s.cost_usd
 FROM g LEFT JOIN s USING (run_id, round, gen_id) LEFT JOIN repaired r USING (run_id, round, gen_id)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from pipeline.config import task_entry_points, unknown_task_message
 
 if TYPE_CHECKING:
     from pipeline.config import BenchmarkConfig
@@ -15,6 +16,11 @@ if TYPE_CHECKING:
 
 class BenchmarkError(ValueError):
     """Unusable benchmark input (missing file, wrong format); the message says how to fix it."""
+
+
+class ScorerError(RuntimeError):
+    """A user's scorer failed on one answer (it raised, hung past its timeout, or returned no score in [0, 1]): the
+    score stage gives that run status `error` with this message and goes on."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class MetricResult:
 class Benchmark(ABC):
     name: str
     family: str  # code | math | qa | procedural: picks the prompt's example workflow
+    scorer_name: str = "its own"  # what `pipeline tasks` says scores an answer
 
     def __init__(self, cfg: BenchmarkConfig):
         self.cfg = cfg
@@ -54,6 +61,15 @@ class Benchmark(ABC):
     @abstractmethod
     def score(self, item: Item, answer: str) -> MetricResult:
         """Score a workflow's final answer against the hidden reference."""
+
+    def reference_answer(self, item: Item) -> str | None:
+        """A correct answer to `item` as a workflow would return it, which `pipeline validate` scores (it must score
+        1.0); None where the reference is no answer (a code benchmark's hidden tests)."""
+        return None if self.family == "code" else item.gold_text()
+
+    def close(self) -> None:
+        """Release what scoring holds (a user scorer's worker process); scoring calls it when done."""
+        return None
 
     def items(self, split: str | None = None) -> list[Item]:
         """The items of `split` (default: the config's train split), capped by max_queries."""
@@ -87,18 +103,20 @@ def split_items(items: list[Item], seed: int, test_share: float = 0.8, dev_share
     return out
 
 
-# name -> "module:Class"; modules import lazily so one missing optional library fails only its benchmark.
-REGISTRY = {
-    "humaneval": "pipeline.engines.benchmarks.code:HumanEval",
-    "mbpp": "pipeline.engines.benchmarks.code:MBPP",
-    "gsm8k": "pipeline.engines.benchmarks.gsm8k:GSM8K",
-    "math": "pipeline.engines.benchmarks.math:MATH",
-    "drop": "pipeline.engines.benchmarks.qa:DROP",
-    "hotpotqa": "pipeline.engines.benchmarks.qa:HotpotQA",
-    "procedural": "pipeline.engines.benchmarks.procedural:Procedural",
-}
-
-
 def load_benchmark(cfg: BenchmarkConfig) -> Benchmark:
-    mod, cls = REGISTRY[cfg.name].split(":")
-    return getattr(importlib.import_module(mod), cls)(cfg)
+    """The task `cfg.name`, found in the entry-point group `workflow_grpo.tasks` (the shipped benchmarks and any
+    installed plugin's tasks alike): its entry point is a Benchmark class or a function of the config returning a
+    Benchmark. Modules import on use, so one missing optional library fails only its task."""
+    known = task_entry_points()
+    if cfg.name not in known:
+        raise BenchmarkError(unknown_task_message(cfg.name, list(known)))
+    try:
+        factory = known[cfg.name].load()
+    except Exception as e:  # a plugin that fails to import: say which, not a bare traceback
+        raise BenchmarkError(f"task {cfg.name!r}: its entry point {known[cfg.name].value!r} does not load: "
+                             f"{type(e).__name__}: {e}") from e
+    bench = factory(cfg)
+    if not isinstance(bench, Benchmark):
+        raise BenchmarkError(f"task {cfg.name!r}: its entry point {known[cfg.name].value!r} gave a "
+                             f"{type(bench).__name__}, not a Benchmark")
+    return bench

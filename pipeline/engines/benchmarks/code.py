@@ -103,6 +103,7 @@ class Suite:
 
 class CodeBenchmark(Benchmark):
     family = "code"
+    scorer_name = "unit tests (sandbox)"
     test_timeout_s: float = 5.0  # scoring sets it from cfg.scoring.test_timeout_s
 
     def suite(self, item: Item, code: str) -> Suite:

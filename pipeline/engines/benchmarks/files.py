@@ -1,8 +1,10 @@
-"""Reading benchmark rows from local files (JSONL, JSON, Parquet, or a folder of JSON files) or a hub id,
-with errors that name the file, the line/row and the field, and say how to supply the data."""
+"""Reading benchmark rows from local files (JSONL, JSON, CSV, Parquet, a folder of JSON files or one saved by
+`datasets`) or a hub id, with errors that name the file, the line/row and the field, and say how to supply the
+data."""
 
 from __future__ import annotations
 
+import csv
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,8 @@ class Row:
 def read_rows(path: str | Path) -> list[Row]:
     """All rows of a .jsonl/.json/.parquet file, or of every *.json file under a folder (sorted)."""
     p = Path(path)
+    if p.is_dir() and any((p / marker).is_file() for marker in ("state.json", "dataset_dict.json")):
+        return _read_saved_dataset(p)
     if p.is_dir():
         files = sorted(p.rglob("*.json"))
         if not files:
@@ -83,7 +87,36 @@ def read_rows(path: str | Path) -> list[Row]:
         except Exception as e:
             raise BenchmarkError(f"{p}: unreadable Parquet file ({e})") from None
         return [Row(o, f"{p} row {i}", i) for i, o in enumerate(table.to_pylist())]
-    raise BenchmarkError(f"{p}: unsupported file type {suffix!r}; use .jsonl, .json, .parquet or a folder of .json")
+    if suffix == ".csv":
+        with p.open(encoding="utf-8", newline="") as fh:
+            reader = csv.DictReader(fh)
+            if reader.fieldnames is None:
+                raise BenchmarkError(f"{p}:1: empty CSV file (no header line)")
+            rows = []
+            for record in reader:  # line_num: the record's last line (a quoted field may span lines)
+                rows.append(Row(dict(record), f"{p}:{reader.line_num}", len(rows)))
+        return rows
+    raise BenchmarkError(f"{p}: unsupported file type {suffix!r}; use .jsonl, .json, .csv, .parquet, a folder of "
+                         ".json or a folder saved by `datasets` (save_to_disk)")
+
+
+def _read_saved_dataset(p: Path) -> list[Row]:
+    """The rows of a folder written by `datasets`' save_to_disk (a DatasetDict: its `train` split, else its only
+    one)."""
+    try:
+        import datasets
+    except ImportError:
+        raise BenchmarkError(f"{p}: a folder saved by `datasets` needs the `datasets` library (pip install "
+                             "datasets); or save the data as JSONL, CSV or Parquet") from None
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as e:
+        raise BenchmarkError(f"{p}: unreadable `datasets` folder ({type(e).__name__}: {e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds and len(ds) != 1:
+            raise BenchmarkError(f"{p}: a DatasetDict of splits {sorted(ds)}: save the one split to use")
+        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    return [Row(dict(o), f"{p} row {i}", i) for i, o in enumerate(ds)]
 
 
 def _load_json(p: Path) -> Any:

@@ -12,6 +12,7 @@ FORMAT = '{"question": str, "answer": "<worked solution>\\n#### <number>"} (open
 class GSM8K(Benchmark):
     name = "gsm8k"
     family = "math"
+    scorer_name = "number"
 
     def load(self) -> list[Item]:
         rows = load_rows(self.cfg, FORMAT, default_split="test")

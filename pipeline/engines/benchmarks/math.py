@@ -28,6 +28,7 @@ def parse_level(row: Row) -> int | None:
 class MATH(Benchmark):
     name = "math"
     family = "math"
+    scorer_name = "math-verify"
 
     def load(self) -> list[Item]:
         rows = load_rows(self.cfg, FORMAT, default_split="test")

@@ -283,6 +283,19 @@ def f1_score(answer: str, golds: Iterable[str]) -> MetricResult:
     return MetricResult(f1s[best], {"normalized": norm, "best_gold": golds[best], "f1": f1s[best], "exact_match": em})
 
 
+# ---------------------------------------------------------------- choice letters
+
+# A capital letter standing alone as a choice: "B", "(B)", "[B]", "B.", "Answer: B", "**B**"; not the "A" of "A cat"
+# when a later letter stands alone, since the last one wins
+_CHOICE = re.compile(r"(?:^|(?<=[\s(\[:*]))([A-Z])(?=$|[\s).\]:,*])")
+
+
+def choice_letter(text: str) -> str | None:
+    """The last capital letter standing alone in `text` (a multiple-choice answer), None if there is none."""
+    found = _CHOICE.findall(text.strip())
+    return found[-1] if found else None
+
+
 # ---------------------------------------------------------------- votes (Majority@L)
 
 

@@ -84,6 +84,7 @@ def answer_candidates(answer: str) -> dict[str, str]:
 class Procedural(Benchmark):
     name = "procedural"
     family = "procedural"
+    scorer_name = "reasoning-gym checks"
 
     def load(self) -> list[Item]:
         seed = self.cfg.split_seed

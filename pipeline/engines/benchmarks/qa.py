@@ -19,6 +19,7 @@ HOTPOT_FORMAT = (
 
 class _QA(Benchmark):
     family = "qa"
+    scorer_name = "token F1"
     FORMAT: str  # the record format named in errors
 
     def load(self) -> list[Item]:
