@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.config import ConfigError, config_from_dict, load_config
 from pipeline.engines.benchmarks import load_benchmark
+from pipeline.engines.prompting import load_design
 from pipeline.studies.experiment import plan, router_designs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,10 @@ def test_dev_holds_at_least_30_queries_of_every_part_and_the_evaluated_test_abou
 
 def test_the_policy_chooses_and_the_routers_route_among_the_menu(cfg):
     assert cfg.rollout.menu_choice == "policy" and cfg.rollout.menu_prefix_lines is None
-    assert cfg.rollout.workflow_prefix == "```python\n# design:"  # the format, not a design
+    # the format and what every design shares (the signature, the names' common prefix), not a design
+    assert cfg.rollout.workflow_prefix == "```python\nasync def solve(problem):\n    # design: mixed_"
+    assert all(d.code.startswith("async def solve(problem):\n") for d in map(load_design, cfg.rollout.example_menu))
+    assert all(Path(p).stem.startswith("mixed_") for p in cfg.rollout.example_menu)
     assert router_designs(cfg) == [f"program:{p}" for p in cfg.rollout.example_menu]
     assert len(plan(cfg)) == 3
 
