@@ -461,6 +461,18 @@ class RolloutConfig(_Strict):
         "`$design`), drawn by a seeded hash of (query, slot, menu_seed), the same draws for the base model and every "
         "round; the choice is then the hash's, not the policy's.",
     )
+    choice_step: bool = Field(
+        False, description="menu_choice policy: the design is a sampling step of its own. The first token after "
+        "workflow_prefix is drawn from the generator restricted to the first tokens of the designs' labels (their "
+        "names without the prefix all share, as `$designs` shows them) at choice_temperature, then the workflow is "
+        "sampled after it; both are the sample's tokens and train alike (training.old_logprobs must be recompute: "
+        "the rollout's log-probability of the restricted draw is not the policy's). workflow_prefix ends where a "
+        "label starts, e.g. with `# design:`.",
+    )
+    choice_temperature: float | None = Field(
+        None, gt=0, description="choice_step: temperature of the design token (above the generator's it explores the "
+        "designs more, still by the policy's own odds); null: generator.temperature.",
+    )
     menu_seed: int = Field(0, description="menu_choice drawn: seed of the draws (not the generator's: every seed of "
                            "an experiment draws alike).")
     menu_prefix_lines: int | None = Field(
@@ -490,6 +502,13 @@ class RolloutConfig(_Strict):
     refine: RefineConfig = Field(
         default_factory=RefineConfig, description="refine mode: turns, candidates, task unit and feedback (W4S)."
     )
+
+    @model_validator(mode="after")
+    def _choice_step_needs_the_policy_menu(self) -> RolloutConfig:
+        if self.choice_step and (self.menu_choice != "policy" or not self.example_menu or self.mode != "flat"):
+            raise ValueError("rollout.choice_step samples the policy's design from rollout.example_menu: it needs "
+                             "menu_choice policy, a menu, and mode flat")
+        return self
 
     @model_validator(mode="after")
     def _prefix_of_a_drawn_design(self) -> RolloutConfig:
@@ -856,6 +875,10 @@ class ComputeConfig(_Strict):
             raise ValueError(f"training.old_logprobs: rollout needs generator.temperature 1 and top_p 1 (got "
                              f"{g.temperature} and {g.top_p}): otherwise the rollout's log-probs are not the "
                              "policy's; use recompute")
+        if self.rollout.choice_step and self.training.old_logprobs != "recompute":
+            raise ValueError("rollout.choice_step draws the design token from a restricted distribution, whose "
+                             "log-prob the rollout stores; π_old must be the policy's: set training.old_logprobs: "
+                             "recompute")
         return self
 
 

@@ -60,7 +60,8 @@ def test_dev_holds_at_least_30_queries_of_every_part_and_the_evaluated_test_abou
 def test_the_policy_chooses_and_the_routers_route_among_the_menu(cfg):
     assert cfg.rollout.menu_choice == "policy" and cfg.rollout.menu_prefix_lines is None
     # the format and what every design shares (the signature, the names' common prefix), not a design
-    assert cfg.rollout.workflow_prefix == "```python\nasync def solve(problem):\n    # design: mixed_"
+    assert cfg.rollout.workflow_prefix == "```python\nasync def solve(problem):\n    # design:"
+    assert cfg.rollout.choice_step and cfg.training.old_logprobs == "recompute"
     assert all(d.code.startswith("async def solve(problem):\n") for d in map(load_design, cfg.rollout.example_menu))
     assert all(Path(p).stem.startswith("mixed_") for p in cfg.rollout.example_menu)
     assert router_designs(cfg) == [f"program:{p}" for p in cfg.rollout.example_menu]

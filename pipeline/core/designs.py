@@ -55,14 +55,19 @@ def nearest_design(code: str, menu: Mapping[str, str], min_similarity: float = M
     return (best if score >= min_similarity else OTHER), score
 
 
-def declared_choice(text: str, names: Sequence[str]) -> str:
-    """The design a workflow's first `# design:` line names: one of `names`, COMBINED when it names two or more of
-    them, else OWN. A name matches as a whole word, case aside ("mixed_pot", "mixed_pot + mixed_steps")."""
+def declared_choice(text: str, names: Sequence[str], labels: Mapping[str, str] | None = None) -> str:
+    """The design a workflow's first `# design:` line names: one of `names` (by its name or its label in `labels`,
+    name -> label), COMBINED when it names two or more of them, else OWN. A name matches as a whole word, case aside
+    ("mixed_pot", "pot", "mixed_pot + steps")."""
     found = _DECLARATION.search(text)
     if found is None:
         return OWN
     said = found.group(1).lower()
-    named = [n for n in names if re.search(rf"(?<![\w]){re.escape(n.lower())}(?![\w])", said)]
+
+    def says(word: str) -> bool:
+        return re.search(rf"(?<![\w]){re.escape(word.lower())}(?![\w])", said) is not None
+
+    named = [n for n in names if says(n) or (labels is not None and says(labels.get(n, n)))]
     return named[0] if len(named) == 1 else COMBINED if named else OWN
 
 

@@ -5,6 +5,7 @@ Templates use `string.Template` (`$name`) so the Python braces of example workfl
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,10 +99,21 @@ def menu_listing(menu: Sequence[Design]) -> str:
     return "\n".join(f"- {d.name}: {d.note}" for d in menu)
 
 
+def menu_labels(menu: Sequence[Design]) -> dict[str, str]:
+    """Each design's label in a prompt that lets the generator choose: its name without the prefix every name of the
+    menu shares ("mixed_pot" -> "pot"), so the names differ from their first word; the names themselves where the
+    prefix would leave one empty."""
+    names = [d.name for d in menu]
+    common = os.path.commonprefix(names) if len(names) > 1 else ""
+    labels = [n[len(common):] for n in names]
+    return dict(zip(names, labels if all(labels) else names, strict=True))
+
+
 def menu_block(menu: Sequence[Design]) -> str:
-    """The `$designs` block: every design with its name, what it does and its code, for a prompt that lets the
-    generator choose (rollout.menu_choice policy)."""
-    return "\n\n".join(f"{d.name}: {d.note}\n```python\n{d.code}\n```" for d in menu)
+    """The `$designs` block: every design with its label (`menu_labels`), what it does and its code, for a prompt
+    that lets the generator choose (rollout.menu_choice policy)."""
+    labels = menu_labels(menu)
+    return "\n\n".join(f"{labels[d.name]}: {d.note}\n```python\n{d.code}\n```" for d in menu)
 
 
 def design_prefix(design: Design, body_lines: int) -> str:
