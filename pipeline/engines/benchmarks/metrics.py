@@ -153,6 +153,17 @@ def serve_math_verify() -> None:  # pragma: no cover - the child process of _Ver
         out.flush()
 
 
+def stop_worker(proc: subprocess.Popen | None) -> None:
+    """Kill a line-protocol worker process and close its pipes (None: nothing to stop); returns None, the stopped
+    worker's new handle."""
+    if proc is not None:
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+    return None
+
+
 class _VerifyWorker:
     """math_verify's timeouts use SIGALRM, which only works in the main thread. Scoring fans out over
     threads, so off the main thread the call goes to one child Python process (its own main thread),
@@ -170,12 +181,7 @@ class _VerifyWorker:
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc.stdin.close()
-            self._proc.stdout.close()
-            self._proc = None
+        self._proc = stop_worker(self._proc)
 
     def __call__(self, gold: str, candidate: str) -> dict[str, Any]:
         with self._lock:

@@ -35,7 +35,13 @@ from pipeline.config import SCORER_BUILTINS, BenchmarkConfig, task_entry_points
 from pipeline.engines.benchmarks.base import Benchmark, BenchmarkError, Item, MetricResult, ScorerError, split_items
 from pipeline.engines.benchmarks.code import CodeBenchmark, Suite
 from pipeline.engines.benchmarks.files import Row, read_rows
-from pipeline.engines.benchmarks.metrics import choice_letter, math_score, normalize_answer, numeric_score
+from pipeline.engines.benchmarks.metrics import (
+    choice_letter,
+    math_score,
+    normalize_answer,
+    numeric_score,
+    stop_worker,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -106,12 +112,7 @@ class ScorerWorker:
         return json.loads(line) if line else None
 
     def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc.stdin.close()
-            self._proc.stdout.close()
-            self._proc = None
+        self._proc = stop_worker(self._proc)
 
     def __call__(self, answer: str, reference: Any, metadata: dict[str, Any]) -> MetricResult:
         with self._lock:
