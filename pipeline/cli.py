@@ -464,7 +464,7 @@ def bench_seed(
 ) -> None:
     """One seed of an experiment before the executor cache (no cache, no common random numbers, every round
     evaluated) and after (the defaults), one after the other, each in a store of its own: wall time per part and
-    stage, cache hits, the ratio (issue 38's goal: at most 0.4x) and the machine of every timing. Resumes."""
+    stage, cache hits, the ratio (the cache's goal: at most 0.4x) and the machine of every timing. Resumes."""
     from pipeline.perf.seed import run_seed_bench
     from pipeline.stages.rounds import direct_call
     from pipeline.stages.runner import RetryPolicy, StageError
