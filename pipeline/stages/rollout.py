@@ -20,12 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from tqdm import tqdm
 
 from pipeline.core.designs import nearest_design
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.engines.executors import cost_usd
 from pipeline.engines.generation import BACKENDS, Completion, Generator, Sampling, make_generator
+from pipeline.engines.meter import ProgressMeter, relay_path
 from pipeline.engines.models import load_tokenizer
 from pipeline.engines.prompting import (
     Design,
@@ -196,17 +196,16 @@ class Sampler:
             ))
         return rows
 
-    def sample(self, gen: Generator, requests: list[Request], bar: tqdm) -> int:
+    def sample(self, gen: Generator, requests: list[Request], bar: ProgressMeter) -> int:
         written = 0
         for batch in batches(requests, self.cfg.generator.batch_size):
             sampling = self.sampling(batch)
             t0 = time.perf_counter()
-            outs = gen.generate([r.prompt_text for r in batch], sampling, self.sample_adapter)
+            outs = gen.generate([r.prompt_text for r in batch], sampling, self.sample_adapter, progress=bar.update)
             latency = (time.perf_counter() - t0) / max(1, sampling.n * len(batch))
             rows = [row for r, comps in zip(batch, outs, strict=True) for row in self.rows(r, comps, sampling, latency)]
             self.ctx.store.write("generations", rows, self.ctx.run_id, self.ctx.round)
             written += len(rows)
-            bar.update(len(rows))
         return written
 
 
@@ -252,7 +251,7 @@ def _sample_all(ctx: RunContext, ro: Sampler, gen: Generator, todo: list[Request
     if ctx.cfg.rollout.mode == "two_level":  # workflows of agents sampled in this run are not known yet
         total += sum(len(r.slots) for r in todo if r.kind == "agent") * ctx.cfg.rollout.n_workflows
     sampled = 0
-    with tqdm(total=total, desc=f"rollout r{ctx.round}", unit="gen") as bar:
+    with ProgressMeter(total, f"rollout r{ctx.round}", "gen", relay=relay_path(ctx.run_id, ctx.round, "rollout")) as bar:
         while todo:
             sampled += ro.sample(gen, todo, bar)
             # two-level: the agents just written unlock their workflows; flat finishes in one pass

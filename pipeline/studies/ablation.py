@@ -60,7 +60,7 @@ def summarise(store: Store, cfg, objectives: list[str], seeds: list[int], round:
             o: eval_run_id(arm_run_id(src, o, objectives[0]), round, split) for o in objectives}
         for arm, eid in runs.items():
             if (store.run_dir(eid) / "config.yaml").is_file():
-                per_query[(s, arm)] = {q["query_id"]: q for q in eval_summary(store, eid)["per_query"]}
+                per_query[(s, arm)] = {q["query_id"]: q for q in eval_summary(store, eid).per_query}
     arms, paired = [], []
     for arm in [BASE_ARM, *objectives]:
         rows = [q for (s, a), qs in per_query.items() if a == arm for q in qs.values()]

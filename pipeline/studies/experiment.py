@@ -246,7 +246,7 @@ def references(store: Store, cfg: RunConfig, split: str | None = None) -> list[R
     """`eval_summary` of each `experiment.references` baseline run on `split` (default: the held-out one) that
     exists, with its `method` and `label` (the method, or `program-<file stem>`)."""
     runs = reference_runs(cfg, split)
-    return [ReferenceArm.from_dict({"method": m, "label": method_tag(m), **eval_summary(store, rid)})
+    return [ReferenceArm.from_dict({"method": m, "label": method_tag(m), **eval_summary(store, rid).to_dict()})
             for m, rid in runs.items() if (store.run_dir(rid) / "config.yaml").is_file()]
 
 
@@ -324,7 +324,7 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
                 continue
             summ = eval_summary(store, eid)
             arms.append(ExperimentArm.of(s, k, summ))
-            per_query += [{"seed": s, "round": k, **q} for q in summ["per_query"]]
+            per_query += [{"seed": s, "round": k, **q} for q in summ.per_query]
     base_seed = (lambda s: seeds[0]) if ex.shared_base else (lambda s: s)
     paired = pair_rows(cfg, seeds, per_query, [k for k in eval_rounds(cfg) if k != BASE], compared_metrics(cfg),
                        lambda s, m: query_values(per_query, base_seed(s), BASE, m))
@@ -436,9 +436,9 @@ Without `--set` it runs on the experiment's own test queries again. Load it with
 
     PeftModel.from_pretrained(base_model, "{folder}")
 
-Serve it with vLLM:
+Serve it with vLLM (its OpenAI-compatible server; requests name the model `{folder.name}`):
 
-    vllm serve <the base model's folder> --enable-lora --max-lora-rank {rank} --lora-modules {folder.name}={folder}
+    python -m vllm.entrypoints.openai.api_server --model <the base model's folder> --enable-lora --max-lora-rank {rank} --lora-modules {folder.name}={folder}
 """
 
 
