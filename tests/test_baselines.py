@@ -141,7 +141,7 @@ def test_io_baseline_run_hand_computed(tmp_path, executor):
     again = run_baseline(str(path), "io", in_process)
     st = Store(tmp_path / "store")
     assert len(executor.requests) == before and st.read("generations", "b-baseline-io").height == 4
-    assert again["mean_at_l"] == 0.5
+    assert again.mean_at_l == 0.5
     table = compare(st, ["b-baseline-io"])
     assert table["same_queries"] and table["rows"][0]["method"] == "io" and table["rows"][0]["L"] == 2
     assert markdown_table(table["rows"]).splitlines()[2] == \

@@ -8,6 +8,7 @@ side; `bash scripts/X.sh` is checked with `bash -n` (running it would install or
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -15,11 +16,11 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
 import typer
 from typer.testing import CliRunner
 
@@ -148,15 +149,16 @@ def test_the_pages_show_commands():
 # ---- the checks ----------------------------------------------------------------------------------------------------
 
 
-def pipeline_problem(command: Shown, runner: CliRunner, root: click.Group) -> str | None:
+def pipeline_problem(command: Shown, runner: CliRunner, root, helped: dict) -> str | None:
     """Why a documented `pipeline` command would not run as shown: an unknown command, an option that command does
-    not take, or its `--help` failing; None if it runs."""
+    not take, or its `--help` failing (`helped`: command path -> its --help's problem, each run once); None if it
+    runs."""
     words = list(command.words[1:])
     if command.words[:3] == ("python", "-m", "pipeline.cli"):
         words = list(command.words[3:])
     names, cmd = [], root
-    while isinstance(cmd, click.Group) and words and not words[0].startswith("-"):
-        sub = cmd.get_command(click.Context(cmd), words[0])
+    while hasattr(cmd, "commands") and words and not words[0].startswith("-"):  # a group: its subcommand
+        sub = cmd.commands.get(words[0])
         if sub is None:
             return f"`pipeline {' '.join([*names, words[0]])}`: no such command"
         names.append(words.pop(0))
@@ -164,10 +166,11 @@ def pipeline_problem(command: Shown, runner: CliRunner, root: click.Group) -> st
     known = {opt for p in cmd.params for opt in (*p.opts, *p.secondary_opts)} | {"--help"}
     if unknown := [o for o in command.options() if o not in known]:
         return f"`pipeline {' '.join(names)}` takes no {', '.join(unknown)}"
-    result = runner.invoke(app, [*names, "--help"])
-    if result.exit_code != 0:
-        return f"`pipeline {' '.join(names)} --help` exited {result.exit_code}: {result.output[-300:]}"
-    return None
+    if tuple(names) not in helped:  # each command's --help once
+        result = runner.invoke(app, [*names, "--help"])
+        helped[tuple(names)] = None if result.exit_code == 0 else \
+            f"`pipeline {' '.join(names)} --help` exited {result.exit_code}: {result.output[-300:]}"
+    return helped[tuple(names)]
 
 
 def is_pipeline(command: Shown) -> bool:
@@ -175,10 +178,10 @@ def is_pipeline(command: Shown) -> bool:
 
 
 def test_every_documented_pipeline_command_runs_as_shown():
-    root = typer.main.get_command(app)
-    runner = CliRunner()
+    root = typer.main.get_command(app)  # typer's own (vendored) click objects
+    runner, helped = CliRunner(), {}
     problems = [f"{c.where()}\n    {why}" for c in all_commands() if is_pipeline(c)
-                if (why := pipeline_problem(c, runner, root))]
+                if (why := pipeline_problem(c, runner, root, helped))]
     assert not problems, "documented commands that do not run as shown:\n" + "\n".join(problems)
 
 
@@ -191,7 +194,7 @@ def help_invocation(command: Shown) -> tuple[list[str], str | None]:
             module = rest[1]
             if importlib.util.find_spec(module) is None:
                 return [], f"no module {module} on this install"
-            return [sys.executable, "-m", module, "--help"], None
+            return [sys.executable, "-m", module, *subcommands(rest[2:]), "--help"], None
         script = REPO / rest[0]
         if not script.is_file():
             return [], f"no file {rest[0]}"
@@ -204,21 +207,57 @@ def help_invocation(command: Shown) -> tuple[list[str], str | None]:
     program = shutil.which(first) or shutil.which(first, path=str(Path(sys.executable).parent))
     if program is None:
         return [], f"no `{first}` command on this install"
+    return [program, *subcommands(rest), "--help"], None
+
+
+def subcommands(words: list[str]) -> list[str]:
+    """The subcommand path of a command's words: the leading plain words (`deployment run`, `server start`,
+    `download`)."""
     path = []
-    for word in rest:  # the subcommand path: the leading plain words (`deployment run`, `server start`)
+    for word in words:
         if not SUBCOMMAND.match(word):
             break
         path.append(word)
-    return [program, *path, "--help"], None
+    return path
+
+
+def fingerprint(argv: list[str]) -> str | None:
+    """What the `--help` of `argv` depends on, as a key: the argv and the modification times of the code it runs (an
+    installed package: its top module; this repository's package or script: every .py file of it); None for
+    `bash -n` (instant, nothing to keep)."""
+    if argv[0] == "bash":
+        return None
+    if argv[:2] == [sys.executable, "-m"]:
+        name = argv[2].split(".")[0]
+    elif argv[0] == sys.executable:  # a script of this repository
+        name = None
+    else:
+        name = Path(argv[0]).name
+    spec = importlib.util.find_spec(name) if name else None
+    origin = Path(spec.origin) if spec is not None and spec.origin else Path(argv[1])
+    files = sorted(origin.parent.rglob("*.py")) if origin.is_relative_to(REPO) and origin.name == "__init__.py" \
+        else [origin]
+    return hashlib.sha1(repr((argv, [(str(f), f.stat().st_mtime_ns) for f in files])).encode()).hexdigest()
 
 
 def run_help(argv: list[str]) -> tuple[int, str]:
+    """The exit code and output of `argv`. A successful `--help` is kept in the temp folder under its `fingerprint`,
+    so it runs again only when the command or its code changes (vLLM's imports take half a minute, the Prefect
+    flows' several seconds)."""
+    key = fingerprint(argv)
+    cached = None if key is None else Path(tempfile.gettempdir()) / "workflow-grpo" / "documented-help" / f"{key}.txt"
+    if cached is not None and cached.is_file():
+        return 0, cached.read_text()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=HELP_TIMEOUT_S, cwd=REPO, env=env)
     except subprocess.TimeoutExpired:
         return -1, f"no answer in {HELP_TIMEOUT_S} s"
-    return done.returncode, done.stdout + done.stderr
+    output = done.stdout + done.stderr
+    if cached is not None and done.returncode == 0:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(output)
+    return done.returncode, output
 
 
 def test_every_other_documented_command_runs_as_shown():

@@ -29,7 +29,8 @@ def relay_path(run_id: str, round: int, stage: str) -> Path:
     (a Prefect task) that waits for it. The shards of a stage share it (each line names its shard)."""
     key = f"{run_id}|{round}|{stage}"
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{run_id}-r{round}-{stage}")[:80]
-    return Path(tempfile.gettempdir()) / "pipeline-progress" / f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.log"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / "pipeline-progress" / f"{safe}-{digest}.log"
 
 
 def duration(seconds: float) -> str:

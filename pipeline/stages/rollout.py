@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from pipeline.core.designs import nearest_design
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.engines.executors import cost_usd
@@ -251,7 +250,8 @@ def _sample_all(ctx: RunContext, ro: Sampler, gen: Generator, todo: list[Request
     if ctx.cfg.rollout.mode == "two_level":  # workflows of agents sampled in this run are not known yet
         total += sum(len(r.slots) for r in todo if r.kind == "agent") * ctx.cfg.rollout.n_workflows
     sampled = 0
-    with ProgressMeter(total, f"rollout r{ctx.round}", "gen", relay=relay_path(ctx.run_id, ctx.round, "rollout")) as bar:
+    relay = relay_path(ctx.run_id, ctx.round, "rollout")
+    with ProgressMeter(total, f"rollout r{ctx.round}", "gen", relay=relay) as bar:
         while todo:
             sampled += ro.sample(gen, todo, bar)
             # two-level: the agents just written unlock their workflows; flat finishes in one pass

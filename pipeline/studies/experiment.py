@@ -438,7 +438,8 @@ Without `--set` it runs on the experiment's own test queries again. Load it with
 
 Serve it with vLLM (its OpenAI-compatible server; requests name the model `{folder.name}`):
 
-    python -m vllm.entrypoints.openai.api_server --model <the base model's folder> --enable-lora --max-lora-rank {rank} --lora-modules {folder.name}={folder}
+    python -m vllm.entrypoints.openai.api_server --model <the base model's folder> \\
+        --enable-lora --max-lora-rank {rank} --lora-modules {folder.name}={folder}
 """
 
 

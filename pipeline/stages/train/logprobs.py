@@ -4,9 +4,8 @@ Imports torch alone (`pipeline bench train` runs on a bare GPU machine)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import contextlib
+from pathlib import Path
 
 import torch
 
