@@ -22,6 +22,7 @@ import logging
 import time
 from pathlib import Path
 
+from pipeline.config import as_sets
 from pipeline.core.learning import paired_differences
 from pipeline.core.objectives import OBJECTIVES, get_objective
 from pipeline.run import open_run
@@ -41,8 +42,15 @@ def arm_run_id(source: str, objective: str, reference: str) -> str:
     return source if objective == reference else f"{source}-{objective}"
 
 
+def arm_changes(source: str, objective: str) -> dict[str, str]:
+    """An objective's arm as a variant of the config (pipeline.config.with_changes): it trains the source run's
+    curated data with `objective`."""
+    return {"training.objective": objective, "training.data_run": source}
+
+
 def arm_sets(source: str, objective: str) -> list[str]:
-    return [f"training.objective={objective}", f"training.data_run={source}"]
+    """`arm_changes` as the overrides the arm's stages get (pipeline.config.as_sets)."""
+    return as_sets(arm_changes(source, objective))
 
 
 def ablation_dir(store: Store, run_id: str) -> Path:

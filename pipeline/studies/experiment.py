@@ -56,7 +56,7 @@ from pathlib import Path, PurePosixPath
 
 import polars as pl
 
-from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.config import ConfigError, RunConfig, as_sets, load_config
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
 from pipeline.engines.models import half_weights
 from pipeline.engines.servers import sharing
@@ -97,9 +97,15 @@ def seed_run_id(run_id: str, seed: int) -> str:
     return f"{run_id}-s{seed}"
 
 
+def seed_changes(seed: int) -> dict[str, int]:
+    """A seed's variant of the config (pipeline.config.with_changes): every source of randomness of a round follows
+    the seed."""
+    return {"generator.seed": seed, "training.seed": seed, "curation.seed": seed}
+
+
 def seed_sets(seed: int) -> list[str]:
-    """Overrides that make a seed's run: every source of randomness of a round follows the seed."""
-    return [f"generator.seed={seed}", f"training.seed={seed}", f"curation.seed={seed}"]
+    """`seed_changes` as the overrides its runs' stages get (pipeline.config.as_sets)."""
+    return as_sets(seed_changes(seed))
 
 
 def eval_rounds(cfg: RunConfig) -> list[int]:

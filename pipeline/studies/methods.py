@@ -60,7 +60,7 @@ from pathlib import Path
 
 import polars as pl
 
-from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.config import ConfigError, RunConfig, as_sets, load_config
 from pipeline.core.learning import METRICS, paired_differences
 from pipeline.engines.servers import sharing
 from pipeline.engines.workflow import extract_code
@@ -264,7 +264,7 @@ def parse_arm_sets(items: list[str] | None) -> dict[str, list[str]]:
 def method_sets(m: Method, sets: list[str], seed: list[str], lr: float | None = None,
                 extra: list[str] | None = None) -> list[str]:
     """A method run's overrides: CONFIG's --set, the seed's, the method's overlay, the swept lr, its --arm-set."""
-    return [*sets, *seed, *m.sets, *([f"training.lr={lr}"] if lr is not None else []), *(extra or [])]
+    return [*sets, *seed, *m.sets, *(as_sets({"training.lr": lr}) if lr is not None else []), *(extra or [])]
 
 
 def two_level_shape(L: int) -> tuple[int, int]:
@@ -372,7 +372,8 @@ def sweep_lr(path: Path, cfg: RunConfig, chosen: list[Method], sets: list[str], 
         rows = []
         for lr in lrs:
             rid = sweep_run_id(cfg.run_id, m.name, lr, sp.seed)
-            own = [*method_sets(m, sets, sp.sets, None, arm_sets.get(m.name)), "rounds=1", f"training.lr={lr}"]
+            own = [*method_sets(m, sets, sp.sets, None, arm_sets.get(m.name)),
+                   *as_sets({"rounds": 1, "training.lr": lr})]
             log.info("lr sweep: %s at lr %g (%s)", m.name, lr, rid)
             run_rounds(path, 1, rid, call, sets=own, observer=TRACKERS)
             summ = evaluate_tracked(str(store.root), rid, 0, "dev", arm_eval_sets(load_config(path, own)), call)
