@@ -329,8 +329,8 @@ def evaluate_refined(store: Store, arm_run: str, round: int, arm_cfg: RunConfig,
         call(stage=stage, run_id=ctx.run_id, round=0, store_root=root, sets=vsets)
     choice = refined_workflow(store, ctx.run_id)
     # the test run holds the chosen program L times per query, scored as a flat workflow (its run is flat)
-    summ = EvalSummary.from_dict(run_fixed(frozen_config(store, arm_run), REFINED, call, arm_run, split,
-                                           [*METRIC_ONLY, "rollout.mode=flat"], choice["code"]))
+    summ = run_fixed(frozen_config(store, arm_run), REFINED, call, arm_run, split, [*METRIC_ONLY, "rollout.mode=flat"],
+                     choice["code"])
     return {"eval_run_id": summ.eval_run_id, "validation_run_id": ctx.run_id, "validation_split": val,
             "selected": {k: v for k, v in choice.items() if k != "code"}}
 

@@ -94,8 +94,9 @@ def eval_runs(store: Store, run_id: str) -> list[tuple[str, int, str]]:
 def heldout_scalars(store: Store, run_id: str) -> list[Scalar]:
     out = []
     for split, k, eid in eval_runs(store, run_id):
-        summ = eval_summary(store, eid).to_dict()
-        out += [Scalar(f"heldout/{split}/{c}", k + 1, summ[c]) for c in HELDOUT_COLUMNS if summ.get(c) is not None]
+        summ = eval_summary(store, eid)
+        out += [Scalar(f"heldout/{split}/{c}", k + 1, getattr(summ, c)) for c in HELDOUT_COLUMNS
+                if getattr(summ, c) is not None]
     return out
 
 
