@@ -143,8 +143,9 @@ def test_io_baseline_run_hand_computed(tmp_path, executor):
     assert len(executor.requests) == before and st.read("generations", "b-baseline-io").height == 4
     assert again.mean_at_l == 0.5
     table = compare(st, ["b-baseline-io"])
-    assert table["same_queries"] and table["rows"][0]["method"] == "io" and table["rows"][0]["L"] == 2
-    assert markdown_table(table["rows"]).splitlines()[2] == \
+    assert table.same_queries and table.rows[0].method == "io" and table.rows[0].L == 2
+    assert table.markdown() == markdown_table(table.rows)
+    assert markdown_table(table.rows).splitlines()[2] == \
         "| b-baseline-io | io | 2 | 2 | 0.500 | 0.500 | 0.500 | 1.00 | 0 | 20 | 2.00 |"
 
 
