@@ -344,15 +344,33 @@ class RolloutConfig(_Strict):
     max_workflow_chars: int = Field(20000, gt=0, description="Static check: larger workflows are invalid.")
     example_menu: list[str] = Field(
         default_factory=list, description="A menu of designs: workflow program files (configs/programs/"
-        "*.py, each also a fixed program and a reference). Each workflow sample's prompt shows one of them as its "
-        "example (`$example`, its code without the header comments), drawn by a seeded hash of (query, slot, "
-        "menu_seed), so the base model and every trained round see the same draws; `$design` is that design's "
-        "`# design:` line and `$menu` the list of all of them. Empty: the prompt folder's one example, as before.",
+        "*.py, each also a fixed program and a reference). How a sample uses it: `menu_choice`. `$menu` lists every "
+        "design (name and `# design:` line), `$designs` shows every design's code too. Empty: the prompt folder's "
+        "one example, as before.",
     )
-    menu_seed: int = Field(0, description="Seed of the example menu's draws (not the generator's: every seed of an "
-                           "experiment draws alike).")
+    menu_choice: Literal["policy", "drawn"] = Field(
+        "policy", description="policy: every prompt shows the whole menu and the generator's own tokens choose (the "
+        "assistant turn opens with workflow_prefix, e.g. a ```python fence and `# design:`; the declared design is "
+        "stored as `generations.choice`). drawn: each sample's prompt shows one design as its example (`$example`, "
+        "`$design`), drawn by a seeded hash of (query, slot, menu_seed), the same draws for the base model and every "
+        "round; the choice is then the hash's, not the policy's.",
+    )
+    choice_step: bool = Field(
+        False, description="menu_choice policy: the design is a sampling step of its own. The first token after "
+        "workflow_prefix is drawn from the generator restricted to the first tokens of the designs' labels (their "
+        "names without the prefix all share, as `$designs` shows them) at choice_temperature, then the workflow is "
+        "sampled after it; both are the sample's tokens and train alike (training.old_logprobs must be recompute: "
+        "the rollout's log-probability of the restricted draw is not the policy's). workflow_prefix ends where a "
+        "label starts, e.g. with `# design:`.",
+    )
+    choice_temperature: float | None = Field(
+        None, gt=0, description="choice_step: temperature of the design token (above the generator's it explores the "
+        "designs more, still by the policy's own odds); null: generator.temperature.",
+    )
+    menu_seed: int = Field(0, description="menu_choice drawn: seed of the draws (not the generator's: every seed of "
+                           "an experiment draws alike).")
     menu_prefix_lines: int | None = Field(
-        None, ge=0, description="With an example menu: the assistant turn opens with a ```python fence and the "
+        None, ge=0, description="menu_choice drawn: the assistant turn opens with a ```python fence and the "
         "drawn design's code through its `async def solve` line plus this many lines of its body (what "
         "workflow_prefix holds for a single example); null: workflow_prefix as it is.",
     )
@@ -378,6 +396,21 @@ class RolloutConfig(_Strict):
     refine: RefineConfig = Field(
         default_factory=RefineConfig, description="refine mode: turns, candidates, task unit and feedback (W4S)."
     )
+
+    @model_validator(mode="after")
+    def _choice_step_needs_the_policy_menu(self) -> RolloutConfig:
+        if self.choice_step and (self.menu_choice != "policy" or not self.example_menu or self.mode != "flat"):
+            raise ValueError("rollout.choice_step samples the policy's design from rollout.example_menu: it needs "
+                             "menu_choice policy, a menu, and mode flat")
+        return self
+
+    @model_validator(mode="after")
+    def _prefix_of_a_drawn_design(self) -> RolloutConfig:
+        if self.menu_choice == "policy" and self.menu_prefix_lines is not None and self.example_menu:
+            raise ValueError("rollout.menu_prefix_lines opens the turn with a drawn design's lines, which chooses for "
+                             "the policy; with menu_choice policy open it with workflow_prefix (e.g. a ```python fence "
+                             "and `# design:`), or set menu_choice: drawn")
+        return self
 
 
 class RewardConfig(_Strict):
@@ -575,6 +608,26 @@ def registered(name: str, registry: dict | tuple[str, ...], what: str) -> str:
     return name
 
 
+class RouterConfig(_Strict):
+    """`experiment.router`: the learned router, the per-part router and the per-query oracle over a menu of designs,
+    composed from the designs' own runs (pipeline.studies.router)."""
+
+    designs: list[str] = Field(
+        default_factory=list, description="The designs routed among, each one of experiment.references; empty: "
+        "rollout.example_menu as program:<file>.",
+    )
+    fit_split: Literal["train"] = Field("train", description="Split whose design runs the routers are fitted on.")
+    fit_queries: int | None = Field(None, gt=0, description="The first N queries of fit_split; null: all.")
+    c_grid: list[float] = Field(
+        default_factory=lambda: [0.1, 1.0, 10.0], min_length=1,
+        description="Inverse regularisation strengths of the logistic regressions tried on dev.",
+    )
+    analyzers: list[Literal["word", "char_wb"]] = Field(
+        default_factory=lambda: ["word", "char_wb"], min_length=1,
+        description="TF-IDF features tried on dev: word 1-2-grams, or character 2-4-grams within words.",
+    )
+
+
 class ExperimentConfig(_Strict):
     """`pipeline experiment`: S seeds x R rounds, every checkpoint and the base model on a held-out split."""
 
@@ -629,6 +682,17 @@ class ExperimentConfig(_Strict):
         "so paired arms share the executor's noise; false: unseeded, to measure what that buys.",
         json_schema_extra=not_hashed("plan"),
     )
+    router: RouterConfig | None = Field(
+        None, description="Routers over the menu's designs as references (a generator that chooses its design is "
+        "measured against them): the designs also run on router.fit_split; needs select_split. Null: none.",
+        json_schema_extra=not_hashed("plan"),
+    )
+
+    @model_validator(mode="after")
+    def _router_needs_dev(self) -> ExperimentConfig:
+        if self.router is not None and self.select_split is None:
+            raise ValueError("experiment.router chooses its settings on dev: set experiment.select_split: dev")
+        return self
 
 
 class SMCConfig(_Strict):
@@ -705,6 +769,10 @@ class ComputeConfig(_Strict):
             raise ValueError(f"training.old_logprobs: rollout needs generator.temperature 1 and top_p 1 (got "
                              f"{g.temperature} and {g.top_p}): otherwise the rollout's log-probs are not the "
                              "policy's; use recompute")
+        if self.rollout.choice_step and self.training.old_logprobs != "recompute":
+            raise ValueError("rollout.choice_step draws the design token from a restricted distribution, whose "
+                             "log-prob the rollout stores; π_old must be the policy's: set training.old_logprobs: "
+                             "recompute")
         return self
 
 
@@ -933,11 +1001,15 @@ def upgrade_saved(model: type[BaseModel], data: Any) -> Any:
     Reading (each section's values before validation, run by `_Strict` for every section and `--set`):
     - `benchmark.validate_fraction` (the non-test share) became `test_share` = 1 - it; both given must agree.
     - `rollout.exemplars` was a bool before it named a kind: true showed bucket exemplars (`buckets`), false none.
+    - `rollout.menu_choice` did not exist while every menu sample's design was drawn by a hash: a saved config (it
+      spells `menu_seed` out) or one opening with the drawn design's lines (`menu_prefix_lines`) with a menu and
+      no `menu_choice` is `drawn`.
 
     Hashing (`RunConfig.config_hash` through `_legacy_hash_form`):
     - `_FORMER_DEFAULTS`: fields whose default changed after runs were frozen are hashed against their former
       default (a saved config spells the old default out; hashing it as a non-default would re-run every stage).
     - `rollout.exemplars: none` is hashed as `false`, the bool it was.
+    - `rollout.menu_choice`: hashed only as `policy` with a menu (`drawn`, or no menu, as before the field).
     """
     if not isinstance(data, dict):
         return data
@@ -953,6 +1025,9 @@ def upgrade_saved(model: type[BaseModel], data: Any) -> Any:
         data.setdefault("test_share", 1 - former)
     if name == "RolloutConfig" and isinstance(data.get("exemplars"), bool):
         data = {**data, "exemplars": "buckets" if data["exemplars"] else "none"}
+    if name == "RolloutConfig" and "menu_choice" not in data and data.get("example_menu") and (
+            data.get("menu_prefix_lines") is not None or "menu_seed" in data):
+        data = {**data, "menu_choice": "drawn"}  # a menu before the policy chose: each sample's design was drawn
     return data
 
 
@@ -985,6 +1060,14 @@ def _legacy_hash_form(cfg: RunConfig, body: dict) -> dict:
                 del chain[i][parents[i]]
     if body.get("rollout", {}).get("exemplars") == "none":
         body["rollout"]["exemplars"] = False  # the field was a bool: `false` then
+    # menu_choice: `drawn` was the only way before the field, so it hashes as its absence; `policy` is spelt out
+    # wherever there is a menu, so that a policy run never hashes as a drawn one
+    if cfg.rollout.example_menu and cfg.rollout.menu_choice == "policy":
+        body.setdefault("rollout", {})["menu_choice"] = "policy"
+    elif "menu_choice" in body.get("rollout", {}):
+        del body["rollout"]["menu_choice"]
+        if not body["rollout"]:
+            del body["rollout"]
     return body
 
 

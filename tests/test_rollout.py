@@ -503,6 +503,77 @@ def test_example_menu_draws_one_design_per_slot(tmp_path, fake, monkeypatch):
     assert sum(len(c[0]) for c in gens[0].calls) == len(distinct) and len(distinct) >= 3
 
 
+def test_policy_menu_shows_every_design_and_forces_none(tmp_path, fake, monkeypatch):
+    """rollout.menu_choice policy (the default): one prompt per query shows every design's code, the assistant turn
+    opens with workflow_prefix only, all m slots sample from that one prompt, and each row's `choice` is the design
+    its own `# design:` line names (`example` stays null: no design was drawn)."""
+    io = tmp_path / "io.py"
+    io.write_text("# design: answer directly\nasync def solve(problem):\n    return (await llm(problem))[0]\n")
+    vote = tmp_path / "vote.py"
+    vote.write_text("# design: sample and vote\nasync def solve(problem):\n    r = await llm(problem, n=5)\n"
+                    "    return max(r, key=r.count)\n")
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "workflow.txt").write_text("$designs\nTask:\n$problem\n")
+    gens = fake()
+    said = [" vote\nasync def solve(problem):\n    return 1\n```", " io + vote\nasync def solve(p):\n    return 2\n```",
+            " my own\nasync def solve(p):\n    return 3\n```"]
+    monkeypatch.setattr(FakeGen, "_generate", lambda self, ps, smp, a: self.calls.append((ps, smp, a)) or [
+        [Completion(said[i % 3], [1], [3], [-1.0], "stop") for i in range(smp.n)] for _ in ps])
+    ctx = make_ctx(tmp_path, rollout={"m": 6, "example_menu": [str(io), str(vote)], "prompt_dir": str(prompts),
+                                      "workflow_prefix": "```python\n# design:"})
+    run_rollout(ctx)
+    df = ctx.store.read("generations", "t", 0).sort("gen_id")
+    assert [len(c[0]) for c in gens[0].calls] == [2] and gens[0].calls[0][1].n == 6  # one prompt a query, n = m
+    for r in df.iter_rows(named=True):
+        shown = r["prompt_text"]
+        assert "r = await llm(problem, n=5)" in shown and "return (await llm(problem))[0]" in shown
+        assert r["prompt_text"].endswith("```python\n# design:") and r["example"] is None
+    assert df.filter(pl.col("query_id") == "q0")["choice"].to_list() == ["vote", "combined", "own"] * 2
+
+
+def test_choice_step_draws_the_design_token_from_the_labels_then_writes_after_it(tmp_path, fake, monkeypatch):
+    """rollout.choice_step: one call draws each slot's first token among the labels' first tokens (the engine is
+    handed exactly those ids, at choice_temperature), a second call writes the workflow after the drawn token, one
+    prompt a slot; a row's tokens are the two steps' joined and its choice is the drawn label's design."""
+    menu = []
+    for name, body in (("mixed_direct", "return (await llm(problem))[0]"), ("mixed_steps", "return 'steps'")):
+        path = tmp_path / f"{name}.py"
+        path.write_text(f"# design: {name}\nasync def solve(problem):\n    {body}\n")
+        menu.append(str(path))
+    gens = fake()
+    tok = rollout.load_tokenizer("embedded:smollm2-135m-instruct")
+    prefix = "```python\nasync def solve(problem):\n    # design:"
+    expected = {"mixed_direct": tok(prefix + " direct", add_special_tokens=False).input_ids[-1],
+                "mixed_steps": tok(prefix + " steps", add_special_tokens=False).input_ids[-1]}
+
+    def generate(self, prompts, smp, adapter):
+        self.calls.append((prompts, smp, adapter))
+        if smp.allowed_token_ids:  # step 1: slot j draws candidate j % 2
+            ids = list(smp.allowed_token_ids)
+            return [[Completion(tok.decode([ids[j % 2]]), [5, 6], [ids[j % 2]], [-0.7], "length")
+                     for j in range(smp.n)] for _ in prompts]
+        return [[Completion("\n    return 1\n```", [5, 6, 9], [11, 12], [-0.1, -0.2], "stop")] for _ in prompts]
+
+    monkeypatch.setattr(FakeGen, "_generate", generate)
+    ctx = make_ctx(tmp_path, rollout={"m": 4, "example_menu": menu, "workflow_prefix": prefix, "choice_step": True,
+                                      "choice_temperature": 1.5}, training={"old_logprobs": "recompute"})
+    run_rollout(ctx)
+    (first, smp1, _), (second, smp2, _) = gens[0].calls
+    assert set(smp1.allowed_token_ids) == set(expected.values()) and smp1.temperature == 1.5 and smp1.n == 4
+    assert len(first) == 2 and len(second) == 8 and smp2.n == 1  # 2 queries x 4 slots, one prompt a slot
+    assert second[0].endswith(prefix + tok.decode([smp1.allowed_token_ids[0]]))
+    df = ctx.store.read("generations", "t", 0).sort("gen_id")
+    row = df.row(0, named=True)
+    assert row["token_ids"] == [smp1.allowed_token_ids[0], 11, 12]
+    assert row["token_logprobs"] == pytest.approx([-0.7, -0.1, -0.2])  # stored as float32
+    assert row["retokenized"]  # the fake's step-2 prompt ids are not step 1's plus the drawn token
+    by_label = {v: k for k, v in expected.items()}
+    assert df["choice"].to_list() == [by_label[smp1.allowed_token_ids[j % 2]] for j in range(4)] * 2
+    with pytest.raises(ValueError, match="set training.old_logprobs: recompute"):
+        make_ctx(tmp_path, rollout={"example_menu": menu, "choice_step": True}, training={"old_logprobs": "auto"})
+
+
 def test_example_menu_file_missing_writes_nothing(tmp_path, fake):
     fake()
     ctx = make_ctx(tmp_path, rollout={"example_menu": [str(tmp_path / "nope.py")]})

@@ -1,4 +1,4 @@
-# Equal-budget reference for HumanEval (issue 26): best of K executor samples, checked on the public tests.
+# Equal-budget reference for HumanEval (the real-task study): best of K executor samples, checked on the public tests.
 # design: sample and check: K answers at temperature 0.7 in one call, the first passing the public tests
 # One llm() call samples K = 4 completions at temperature 0.7 (n = K: one request, the prompt counted once); the
 # first whose code passes the public tests (`run_tests`) is the answer, else the first sample. K = 4 matches the

@@ -1,4 +1,4 @@
-# HumanEval (issue 39's menu): the executor answers directly, one greedy function, no test.
+# HumanEval (the headroom menu): the executor answers directly, one greedy function, no test.
 # design: answer directly: one function from the helper at temperature 0, not tested
 #   pipeline baseline configs/humaneval-menu.yaml --method program:configs/programs/code_direct.py
 # ruff: noqa: E501, F821 (llm is the sandbox's helper)

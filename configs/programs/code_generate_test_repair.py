@@ -1,4 +1,4 @@
-# The "best fixed workflow" candidate for HumanEval (issue 26): the hand-written prompt's example workflow
+# The "best fixed workflow" candidate for HumanEval (the real-task study): the hand-written prompt's example workflow
 # design: generate, check against the public tests, repair once with the failures
 # (configs/prompts/code/example_code.txt, byte for byte below this header) run as a fixed program: ask the executor
 # for the function, run the public tests, ask once more with the failures. The trained generator copies it.

@@ -1,5 +1,5 @@
-# HumanEval (issue 39's menu): resample on failure. The greedy answer, checked on the public tests; when they fail,
-# fresh samples at temperature 0.7 (not a repair: issue 39 found the example's repair never fixes a failing first
+# HumanEval (the headroom menu): resample on failure. The greedy answer, checked on the public tests; when they fail,
+# fresh samples at temperature 0.7 (not a repair: earlier runs found the example's repair never fixes a failing first
 # answer on the test problems, 0 of 22, while fresh samples do), the first passing one, else the greedy answer.
 # design: resample on failure: the greedy function, checked on the public tests; if it fails, K fresh samples, the first that passes
 #   pipeline baseline configs/humaneval-menu.yaml --method program:configs/programs/code_resample.py

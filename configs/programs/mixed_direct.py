@@ -1,4 +1,4 @@
-# The mixed task (issue 39's menu, configs/mixed-learn.yaml): the executor answers directly, asked for the answer
+# The mixed task (the headroom menu, configs/mixed-learn.yaml): the executor answers directly, asked for the answer
 # only; the workflow returns its reply's last line.
 # design: answer directly: the helper gives the answer only, no reasoning
 #   pipeline baseline configs/mixed-learn.yaml --method program:configs/programs/mixed_direct.py

@@ -1,4 +1,4 @@
-# The mixed task (issue 39's menu): program of thought, one greedy Python expression evaluated in the workflow (the
+# The mixed task (the headroom menu): program of thought, one greedy Python expression evaluated in the workflow (the
 # whole first line, else what precedes its "="); the reply when it does not evaluate.
 # design: program of thought: the helper writes one Python expression, the workflow evaluates it exactly
 #   pipeline baseline configs/mixed-learn.yaml --method program:configs/programs/mixed_pot.py

@@ -1,4 +1,4 @@
-# The mixed task's hand-written router (issue 39, configs/mixed-learn.yaml; a reference, not a menu design): a
+# The mixed task's hand-written router (the headroom study, configs/mixed-learn.yaml; a reference, not a menu design): a
 # person who has seen the three parts writes it in a few lines. A multiplication is computed in Python from the
 # numbers in the question (no executor call); a calendar question about one date (a weekday, a day of the month, a
 # leap year: a name or Yes/No) gets one step-by-step answer, the design that won that part on dev; a word problem or

@@ -1,4 +1,4 @@
-# The mixed task (issue 39's menu): chain of thought, one greedy answer ending in "Answer: <answer>"; the workflow
+# The mixed task (the headroom menu): chain of thought, one greedy answer ending in "Answer: <answer>"; the workflow
 # returns what follows the last "Answer:" (a number or a word).
 # design: step by step: one reasoned answer at temperature 0, the text after its last "Answer:"
 #   pipeline baseline configs/mixed-learn.yaml --method program:configs/programs/mixed_steps.py

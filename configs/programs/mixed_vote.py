@@ -1,4 +1,4 @@
-# The mixed task (issue 39's menu): self-consistency, five step-by-step answers at temperature 0.7 in one call; the
+# The mixed task (the headroom menu): self-consistency, five step-by-step answers at temperature 0.7 in one call; the
 # most frequent final answer (the text after "Answer:", case and a trailing period ignored) wins.
 # design: sample and vote: five step-by-step answers at temperature 0.7, the most frequent final answer
 #   pipeline baseline configs/mixed-learn.yaml --method program:configs/programs/mixed_vote.py

@@ -1,4 +1,4 @@
-# Word problems (issue 39's menu): the executor answers directly, asked for the final number only; the workflow
+# Word problems (the headroom menu): the executor answers directly, asked for the final number only; the workflow
 # returns the last number of its reply.
 # design: answer directly: the helper gives the final number only, no reasoning
 #   pipeline baseline configs/gsm-menu.yaml --method program:configs/programs/word_direct.py

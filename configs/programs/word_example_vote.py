@@ -1,4 +1,4 @@
-# The "best fixed workflow" candidate for word problems (issue 26, gsm_symbolic): the hand-written prompt's example
+# The "best fixed workflow" candidate for word problems (gsm_symbolic): the hand-written prompt's example
 # design: sample and vote: three step-by-step answers at temperature 0.7, the most frequent final number
 # workflow (configs/prompts/word/example_procedural.txt, byte for byte below this header) run as a fixed program:
 # ask for a step-by-step solution ending in "Answer: <number>", 3 samples at temperature 0.7 in one llm() call, the

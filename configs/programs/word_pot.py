@@ -1,4 +1,4 @@
-# Word problems (issue 39's menu): program of thought, one greedy Python expression evaluated in the workflow (the
+# Word problems (the headroom menu): program of thought, one greedy Python expression evaluated in the workflow (the
 # whole first line, else what precedes its "="), as the `pot` baseline; else the reply.
 # design: program of thought: the helper writes one Python expression, the workflow evaluates it
 #   pipeline baseline configs/gsm-menu.yaml --method program:configs/programs/word_pot.py

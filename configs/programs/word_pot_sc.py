@@ -1,4 +1,4 @@
-# Program of thought with self-consistency for word problems (issue 26, gsm_symbolic): K = 5 samples at temperature
+# Program of thought with self-consistency for word problems (gsm_symbolic): K = 5 samples at temperature
 # design: program of thought, sampled: five Python expressions at temperature 0.7, the most frequent value
 # 0.7 in one llm() call (n = K, as the `cot_sc` baseline), each a Python expression evaluated as the `pot` baseline
 # evaluates its one (the whole first line, else what precedes its "="); the answer is the most frequent value

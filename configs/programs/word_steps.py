@@ -1,4 +1,4 @@
-# Word problems (issue 39's menu): chain of thought, one greedy answer ending in "Answer: <number>"; the workflow
+# Word problems (the headroom menu): chain of thought, one greedy answer ending in "Answer: <number>"; the workflow
 # returns the last number after the last "Answer:".
 # design: step by step: one reasoned answer at temperature 0, its final number
 #   pipeline baseline configs/gsm-menu.yaml --method program:configs/programs/word_steps.py

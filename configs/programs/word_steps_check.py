@@ -1,4 +1,4 @@
-# Word problems (issue 39's menu): generate and check, resample on disagreement: one greedy step-by-step answer and
+# Word problems (the headroom menu): generate and check, resample on disagreement: one greedy step-by-step answer and
 # one program-of-thought expression; when their numbers agree that is the answer, else three step-by-step samples at
 # 0.7 vote with the first two.
 # design: check and resample: a reasoned answer checked by a Python expression; on disagreement three more samples vote

@@ -4,17 +4,27 @@ comments and layout dropped), or `other` below MIN_SIMILARITY. A generator that 
 examples writes `other`; one that copies an example writes that example's design. The rollout stores it per
 workflow (`generations.design`, beside `generations.example`, the design its prompt showed), so how the designs'
 shares move round over round, and whether a query's group spans designs, are SQL over the store
-(pipeline.store.views: DESIGN_SPAN_SQL, DESIGN_SHARES_SQL)."""
+(pipeline.store.views: DESIGN_SPAN_SQL, DESIGN_SHARES_SQL).
+
+Where the generator chooses (rollout.menu_choice policy), its workflow opens with a `# design: <name>` line, and
+`declared_choice` reads which design it says it uses: a menu name, `combined` (two or more menu names), or `own`
+(anything else, or no such line). Stored as `generations.choice`; `design` then checks whether the code follows
+what it declared."""
 
 from __future__ import annotations
 
+import ast
 import difflib
 import io
+import re
 import tokenize
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 MIN_SIMILARITY = 0.6  # below it a workflow follows none of the menu's designs closely enough to carry its name
 OTHER = "other"
+OWN = "own"  # a declared choice that names no menu design (or no declaration)
+COMBINED = "combined"  # a declared choice naming two or more menu designs
+_DECLARATION = re.compile(r"^\s*#\s*design\s*:(.*)$", re.IGNORECASE | re.MULTILINE)
 _SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING,
          tokenize.ENDMARKER}
 
@@ -43,3 +53,65 @@ def nearest_design(code: str, menu: Mapping[str, str], min_similarity: float = M
         if s > score:
             best, score = name, s
     return (best if score >= min_similarity else OTHER), score
+
+
+def declared_choice(text: str, names: Sequence[str], labels: Mapping[str, str] | None = None) -> str:
+    """The design a workflow's first `# design:` line names: one of `names` (by its name or its label in `labels`,
+    name -> label), COMBINED when it names two or more of them, else OWN. A name matches as a whole word, case aside
+    ("mixed_pot", "pot", "mixed_pot + steps")."""
+    found = _DECLARATION.search(text)
+    if found is None:
+        return OWN
+    said = found.group(1).lower()
+
+    def says(word: str) -> bool:
+        return re.search(rf"(?<![\w]){re.escape(word.lower())}(?![\w])", said) is not None
+
+    named = [n for n in names if says(n) or (labels is not None and says(labels.get(n, n)))]
+    return named[0] if len(named) == 1 else COMBINED if named else OWN
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _calls_llm(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "llm" for n in ast.walk(node))
+
+
+def reply_independent(code: str) -> bool | None:
+    """Whether the workflow's returned answer can depend on no executor reply, read statically: no `return` of
+    `solve` mentions a call to `llm` or a name that a reply flows into (assignments, augmented assignments, `for`
+    targets and `name.method(reply)` calls such as `answers.append(reply)`, followed to a fixed point). True for a
+    workflow that computes its answer from the query alone (e.g. the query's numbers written into the code) or calls
+    the executor only for show; None when the code does not parse. A name tainted in one branch counts everywhere
+    (the check over-approximates what flows)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    solve = next((n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef | ast.FunctionDef)
+                  and n.name == "solve"), tree)
+    flows: list[tuple[set[str], ast.AST]] = []  # (names assigned, the value they are assigned from)
+    for node in ast.walk(solve):
+        if isinstance(node, ast.Assign):
+            flows.append((set().union(*(_names(t) for t in node.targets)), node.value))
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign) and node.value is not None:
+            flows.append((_names(node.target), node.value))
+        elif isinstance(node, ast.For | ast.AsyncFor | ast.comprehension):
+            flows.append((_names(node.target), node.iter))
+        elif isinstance(node, ast.NamedExpr):
+            flows.append((_names(node.target), node.value))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and isinstance(node.func.value, ast.Name)):
+            flows.append(({node.func.value.id}, ast.Tuple(elts=[*node.args, *(k.value for k in node.keywords)])))
+    tainted: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for targets, value in flows:
+            if not targets <= tainted and (_calls_llm(value) or _names(value) & tainted):
+                tainted |= targets
+                changed = True
+    returns = [n.value for n in ast.walk(solve) if isinstance(n, ast.Return) and n.value is not None]
+    return not any(_calls_llm(r) or _names(r) & tainted for r in returns)

@@ -5,6 +5,7 @@ Templates use `string.Template` (`$name`) so the Python braces of example workfl
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,6 +99,23 @@ def menu_listing(menu: Sequence[Design]) -> str:
     return "\n".join(f"- {d.name}: {d.note}" for d in menu)
 
 
+def menu_labels(menu: Sequence[Design]) -> dict[str, str]:
+    """Each design's label in a prompt that lets the generator choose: its name without the prefix every name of the
+    menu shares ("mixed_pot" -> "pot"), so the names differ from their first word; the names themselves where the
+    prefix would leave one empty."""
+    names = [d.name for d in menu]
+    common = os.path.commonprefix(names) if len(names) > 1 else ""
+    labels = [n[len(common):] for n in names]
+    return dict(zip(names, labels if all(labels) else names, strict=True))
+
+
+def menu_block(menu: Sequence[Design]) -> str:
+    """The `$designs` block: every design with its label (`menu_labels`), what it does and its code, for a prompt
+    that lets the generator choose (rollout.menu_choice policy)."""
+    labels = menu_labels(menu)
+    return "\n\n".join(f"{labels[d.name]}: {d.note}\n```python\n{d.code}\n```" for d in menu)
+
+
 def design_prefix(design: Design, body_lines: int) -> str:
     """The assistant turn's opening for a drawn design: a ```python fence, the design's code through its
     `async def solve` line, then `body_lines` lines of its body (rollout.menu_prefix_lines)."""
@@ -126,10 +144,11 @@ def workflow_prompt(problem: str, family: str, shown: Sequence[Shown] = (), plan
                     menu: Sequence[Design] = ()) -> str:
     """User message asking for a workflow (flat), or for a workflow under an agent plan (two-level), whose
     exemplars were written under the stored plan `exemplar_plan`. `design`: the menu design drawn for this sample,
-    shown as the example instead of the prompt folder's (`$design`: what it does; `$menu`: every design)."""
+    shown as the example instead of the prompt folder's (`$design`: what it does; `$menu`: every design's name and
+    line; `$designs`: every design's code too)."""
     values = dict(contract=contract(family, prompt_dir),
                   example=example(family, prompt_dir) if design is None else design.code,
-                  design="" if design is None else design.note, menu=menu_listing(menu),
+                  design="" if design is None else design.note, menu=menu_listing(menu), designs=menu_block(menu),
                   exemplars=exemplar_block(shown, code=True, plan=exemplar_plan), problem=problem.strip())
     if plan is None:
         return _fill("workflow", prompt_dir, **values)

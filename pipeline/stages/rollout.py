@@ -18,9 +18,11 @@ import logging
 import random
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
-from pipeline.core.designs import nearest_design
+from pipeline.core.designs import declared_choice, nearest_design
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.engines.executors import cost_usd
 from pipeline.engines.generation import BACKENDS, Completion, Generator, Sampling, make_generator
@@ -33,6 +35,7 @@ from pipeline.engines.prompting import (
     agent_system,
     load_design,
     menu_code,
+    menu_labels,
     render,
     require_chat_template,
     workflow_prompt,
@@ -103,6 +106,11 @@ class Sampler:
         # the example menu; its designs by name, to name the design each written workflow follows
         self.menu = [load_design(p) for p in self.cfg.rollout.example_menu]
         self.menu_code = menu_code(self.cfg.rollout.example_menu)
+        self.menu_names = [d.name for d in self.menu]
+        self.menu_labels = menu_labels(self.menu) if self.menu else {}
+        # rollout.choice_step: the token each design's label starts with after workflow_prefix
+        self.choice_tokens = choice_tokens(tokenizer, self.cfg.rollout.workflow_prefix, self.menu_labels) \
+            if self.cfg.rollout.choice_step else {}
         self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, k)
         self.tau_w = tau_at(self.cfg.rollout.tau_workflow, self.cfg.rollout.tau_decay, k)
 
@@ -117,8 +125,8 @@ class Sampler:
         slots = [s for s in range(n) if gen_id(self.ctx.round, item.id, kind, s, parent_id) not in have]
         if not slots:
             return []
-        if kind != "workflow" or not self.menu:
-            return [self._prompt(kind, item, slots, parent)]
+        if kind != "workflow" or not self.menu or self.cfg.rollout.menu_choice == "policy":
+            return [self._prompt(kind, item, slots, parent)]  # policy: one prompt shows the whole menu
         drawn: dict[int, list[int]] = {}
         for s in slots:
             drawn.setdefault(draw_design(self.cfg.rollout.menu_seed, item.id, s, len(self.menu)), []).append(s)
@@ -175,9 +183,39 @@ class Sampler:
         return Sampling(n=len(batch[0].slots), temperature=g.temperature, top_p=g.top_p,
                         max_new_tokens=batch[0].max_new_tokens, seed=seed, stop=stops(g, batch[0].kind))
 
+    def choice_provenance(self, req: Request) -> dict:
+        """What a row's `sampling` adds under rollout.choice_step: the design token's temperature and candidates."""
+        if not self.choice_tokens or req.kind != "workflow":
+            return {}
+        ro = self.cfg.rollout
+        return {"choice_step": {"temperature": ro.choice_temperature or self.cfg.generator.temperature,
+                                "tokens": self.choice_tokens}}
+
+    def choose_then_write(self, gen: Generator, batch: list[Request], sampling: Sampling,
+                          progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
+        """rollout.choice_step: per slot, the design token drawn from the policy restricted to the labels' first
+        tokens (at choice_temperature), then the workflow sampled after it (one prompt a slot); each completion is
+        the two steps' tokens joined, their log-probs as the engine reported them (π_old is recomputed).
+        `progress`: told of each workflow as it is written."""
+        ro = self.cfg.rollout
+        first = replace(sampling, temperature=ro.choice_temperature or sampling.temperature, top_p=1.0,
+                        max_new_tokens=1, stop=(), allowed_token_ids=tuple(self.choice_tokens.values()))
+        chosen = gen.generate([r.prompt_text for r in batch], first, self.sample_adapter)
+        picks = [c for comps in chosen for c in comps]
+        then = replace(sampling, n=1, max_new_tokens=max(1, sampling.max_new_tokens - 1),
+                       seed=derived_seed(sampling.seed, "after the choice"))
+        prompts = [r.prompt_text + c.text for r, comps in zip(batch, chosen, strict=True) for c in comps]
+        written = [comps[0] for comps in gen.generate(prompts, then, self.sample_adapter, progress=progress)]
+        joined = [Completion(c.text + w.text, c.prompt_token_ids, c.token_ids + w.token_ids,
+                             None if c.token_logprobs is None or w.token_logprobs is None
+                             else c.token_logprobs + w.token_logprobs, w.finish_reason,
+                             retokenized=w.prompt_token_ids != c.prompt_token_ids + c.token_ids)
+                  for c, w in zip(picks, written, strict=True)]
+        return [joined[i * sampling.n:(i + 1) * sampling.n] for i in range(len(batch))]
+
     def rows(self, req: Request, comps: list[Completion], sampling: Sampling, latency: float) -> list[dict]:
         g = self.cfg.generator
-        rows = []
+        rows, menu_workflow = [], bool(self.menu) and req.kind == "workflow"
         for gid, slot, c in zip(req.gen_ids, req.slots, comps, strict=True):
             text = req.prefix + c.text
             reason = _validate(req.kind, text, self.cfg.rollout.max_workflow_chars)
@@ -185,13 +223,14 @@ class Sampler:
                 gen_id=gid, kind=req.kind, parent_id=req.parent_id, query_id=req.query_id, slot=slot,
                 prompt_text=req.prompt_text, text=text, prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids,
                 token_logprobs=c.token_logprobs, model=g.model, backend=g.backend, adapter_round=self.adapter_round,
-                sampling=sampling.to_json(adapter=self.adapter), exemplar_ids=req.exemplar_ids,
+                sampling=sampling.to_json(adapter=self.adapter, **self.choice_provenance(req)),
+                exemplar_ids=req.exemplar_ids,
                 finish_reason=c.finish_reason, valid=reason is None, invalid_reason=reason,
                 retokenized=c.retokenized, latency_s=latency, attempt=0,
                 cost_usd=cost_usd(g.prices, len(c.prompt_token_ids or []), len(c.token_ids or [])),
                 example=req.example,
-                design=nearest_design(extract_code(text), self.menu_code)[0] if self.menu and req.kind == "workflow"
-                else None,
+                design=nearest_design(extract_code(text), self.menu_code)[0] if menu_workflow else None,
+                choice=declared_choice(text, self.menu_names, self.menu_labels) if menu_workflow else None,
             ))
         return rows
 
@@ -200,12 +239,33 @@ class Sampler:
         for batch in batches(requests, self.cfg.generator.batch_size):
             sampling = self.sampling(batch)
             t0 = time.perf_counter()
-            outs = gen.generate([r.prompt_text for r in batch], sampling, self.sample_adapter, progress=bar.update)
+            if self.choice_tokens and batch[0].kind == "workflow":
+                outs = self.choose_then_write(gen, batch, sampling, progress=bar.update)
+            else:
+                outs = gen.generate([r.prompt_text for r in batch], sampling, self.sample_adapter, progress=bar.update)
             latency = (time.perf_counter() - t0) / max(1, sampling.n * len(batch))
             rows = [row for r, comps in zip(batch, outs, strict=True) for row in self.rows(r, comps, sampling, latency)]
             self.ctx.store.write("generations", rows, self.ctx.run_id, self.ctx.round)
             written += len(rows)
         return written
+
+
+def choice_tokens(tokenizer, prefix: str, labels: dict[str, str]) -> dict[str, int]:
+    """design name -> the token its label starts with right after `prefix` (a space before the label unless the
+    prefix ends in one); a RolloutError when two labels start with the same token or the prefix's own tokens change."""
+    base = tokenizer(prefix, add_special_tokens=False).input_ids
+    out: dict[str, int] = {}
+    for name, label in labels.items():
+        ids = tokenizer(prefix + ("" if prefix.endswith((" ", "\n")) else " ") + label, add_special_tokens=False
+                        ).input_ids
+        if ids[:len(base)] != base or len(ids) == len(base):
+            raise RolloutError(f"rollout.choice_step: the label {label!r} merges with the end of workflow_prefix "
+                               f"{prefix!r}; end the prefix where a word starts (e.g. with `# design:`)")
+        out[name] = ids[len(base)]
+    if len(set(out.values())) < len(out):
+        raise RolloutError(f"rollout.choice_step: labels {sorted(labels.values())} do not differ in their first "
+                           "token; name the menu's programs so that they do")
+    return out
 
 
 def write_queries(ctx: RunContext, items: list[Item]) -> int:

@@ -53,8 +53,11 @@ def draw_design(seed: int, query_id: str, slot: int, k: int) -> int:
 
 def drawn_design(rollout: RolloutConfig, menu: list[Design], key: str, slot: int) -> Design | None:
     """The menu design the prompt of (`key`: a query or a refine task, `slot`) shows (`draw_design`); None without a
-    menu. SMC's particles and a W4S task take slot 0's, as a flat rollout's first sample."""
-    return menu[draw_design(rollout.menu_seed, key, slot, len(menu))] if menu else None
+    menu or where the policy chooses (menu_choice policy). SMC's particles and a W4S task take slot 0's, as a flat
+    rollout's first sample."""
+    if not menu or rollout.menu_choice == "policy":
+        return None
+    return menu[draw_design(rollout.menu_seed, key, slot, len(menu))]
 
 
 def opening(rollout: RolloutConfig, design: Design | None) -> str:

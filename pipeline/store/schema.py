@@ -86,6 +86,9 @@ TABLES: dict[str, pa.Schema] = {
             # (rollout.example_menu), and the one the written workflow follows (pipeline.core.designs, `other`: none)
             ("example", pa.string()),
             ("design", pa.string()),
+            # added later (null: no menu, or written before): the design the workflow's `# design:` line declares
+            # (rollout.menu_choice policy; pipeline.core.designs.declared_choice: a menu name, `combined` or `own`)
+            ("choice", pa.string()),
         ]
     ),
     "scores": pa.schema(

@@ -219,6 +219,20 @@ def part_signal(store: Any, run_id: str) -> pl.DataFrame:
     return store.sql(PART_SIGNAL_SQL, {"run": run_id})
 
 
+# Per round, the kept GRPO groups whose members declare at least two different choices: only there does a group's
+# advantage compare designs, so only there can an update learn the choice.
+CHOICE_SPAN_SQL = """
+WITH m AS (SELECT gr.round, gr.group_id, count(DISTINCT coalesce(g.choice, '')) AS choices
+           FROM (SELECT round, group_id, unnest(members) AS gen_id FROM groups
+                 WHERE run_id = $run AND kept AND coalesce(kind, 'group') = 'group') gr
+           JOIN generations g ON g.run_id = $run AND g.round = gr.round AND g.gen_id = gr.gen_id
+           GROUP BY ALL)
+SELECT round, count(*) AS groups_kept, count(*) FILTER (WHERE choices >= 2) AS spanning,
+       avg(CASE WHEN choices >= 2 THEN 1.0 ELSE 0.0 END) AS spanning_share
+FROM m GROUP BY round ORDER BY round
+"""
+
+
 VIEWS = {"latest_scores": LATEST_SCORES_SQL, "generation_scores": GENERATION_SCORES_SQL, "query_usage": QUERY_USAGE_SQL}
 
 # The caches beside the store (pipeline.engines.cache): `<root>/cache/<kind>/*.jsonl`, one entry a line; a line torn

@@ -65,7 +65,14 @@ from pipeline.stages import ROUND_STAGES
 from pipeline.stages.modes import get_mode
 from pipeline.store import ADAPTER_WEIGHTS, KEPT_SOURCE, Store, adapter_complete, store_for, weights_sha256
 from pipeline.store.views import flagged_rewarded
-from pipeline.studies.baselines import baseline_changes, baseline_run_id, check_method, method_tag, run_baseline
+from pipeline.studies.baselines import (
+    PROGRAM_PREFIX,
+    baseline_changes,
+    baseline_run_id,
+    check_method,
+    method_tag,
+    run_baseline,
+)
 from pipeline.studies.evaluate import (
     EVAL_STAGES,
     derived_run_sets,
@@ -144,6 +151,7 @@ def plan(cfg: RunConfig, seeds: list[int] | None = None) -> list[SeedPlan]:
         for other, name in ((held_out, "experiment.eval_split"), (train, "benchmark.train_split")):
             if splits_overlap(chooser, other):  # choosing on reported or trained-on queries biases the choice
                 raise ConfigError(f"experiment.select_split {chooser} shares queries with {name} {other}")
+    router_designs(cfg)  # a router over designs that are no reference fails now too
     seeds = list(cfg.experiment.seeds if seeds is None else seeds)
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"experiment seeds repeat: {seeds}")
@@ -219,6 +227,12 @@ def select_sets(cfg: RunConfig) -> list[str]:
     return [f"experiment.eval_queries={'null' if n is None else n}"]
 
 
+def fit_sets(cfg: RunConfig) -> list[str]:
+    """The override that makes a router design's run on `router.fit_split` hold its first `fit_queries` queries."""
+    n = cfg.experiment.router.fit_queries if cfg.experiment.router else None
+    return [f"experiment.eval_queries={'null' if n is None else n}"]
+
+
 def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[str]) -> None:
     """References of another experiment (`references_from`) pair with this one's evaluations only where this
     experiment's CONFIG would make the same baseline runs (pipeline.studies.baselines.baseline_changes): a
@@ -254,6 +268,39 @@ def references(store: Store, cfg: RunConfig, split: str | None = None) -> list[R
     runs = reference_runs(cfg, split)
     return [ReferenceArm.from_dict({"method": m, "label": method_tag(m), **eval_summary(store, rid).to_dict()})
             for m, rid in runs.items() if (store.run_dir(rid) / "config.yaml").is_file()]
+
+
+def router_designs(cfg: RunConfig) -> list[str]:
+    """The methods `experiment.router` routes among: router.designs, else the example menu's programs; each must be a
+    reference (its held-out runs are what a router's choices are scored on)."""
+    rc = cfg.experiment.router
+    if rc is None:
+        return []
+    designs = list(rc.designs) or [PROGRAM_PREFIX + p for p in cfg.rollout.example_menu]
+    if len(designs) < 2 or (missing := [d for d in designs if d not in cfg.experiment.references]):
+        raise ConfigError("experiment.router: " + (f"{len(designs)} design(s), a router needs two or more"
+                                                   if len(designs) < 2 else
+                                                   f"{', '.join(missing)} not among experiment.references"))
+    return designs
+
+
+def routers(store: Store, cfg: RunConfig, held_out: list[ReferenceArm]) -> list[ReferenceArm]:
+    """`experiment.router`'s arms on the held-out queries (pipeline.studies.router), once every design has finished
+    its runs on the fit split, dev and the held-out split; none before (logged)."""
+    rc = cfg.experiment.router
+    if rc is None:
+        return []
+    from pipeline.studies.router import router_arms
+
+    labels = [method_tag(d) for d in router_designs(cfg)]
+    fit_on, dev = references(store, cfg, rc.fit_split), references(store, cfg, cfg.experiment.select_split)
+    if any(not [a for a in arms if a.label == lab and not a.pending] for arms in (fit_on, dev, held_out)
+           for lab in labels):
+        log.info("router: the designs' runs on %s, %s and the held-out split are not all finished yet", rc.fit_split,
+                 cfg.experiment.select_split)
+        return []
+    arms, _ = router_arms(store, labels, fit_on, dev, held_out, rc.c_grid, rc.analyzers)
+    return arms
 
 
 def best_fixed(chosen_on: list[ReferenceArm], held_out: list[ReferenceArm], budget: float | None,
@@ -335,6 +382,7 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
     paired = pair_rows(cfg, seeds, per_query, [k for k in eval_rounds(cfg) if k != BASE], compared_metrics(cfg),
                        lambda s, m: query_values(per_query, base_seed(s), BASE, m))
     refs = references(store, cfg)
+    refs += routers(store, cfg, refs)
     against = [row for r in refs for row in pair_rows(
         cfg, seeds, per_query, eval_rounds(cfg), METRICS,
         lambda s, m, r=r: {q["query_id"]: q[m] for q in r.per_query if q.get(m) is not None}, r.label)]
@@ -683,6 +731,10 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 for method in cfg.experiment.references:
                     log.info("reference %s on %s (the best fixed workflow is chosen there)", method, chooser)
                     run_baseline(str(path), method, call, cfg.run_id, chooser, sets + select_sets(cfg))
+            if (rc := cfg.experiment.router) is not None and not cfg.experiment.references_from:
+                for method in router_designs(cfg):
+                    log.info("router design %s on %s (the routers are fitted there)", method, rc.fit_split)
+                    run_baseline(str(path), method, call, cfg.run_id, rc.fit_split, sets + fit_sets(cfg))
             extra["references_wall_s"] = round(time.perf_counter() - t_refs, 1)
             summary, out = publish("after the references")
     if out is None:  # every seed of the plan was finished already, and no reference to run

@@ -15,6 +15,7 @@ import polars as pl
 from pipeline.store import Store, round_stats
 from pipeline.store.schema import STATUSES
 from pipeline.store.views import design_spread, part_signal
+from pipeline.studies.choices import choice_mix, choice_span
 from pipeline.studies.formatting import num
 from pipeline.studies.summaries import ExperimentSummary, ReferenceArm, RoundDiff
 
@@ -183,6 +184,12 @@ def _part_and_design_tables(store: Store, run_id: str) -> str:
     if shares["design"].drop_nulls().len():
         out += ("<h2>Designs</h2><p>spanning_share: queries whose workflows follow two designs or more; written: the "
                 f"nearest menu design of a workflow, shown: its prompt's example</p>{_table(span)}{_table(shares)}")
+    mix = choice_mix(store, run_id)
+    if mix.height:
+        out += ("<h2>Designs the policy chose</h2><p>choice: the design a workflow's `# design:` line names "
+                "(combined: two or more, own: none of the menu); reply_free_share: workflows whose answer depends on "
+                "no executor reply; spanning: kept groups whose members chose two designs or more</p>"
+                f"{_table(mix)}{_table(choice_span(store, run_id))}")
     copies = design_copies(store, run_id)
     if copies.height:
         out += ("<h2>Copies of the menu's designs</h2><p>copies: workflows whose code is the design's own (up to "

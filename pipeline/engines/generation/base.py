@@ -45,6 +45,8 @@ class Sampling:
     max_new_tokens: int = 256
     seed: int = 0
     stop: tuple[str, ...] = ()  # a sample ends with the first of these strings it writes (kept in text and tokens)
+    # a sample draws only these tokens: the distribution renormalised over them (empty: every token)
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:
@@ -54,7 +56,7 @@ class Sampling:
 
     def to_json(self, **extra: object) -> str:
         """The stored provenance of a sample's parameters (`stop` only where set: rows without one read as before)."""
-        d = {k: v for k, v in asdict(self).items() if k != "stop" or v}
+        d = {k: v for k, v in asdict(self).items() if k not in ("stop", "allowed_token_ids") or v}
         return json.dumps({**d, "logprobs": "processed", **extra}, sort_keys=True)
 
 

@@ -22,6 +22,18 @@ from pipeline.engines.models import load_causal_lm, load_tokenizer
 log = logging.getLogger(__name__)
 
 
+class _AllowedTokens(LogitsProcessor):
+    """Every token but `allowed` gets -inf: a sample draws from the distribution renormalised over them."""
+
+    def __init__(self, allowed: tuple[int, ...]):
+        self.allowed = list(allowed)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        masked = torch.full_like(scores, float("-inf"))
+        masked[:, self.allowed] = scores[:, self.allowed]
+        return masked
+
+
 class _LogprobRecorder(LogitsProcessor):
     """Keeps log_softmax of the final (processed) scores of step t and, once step t's token is known
     (the last column of input_ids at step t+1, or of the output), gathers its logprob."""
@@ -75,6 +87,8 @@ class TransformersGenerator(Generator):
         enc = self.encode(prompts)
         recorder = _LogprobRecorder()
         procs: list[LogitsProcessor] = []
+        if sampling.allowed_token_ids:
+            procs.append(_AllowedTokens(sampling.allowed_token_ids))
         if sample and sampling.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(sampling.temperature))
         if sample and sampling.top_p < 1.0:

@@ -208,9 +208,13 @@ class OpenAIGenerator(Generator):
                                                      "skip_special_tokens": True, "include_stop_str_in_output": True})
             if sampling.stop:
                 kw.update(stop=list(sampling.stop))
+            if sampling.allowed_token_ids:
+                kw["extra_body"]["allowed_token_ids"] = list(sampling.allowed_token_ids)
             # Another server drops the stop string from the text and reports finish "stop" as for an EOS, so its
             # tokens could not be rebuilt: it gets no stop, and its samples run on to EOS or the cap.
         else:
+            if sampling.allowed_token_ids:
+                raise GenerationError("allowed_token_ids (rollout.choice_step) needs a vLLM server; this one is not")
             kw.update(prompt=prompt)
         return prompt_ids, kw
 

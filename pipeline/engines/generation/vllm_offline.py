@@ -141,6 +141,7 @@ class VLLMGenerator(Generator):
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
             seed=sampling.seed + i * sampling.n, logprobs=0, skip_special_tokens=True,
             stop=list(sampling.stop) or None, include_stop_str_in_output=True,
+            allowed_token_ids=list(sampling.allowed_token_ids) or None,
         ) for i in range(count)]
 
     def inputs(self, prompts: list[str]) -> list[dict[str, list[int]]]:

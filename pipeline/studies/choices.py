@@ -1,0 +1,48 @@
+"""What a generator that chooses its design chose (rollout.menu_choice policy), read from the store: per round, part
+and declared design (`generations.choice`), the workflows, their share of the part, their mean score, executor and
+generator tokens per workflow, and the share whose answer depends on no executor reply
+(pipeline.core.designs.reply_independent: the query's own numbers computed in the code, or a reply asked for and
+ignored); and per round the kept GRPO groups whose members declare two or more designs, the only groups whose
+advantages compare designs (pipeline.store.views.CHOICE_SPAN_SQL). `pipeline report RUN` shows both."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from pipeline.core.designs import reply_independent
+from pipeline.engines.workflow import extract_code
+from pipeline.store import Store
+from pipeline.store.views import CHOICE_SPAN_SQL
+
+WORKFLOWS_SQL = """
+SELECT g.round, coalesce(json_extract_string(q.meta, '$.task'), '') AS part, g.choice, g.text, s.score,
+       coalesce(s.tokens_in, 0) + coalesce(s.tokens_out, 0) AS exec_tokens,
+       coalesce(len(g.prompt_token_ids), 0) + coalesce(len(g.token_ids), 0) AS gen_tokens
+FROM generations g
+JOIN (SELECT round, query_id, any_value(meta) AS meta FROM queries WHERE run_id = $run GROUP BY ALL) q
+  USING (round, query_id)
+LEFT JOIN generation_scores s ON s.run_id = g.run_id AND s.round = g.round AND s.gen_id = g.gen_id
+WHERE g.run_id = $run AND g.kind = 'workflow' AND g.choice IS NOT NULL
+"""
+
+
+def choice_mix(store: Store, run_id: str) -> pl.DataFrame:
+    """One row per (round, part, choice); empty for a run whose workflows declare no choice."""
+    df = store.sql(WORKFLOWS_SQL, {"run": run_id})
+    if df.height == 0:
+        return pl.DataFrame()
+    df = df.with_columns(pl.col("text").map_elements(lambda t: reply_independent(extract_code(t)) is True,
+                                                     return_dtype=pl.Boolean).alias("reply_free"))
+    out = df.group_by("round", "part", "choice").agg(
+        pl.len().alias("workflows"), pl.col("score").mean().alias("mean_score"),
+        pl.col("exec_tokens").mean().alias("exec_tokens"), pl.col("gen_tokens").mean().alias("gen_tokens"),
+        pl.col("reply_free").mean().alias("reply_free_share"))
+    out = out.with_columns((pl.col("workflows") / pl.col("workflows").sum().over("round", "part")).alias("share"))
+    return out.select("round", "part", "choice", "workflows", "share", "mean_score", "exec_tokens", "gen_tokens",
+                      "reply_free_share").sort("round", "part", "workflows", "choice", descending=[False, False, True,
+                                                                                                      False])
+
+
+def choice_span(store: Store, run_id: str) -> pl.DataFrame:
+    """Per round: the kept GRPO groups and those whose members declare two or more designs."""
+    return store.sql(CHOICE_SPAN_SQL, {"run": run_id})

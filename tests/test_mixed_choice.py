@@ -1,0 +1,97 @@
+"""configs/mixed-choice.yaml: a test split nobody has read (no query of it in any committed store), dev large enough
+per part, the policy's choice (nothing drawn, nothing forced), and the routers as references."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from pipeline.config import ConfigError, config_from_dict, load_config
+from pipeline.engines.benchmarks import load_benchmark
+from pipeline.engines.prompting import load_design
+from pipeline.studies.experiment import plan, router_designs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "mixed-choice.yaml"
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def splits(cfg):
+    bench = load_benchmark(cfg.benchmark.model_copy(update={"max_queries": None}))
+    return {s: bench.items(s) for s in ("train", "dev", "test")}
+
+
+def committed_prompts(split: str | None = None) -> set[str]:
+    """Every query text of the stores committed under data/ (of `split`, or of any split), this task's own aside."""
+    parts = [str(p) for p in (ROOT / "data").rglob("queries/*.parquet") if "mixed-choice" not in p.parts]
+    assert len(parts) > 50  # the committed stores are there to compare with
+    where = "" if split is None else f"WHERE split = '{split}'"
+    return {row[0] for row in duckdb.sql(f"SELECT DISTINCT prompt FROM read_parquet({parts!r}, union_by_name=true) "
+                                         f"{where}").fetchall()}
+
+
+def test_no_test_query_of_the_new_split_is_in_any_committed_store(splits):
+    """None was in a committed test split; of every committed query (any split), only one generic calendar question
+    recurs ("Is 2020 a leap year?", on earlier dev splits): the generator's space of such questions is small."""
+    read_on_test = committed_prompts("test")
+    assert len(read_on_test) > 100  # gsm-learn's, mixed3's and HumanEval's test queries
+    assert not [it.id for it in splits["test"] if it.prompt in read_on_test]
+    anywhere = committed_prompts()
+    recurring = [it.prompt for it in splits["test"] if it.prompt in anywhere]
+    assert recurring == ["Is 2020 a leap year? Answer with Yes or No."]
+
+
+def test_dev_holds_at_least_30_queries_of_every_part_and_the_evaluated_test_about_30(cfg, splits):
+    per_part = Counter(it.meta["task"] for it in splits["dev"])
+    assert set(per_part) == {"gsm_symbolic", "products", "calendar_arithmetic"} and min(per_part.values()) >= 30
+    evaluated = Counter(it.meta["task"] for it in splits["test"][: cfg.experiment.eval_queries])
+    assert min(evaluated.values()) >= 25, evaluated
+    assert len(splits["train"]) == 216 and len(splits["dev"]) == 144 and len(splits["test"]) == 120
+
+
+def test_the_policy_chooses_and_the_routers_route_among_the_menu(cfg):
+    assert cfg.rollout.menu_choice == "policy" and cfg.rollout.menu_prefix_lines is None
+    # the format and what every design shares (the signature, the names' common prefix), not a design
+    assert cfg.rollout.workflow_prefix == "```python\nasync def solve(problem):\n    # design:"
+    assert cfg.rollout.choice_step and cfg.training.old_logprobs == "recompute"
+    assert all(d.code.startswith("async def solve(problem):\n") for d in map(load_design, cfg.rollout.example_menu))
+    assert all(Path(p).stem.startswith("mixed_") for p in cfg.rollout.example_menu)
+    assert router_designs(cfg) == [f"program:{p}" for p in cfg.rollout.example_menu]
+    assert len(plan(cfg)) == 3
+
+
+def test_a_router_over_a_design_that_is_no_reference_is_refused():
+    cfg = config_from_dict({"benchmark": {"train_split": "train", "dev_share": 0.5},
+                            "rollout": {"example_menu": ["configs/programs/mixed_pot.py",
+                                                         "configs/programs/mixed_steps.py"]},
+                            "experiment": {"references": ["program:configs/programs/mixed_pot.py"],
+                                           "select_split": "dev", "router": {}}})
+    with pytest.raises(ConfigError, match="mixed_steps.py not among experiment.references"):
+        plan(cfg)
+    with pytest.raises(ValueError, match="set experiment.select_split: dev"):
+        config_from_dict({"experiment": {"router": {}}})
+
+
+def test_a_menu_config_of_before_the_choice_still_draws_and_hashes_as_it_did():
+    """A config written while every menu sample's design was drawn (it opens with the drawn design's lines) stays
+    drawn; a policy config hashes apart from the same config drawn; without a menu the field changes no hash."""
+    menu = ["configs/programs/mixed_pot.py", "configs/programs/mixed_steps.py"]
+    drawn = config_from_dict({"rollout": {"example_menu": menu, "menu_prefix_lines": 1}})
+    assert drawn.rollout.menu_choice == "drawn"
+    explicit = config_from_dict({"rollout": {"example_menu": menu, "menu_prefix_lines": 1, "menu_choice": "drawn"}})
+    assert explicit.config_hash() == drawn.config_hash()
+    policy = config_from_dict({"rollout": {"example_menu": menu}})
+    assert policy.rollout.menu_choice == "policy"
+    assert policy.config_hash() != config_from_dict({"rollout": {"example_menu": menu, "menu_choice": "drawn"}}
+                                                    ).config_hash()
+    assert config_from_dict({}).config_hash() == config_from_dict({"rollout": {"menu_choice": "drawn"}}).config_hash()
+    with pytest.raises(ValueError, match="chooses for the policy"):
+        config_from_dict({"rollout": {"example_menu": menu, "menu_prefix_lines": 1, "menu_choice": "policy"}})

@@ -1,0 +1,111 @@
+"""The routers over a menu of designs (pipeline.core.router, pipeline.studies.router) and what the policy declares
+(pipeline.core.designs.declared_choice, reply_independent): hand-computed choices on small tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.core.designs import COMBINED, OWN, declared_choice, reply_independent
+from pipeline.core.router import oracle_choice, part_choice, route, solved
+from pipeline.studies.router import DesignTable, chances, compose, fit_router
+
+# 3 designs (direct, steps, pot) x 4 queries; tokens make the ties' order visible
+SCORES = np.array([[1.0, 0.0, 0.5, 0.0],
+                   [1.0, 1.0, 0.0, 0.0],
+                   [0.0, 1.0, 0.5, 0.0]])
+TOKENS = np.array([[10.0, 10.0, 10.0, 10.0],
+                   [50.0, 50.0, 50.0, 50.0],
+                   [20.0, 5.0, 20.0, 20.0]])
+
+
+def test_oracle_takes_the_best_score_then_the_fewest_tokens():
+    # q0: direct and steps tie at 1.0, direct is cheaper; q1: steps 1.0 (50) and pot 1.0 (5): pot;
+    # q2: direct and pot tie at 0.5, direct (10) < pot (20); q3: all 0, direct cheapest
+    assert oracle_choice(SCORES, TOKENS).tolist() == [0, 2, 0, 0]
+
+
+def test_part_router_picks_the_best_mean_per_part():
+    # part a = q0, q1: means direct 0.5, steps 1.0, pot 0.5 -> steps; part b = q2, q3: direct 0.25 (10 tokens),
+    # steps 0, pot 0.25 (20 tokens) -> direct
+    assert part_choice(SCORES, TOKENS, ["a", "a", "b", "b"]) == {"a": 1, "b": 0}
+    with pytest.raises(ValueError, match="3 parts for 4 queries"):
+        part_choice(SCORES, TOKENS, ["a", "a", "b"])
+
+
+def test_route_takes_the_highest_chance_then_the_cheaper_design():
+    chance = np.array([[0.2, 0.7, 0.1], [0.4, 0.4, 0.4], [0.3, 0.6, 0.6]])
+    assert route(chance, np.array([10.0, 50.0, 20.0])).tolist() == [1, 0, 2]
+    assert solved(np.array([[0.5, 0.49]])).tolist() == [[True, False]]
+
+
+def table(texts, scores, parts=None) -> DesignTable:
+    scores = np.asarray(scores, dtype=float)
+    queries = tuple(f"q{i}" for i in range(scores.shape[1]))
+    designs = ("direct", "steps")
+    rows = {d: {q: {"query_id": q, "workflows": 2, "mean_at_l": scores[i, j], "best_at_l": scores[i, j],
+                    "valid_share": 1.0, "pending": 0, "majority_at_l": None, "gen_tokens_in": 0, "gen_tokens_out": 0,
+                    "exec_tokens_in": 10 * (i + 1), "exec_tokens_out": 0, "exec_computed_tokens_in": 0,
+                    "exec_computed_tokens_out": 0, "exec_calls": 1, "exec_cached_calls": 0, "gen_cost_usd": 0.0,
+                    "exec_cost_usd": 0.0}
+                for j, q in enumerate(queries)} for i, d in enumerate(designs)}
+    return DesignTable(designs, queries, tuple(texts), tuple(parts or ["p"] * len(texts)), scores,
+                       np.array([[10.0] * len(texts), [20.0] * len(texts)]), rows,
+                       {"direct": "run-d", "steps": "run-s"})
+
+
+MULTIPLY = ["What is 312 * 45?", "Compute 908 * 77.", "What is 51 * 6001?", "Multiply 77 by 123."]
+STORY = ["Ann has 3 apples and buys 4 bags of 6. How many apples?",
+         "A train leaves at 3 and travels 2 hours at 40 mph.",
+         "Tom reads 12 pages a day for a week. How many pages?", "Sara saves 5 dollars a week for 9 weeks."]
+
+
+def test_learned_router_sends_each_kind_of_query_to_the_design_that_solves_it():
+    """Direct solves the multiplications and steps the stories on train; the router fitted on them routes unseen
+    queries of each kind to that design, and composing it gives each query its chosen design's row."""
+    train = table(MULTIPLY + STORY, [[1, 1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1]])
+    dev = table(["What is 611 * 42?", "Ben has 4 boxes of 7 pens and gives away 3. How many pens?"], [[1, 0], [0, 1]])
+    fit = fit_router(train, dev, [1.0, 10.0], ["word"])
+    assert fit.chosen.c == 1.0 and fit.chosen.dev_mean == 1.0 and len(fit.tried) == 2  # both 1.0: the first
+    chance = chances(train, dev.texts, 1.0, "word")
+    assert chance[0, 0] > 0.5 > chance[0, 1] and chance[1, 1] > 0.5 > chance[1, 0]
+    arm = compose("router:learned", "learned_router", dev, route(chance, np.array([10.0, 20.0])), "note")
+    assert [r["design"] for r in arm.per_query] == ["direct", "steps"]
+    assert arm.mean_at_l == 1.0 and arm.exec_tokens_per_query == 15.0  # (10 + 20) / 2
+    assert arm.extra["router"]["picked"] == {"direct": 1, "steps": 1}
+
+
+def test_a_design_that_solves_all_or_nothing_gets_its_rate():
+    train = table(MULTIPLY, [[1, 1, 1, 1], [0, 0, 0, 0]])
+    assert chances(train, ["anything"], 1.0, "char_wb").tolist() == [[1.0, 0.0]]
+
+
+@pytest.mark.parametrize("text, choice", [
+    ("```python\n# design: mixed_pot\nasync def solve(p):", "mixed_pot"),
+    ("```python\n# Design:  MIXED_STEPS\n", "mixed_steps"),
+    ("```python\n# design: mixed_pot + mixed_steps\n", COMBINED),
+    ("```python\n# design: mixed_potato\n", OWN),  # a whole name only
+    ("```python\nasync def solve(p):\n", OWN),  # no declaration
+    ("```python\n# design: own\n", OWN),
+])
+def test_declared_choice(text, choice):
+    assert declared_choice(text, ["mixed_direct", "mixed_steps", "mixed_pot"]) == choice
+
+
+@pytest.mark.parametrize("code, independent", [
+    # the answer is the reply, through a chain of names
+    ("async def solve(p):\n    r = await llm(p)\n    x = r[0].strip()\n    return x", False),
+    # the reply is asked for, then the query's numbers are multiplied in the code: the answer ignores the reply
+    ("async def solve(p):\n    r = await llm(p)\n    return str(312 * 45)", True),
+    # no call at all
+    ("async def solve(p):\n    a, b = p.split('*')\n    return str(int(a) * int(b))", True),
+    # a reply appended to a list that is returned
+    ("async def solve(p):\n    out = []\n    for x in await llm(p, n=3):\n        out.append(x)\n    return out[0]",
+     False),
+    # an expression the reply wrote, evaluated
+    ("async def solve(p):\n    e = (await llm(p))[0]\n    try:\n        return str(eval(e))\n    except Exception:\n"
+     "        return e", False),
+    ("async def solve(p:\n", None),
+])
+def test_reply_independent(code, independent):
+    assert reply_independent(code) is independent
