@@ -88,9 +88,8 @@ def figure_rows(summary: EvalSummary, tokens: bool = True) -> dict:
     return {label: rounded(v) for label, v in summary.figures(tokens) if v is not None}
 
 
-def publish_evaluation(summary: dict, run_id: str, k: int, split: str) -> None:
-    """`summary`: the evaluation's `eval_summary`."""
-    s = EvalSummary.from_dict(summary)
+def publish_evaluation(s: EvalSummary, run_id: str, k: int, split: str) -> None:
+    """`s`: the evaluation's `eval_summary`."""
     rows = [{"metric": label, "value": v} for label, v in figure_rows(s).items()]
     rows.append({"metric": "status of the latest runs", "value": ", ".join(f"{st} {n}" for st, n in s.status.items())})
     what = "the base model" if k < 0 else f"round {k}'s checkpoint"

@@ -15,9 +15,10 @@ from pipeline.studies.headroom import markdown, run_headroom
 def headroom(config: str = "configs/mixed-learn.yaml", split: str = "dev", reps: int | None = None,
              run_id: str | None = None, sets: list[str] | None = None, retries: int = 2,
              retry_delay_s: float = 20.0) -> dict:
-    """The headroom study of CONFIG (written under <store>/headroom/<run_id>/); returns its summary."""
+    """The headroom study of CONFIG (written under <store>/headroom/<run_id>/); returns its summary as headroom.json
+    holds it."""
     summary = run_headroom(config, submitting_call(RetryPolicy(retries, retry_delay_s)), run_id, split, reps, sets)
     for line in markdown(summary):
         print(line)
-    print(f"results: {summary['results']}")
-    return summary
+    print(f"results: {summary.results}")
+    return summary.to_dict()

@@ -51,8 +51,8 @@ def iterate(config: str = SMOKE_CONFIG, rounds: int | None = None, run_id: str |
 
     with noting(flow_run_note()):  # a second flow run on this run id fails at once, naming this one
         summary = run_rounds(config, rounds, run_id, call, after_round, sets, shards, observer=TRACKERS)
-    publish_report_link(summary["run_id"], build_report(Store(summary["store"]), summary["run_id"]))
-    for r in summary["rounds"]:
-        print(f"run {summary['run_id']} round {r['round']}: mean score {num(r['mean_score'])}, "
-              f"best {num(r['best_score'])}, stage wall s {r['wall_s']}")
-    return summary
+    publish_report_link(summary.run_id, build_report(Store(summary.store), summary.run_id))
+    for r in summary.rounds:
+        print(f"run {summary.run_id} round {r.round}: mean score {num(r.mean_score)}, "
+              f"best {num(r.best_score)}, stage wall s {r.wall_s}")
+    return summary.to_dict()

@@ -3,15 +3,44 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from pathlib import Path
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 from prefect.runtime import flow_run, task_run
 
 from flows.runners import placement
+from pipeline.engines.meter import Relay, relay_path
 from pipeline.stages.rounds import Caller
 from pipeline.stages.runner import RetryPolicy, StageResult, record_timing, run_stage
 from pipeline.store import noting
+
+
+@contextlib.contextmanager
+def relaying(path: Path, logger, every_s: float = 5.0):
+    """While the block runs, log each progress line a stage appends to `path` (pipeline.engines.meter.Relay), from a
+    thread that looks every `every_s` seconds; the last lines once the block ends."""
+    relay, stop = Relay(path), threading.Event()
+
+    def forward() -> None:
+        for line in relay.new_lines():
+            logger.info("%s", line)
+
+    def watch() -> None:
+        while not stop.wait(every_s):
+            forward()
+
+    thread = threading.Thread(target=watch, name="progress-relay", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        forward()
 
 
 def flow_run_note() -> str:
@@ -32,8 +61,9 @@ def stage_task(stage: str, run_id: str, round: int, store_root: str, sets: list[
                only_failed: bool = False, isolate: bool | None = None,
                shard: tuple[int, int] | None = None) -> StageResult:
     """One stage (or shard `(i, n)` of it) of one round; returns its `StageResult` (counts, wall time, host and pid of
-    the process that ran it), never frames."""
-    with noting(flow_run_note()):
+    the process that ran it), never frames. While it works, its progress lines (pipeline.engines.meter: done, rate,
+    time left) go to this task's log."""
+    with noting(flow_run_note()), relaying(relay_path(run_id, round, stage), get_run_logger()):
         res = run_stage(stage, run_id, round, store_root, sets, only_failed, isolate, shard)
     record_timing(store_root, run_id, res)
     verb = "skipped (manifest complete)" if res.skipped else f"done in {res.wall_s:.1f}s"

@@ -1,17 +1,21 @@
 """The pipeline from Python (a notebook, a script): open a store, read its tables as polars frames, a run's config,
-a round's policy as a peft model, run a stage, an evaluation or a study. The `pipeline` command calls these same
-functions, so what a notebook does and what the command does cannot drift apart. docs/api.md has a worked example.
+a round's policy as a peft model, run a stage, all rounds, an evaluation, a baseline or a study, and write a run's
+report. The `pipeline` command calls these same functions, so what a notebook does and what the command does cannot
+drift apart. Every function that runs work returns a typed record (pipeline.core.records: fields, and `to_dict` for
+the JSON a study stores). docs/api.md lists them, with a worked example.
 
 Each function is a thin layer over the internals its docstring names; heavy libraries load inside them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import ConfigError, StoreConfig
+from pipeline.core.records import Record
 from pipeline.run import run_config
 from pipeline.store import Store
 from pipeline.store.schema import TABLES
@@ -20,8 +24,16 @@ from pipeline.store.views import VIEWS
 if TYPE_CHECKING:
     import polars as pl
 
+    from pipeline.stages.rounds import RoundsSummary
     from pipeline.stages.runner import StageResult
-    from pipeline.studies.summaries import AblationSummary, EvalSummary, ExperimentSummary, MethodsSummary
+    from pipeline.studies.baselines import Comparison
+    from pipeline.studies.summaries import (
+        AblationSummary,
+        EvalSummary,
+        ExperimentSummary,
+        HeadroomSummary,
+        MethodsSummary,
+    )
 
 DEFAULT_STORE = StoreConfig.model_fields["root"].default  # where runs live when neither a flag nor a config says
 
@@ -74,14 +86,26 @@ def run_stage(stage: str, config: str | Path | None = None, run_id: str | None =
                       str(ctx.store.root), list(sets), only_failed, shards, wait)
 
 
+def run(config: str | Path, rounds: int | None = None, run_id: str | None = None, retries: int = 2,
+        sets: Sequence[str] = (), shards: int = 1, wait: bool = False) -> RoundsSummary:
+    """All rounds of a run in this process, as `pipeline run` (pipeline.stages.rounds.run_rounds): finished stages
+    skipped, a transient failure retried `retries` times, the run's trackers told of each round; returns a
+    `RoundsSummary` (per round: mean and best score, each stage's wall seconds)."""
+    from pipeline.stages.rounds import direct_call, run_rounds
+    from pipeline.stages.runner import RetryPolicy
+    from pipeline.studies.tracking import TRACKERS
+
+    return run_rounds(config, rounds, run_id, direct_call(RetryPolicy(retries), wait=wait), sets=list(sets),
+                      shards=shards, observer=TRACKERS, wait=wait)
+
+
 def evaluate(run_id: str, round: int, split: str = "test", store: str | None = None,
              sets: Sequence[str] = ()) -> EvalSummary:
     """Roll out and score round `round`'s checkpoint (-1: the base model) on `split` in the derived run
     `<run_id>-eval-r<k>`, then update the run's trackers (pipeline.studies.tracking.evaluate_tracked)."""
-    from pipeline.studies.summaries import EvalSummary
     from pipeline.studies.tracking import evaluate_tracked
 
-    return EvalSummary.from_dict(evaluate_tracked(str(store or DEFAULT_STORE), run_id, round, split, list(sets)))
+    return evaluate_tracked(str(store or DEFAULT_STORE), run_id, round, split, list(sets))
 
 
 def evaluate_adapter(folder: str | Path, split: str = "test", store: str | None = None,
@@ -90,10 +114,9 @@ def evaluate_adapter(folder: str | Path, split: str = "test", store: str | None 
     keep_adapter) on `split` of its run's benchmark, as its experiment evaluated it, in the derived run
     `<folder name>-eval[-<split>][-<hash of sets>]`; new problems: the override of its README
     (pipeline.studies.evaluate.new_problems, open_adapter_eval_run)."""
-    from pipeline.studies.evaluate import evaluate_adapter as run
-    from pipeline.studies.summaries import EvalSummary
+    from pipeline.studies.evaluate import evaluate_adapter as run_adapter
 
-    return EvalSummary.from_dict(run(str(store or DEFAULT_STORE), folder, split, list(sets)))
+    return run_adapter(str(store or DEFAULT_STORE), folder, split, list(sets))
 
 
 def run_study(study: str, config: str | Path, retries: int = 2,
@@ -112,3 +135,159 @@ def run_study(study: str, config: str | Path, retries: int = 2,
     if study not in studies:
         raise ValueError(f"unknown study {study!r}; studies: {', '.join(studies)}")
     return studies[study](config, direct_call(RetryPolicy(retries)), **options)
+
+
+def study_status(study: str, config: str | Path, run_id: str | None = None, sets: Sequence[str] = (),
+                 **options: Any) -> list[dict]:
+    """Where a study stands, read from the store (nothing runs), as a study's `--status`: one row per stage of every
+    run its plan makes (part, run_id, round, stage, done, wall_s, workflows, machine). `study`: `experiment`
+    (option `seeds`), `headroom` (`split`, `reps`) or `methods` (`methods`, `seeds`, `arm_sets`, `lr_sweep`)."""
+    from pipeline.stages.rounds import study_config
+    from pipeline.store import store_for
+    from pipeline.studies import experiment, headroom, methods
+
+    if study == "experiment":
+        cfg = study_config(config, list(sets), run_id)[2]
+        seeds = options.get("seeds")
+        order = [p.seed for p in experiment.plan(cfg, None if seeds is None else list(range(seeds)))]
+        return experiment.status(store_for(cfg.store), cfg, order)
+    if study == "headroom":
+        return headroom.status(config, run_id, options.get("split", "dev"), options.get("reps"), list(sets))
+    if study == "methods":
+        return methods.status(config, options.get("methods"), options.get("seeds"), run_id, list(sets),
+                              options.get("arm_sets") or {}, options.get("lr_sweep"))
+    raise ValueError(f"unknown study {study!r}; studies with a status: experiment, headroom, methods")
+
+
+def headroom(config: str | Path, split: str = "dev", reps: int | None = None, run_id: str | None = None,
+             sets: Sequence[str] = (), retries: int = 2) -> HeadroomSummary:
+    """The headroom study (pipeline.studies.headroom.run_headroom): every design of the menu as a fixed program on
+    `split`, `reps` runs per query, the best single design against the cross-fitted per-query oracle at its budget;
+    writes <store>/headroom/<run_id>/ and returns its `HeadroomSummary` (`passes`: the gate)."""
+    from pipeline.stages.rounds import direct_call
+    from pipeline.stages.runner import RetryPolicy
+    from pipeline.studies.headroom import run_headroom
+
+    return run_headroom(config, direct_call(RetryPolicy(retries)), run_id, split, reps, list(sets))
+
+
+def baseline(config: str | Path, method: str, run_id: str | None = None, split: str = "test",
+             sets: Sequence[str] = (), candidates: Sequence[str] = (), max_candidates: int = 16,
+             retries: int = 2) -> EvalSummary:
+    """One baseline (a fixed program: io, cot, cot_sc, self_review, ensemble_select, pot, task_best, or
+    `program:FILE`) on `split` in the derived run <run_id>-baseline-<method> (pipeline.studies.baselines); its
+    `EvalSummary` (task_best: `selected` per task and `selection_run`)."""
+    return baselines(config, [method], run_id, split, sets, candidates, max_candidates, retries)[0]
+
+
+def baselines(config: str | Path, methods: Sequence[str], run_id: str | None = None, split: str = "test",
+              sets: Sequence[str] = (), candidates: Sequence[str] = (), max_candidates: int = 16, retries: int = 2,
+              on_result: Callable[[EvalSummary], None] | None = None) -> list[EvalSummary]:
+    """`baseline` of each method in turn with one executor server for all (a served executor starts once);
+    `on_result` hears of each summary as its baseline finishes (`pipeline baseline` prints it)."""
+    from pipeline.stages.rounds import direct_call
+    from pipeline.stages.runner import RetryPolicy
+    from pipeline.studies.baselines import run_baseline, sharing_executor
+
+    call, out = direct_call(RetryPolicy(retries)), []
+    with sharing_executor(str(config), run_id, list(sets)):
+        for method in methods:
+            out.append(run_baseline(str(config), method, call, run_id, split, list(sets), list(candidates),
+                                    max_candidates))
+            if on_result is not None:
+                on_result(out[-1])
+    return out
+
+
+def smc(config: str | Path, run_id: str | None = None, split: str = "test", sets: Sequence[str] = (),
+        retries: int = 2) -> EvalSummary:
+    """BayesFlow's SMC workflow sampler on `split` in the derived run <run_id>-smc (pipeline.studies.smc.run_smc);
+    its `EvalSummary`, with `workflow_runs_per_query` (look-ahead and scoring runs: the L at which plain sampling
+    spends about the same executor budget)."""
+    from pipeline.stages.rounds import direct_call
+    from pipeline.stages.runner import RetryPolicy
+    from pipeline.studies.smc import run_smc
+
+    return run_smc(str(config), direct_call(RetryPolicy(retries)), run_id, split, list(sets))
+
+
+def sample(config: str | Path, L: int, run_id: str | None = None, split: str = "test", sets: Sequence[str] = (),
+           retries: int = 2) -> EvalSummary:
+    """Plain sampling: L workflows per query of `split` from the configured generator, scored, in the derived run
+    <run_id>-plain-l<L> (pipeline.studies.smc.run_plain); its `EvalSummary`."""
+    from pipeline.stages.rounds import direct_call
+    from pipeline.stages.runner import RetryPolicy
+    from pipeline.studies.smc import run_plain
+
+    return run_plain(str(config), L, direct_call(RetryPolicy(retries)), run_id, split, list(sets))
+
+
+def compare(run_ids: Sequence[str], store: str | Path | None = None) -> Comparison:
+    """Runs whose round 0 holds workflows side by side (pipeline.studies.baselines.compare): a `Comparison`, a row
+    per run (Mean@L, Best@L, Majority@L, tokens per query) and whether they hold the same queries; `markdown()`."""
+    from pipeline.studies.baselines import compare as compare_runs
+
+    return compare_runs(open_store(store), list(run_ids))
+
+
+@dataclass(kw_only=True)
+class Report(Record):
+    """What `report` wrote: the HTML report, the per-query pages, and the lines `pipeline report` prints (per round
+    of a run; every evaluation and the headline of an experiment)."""
+
+    run_id: str
+    kind: str  # "run" or "experiment"
+    report: str
+    pages: str | None = None  # the per-query pages' index; None: none (`pages_missing` says why)
+    pages_missing: str | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+def report(run_id: str, store: str | Path | None = None, out: str | Path | None = None, round: int | None = None,
+           query: str | None = None, pages: bool = True) -> Report:
+    """A run's HTML report (per-round plots, summary table) and per-query pages, or an experiment's (its run id
+    names <store>/experiments/<run_id>/); `round` / `query`: the per-query pages of that round / query only, an
+    error (FileNotFoundError) when they do not exist; `pages=False`: a run's report alone."""
+    from pipeline.studies.browse import build_experiment_pages, build_run_pages
+    from pipeline.studies.experiment import experiment_dir
+    from pipeline.studies.formatting import num
+    from pipeline.studies.report import build_report, round_stats, stage_timings
+    from pipeline.studies.summaries import ExperimentSummary
+
+    st = open_store(store)
+    exp = experiment_dir(st, run_id) / "experiment.json"
+    if not (st.run_dir(run_id) / "config.yaml").is_file() and exp.is_file():
+        summary = ExperimentSummary.read(exp)
+        result = Report(run_id=run_id, kind="experiment", report=str(exp.parent / "report.html"),
+                        lines=[a.line() for a in summary.arms] + summary.headline())
+        try:
+            result.pages = str(build_experiment_pages(st, exp.parent, query))
+        except FileNotFoundError as e:
+            if query is not None:  # the page asked for does not exist
+                raise
+            result.pages_missing = str(e)  # the report itself is there
+        return result
+    result = Report(run_id=run_id, kind="run", report=str(build_report(st, run_id, Path(out) if out else None)))
+    if not pages:
+        return result
+    try:
+        result.pages = str(build_run_pages(st, run_id, round, query))
+    except FileNotFoundError as e:
+        if round is not None or query is not None:  # asked for: an error; else the run has no scores yet
+            raise
+        result.pages_missing = str(e)
+    timings = stage_timings(st, run_id)
+    for r in round_stats(st, run_id).iter_rows(named=True):
+        walls = {t["stage"]: t["wall_s"] for t in timings.filter(timings["round"] == r["round"]).iter_rows(named=True)}
+        result.lines.append(f"round {r['round']}: mean score {num(r['mean_score'])}, workflows {r['workflows']}, "
+                            f"valid {r['valid_share']}, flagged rewarded runs {r['flagged_rewarded'] or 0}, "
+                            f"stage wall s {walls}, round wall s {sum(walls.values()):.1f}")
+    return result
+
+
+def track(run_id: str, store: str | Path | None = None) -> dict[str, str]:
+    """Rewrite a run's tracker output (its config's `tracking`: TensorBoard events, MLflow) from the store
+    (pipeline.studies.tracking.sync_run); tracker -> where it wrote (empty: the run tracks nothing)."""
+    from pipeline.studies.tracking import sync_run
+
+    return sync_run(open_store(store), run_id)

@@ -6,7 +6,6 @@ notebooks use too). Heavy libraries load inside commands so `--help` and `valida
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -504,7 +503,7 @@ def bench_seed(
 ) -> None:
     """One seed of an experiment before the executor cache (no cache, no common random numbers, every round
     evaluated) and after (the defaults), one after the other, each in a store of its own: wall time per part and
-    stage, cache hits, the ratio (issue 38's goal: at most 0.4x) and the machine of every timing. Resumes."""
+    stage, cache hits, the ratio (the cache's goal: at most 0.4x) and the machine of every timing. Resumes."""
     from pipeline.perf.seed import run_seed_bench
     from pipeline.stages.rounds import direct_call
     from pipeline.stages.runner import RetryPolicy, StageError
@@ -531,21 +530,17 @@ def run_cmd(
     each round as N child processes at once."""
     from pipeline import api
     from pipeline.engines.servers import ServeError
-    from pipeline.stages.rounds import direct_call, run_rounds
-    from pipeline.stages.runner import RetryPolicy, StageError
+    from pipeline.stages.runner import StageError
     from pipeline.store import LeaseHeld
     from pipeline.studies.formatting import num
-    from pipeline.studies.report import build_report
-    from pipeline.studies.tracking import TRACKERS
 
     try:
-        summary = run_rounds(config, rounds, run_id, direct_call(RetryPolicy(retries), wait=wait), sets=sets or [],
-                             shards=shards, observer=TRACKERS, wait=wait)
+        summary = api.run(config, rounds, run_id, retries, sets or [], shards, wait)
     except (ConfigError, StageError, ServeError, LeaseHeld) as e:
         _fail(str(e))
-    for r in summary["rounds"]:
-        typer.echo(f"round {r['round']}: mean score {num(r['mean_score'])}, stage wall s {r['wall_s']}")
-    typer.echo(f"report: {build_report(api.open_store(summary['store']), summary['run_id'])}")
+    for r in summary.rounds:
+        typer.echo(f"round {r.round}: mean score {num(r.mean_score)}, stage wall s {r.wall_s}")
+    typer.echo(f"report: {api.report(summary.run_id, summary.store, pages=False).report}")
 
 
 @app.command(rich_help_panel=STUDIES)
@@ -569,16 +564,10 @@ def experiment(
     from pipeline import api
     from pipeline.stages.runner import StageError
     from pipeline.store import LeaseHeld
-    from pipeline.studies.experiment import plan, status
 
     if show_status:
-        from pipeline.stages.rounds import study_config
-        from pipeline.store import store_for
-
         try:
-            cfg = study_config(config, sets, run_id)[2]
-            order = [p.seed for p in plan(cfg, None if seeds is None else list(range(seeds)))]
-            rows = status(store_for(cfg.store), cfg, order)
+            rows = api.study_status("experiment", config, run_id, sets or [], seeds=seeds)
         except (ConfigError, ValueError) as e:
             _fail(str(e))
         _echo_status(rows)
@@ -646,7 +635,7 @@ def compare_methods(
     <store>/experiments/<run_id>-methods/)."""
     from pipeline import api
     from pipeline.stages.runner import StageError
-    from pipeline.studies.methods import parse_arm_sets, status
+    from pipeline.studies.methods import parse_arm_sets
 
     names = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
     try:
@@ -655,7 +644,8 @@ def compare_methods(
         _fail(f"--lr-sweep {lr_sweep!r}: expected comma-separated learning rates, e.g. 1e-4,2e-4,5e-4")
     if show_status:
         try:
-            rows = status(config, names, seeds, run_id, sets or [], parse_arm_sets(arm_sets), lrs)
+            rows = api.study_status("methods", config, run_id, sets or [], methods=names, seeds=seeds,
+                                    arm_sets=parse_arm_sets(arm_sets), lr_sweep=lrs)
         except (ConfigError, ValueError) as e:
             _fail(str(e))
         _echo_status(rows)
@@ -712,42 +702,18 @@ def report(
     and advantage; for an experiment the base model's and the trained round's workflows side by side). --round:
     the per-query pages of that round only."""
     from pipeline import api
-    from pipeline.studies.browse import build_experiment_pages, build_run_pages
-    from pipeline.studies.experiment import experiment_dir
-    from pipeline.studies.formatting import num
-    from pipeline.studies.report import build_report, round_stats, stage_timings
-    from pipeline.studies.summaries import ExperimentSummary
 
-    st = api.open_store(store)
-    exp = experiment_dir(st, run_id) / "experiment.json"
-    if not (st.run_dir(run_id) / "config.yaml").is_file() and exp.is_file():
-        _echo_experiment(ExperimentSummary.read(exp))
-        typer.echo(f"report: {exp.parent / 'report.html'}")
-        try:
-            typer.echo(f"queries: {build_experiment_pages(st, exp.parent, query)}")
-        except FileNotFoundError as e:
-            if query is not None:  # the page asked for does not exist
-                _fail(str(e))
-            typer.echo(f"queries: none ({e})")  # the report itself is there
-        return
     try:
-        path = build_report(st, run_id, out)
+        result = api.report(run_id, store, out, round, query)
     except FileNotFoundError as e:
         _fail(str(e))
-    try:
-        pages = build_run_pages(st, run_id, round, query)
-    except FileNotFoundError as e:
-        if round is not None or query is not None:  # asked for: an error; else the run has no scores yet
-            _fail(str(e))
-        pages = f"none yet ({e})"
-    tim = stage_timings(st, run_id)
-    for r in round_stats(st, run_id).iter_rows(named=True):
-        walls = {t["stage"]: t["wall_s"] for t in tim.filter(tim["round"] == r["round"]).iter_rows(named=True)}
-        typer.echo(f"round {r['round']}: mean score {num(r['mean_score'])}, workflows {r['workflows']}, "
-                   f"valid {r['valid_share']}, flagged rewarded runs {r['flagged_rewarded'] or 0}, "
-                   f"stage wall s {walls}, round wall s {sum(walls.values()):.1f}")
-    typer.echo(f"report: {path}")
-    typer.echo(f"queries: {pages}")
+    for line in result.lines:
+        typer.echo(line)
+    typer.echo(f"report: {result.report}")
+    if result.kind == "experiment":
+        typer.echo(f"queries: {result.pages}" if result.pages else f"queries: none ({result.pages_missing})")
+    else:
+        typer.echo(f"queries: {result.pages}" if result.pages else f"queries: none yet ({result.pages_missing})")
 
 
 @app.command(rich_help_panel=INSPECT)
@@ -755,10 +721,10 @@ def track(run_id: Annotated[str, typer.Argument(help="Run id.")], store: StoreOp
     """Rewrite a run's tracker output (its config's `tracking`: TensorBoard events, MLflow) from the store, e.g.
     for a run made before tracking existed; `pipeline run` and the flows do it after every round."""
     from pipeline import api
-    from pipeline.studies.tracking import TrackingError, sync_run
+    from pipeline.studies.tracking import TrackingError
 
     try:
-        out = sync_run(api.open_store(store), run_id)
+        out = api.track(run_id, store)
     except TrackingError as e:
         _fail(str(e))
     for tracker, where in out.items():
@@ -785,41 +751,21 @@ def baseline(
     """Run baselines (fixed programs) on the held-out queries through the same sandbox, executor and score stage
     as generated workflows, each in the derived run <run_id>-baseline-<method>; prints Mean@L / Best@L /
     Majority@L and tokens per query."""
+    from pipeline import api
     from pipeline.engines.servers import ServeError
-    from pipeline.studies.baselines import sharing_executor
-
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(sharing_executor(str(config), run_id, sets))
-        except (ConfigError, ServeError) as e:
-            _fail(str(e))
-        for m in [*(methods or []), *(f"program:{p}" for p in programs or [])]:
-            _baseline(config, m, run_id, split, sets, candidates, max_candidates)
-
-
-def _baseline(config: Path, m: str, run_id: str | None, split: str, sets: list[str] | None,
-              candidates: list[str] | None, max_candidates: int) -> None:
     from pipeline.stages.runner import StageError
-    from pipeline.studies.baselines import run_baseline
-    from pipeline.studies.summaries import EvalSummary
+
+    def echo(summ: EvalSummary) -> None:
+        typer.echo(summ.line())
+        for task, win in (summ.selected or {}).items():
+            typer.echo(f"  task {task}: {win['label']} (mean {win['mean_score']:.3f} on {win['queries']} selection "
+                       f"queries, run {summ.selection_run})")
 
     try:
-        summ = EvalSummary.from_dict(run_baseline(str(config), m, None, run_id, split, sets or [], candidates or [],
-                                                  max_candidates))
-    except (ConfigError, StageError) as e:
+        api.baselines(config, [*(methods or []), *(f"program:{p}" for p in programs or [])], run_id, split,
+                      sets or [], candidates or [], max_candidates, on_result=echo)
+    except (ConfigError, ServeError, StageError) as e:
         _fail(str(e))
-    typer.echo(summ.line())
-    for task, win in (summ.selected or {}).items():
-        typer.echo(f"  task {task}: {win['label']} (mean {win['mean_score']:.3f} on {win['queries']} selection "
-                   f"queries, run {_selection_run(config, run_id, sets)})")
-
-
-def _selection_run(config: Path, run_id: str | None, sets: list[str] | None) -> str:
-    """The run in which task_best chose its programs."""
-    from pipeline.studies.baselines import SELECT, baseline_run_id, selection_split
-
-    cfg = load_config(config, sets or [])
-    return baseline_run_id(run_id or cfg.run_id, SELECT, selection_split(cfg))
 
 
 @app.command(rich_help_panel=STUDIES)
@@ -836,24 +782,25 @@ def headroom(
     """Headroom before training: every design of the menu as a fixed program on dev, the best single
     design against the cross-fitted per-query oracle at its executor budget, the frontier; writes
     <store>/headroom/<run_id>/ (headroom.json, designs.csv, per_query.csv, frontier.png) and prints the gate."""
+    from pipeline import api
     from pipeline.engines.servers import ServeError
     from pipeline.stages.runner import StageError
-    from pipeline.studies.headroom import markdown, run_headroom, status
+    from pipeline.studies.headroom import markdown
 
     if show_status:
         try:
-            rows = status(config, run_id, split, reps, sets or [])
+            rows = api.study_status("headroom", config, run_id, sets or [], split=split, reps=reps)
         except (ConfigError, ValueError) as e:
             _fail(str(e))
         _echo_status(rows)
         return
     try:
-        summ = run_headroom(config, None, run_id, split, reps, sets or [])
+        summ = api.headroom(config, split, reps, run_id, sets or [])
     except (ConfigError, StageError, ServeError) as e:
         _fail(str(e))
     for line in markdown(summ):
         typer.echo(line)
-    typer.echo(f"results: {summ['results']}")
+    typer.echo(f"results: {summ.results}")
 
 
 @app.command(rich_help_panel=STUDIES)
@@ -867,19 +814,16 @@ def smc(
     """BayesFlow's SMC workflow sampler (N particles, K look-ahead rollouts, T steps; smc.* in the config) on the
     held-out queries, in the derived run <run_id>-smc; prints Mean@L / Best@L / Majority@L (L = N), tokens and
     workflow runs per query. Plain sampling to compare with at a budget is `pipeline sample CONFIG --l L`."""
+    from pipeline import api
     from pipeline.stages.runner import StageError
-    from pipeline.store import store_for
-    from pipeline.studies.smc import executed_per_query, run_smc
-    from pipeline.studies.summaries import EvalSummary
 
     if plain_l is not None:  # one command per job: plain sampling is `sample`'s
         _fail(f"smc --plain-l is `pipeline sample {config} --l {plain_l}` (the same run <run_id>-plain-l{plain_l})")
     try:
-        summ = EvalSummary.from_dict(run_smc(str(config), None, run_id, split, sets or []))
+        summ = api.smc(config, run_id, split, sets or [])
     except (ConfigError, StageError) as e:
         _fail(str(e))
-    runs = executed_per_query(store_for(load_config(config, sets or []).store), summ.eval_run_id)
-    typer.echo(summ.line(f"workflow runs/query {runs:.1f}"))
+    typer.echo(summ.line(f"workflow runs/query {summ.workflow_runs_per_query:.1f}"))
 
 
 @app.command(rich_help_panel=STUDIES)
@@ -893,12 +837,11 @@ def sample(
     """Plain sampling, in the derived run <run_id>-plain-l<L>: the configured generator writes L workflows per
     held-out query (rollout and score stages; with rollout.repair_attempts, self-repair too); prints Mean@L / Best@L /
     Majority@L and tokens per query (to compare with `smc` at an executor budget)."""
+    from pipeline import api
     from pipeline.stages.runner import StageError
-    from pipeline.studies.smc import run_plain
-    from pipeline.studies.summaries import EvalSummary
 
     try:
-        summ = EvalSummary.from_dict(run_plain(str(config), L, None, run_id, split, sets or []))
+        summ = api.sample(config, L, run_id, split, sets or [])
     except (ConfigError, StageError) as e:
         _fail(str(e))
     typer.echo(summ.line())
@@ -912,15 +855,13 @@ def compare(
 ) -> None:
     """One Markdown table of Mean@L / Best@L / Majority@L and tokens per query, one row per run."""
     from pipeline import api
-    from pipeline.studies.baselines import compare as compare_runs
-    from pipeline.studies.baselines import markdown_table
 
     try:
-        res = compare_runs(api.open_store(store), run_ids)
+        res = api.compare(run_ids, store)
     except ConfigError as e:
         _fail(str(e))
-    typer.echo(markdown_table(res["rows"]))
-    if not res["same_queries"]:
+    typer.echo(res.markdown())
+    if not res.same_queries:
         typer.secho("warning: the runs do not hold the same queries", fg=typer.colors.YELLOW, err=True)
 
 

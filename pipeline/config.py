@@ -972,6 +972,33 @@ def apply_overrides(data: dict, sets: list[str]) -> dict:
     return data
 
 
+def with_changes(cfg: RunConfig, changes: dict[str, Any]) -> RunConfig:
+    """A typed copy of `cfg` with `changes` (dotted field path -> value, e.g. {"training.lr": 2e-4}) applied and
+    validated: how a study makes a variant of its config (a seed, an arm, a swept learning rate)."""
+    data = json.loads(cfg.model_dump_json())
+    for key, value in changes.items():
+        node, parts = data, key.split(".")
+        for part in parts[:-1]:
+            if node.get(part) is None:  # a section left out (None), e.g. generator.serve
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {part} is not a section")
+        node[parts[-1]] = value
+    return config_from_dict(data, "a study's variant")
+
+
+def as_sets(changes: dict[str, Any]) -> list[str]:
+    """`changes` (dotted path -> value) as `--set` text, where a variant crosses a process boundary (a stage's
+    child process, a Prefect parameter, a frozen run's overrides): each value in YAML flow style, which
+    `apply_overrides` reads back as the same value (a float stays a float, the string "true" a string)."""
+    out = []
+    for key, value in changes.items():
+        text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip()
+        out.append(f"{key}={text.removesuffix('...').strip()}")
+    return out
+
+
 def config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     try:
         return RunConfig.model_validate(data)

@@ -127,15 +127,15 @@ def test_generation_scores_marks_the_last_attempt_of_a_repair_chain_final(eval_s
 def test_eval_summary_majority_and_tokens_hand_computed(eval_store):
     assert generation_votes(eval_store, "e", 0, "procedural")["b"] == "42"
     s = eval_summary(eval_store, "e")
-    q1, q2 = s["per_query"]
+    q1, q2 = s.per_query
     # q1: scores 1, 1, 0, invalid 0 -> Mean 0.5, Best 1; votes 42, 42, 41 -> Majority 1
     assert (q1["workflows"], q1["mean_at_l"], q1["best_at_l"], q1["majority_at_l"]) == (4, 0.5, 1.0, 1.0)
     # q2: L = e, f, g-fix1, h (g was repaired: not final) -> Mean 0.5; votes 7, 8, 8, 7: a tie -> (0 + 1) / 2
     assert (q2["workflows"], q2["mean_at_l"], q2["best_at_l"], q2["majority_at_l"]) == (4, 0.5, 1.0, 0.5)
-    assert (s["mean_at_l"], s["best_at_l"], s["majority_at_l"]) == (0.5, 1.0, 0.75)
+    assert (s.mean_at_l, s.best_at_l, s.majority_at_l) == (0.5, 1.0, 0.75)
     # tokens per query: generator (64 + 131) / 2, executor (165 + 40) / 2; calls (2 + 3) / 2; cost 0.75 / 2
-    assert (s["gen_tokens_per_query"], s["exec_tokens_per_query"]) == (97.5, 102.5)
-    assert (s["exec_calls_per_query"], s["cost_usd_per_query"]) == (2.5, 0.375)
+    assert (s.gen_tokens_per_query, s.exec_tokens_per_query) == (97.5, 102.5)
+    assert (s.exec_calls_per_query, s.cost_usd_per_query) == (2.5, 0.375)
     assert (q2["gen_tokens_in"], q2["exec_tokens_out"]) == (110, 9)
 
 

@@ -142,6 +142,8 @@ def test_the_experiment_keeps_each_seeds_last_adapter_alone_and_rewrites_nothing
         assert f"round 1, the last of 2,\nof run `{run}` trained: seed {seed} of the experiment `e`" in readme
         assert f"base model is `{lora_stages}`" in readme
         assert f"    pipeline evaluate-adapter {kept} --set benchmark.split_seed=20\n" in readme  # 0 + size
+        assert (f"    python -m vllm.entrypoints.openai.api_server --model <the base model's folder> \\\n"
+                f"        --enable-lora --max-lora-rank 16 --lora-modules {kept.name}={kept}\n") in readme  # lora_r 16
         assert not store.adapter_dir(run, 0).exists()  # the last round only
     assert [(a.seed, a.run_id, a.round, a.folder) for a in out.adapters] == [
         (0, "e-s0", 1, "adapters/e-s0-r1"), (1, "e-s1", 1, "adapters/e-s1-r1")]

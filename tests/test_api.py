@@ -1,5 +1,6 @@
-"""The Python API (docs/api.md): its worked example runs as written, on stand-in stages whose train stage saves a
-real LoRA adapter of a tiny model; the CLI's summary line and the stored dict round-trip through EvalSummary."""
+"""The Python API (docs/api.md): the page's examples run as written, one block after the other, on stand-in stages
+whose train stage saves a real LoRA adapter of a tiny model; the page's tables name every public function of
+pipeline.api with its signature; the CLI's summary line and the stored dict round-trip through EvalSummary."""
 
 from __future__ import annotations
 
@@ -40,8 +41,11 @@ def test_the_worked_example_runs(tmp_path, monkeypatch, tiny_model, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "demo.yaml").write_text(f"run_id: demo\nrounds: 1\nstore:\n  root: runs\n"
                                         f"generator:\n  model: {tiny_model}\n")
-    block = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
-    exec(compile(block, str(DOC), "exec"), {})
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    assert len(blocks) >= 2
+    namespace: dict = {}
+    for block in blocks:  # one after the other, as a notebook runs its cells
+        exec(compile(block, str(DOC), "exec"), namespace)
     out = capsys.readouterr().out
     assert "rollout {'rows': 1}" in out and "train {'rows': 1}" in out
     assert f"nb {tiny_model}" in out
@@ -57,6 +61,48 @@ def test_the_worked_example_runs(tmp_path, monkeypatch, tiny_model, capsys):
         api.round_policy(store, "nb", 1)
     tok, base = api.round_policy(store, "nb", -1)
     assert type(base).__name__ == "LlamaForCausalLM"
+    # the second block: the trained round's evaluation (the stand-in scores round 0's adapter's first workflow 1.0:
+    # q0 has 1.0 and 0.0, q1 a timeout and an invalid one), the comparison and the report
+    evaluation = namespace["evaluation"]
+    assert (evaluation.eval_run_id, evaluation.queries, evaluation.mean_at_l, evaluation.best_at_l) == (
+        "nb-eval-r0", 2, 0.25, 0.5)
+    assert "nb-eval-r0: 2 queries, Mean@L 0.250, Best@L 0.500" in out and "Mean@L 0.25 over 2 queries" in out
+    rows = namespace["side_by_side"].rows
+    assert [(r.run, r.mean_at_l) for r in rows] == [("nb-eval-r0", 0.25), ("nb", 0.125)]  # untrained: 0.5 not 1.0
+    assert "| nb-eval-r0 |" in out and "same queries: True" in out
+    assert Path(namespace["page"].report).is_file() and namespace["page"].kind == "run"
+
+
+def _documented_functions() -> dict[str, str]:
+    """function name -> the signature docs/api.md's tables give it (`name(args)` in a table row's first cell)."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)\((.*?)\)` \|", DOC.read_text(), re.M)}
+
+
+def test_the_page_lists_every_function_of_the_api_with_its_signature():
+    import inspect
+
+    public = {name: fn for name, fn in vars(api).items() if inspect.isfunction(fn) and not name.startswith("_")
+              and fn.__module__ in ("pipeline.api", "pipeline.run")}
+    documented = _documented_functions()
+    assert sorted(public) == sorted(documented)
+    for name, args in documented.items():
+        if "..." in args:  # a shortened row (`baselines(config, methods, ..., on_result=None)`): its names exist
+            params = inspect.signature(public[name]).parameters
+            assert all(a.split("=")[0].strip() in params for a in args.split(",") if a.strip() != "..."), name
+            continue
+        code = ", ".join(_as_written(p) for p in inspect.signature(public[name]).parameters.values())
+        assert code == args, f"{name}: the page says ({args}), the code ({code})"
+
+
+def _as_written(param) -> str:
+    """A parameter as the page writes it: `name`, `name=default` (strings in double quotes), `**name`."""
+    import inspect
+
+    if param.kind is inspect.Parameter.VAR_KEYWORD:
+        return f"**{param.name}"
+    if param.default is inspect.Parameter.empty:
+        return param.name
+    return f"{param.name}={param.default!r}".replace("'", '"')
 
 
 def test_eval_summary_round_trips_and_formats_its_line():

@@ -129,11 +129,11 @@ def test_io_baseline_run_hand_computed(tmp_path, executor):
     executor.reply = str(q0.reference["answer"])  # the executor knows query 0's answer, and says it for query 1 too
     assert str(q1.reference["answer"]) != executor.reply
     s = run_baseline(str(path), "io", in_process)
-    assert s["eval_run_id"] == baseline_run_id("b", "io") == "b-baseline-io"
+    assert s.eval_run_id == baseline_run_id("b", "io") == "b-baseline-io"
     # L = 2 copies per query: query 0 right twice, query 1 wrong twice
-    assert (s["queries"], s["workflows"], s["mean_at_l"], s["best_at_l"], s["majority_at_l"]) == (2, 4, 0.5, 0.5, 0.5)
+    assert (s.queries, s.workflows, s.mean_at_l, s.best_at_l, s.majority_at_l) == (2, 4, 0.5, 0.5, 0.5)
     # each run: one call of 7 prompt + 3 completion tokens (the scripted usage); no generator
-    assert (s["exec_tokens_per_query"], s["exec_calls_per_query"], s["gen_tokens_per_query"]) == (20.0, 2.0, 0.0)
+    assert (s.exec_tokens_per_query, s.exec_calls_per_query, s.gen_tokens_per_query) == (20.0, 2.0, 0.0)
     asked = sorted(r["body"]["messages"][-1]["content"] for r in executor.requests)
     assert asked == sorted([q0.prompt] * 2 + [q1.prompt] * 2)  # the query itself, nothing added (IO)
     # a second call resumes: nothing is written or run again
@@ -141,10 +141,11 @@ def test_io_baseline_run_hand_computed(tmp_path, executor):
     again = run_baseline(str(path), "io", in_process)
     st = Store(tmp_path / "store")
     assert len(executor.requests) == before and st.read("generations", "b-baseline-io").height == 4
-    assert again["mean_at_l"] == 0.5
+    assert again.mean_at_l == 0.5
     table = compare(st, ["b-baseline-io"])
-    assert table["same_queries"] and table["rows"][0]["method"] == "io" and table["rows"][0]["L"] == 2
-    assert markdown_table(table["rows"]).splitlines()[2] == \
+    assert table.same_queries and table.rows[0].method == "io" and table.rows[0].L == 2
+    assert table.markdown() == markdown_table(table.rows)
+    assert markdown_table(table.rows).splitlines()[2] == \
         "| b-baseline-io | io | 2 | 2 | 0.500 | 0.500 | 0.500 | 1.00 | 0 | 20 | 2.00 |"
 
 
@@ -166,10 +167,10 @@ def test_task_best_picks_the_generic_program_on_the_training_queries(tmp_path, e
     # selection: 6 fixed programs + 2 workflows on the 2 validate queries; SOLVER (eval of the expression) scores 1
     sel = st.generation_scores(baseline_run_id("b", "select", "validate"), 0, 1, set())
     assert sel.height == 2 * 8
-    assert s["selected"] == {"chain_sum": {"label": "src:g2", "order": 7, "mean_score": 1.0, "exec_tokens": 0.0,
+    assert s.selected == {"chain_sum": {"label": "src:g2", "order": 7, "mean_score": 1.0, "exec_tokens": 0.0,
                                            "queries": 2}}
-    assert type(s["selected"]["chain_sum"]["exec_tokens"]) is float  # not DuckDB's decimal: JSON writes it a string
-    assert (s["eval_run_id"], s["mean_at_l"], s["best_at_l"], s["majority_at_l"]) == ("b-baseline-task_best", 1.0,
+    assert type(s.selected["chain_sum"]["exec_tokens"]) is float  # not DuckDB's decimal: JSON writes it a string
+    assert (s.eval_run_id, s.mean_at_l, s.best_at_l, s.majority_at_l) == ("b-baseline-task_best", 1.0,
                                                                                         1.0, 1.0)
     texts = set(st.read("generations", "b-baseline-task_best")["text"].to_list())
     assert texts == {SOLVER.split("```python\n")[1].split("```")[0].strip("\n")}
@@ -201,9 +202,9 @@ def test_task_best_leaves_out_a_candidates_own_query(tmp_path, executor):
     assert dict(zip(copied["query_id"], copied["score"], strict=True))[v0.id] == 1.0  # right on its own query
     assert sorted(copied["score"].to_list()) == [0.0, 1.0]  # and only there
     # all candidates score 0 off their own query; the tie goes to the fewest executor tokens: the copied workflow
-    assert s["selected"] == {"chain_sum": {"label": "src:g1", "order": 6, "mean_score": 0.0, "exec_tokens": 0.0,
+    assert s.selected == {"chain_sum": {"label": "src:g1", "order": 6, "mean_score": 0.0, "exec_tokens": 0.0,
                                            "queries": 1}}
-    assert s["mean_at_l"] == 0.0
+    assert s.mean_at_l == 0.0
 
 
 @pytest.mark.usefixtures("shared_sandbox")
@@ -211,8 +212,8 @@ def test_a_hand_written_program_runs_as_a_baseline(tmp_path, executor):
     path = _config(tmp_path, executor.url)
     s = run_baseline(str(path), "program:configs/programs/expression_eval.py", in_process)
     # it evaluates each query's expression in Python: right on both queries, L = 2 each, no executor call
-    assert s["eval_run_id"] == "b-baseline-program-expression_eval"
-    assert (s["mean_at_l"], s["best_at_l"], s["majority_at_l"], s["exec_tokens_per_query"]) == (1.0, 1.0, 1.0, 0.0)
+    assert s.eval_run_id == "b-baseline-program-expression_eval"
+    assert (s.mean_at_l, s.best_at_l, s.majority_at_l, s.exec_tokens_per_query) == (1.0, 1.0, 1.0, 0.0)
     assert executor.requests == []
     with pytest.raises(ConfigError, match="--program nope.py: file not found"):
         run_baseline(str(path), "program:nope.py", in_process)

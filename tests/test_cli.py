@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -64,3 +65,23 @@ def test_curate_and_train_take_the_store_of_another_run(tmp_path):
 def test_smc_plain_l_points_at_sample():
     r = runner.invoke(app, ["smc", "c.yaml", "--plain-l", "12"])
     assert r.exit_code == 2 and "pipeline sample c.yaml --l 12" in r.output
+
+
+def test_the_commands_that_run_work_go_through_the_api():
+    """One door: a command runs a stage, a study or an evaluation only through pipeline.api (what a notebook
+    calls), so cli.py takes from the studies and the stage loop only their errors, records and formatting helpers,
+    never a runner."""
+    import ast
+
+    import pipeline.cli
+
+    tree = ast.parse(Path(pipeline.cli.__file__).read_text())
+    taken = {f"{node.module}.{alias.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             and (node.module or "").startswith(("pipeline.studies", "pipeline.stages")) for alias in node.names}
+    allowed = {"pipeline.stages.runner.StageError", "pipeline.stages.runner.RetryPolicy",
+               "pipeline.stages.rounds.direct_call",  # `bench seed` measures the stage loop itself (pipeline.perf)
+               "pipeline.studies.formatting.num", "pipeline.studies.methods.parse_arm_sets",
+               "pipeline.studies.headroom.markdown", "pipeline.studies.tracking.TrackingError",
+               "pipeline.studies.experiment.status_table", "pipeline.studies.experiment.time_left",
+               "pipeline.studies.experiment.timing_machines"}
+    assert sorted(taken - allowed - {n for n in taken if n.startswith("pipeline.studies.summaries.")}) == []

@@ -301,3 +301,22 @@ def test_the_config_reference_in_docs_matches_the_models():
     assert (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text() == text
     assert "| `training.lr_schedule` | `\"constant\"` |" in text and "## scoring.reward.judge" in text
     assert "| `scoring.reward.judge.model` | (required) |" in text
+
+
+def test_a_typed_variant_crosses_a_process_boundary_as_the_same_values():
+    """A study's variant as a typed copy (`with_changes`) and as the `--set` text a child process gets (`as_sets`):
+    the text reads back as the same config, a float a float, the string "true" a string, null null."""
+    from pipeline.config import as_sets, with_changes
+
+    base = load_config("configs/smoke.yaml")
+    changes = {"training.lr": 1e-5, "rounds": 1, "generator.seed": 3, "training.objective": "grpo",
+               "benchmark.tasks": ["chain_sum"], "experiment.eval_queries": None, "run_id": "true"}
+    variant = with_changes(base, changes)
+    assert (variant.training.lr, variant.rounds, variant.experiment.eval_queries, variant.run_id) == (1e-5, 1, None,
+                                                                                                      "true")
+    assert base.training.lr != 1e-5 and base.run_id != "true"  # a copy: the base is untouched
+    assert as_sets({"training.lr": 1e-5, "run_id": "true", "experiment.eval_queries": None}) == [
+        "training.lr=1.0e-05", "run_id='true'", "experiment.eval_queries=null"]
+    assert load_config("configs/smoke.yaml", as_sets(changes)) == variant
+    with pytest.raises(ConfigError, match="lr"):
+        with_changes(base, {"training.lr": "fast"})

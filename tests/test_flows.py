@@ -166,7 +166,7 @@ def test_direct_path_needs_no_prefect(tmp_path, monkeypatch):
     fake = FakeStages().install(monkeypatch)
     fake.fail["rollout"] = [TimeoutError("slow server")]
     out = run_rounds(_config(tmp_path, rounds=1), None, "d", direct_call(RetryPolicy(retries=2, delay_s=0)))
-    assert fake.calls[:2] == [("rollout", 0), ("rollout", 0)] and out["rounds"][0]["mean_score"] == 0.25
+    assert fake.calls[:2] == [("rollout", 0), ("rollout", 0)] and out.rounds[0].mean_score == 0.25
 
 
 def test_task_runner_specs():

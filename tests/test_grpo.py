@@ -113,7 +113,7 @@ def test_shape_errors_are_clear():
         grpo_mkl_terms(z, z, z, torch.zeros(2), z, 0.1, 0.2, norm="batch")
 
 
-def test_public_loss_is_importable_from_train_with_the_issue_signature():
+def test_public_loss_is_importable_from_train_with_the_documented_signature():
     from pipeline.stages.train import grpo_mkl_loss
 
     params = list(inspect.signature(grpo_mkl_loss).parameters)

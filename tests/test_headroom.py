@@ -5,6 +5,7 @@ its definition), the study end to end on a scripted executor (pipeline.studies.h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from pipeline.store import Store, round_stats
 from pipeline.studies import headroom as headroom_study
 from pipeline.studies.evaluate import eval_summary
 from pipeline.studies.headroom import analyse, build_runs, markdown, plot_frontier, run_headroom, status
+from pipeline.studies.summaries import HeadroomSummary
 
 
 def abc() -> Runs:
@@ -153,11 +155,11 @@ def test_build_runs_keeps_queries_every_design_finished():
 
 def test_analyse_gate_and_per_part(tmp_path):
     out = analyse(abc(), ["x", "y"], "greedy", 0.05)
-    assert out["best"]["name"] == "C" and out["oracle"]["score"] == 0.75 and out["gain"] == 0.0
-    assert not out["passes"]  # no gain over C at C's budget
-    assert out["per_part"]["x"] == {"queries": 1, "best": "A", "scores": {"A": 1.0, "B": 0.0, "C": 0.5}}
-    assert analyse(abc(), ["x", "y"], "greedy", 0.0)["passes"]  # a gate of 0 is met by a gain of 0
-    summary = out | {"run_id": "h", "split": "dev", "dropped": []}
+    assert out.best.name == "C" and out.oracle.score == 0.75 and out.gain == 0.0
+    assert not out.passes  # no gain over C at C's budget
+    assert out.per_part["x"].to_dict() == {"queries": 1, "best": "A", "scores": {"A": 1.0, "B": 0.0, "C": 0.5}}
+    assert analyse(abc(), ["x", "y"], "greedy", 0.0).passes  # a gate of 0 is met by a gain of 0
+    summary = HeadroomSummary(run_id="h", config="h.yaml", split="dev", **out.field_values())
     lines = markdown(summary)
     assert lines[1] == "(a) best single design: C 0.750 at 300 executor tokens per run"
     assert lines[3] == ("gain (b) - (a): +0.000 [+0.000, +0.000] (95%, queries resampled); gate 0.05 on the point "
@@ -210,29 +212,33 @@ def test_headroom_study_end_to_end(tmp_path, server, monkeypatch):
     s = run_headroom(path, in_process)
     after = status(path)  # every stage done, each round's workflows read from its rollout: 2 queries x 2 runs
     assert [(r["done"], r["workflows"]) for r in after] == [(True, 4)] * 4
-    assert s["design_runs"] == {"io": "h-headroom-baseline-dev-io",
-                                "program-q1_answer": "h-headroom-baseline-dev-program-q1_answer"}
-    assert (s["queries"], s["reps"], s["dropped"]) == (2, 2, [])
-    d = {r["name"]: r for r in s["designs"]}
-    assert (d["io"]["score"], d["io"]["tokens"], d["io"]["truncated_share"]) == (0.5, 10.0, 1.0)
-    assert (d["program-q1_answer"]["score"], d["program-q1_answer"]["tokens"]) == (0.5, 0.0)
-    assert d["program-q1_answer"]["truncated_share"] is None  # no executor call: nothing to share
-    assert s["best"]["name"] == "program-q1_answer" and s["oracle"]["score"] == 0.5 and not s["passes"]
-    at = {o["anchor"]: o for o in s["frontier"]}
-    assert (at["io"]["score"], at["io"]["tokens"], at["io"]["budget"]) == (1.0, 5.0, 10.0)
-    out = Path(s["results"])
+    assert s.design_runs == {"io": "h-headroom-baseline-dev-io",
+                             "program-q1_answer": "h-headroom-baseline-dev-program-q1_answer"}
+    assert (s.queries, s.reps, s.dropped) == (2, 2, [])
+    d = {r.name: r for r in s.designs}
+    assert (d["io"].score, d["io"].tokens, d["io"].truncated_share) == (0.5, 10.0, 1.0)
+    assert (d["program-q1_answer"].score, d["program-q1_answer"].tokens) == (0.5, 0.0)
+    assert d["program-q1_answer"].truncated_share is None  # no executor call: nothing to share
+    assert s.best.name == "program-q1_answer" and s.oracle.score == 0.5 and not s.passes
+    at = {o.anchor: o for o in s.frontier}
+    assert (at["io"].score, at["io"].tokens, at["io"].budget) == (1.0, 5.0, 10.0)
+    out = Path(s.results)
     assert out == tmp_path / "store" / "headroom" / "h"
-    assert json.loads((out / "headroom.json").read_text())["gain"] == 0.0
+    stored = json.loads((out / "headroom.json").read_text())
+    assert stored["gain"] == 0.0 and stored["designs"][0]["truncated_share"] == 1.0
+    assert list(stored)[:6] == ["run_id", "config", "sets", "split", "design_runs", "dropped"]
+    # the record reads back what it wrote (the file is written before the study knows where it is: no `results`)
+    assert HeadroomSummary.read(out / "headroom.json") == dataclasses.replace(s, results=None)
     assert pl.read_csv(out / "designs.csv").height == 2 and pl.read_csv(out / "per_query.csv").height == 8
     assert (out / "frontier.png").stat().st_size > 0
     # the readers: the design runs' summaries and round stats carry the share of calls cut at the cap
     st = Store(tmp_path / "store")
-    assert eval_summary(st, "h-headroom-baseline-dev-io")["truncated_share"] == 1.0
+    assert eval_summary(st, "h-headroom-baseline-dev-io").truncated_share == 1.0
     assert round_stats(st, "h-headroom-baseline-dev-io")["truncated_share"].to_list() == [1.0]
     # resumes: nothing runs again, and with every design scored no executor server starts (a vLLM start is minutes)
     before = len(server.requests)
     monkeypatch.setattr(headroom_study, "sharing", lambda *a: pytest.fail("a server started for a finished study"))
-    assert run_headroom(path, in_process)["oracle"] == s["oracle"] and len(server.requests) == before
+    assert run_headroom(path, in_process).oracle == s.oracle and len(server.requests) == before
 
 
 def test_headroom_needs_two_designs_and_two_runs(tmp_path):

@@ -268,6 +268,7 @@ def test_ablation_plans_arms_and_pairs_them_by_hand(tmp_path, monkeypatch):
     reference arm per (seed, query)."""
     import pipeline.studies.ablation as ab
     from pipeline.run import open_run
+    from pipeline.studies.summaries import EvalSummary
 
     calls, evals = [], []
     means = {"base": [0.0, 0.5], "iogrpo_mkl": [1.0, 0.5], "sft_best": [0.5, 1.0]}  # queries q0, q1
@@ -284,8 +285,9 @@ def test_ablation_plans_arms_and_pairs_them_by_hand(tmp_path, monkeypatch):
 
     def eval_summary(store, eid):
         arm = "base" if eid.endswith("-base") else "sft_best" if "-sft_best-" in eid else "iogrpo_mkl"
-        return {"per_query": [{"query_id": f"q{i}", "mean_at_l": m, "best_at_l": m, "valid_share": 1.0}
-                              for i, m in enumerate(means[arm])]}
+        rows = [{"query_id": f"q{i}", "mean_at_l": m, "best_at_l": m, "valid_share": 1.0}
+                for i, m in enumerate(means[arm])]
+        return EvalSummary(eval_run_id=eid, queries=2, per_query=rows)
 
     monkeypatch.setattr(ab, "evaluate_tracked", evaluate_tracked)
     monkeypatch.setattr(ab, "eval_summary", eval_summary)

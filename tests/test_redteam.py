@@ -43,7 +43,7 @@ for fd in range(3, 256):
         pass
 os._exit(0)
 """),
-    # the grader's helpers replaced with no-ops (the issue's case: the tests ran with the program's builtins)
+    # the grader's helpers replaced with no-ops (the reported case: the tests ran with the program's builtins)
     "patched_builtins": (HAS_CLOSE, "fail", """
 import builtins
 builtins.exec = lambda *a, **k: None

@@ -120,15 +120,15 @@ def test_best_of_k_returns_the_first_sample_passing_the_public_tests(tmp_path, s
     srv = scripted(texts)
     path = _config(tmp_path, srv.url, HUMANEVAL)
     s = run_baseline(str(path), f"program:{PROGRAMS / 'code_best_of_k.py'}", in_process)
-    assert s["eval_run_id"] == "h-baseline-program-code_best_of_k"
-    assert (s["queries"], s["mean_at_l"], s["best_at_l"], s["exec_calls_per_query"]) == (2, 0.5, 0.5, 1.0)
+    assert s.eval_run_id == "h-baseline-program-code_best_of_k"
+    assert (s.queries, s.mean_at_l, s.best_at_l, s.exec_calls_per_query) == (2, 0.5, 0.5, 1.0)
     assert [(r["body"]["n"], r["body"]["temperature"]) for r in srv.requests] == [(4, 0.7), (4, 0.7)]
-    got = _answers(Store(tmp_path / "store"), s["eval_run_id"])
+    got = _answers(Store(tmp_path / "store"), s.eval_run_id)
     assert got["HumanEval/0"] == right[first] and got["HumanEval/1"].endswith("# sample 0\n```")
     # the same file with K = 2 (`?K=2`): the passing sample (index 2) is never drawn, so the first is the answer
     srv.requests.clear()
     s2 = run_baseline(str(path), f"program:{PROGRAMS / 'code_best_of_k.py'}?K=2", in_process)
-    assert s2["eval_run_id"] == "h-baseline-program-code_best_of_k-K2" and s2["mean_at_l"] == 0.0
+    assert s2.eval_run_id == "h-baseline-program-code_best_of_k-K2" and s2.mean_at_l == 0.0
     assert [r["body"]["n"] for r in srv.requests] == [2, 2]
     for bad, why in (("?N=2", "has no module-level line `N = ...`"), ("?K", "'K' is not NAME=VALUE")):
         with pytest.raises(ConfigError, match=why):
@@ -150,7 +150,7 @@ def test_the_example_workflow_repairs_only_on_failing_public_tests(tmp_path, scr
     srv = scripted(texts)
     s = run_baseline(str(_config(tmp_path, srv.url, HUMANEVAL)),
                      f"program:{PROGRAMS / 'code_generate_test_repair.py'}", in_process)
-    assert (s["mean_at_l"], s["exec_calls_per_query"]) == (1.0, 1.5)
+    assert (s.mean_at_l, s.exec_calls_per_query) == (1.0, 1.5)
     repairs = [r["body"]["messages"][-1]["content"] for r in srv.requests if len(r["body"]["messages"]) == 3]
     assert len(repairs) == 1 and "separate_paren_groups" in repairs[0] and "SyntaxError" not in repairs[0]
     example = (Path(__file__).resolve().parents[1] / "configs/prompts/code/example_code.txt").read_text()
@@ -187,14 +187,14 @@ def test_word_problem_references_under_the_exact_number_rule(tmp_path, scripted)
     path = str(_config(tmp_path, srv.url, bench))
     st = Store(tmp_path / "store")
     sc = run_baseline(path, "cot_sc", in_process)
-    assert (sc["mean_at_l"], sc["majority_at_l"]) == (0.5, 0.5)
+    assert (sc.mean_at_l, sc.majority_at_l) == (0.5, 0.5)
     assert st.sql("SELECT max(metric) AS m FROM latest_scores WHERE run_id = 'h-baseline-cot_sc' AND query_id = "
                   f"'{items[1].id}'")["m"].to_list() == [0.0]  # a near miss: no partial credit
-    assert run_baseline(path, "pot", in_process)["mean_at_l"] == 0.5
+    assert run_baseline(path, "pot", in_process).mean_at_l == 0.5
     assert _answers(st, "h-baseline-pot")[items[0].id] == str(gold[0])
     s = run_baseline(path, f"program:{PROGRAMS / 'word_pot_sc.py'}", in_process)
-    assert (s["mean_at_l"], s["exec_calls_per_query"]) == (0.5, 1.0)
-    assert _answers(st, s["eval_run_id"]) == {items[0].id: str(gold[0]), items[1].id: "2"}
+    assert (s.mean_at_l, s.exec_calls_per_query) == (0.5, 1.0)
+    assert _answers(st, s.eval_run_id) == {items[0].id: str(gold[0]), items[1].id: "2"}
     assert [r["body"]["n"] for r in srv.requests if r["body"]["messages"][-1]["content"].endswith("only.")
             and r["body"].get("temperature") == 0.7] == [5, 5]
     example = (Path(__file__).resolve().parents[1] / "configs/prompts/word/example_procedural.txt").read_text()
@@ -367,7 +367,7 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
     calls.clear()
     x = tmp_path / "x.yaml"
     x.write_text(x.read_text() + "training:\n  lr: 1.0e-05\n")
-    assert run_baseline(str(x), "io", direct_call(RetryPolicy(delay_s=0)))["mean_at_l"] == 0.25 and calls == []
+    assert run_baseline(str(x), "io", direct_call(RetryPolicy(delay_s=0))).mean_at_l == 0.25 and calls == []
     x.write_text(x.read_text() + "executor:\n  max_tokens: 7\n")
     with pytest.raises(ConfigError, match="baseline run 'x-baseline-io' was made with other settings "
                                           "\\(executor.max_tokens\\)"):
@@ -705,11 +705,11 @@ def test_resample_on_failure_samples_fresh_answers_not_a_repair(tmp_path, script
     srv = scripted(texts)
     s = run_baseline(str(_config(tmp_path, srv.url, HUMANEVAL)), f"program:{PROGRAMS / 'code_resample.py'}",
                      in_process)
-    assert (s["mean_at_l"], s["exec_calls_per_query"]) == (1.0, 1.5)
+    assert (s.mean_at_l, s.exec_calls_per_query) == (1.0, 1.5)
     assert sorted((r["body"].get("n") or 1, r["body"].get("temperature")) for r in srv.requests) == \
         [(1, 0.0), (1, 0.0), (2, 0.7)]
     assert all(len(r["body"]["messages"]) == 1 for r in srv.requests)
-    assert _answers(Store(tmp_path / "store"), s["eval_run_id"])["HumanEval/0"] == right[first]
+    assert _answers(Store(tmp_path / "store"), s.eval_run_id)["HumanEval/0"] == right[first]
 
 
 @pytest.mark.usefixtures("shared_sandbox")
@@ -736,8 +736,8 @@ def test_word_steps_check_resamples_only_on_disagreement(tmp_path, scripted):
     srv = scripted(texts)
     s = run_baseline(str(_config(tmp_path, srv.url, bench)), f"program:{PROGRAMS / 'word_steps_check.py'}",
                      in_process)
-    assert (s["mean_at_l"], s["exec_calls_per_query"]) == (1.0, 2.5)
-    assert _answers(Store(tmp_path / "store"), s["eval_run_id"]) == {items[0].id: str(gold[0]),
+    assert (s.mean_at_l, s.exec_calls_per_query) == (1.0, 2.5)
+    assert _answers(Store(tmp_path / "store"), s.eval_run_id) == {items[0].id: str(gold[0]),
                                                                       items[1].id: str(gold[1])}
 
 

@@ -60,8 +60,8 @@ def test_eval_summary_of_a_two_level_run_reports_sel_at_l(tmp_path):
     ctx.store.refresh_catalog()
     out = eval_summary(ctx.store, "ev")
     # scores [1, 0 | .5, .75]: Mean@L .5625, Best@L 1; r_a0 = .5 < r_a1 = .625 -> a1's best, w11 = .75
-    assert (out["mean_at_l"], out["best_at_l"], out["select_at_l"]) == (0.5625, 1.0, 0.75)
-    (q,) = out["per_query"]
+    assert (out.mean_at_l, out.best_at_l, out.select_at_l) == (0.5625, 1.0, 0.75)
+    (q,) = out.per_query
     assert (q["selected_agent"], q["selected_workflow"], q["select_at_l"]) == ("a1", "w11", 0.75)
 
 

@@ -232,7 +232,7 @@ def test_pipeline_run_path_scores_shards_in_threads_then_merges(tmp_path, monkey
     monkeypatch.setitem(STAGES, "score", dataclasses.replace(STAGES["score"], fn=shard_score, merge=merge))
     out = run_rounds(_config(tmp_path, rounds=1), None, "d", direct_call(RetryPolicy(0, 0)), shards=2)
     assert sorted(c[0] for c in calls[:2]) == ["0/2", "1/2"] and calls[2] == ("merge", "MainThread")
-    assert len({c[1] for c in calls[:2]}) == 2 and out["rounds"][0]["mean_score"] == 0.25
+    assert len({c[1] for c in calls[:2]}) == 2 and out.rounds[0].mean_score == 0.25
     assert Store(tmp_path / "runs").manifest("d", 0, "score")["counts"] == {"rows": 1}
 
 

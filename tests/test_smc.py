@@ -160,14 +160,14 @@ def test_smc_run_end_to_end(tmp_path, monkeypatch):
     gen = Scripted()
     s = run_scripted_smc(tmp_path, monkeypatch, gen, {}, {"N": 3, "K": 2, "T": 2})
     # one step per workflow: every particle completes at step 1; its workflow evaluates the expression: right
-    assert (s["eval_run_id"], s["queries"], s["workflows"]) == ("s-smc", 2, 6)
-    assert (s["mean_at_l"], s["best_at_l"], s["majority_at_l"]) == (1.0, 1.0, 1.0)
-    assert s["smc"] == {"queries": 2, "rollouts": 6, "runs": 2, "workflows": 6, "steps_with_comments": 0}
+    assert (s.eval_run_id, s.queries, s.workflows) == ("s-smc", 2, 6)
+    assert (s.mean_at_l, s.best_at_l, s.majority_at_l) == (1.0, 1.0, 1.0)
+    assert s.extra["smc"] == {"queries": 2, "rollouts": 6, "runs": 2, "workflows": 6, "steps_with_comments": 0}
     st = Store(tmp_path / "store")
     gens = st.read("generations", "s-smc", 0)
     assert sorted(gens["kind"].unique().to_list()) == ["smc", "workflow"]
     # generator tokens: 6 rollouts x (2 prompt + 3 completion); executor: no llm() calls
-    assert (s["gen_tokens_per_query"], s["exec_tokens_per_query"]) == (15.0, 0.0)
+    assert (s.gen_tokens_per_query, s.exec_tokens_per_query) == (15.0, 0.0)
     prov = json.loads(gens.filter(gens["kind"] == "workflow")["sampling"][0])
     assert (prov["method"], prov["N"], prov["K"], prov["T"]) == ("smc", 3, 2, 2)
     assert gen.calls == 1  # step 1's extension only: complete particles need no look-ahead or step 2
@@ -250,10 +250,10 @@ def test_a_run_cut_off_mid_chunk_resumes_after_its_whole_chunks(tmp_path, monkey
     assert gen.calls == 2 and len(st.parts("generations", "s-smc", 0)) == 3
     s = run_scripted_smc(tmp_path, monkeypatch, gen, {}, {"N": 3, "K": 2, "T": 2})
     assert gen.calls == 3 and seen == [seen[0], seen[1], seen[1]]  # the second chunk only, once more
-    assert s["smc"] == {"queries": 2, "rollouts": 6, "runs": 2, "workflows": 6, "steps_with_comments": 0}
+    assert s.extra["smc"] == {"queries": 2, "rollouts": 6, "runs": 2, "workflows": 6, "steps_with_comments": 0}
     gens = st.read("generations", "s-smc", 0)
     assert gens.filter(pl.col("query_id") == seen[0]).sort("gen_id").equals(first)  # kept as it was
-    assert gens["gen_id"].n_unique() == gens.height == 12 and s["workflows"] == 6
+    assert gens["gen_id"].n_unique() == gens.height == 12 and s.workflows == 6
     # the sampling's wall time is the sum of the whole chunks of both attempts (the cut-off chunk's is not counted)
     lines = [json.loads(x) for x in (st.run_dir("s-smc") / "timings.jsonl").read_text().splitlines()]
     chunks = [t for t in lines if t.get("shard")]

@@ -336,8 +336,8 @@ def test_rounds_run_on_an_s3_store_with_the_endpoint_from_the_config(bucket, s3_
                    "scoring:\n  reps: 1\ncuration:\n  n: 3\n  t: 1\n  top_n: 8\n")
     fakes = Fakes().install(monkeypatch)
     out = run_rounds(cfg, None, None, direct_call(RetryPolicy(retries=0, delay_s=0)), observer=TRACKERS)
-    assert out["store"] == f"s3://{bucket}/runs" and [r["round"] for r in out["rounds"]] == [0, 1]
-    assert out["rounds"][1]["mean_score"] == pytest.approx(0.375)  # slots 0..3 score 0, .25, .5, .75
+    assert out.store == f"s3://{bucket}/runs" and [r.round for r in out.rounds] == [0, 1]
+    assert out.rounds[1].mean_score == pytest.approx(0.375)  # slots 0..3 score 0, .25, .5, .75
     st = Store(f"s3://{bucket}/runs")
     groups = st.read("groups", "s3run")
     kept = groups.filter(groups["kept"] & (groups["kind"] == "group"))

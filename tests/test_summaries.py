@@ -13,6 +13,7 @@ from pipeline.studies.formatting import num, signed, span
 from pipeline.studies.summaries import (
     AblationSummary,
     ArmDiff,
+    EvalSummary,
     ExperimentArm,
     ExperimentSummary,
     MethodArm,
@@ -177,7 +178,7 @@ def test_records_built_here_write_todays_keys_in_todays_order():
 def test_an_experiment_arm_keeps_its_evaluations_keys_in_order_without_the_per_query_rows():
     summ = {"eval_run_id": "e-s0-eval-r0", "queries": 1, "mean_at_l": 0.5, "select_at_l": 1.0, "best_at_l": 1.0,
             "per_query": [{"query_id": "q0"}], "status": {}}
-    arm = ExperimentArm.of(0, 0, summ)
+    arm = ExperimentArm.of(0, 0, EvalSummary.from_dict(summ))
     assert list(arm.to_dict()) == ["seed", "round", "eval_run_id", "queries", "mean_at_l", "select_at_l", "best_at_l",
                                    "status"]
     assert arm.select_at_l == 1.0 and arm.per_query == []

@@ -44,4 +44,4 @@ def test_two_level_config_runs_a_round_of_every_stage(tmp_path):
     # π_θ = π_old before the first update: the same computation (same micro-batches, eval = train mode, no dropout)
     assert metrics.height > 0 and metrics["ratio_dev"][0] <= 1e-6 and metrics["clip_frac"][0] == 0.0
     assert (st.checkpoint_dir("tl", 0) / "adapter_config.json").is_file()
-    assert out["rounds"][0]["mean_score"] is not None
+    assert out.rounds[0].mean_score is not None

@@ -196,7 +196,7 @@ def run_crn_bench(src_root: str | Path, arms: dict[str, str], pairs: list[tuple[
                 run_stage("score", rid, 0, str(dst.root), mode_sets)
         costs.append(mode_cost(dst, mode, list(arms.values()), time.perf_counter() - t0))
         variance += [arm_variance(dst, name, rid, mode, cfg.scoring.reps) for name, rid in arms.items()]
-        per_query = {name: {q["query_id"]: q["mean_at_l"] for q in eval_summary(dst, rid)["per_query"]}
+        per_query = {name: {q["query_id"]: q["mean_at_l"] for q in eval_summary(dst, rid).per_query}
                      for name, rid in arms.items()}
         widths += [pair_width(per_query, a, b, mode) for a, b in pairs]
     result = CrnResult(str(src_root), arms, len(shared), list(sets or []), widths, costs, variance)

@@ -8,7 +8,7 @@ One server of CONFIG's `executor.serve` section is started for the whole bench. 
   fixed workflow for the same problems (default: the hand-written prompt's example, generate -> run the public
   tests -> repair once, the workflow the trained generator converges to), at each `scoring.concurrency` of
   `--scoring`; executor completion tokens (`scores.tokens_out`) per second of the stage's wall time.
-The ratio scoring / best plain is the figure of the issue (goal >= 0.8); it picks `scoring.concurrency`.
+The ratio scoring / best plain is the figure that matters (goal >= 0.8); it picks `scoring.concurrency`.
 """
 
 from __future__ import annotations

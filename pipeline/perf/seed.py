@@ -1,11 +1,11 @@
-"""`pipeline bench seed CONFIG`: one seed of an experiment as it ran before the executor cache and after (issue 38's
-goal: after, at most 0.4x the wall time of before, on the same machine).
+"""`pipeline bench seed CONFIG`: one seed of an experiment as it ran before the executor cache and after (the
+cache's goal: after, at most 0.4x the wall time of before, on the same machine).
 
 Each variant is the experiment's first seed (`--seeds 1`: its rounds, the evaluations it needs and the references
 on the held-out split and on `experiment.select_split`) in a store of its own, `<out>/<variant>/`, run one after the
 other so that each has the whole machine:
 - `before`: no reply cache, no cached grader verdicts, no common random numbers, every round evaluated (the
-  defaults before issue 38);
+  defaults before the executor cache existed);
 - `after`: the defaults (the cache, seeded evaluations and references, the base model and the last round
   evaluated);
 - `after_seeded_training` (on request): the defaults with seeded training rollouts too
@@ -37,7 +37,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "after": (),
     "after_seeded_training": ("executor.common_random_numbers=true",),
 }
-GOAL = 0.4  # issue 38: a seed after the cache at most 0.4x its wall time before
+GOAL = 0.4  # the executor cache's goal: a seed after the cache at most 0.4x its wall time before
 
 
 @dataclass(frozen=True)

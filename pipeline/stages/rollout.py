@@ -18,15 +18,15 @@ import logging
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-
-from tqdm import tqdm
 
 from pipeline.core.designs import declared_choice, nearest_design
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.engines.executors import cost_usd
 from pipeline.engines.generation import BACKENDS, Completion, Generator, Sampling, make_generator
+from pipeline.engines.meter import ProgressMeter, relay_path
 from pipeline.engines.models import load_tokenizer
 from pipeline.engines.prompting import (
     Design,
@@ -191,10 +191,12 @@ class Sampler:
         return {"choice_step": {"temperature": ro.choice_temperature or self.cfg.generator.temperature,
                                 "tokens": self.choice_tokens}}
 
-    def choose_then_write(self, gen: Generator, batch: list[Request], sampling: Sampling) -> list[list[Completion]]:
+    def choose_then_write(self, gen: Generator, batch: list[Request], sampling: Sampling,
+                          progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
         """rollout.choice_step: per slot, the design token drawn from the policy restricted to the labels' first
         tokens (at choice_temperature), then the workflow sampled after it (one prompt a slot); each completion is
-        the two steps' tokens joined, their log-probs as the engine reported them (π_old is recomputed)."""
+        the two steps' tokens joined, their log-probs as the engine reported them (π_old is recomputed).
+        `progress`: told of each workflow as it is written."""
         ro = self.cfg.rollout
         first = replace(sampling, temperature=ro.choice_temperature or sampling.temperature, top_p=1.0,
                         max_new_tokens=1, stop=(), allowed_token_ids=tuple(self.choice_tokens.values()))
@@ -203,7 +205,7 @@ class Sampler:
         then = replace(sampling, n=1, max_new_tokens=max(1, sampling.max_new_tokens - 1),
                        seed=derived_seed(sampling.seed, "after the choice"))
         prompts = [r.prompt_text + c.text for r, comps in zip(batch, chosen, strict=True) for c in comps]
-        written = [comps[0] for comps in gen.generate(prompts, then, self.sample_adapter)]
+        written = [comps[0] for comps in gen.generate(prompts, then, self.sample_adapter, progress=progress)]
         joined = [Completion(c.text + w.text, c.prompt_token_ids, c.token_ids + w.token_ids,
                              None if c.token_logprobs is None or w.token_logprobs is None
                              else c.token_logprobs + w.token_logprobs, w.finish_reason,
@@ -232,20 +234,19 @@ class Sampler:
             ))
         return rows
 
-    def sample(self, gen: Generator, requests: list[Request], bar: tqdm) -> int:
+    def sample(self, gen: Generator, requests: list[Request], bar: ProgressMeter) -> int:
         written = 0
         for batch in batches(requests, self.cfg.generator.batch_size):
             sampling = self.sampling(batch)
             t0 = time.perf_counter()
             if self.choice_tokens and batch[0].kind == "workflow":
-                outs = self.choose_then_write(gen, batch, sampling)
+                outs = self.choose_then_write(gen, batch, sampling, progress=bar.update)
             else:
-                outs = gen.generate([r.prompt_text for r in batch], sampling, self.sample_adapter)
+                outs = gen.generate([r.prompt_text for r in batch], sampling, self.sample_adapter, progress=bar.update)
             latency = (time.perf_counter() - t0) / max(1, sampling.n * len(batch))
             rows = [row for r, comps in zip(batch, outs, strict=True) for row in self.rows(r, comps, sampling, latency)]
             self.ctx.store.write("generations", rows, self.ctx.run_id, self.ctx.round)
             written += len(rows)
-            bar.update(len(rows))
         return written
 
 
@@ -309,7 +310,8 @@ def _sample_all(ctx: RunContext, ro: Sampler, gen: Generator, todo: list[Request
     if ctx.cfg.rollout.mode == "two_level":  # workflows of agents sampled in this run are not known yet
         total += sum(len(r.slots) for r in todo if r.kind == "agent") * ctx.cfg.rollout.n_workflows
     sampled = 0
-    with tqdm(total=total, desc=f"rollout r{ctx.round}", unit="gen") as bar:
+    relay = relay_path(ctx.run_id, ctx.round, "rollout")
+    with ProgressMeter(total, f"rollout r{ctx.round}", "gen", relay=relay) as bar:
         while todo:
             sampled += ro.sample(gen, todo, bar)
             # two-level: the agents just written unlock their workflows; flat finishes in one pass

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.config import RunConfig, load_config
+from pipeline.core.records import Record
 from pipeline.engines.servers import check_served, server_log_dir, sharing
 from pipeline.run import open_run
 from pipeline.stages import ROUND_STAGES, get_stage, served_sections
@@ -123,9 +124,30 @@ class RoundObserver(Protocol):
     def round_done(self, store: Store, run_id: str, cfg) -> None: ...
 
 
+@dataclass(kw_only=True)
+class RoundResult(Record):
+    """One round of `run_rounds`: its mean and best score over the round's scored workflows and each stage's wall
+    seconds in this call (a stage skipped as done: about 0; a round not entered: none)."""
+
+    round: int
+    mean_score: float | None = None
+    best_score: float | None = None
+    wall_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class RoundsSummary(Record):
+    """What `run_rounds` returns: the run, its store and a `RoundResult` per round."""
+
+    run_id: str
+    store: str
+    rounds: list[RoundResult] = dataclasses.field(default_factory=list)
+    NESTED = {"rounds": RoundResult}
+
+
 def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call: StageCall,
                after_round: Callable[[str, str, int], None] | None = None, sets: list[str] | None = None,
-               shards: int = 1, observer: RoundObserver | None = None, wait: bool = False) -> dict:
+               shards: int = 1, observer: RoundObserver | None = None, wait: bool = False) -> RoundsSummary:
     """Open (freeze) the run once, then call each stage of each round in order; returns a summary.
 
     `sets` are per-invocation overrides (`key=value`, as `--set`) given to every stage; the first call
@@ -162,12 +184,10 @@ def run_rounds(config: str | Path, rounds: int | None, run_id: str | None, call:
                 if observer is not None:
                     observer.round_done(ctx.store, run_id, ctx.cfg)
     stats = round_stats(Store(store_root), run_id)
-    per_round = [
-        {"round": r["round"], "mean_score": r["mean_score"], "best_score": r["best_score"],
-         "wall_s": walls.get(r["round"], {})}
-        for r in stats.iter_rows(named=True) if r["round"] < rounds
-    ]
-    return {"run_id": run_id, "store": store_root, "rounds": per_round}
+    per_round = [RoundResult(round=r["round"], mean_score=r["mean_score"], best_score=r["best_score"],
+                             wall_s=walls.get(r["round"], {}))
+                 for r in stats.iter_rows(named=True) if r["round"] < rounds]
+    return RoundsSummary(run_id=run_id, store=store_root, rounds=per_round)
 
 
 def settled_round(store: Store, run_id: str, rounds: int, frozen_hash: str) -> int:

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
-from tqdm import tqdm
 
 from pipeline.core.reward import diversity_terms, reward
 from pipeline.core.tamper import flags
 from pipeline.engines.benchmarks.base import Benchmark, Item, ScorerError, load_benchmark
+from pipeline.engines.meter import ProgressMeter, relay_path
 from pipeline.engines.sandbox import Limits, SandboxResult, default_sandbox, run_workflow
 from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext
@@ -225,7 +225,7 @@ async def _run(ctx: RunContext, scorer: _Scorer, jobs: list[Job], desc: str) -> 
         await scorer.executor.start()
     tasks = [asyncio.ensure_future(one(j)) for j in jobs]
     try:
-        with tqdm(total=len(jobs), desc=desc, unit="run") as bar:
+        with ProgressMeter(len(jobs), desc, "run", relay=relay_path(ctx.run_id, ctx.round, "score")) as bar:
             for fut in asyncio.as_completed(tasks):
                 row = await fut
                 counts[row["status"]] = counts.get(row["status"], 0) + 1

@@ -22,6 +22,7 @@ import logging
 import time
 from pathlib import Path
 
+from pipeline.config import as_sets
 from pipeline.core.learning import paired_differences
 from pipeline.core.objectives import OBJECTIVES, get_objective
 from pipeline.run import open_run
@@ -41,8 +42,15 @@ def arm_run_id(source: str, objective: str, reference: str) -> str:
     return source if objective == reference else f"{source}-{objective}"
 
 
+def arm_changes(source: str, objective: str) -> dict[str, str]:
+    """An objective's arm as a variant of the config (pipeline.config.with_changes): it trains the source run's
+    curated data with `objective`."""
+    return {"training.objective": objective, "training.data_run": source}
+
+
 def arm_sets(source: str, objective: str) -> list[str]:
-    return [f"training.objective={objective}", f"training.data_run={source}"]
+    """`arm_changes` as the overrides the arm's stages get (pipeline.config.as_sets)."""
+    return as_sets(arm_changes(source, objective))
 
 
 def ablation_dir(store: Store, run_id: str) -> Path:
@@ -60,7 +68,7 @@ def summarise(store: Store, cfg, objectives: list[str], seeds: list[int], round:
             o: eval_run_id(arm_run_id(src, o, objectives[0]), round, split) for o in objectives}
         for arm, eid in runs.items():
             if (store.run_dir(eid) / "config.yaml").is_file():
-                per_query[(s, arm)] = {q["query_id"]: q for q in eval_summary(store, eid)["per_query"]}
+                per_query[(s, arm)] = {q["query_id"]: q for q in eval_summary(store, eid).per_query}
     arms, paired = [], []
     for arm in [BASE_ARM, *objectives]:
         rows = [q for (s, a), qs in per_query.items() if a == arm for q in qs.values()]

@@ -34,16 +34,18 @@ import json
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import ConfigError, RunConfig, diff_configs, load_config
+from pipeline.core.records import Record
 from pipeline.core.reward import program_key
 from pipeline.engines.servers import sharing
 from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext, open_run
 from pipeline.store import Store, store_for
 from pipeline.studies.formatting import num
-from pipeline.studies.summaries import BEST_FIXED_ARM
+from pipeline.studies.summaries import BEST_FIXED_ARM, EvalSummary
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +244,7 @@ def _score(ctx: RunContext, call, sets: list[str] | None) -> None:
 
 
 def run_fixed(config: str, method: str, call, run_id: str | None = None, split: str = "test",
-              sets: list[str] | None = None, program: str | None = None) -> dict:
+              sets: list[str] | None = None, program: str | None = None) -> EvalSummary:
     """A fixed program's baseline run: L copies of it per held-out query, scored; returns its `eval_summary`.
     `program`: the source of a user-given program (`pipeline baseline --program FILE`), named `method`."""
     from pipeline.studies.evaluate import eval_summary
@@ -325,9 +327,10 @@ def selection_split(cfg) -> str:
 
 
 def run_task_best(config: str, call, run_id: str | None = None, split: str = "test", sets: list[str] | None = None,
-                  candidates: list[str] | None = None, max_candidates: int = 16) -> dict:
+                  candidates: list[str] | None = None, max_candidates: int = 16) -> EvalSummary:
     """Select each task's best program on CONFIG's training queries, then run it on the held-out split (module
-    doc); returns the held-out run's `eval_summary` with `selected` (task -> the winner and its selection score)."""
+    doc); returns the held-out run's `eval_summary` with `selected` (task -> the winner and its selection score) and
+    `selection_run` (the run in which the winners were chosen)."""
     from pipeline.studies.evaluate import eval_summary
 
     sel = open_baseline_run(config, SELECT, run_id, selection_split(load_config(config, sets)), sets, held_out=False)
@@ -350,7 +353,10 @@ def run_task_best(config: str, call, run_id: str | None = None, split: str = "te
         per_query[q["query_id"]] = [(win["label"], code, prov)] * L
     write_programs(ctx, per_query)
     _score(ctx, call, sets)
-    return {**eval_summary(ctx.store, ctx.run_id), "selected": chosen}
+    summary = eval_summary(ctx.store, ctx.run_id)
+    summary.extra["selected"] = chosen
+    summary.extra["selection_run"] = sel.run_id
+    return summary
 
 
 def sharing_executor(config: str, run_id: str | None = None, sets: list[str] | None = None):
@@ -362,7 +368,8 @@ def sharing_executor(config: str, run_id: str | None = None, sets: list[str] | N
 
 
 def run_baseline(config: str, method: str, call=None, run_id: str | None = None, split: str = "test",
-                 sets: list[str] | None = None, candidates: list[str] | None = None, max_candidates: int = 16) -> dict:
+                 sets: list[str] | None = None, candidates: list[str] | None = None, max_candidates: int = 16
+                 ) -> EvalSummary:
     """One baseline's derived run, through `call` (a stage caller; default `pipeline.stages.rounds.direct_call()`)."""
     from pipeline.stages.rounds import direct_call
 
@@ -377,8 +384,35 @@ def run_baseline(config: str, method: str, call=None, run_id: str | None = None,
 
 # ---- side by side ----------------------------------------------------------------------------------------------
 
-COLUMNS = ("run", "method", "queries", "L", "mean_at_l", "best_at_l", "majority_at_l", "valid_share",
-           "gen_tokens_per_query", "exec_tokens_per_query", "exec_calls_per_query")
+@dataclass(kw_only=True)
+class ComparisonRow(Record):
+    """One run of `pipeline compare`: what wrote its workflows, its queries and L, and its evaluation's figures."""
+
+    run: str
+    method: str
+    queries: int
+    L: int
+    mean_at_l: float | None = None
+    best_at_l: float | None = None
+    majority_at_l: float | None = None
+    valid_share: float | None = None
+    gen_tokens_per_query: float | None = None
+    exec_tokens_per_query: float | None = None
+    exec_calls_per_query: float | None = None
+
+
+@dataclass(kw_only=True)
+class Comparison(Record):
+    """`compare`'s result: a row per run, and whether all runs hold the same queries (else their figures are not
+    over the same problems)."""
+
+    rows: list[ComparisonRow] = field(default_factory=list)
+    same_queries: bool = True
+    NESTED = {"rows": ComparisonRow}
+
+    def markdown(self) -> str:
+        """The rows as one Markdown table."""
+        return markdown_table(self.rows)
 
 
 def describe(store: Store, run_id: str) -> str:
@@ -396,23 +430,27 @@ def describe(store: Store, run_id: str) -> str:
     return name + (f", self-repair <= {repair}" if repair else "")
 
 
-def compare(store: Store, run_ids: list[str], describe_fn: Callable[[Store, str], str] = describe) -> dict:
-    """`eval_summary` of each run as one table row (COLUMNS) and whether all runs hold the same queries."""
+def compare(store: Store, run_ids: list[str], describe_fn: Callable[[Store, str], str] = describe) -> Comparison:
+    """`eval_summary` of each run as one table row and whether all runs hold the same queries."""
     from pipeline.studies.evaluate import eval_summary
 
     rows, query_sets = [], []
     for rid in run_ids:
         if not (store.run_dir(rid) / "config.yaml").is_file():
             raise ConfigError(f"run {rid!r} not found under {store.root}")
-        s = eval_summary(store, rid)
-        query_sets.append(frozenset(q["query_id"] for q in s["per_query"]))
-        L = max((q["workflows"] + q["pending"] for q in s["per_query"]), default=0)
-        rows.append({"run": rid, "method": describe_fn(store, rid), "L": L,
-                     **{k: s.get(k) for k in COLUMNS if k not in ("run", "method", "L")}})
-    return {"rows": rows, "same_queries": len(set(query_sets)) <= 1}
+        summary = eval_summary(store, rid)
+        query_sets.append(frozenset(q["query_id"] for q in summary.per_query))
+        L = max((q["workflows"] + q["pending"] for q in summary.per_query), default=0)
+        rows.append(ComparisonRow(run=rid, method=describe_fn(store, rid), queries=summary.queries, L=L,
+                                  **{name: getattr(summary, name) for name in FIGURES}))
+    return Comparison(rows=rows, same_queries=len(set(query_sets)) <= 1)
 
 
-def markdown_table(rows: list[dict]) -> str:
+FIGURES = ("mean_at_l", "best_at_l", "majority_at_l", "valid_share", "gen_tokens_per_query", "exec_tokens_per_query",
+           "exec_calls_per_query")  # an evaluation's figures a comparison row shows
+
+
+def markdown_table(rows: list[ComparisonRow]) -> str:
     head = ("run", "method", "queries", "L", "Mean@L", "Best@L", "Majority@L", "valid", "generator tokens/query",
             "executor tokens/query", "executor calls/query")
     digits = {"mean_at_l": 3, "best_at_l": 3, "majority_at_l": 3, "valid_share": 2, "gen_tokens_per_query": 0,
@@ -422,5 +460,6 @@ def markdown_table(rows: list[dict]) -> str:
         return num(v, digits[key]) if key in digits or v is None else str(v)
 
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(cell(k, r[k]) for k in COLUMNS) + " |" for r in rows]
+    columns = ComparisonRow.names()
+    lines += ["| " + " | ".join(cell(k, getattr(r, k)) for k in columns) + " |" for r in rows]
     return "\n".join(lines)

@@ -42,6 +42,7 @@ from pipeline.config import SPLITS, ConfigError, RunConfig, load_config
 from pipeline.run import RunContext, open_run
 from pipeline.stages.modes import get_mode
 from pipeline.store import CHECKPOINT_MARKER, KEPT_CONFIG, Store
+from pipeline.studies.summaries import EvalSummary
 
 log = logging.getLogger("pipeline.studies.evaluate")
 
@@ -255,7 +256,7 @@ def usage_summary(usage: list[dict]) -> dict:
             "truncated_share": sum(u.get("exec_truncated_calls") or 0 for u in usage) / known if known else None}
 
 
-def eval_summary(store: Store, eval_id: str) -> dict:
+def eval_summary(store: Store, eval_id: str) -> EvalSummary:
     """Split-level Mean@L / Best@L / Majority@L / valid share and tokens per query over the eval run's queries,
     the status mix of its latest runs, and `per_query` (one dict per query: workflows, mean_at_l, best_at_l,
     majority_at_l, valid_share, pending and its `query_usage` columns)."""
@@ -279,7 +280,7 @@ def eval_summary(store: Store, eval_id: str) -> dict:
            "per_query": [asdict(q) | usage.get(q.query_id, {}) for q in per_query]}
     if get_mode(ctx.cfg.rollout.mode).selection:
         add_selection(out, rows)
-    return out
+    return EvalSummary.from_dict(out)
 
 
 def add_selection(summary: dict, rows: list[dict]) -> None:
@@ -295,7 +296,7 @@ def add_selection(summary: dict, rows: list[dict]) -> None:
                  selected_workflow=s.workflow_id if s else None)
 
 
-def run_evaluation(ctx: RunContext, sets: list[str] | None = None, call=None) -> dict:
+def run_evaluation(ctx: RunContext, sets: list[str] | None = None, call=None) -> EvalSummary:
     """Roll out and score an evaluation run's round 0 through `call` (a stage caller, default:
     `pipeline.stages.rounds.direct_call()`), `sets` applied to each stage; returns `eval_summary`."""
     from pipeline.stages.rounds import direct_call
@@ -307,14 +308,14 @@ def run_evaluation(ctx: RunContext, sets: list[str] | None = None, call=None) ->
 
 
 def evaluate_round(store_root: str, run_id: str, round: int, split: str = "test", sets: list[str] | None = None,
-                   call=None) -> dict:
+                   call=None) -> EvalSummary:
     """Roll out and score round `round`'s checkpoint (-1: the base model) on `split` in its evaluation run
     (`run_evaluation`); returns `eval_summary`."""
     return run_evaluation(open_eval_run(store_root, run_id, round, split, sets), sets, call)
 
 
 def evaluate_adapter(store_root: str, folder: str | Path, split: str = "test", sets: list[str] | None = None,
-                     call=None) -> dict:
+                     call=None) -> EvalSummary:
     """Roll out and score a kept adapter folder on `split` in its evaluation run (`open_adapter_eval_run`: the
     overrides `sets` are frozen into it); returns `eval_summary`."""
     return run_evaluation(open_adapter_eval_run(store_root, folder, split, sets), None, call)

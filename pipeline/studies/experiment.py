@@ -56,7 +56,7 @@ from pathlib import Path, PurePosixPath
 
 import polars as pl
 
-from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.config import ConfigError, RunConfig, as_sets, load_config
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
 from pipeline.engines.models import half_weights
 from pipeline.engines.servers import sharing
@@ -104,9 +104,15 @@ def seed_run_id(run_id: str, seed: int) -> str:
     return f"{run_id}-s{seed}"
 
 
+def seed_changes(seed: int) -> dict[str, int]:
+    """A seed's variant of the config (pipeline.config.with_changes): every source of randomness of a round follows
+    the seed."""
+    return {"generator.seed": seed, "training.seed": seed, "curation.seed": seed}
+
+
 def seed_sets(seed: int) -> list[str]:
-    """Overrides that make a seed's run: every source of randomness of a round follows the seed."""
-    return [f"generator.seed={seed}", f"training.seed={seed}", f"curation.seed={seed}"]
+    """`seed_changes` as the overrides its runs' stages get (pipeline.config.as_sets)."""
+    return as_sets(seed_changes(seed))
 
 
 def eval_rounds(cfg: RunConfig) -> list[int]:
@@ -260,7 +266,7 @@ def references(store: Store, cfg: RunConfig, split: str | None = None) -> list[R
     """`eval_summary` of each `experiment.references` baseline run on `split` (default: the held-out one) that
     exists, with its `method` and `label` (the method, or `program-<file stem>`)."""
     runs = reference_runs(cfg, split)
-    return [ReferenceArm.from_dict({"method": m, "label": method_tag(m), **eval_summary(store, rid)})
+    return [ReferenceArm.from_dict({"method": m, "label": method_tag(m), **eval_summary(store, rid).to_dict()})
             for m, rid in runs.items() if (store.run_dir(rid) / "config.yaml").is_file()]
 
 
@@ -371,7 +377,7 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
                 continue
             summ = eval_summary(store, eid)
             arms.append(ExperimentArm.of(s, k, summ))
-            per_query += [{"seed": s, "round": k, **q} for q in summ["per_query"]]
+            per_query += [{"seed": s, "round": k, **q} for q in summ.per_query]
     base_seed = (lambda s: seeds[0]) if ex.shared_base else (lambda s: s)
     paired = pair_rows(cfg, seeds, per_query, [k for k in eval_rounds(cfg) if k != BASE], compared_metrics(cfg),
                        lambda s, m: query_values(per_query, base_seed(s), BASE, m))
@@ -484,9 +490,10 @@ Without `--set` it runs on the experiment's own test queries again. Load it with
 
     PeftModel.from_pretrained(base_model, "{folder}")
 
-Serve it with vLLM:
+Serve it with vLLM (its OpenAI-compatible server; requests name the model `{folder.name}`):
 
-    vllm serve <the base model's folder> --enable-lora --max-lora-rank {rank} --lora-modules {folder.name}={folder}
+    python -m vllm.entrypoints.openai.api_server --model <the base model's folder> \\
+        --enable-lora --max-lora-rank {rank} --lora-modules {folder.name}={folder}
 """
 
 

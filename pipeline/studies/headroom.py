@@ -46,6 +46,14 @@ from pipeline.store import Store, store_for
 from pipeline.store.views import TRUNCATED_SHARE_SQL
 from pipeline.studies.baselines import PROGRAM_PREFIX, baseline_run_id, check_method, method_tag, run_baseline
 from pipeline.studies.formatting import num, signed, span
+from pipeline.studies.summaries import (
+    DesignPoint,
+    DesignRow,
+    HeadroomAnalysis,
+    HeadroomSummary,
+    OracleResult,
+    PartResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +132,7 @@ def build_runs(frames: dict[str, pl.DataFrame], reps: int) -> tuple[Runs, list[s
     return Runs(designs, tuple(kept), scores, tokens), [parts[q] for q in kept], sorted(every - set(kept))
 
 
-def analyse(runs: Runs, parts: Sequence[str], rule: str, gate: float) -> dict:
+def analyse(runs: Runs, parts: Sequence[str], rule: str, gate: float) -> HeadroomAnalysis:
     """Everything the study reports, from the runs (pure apart from the numbers' rounding: none)."""
     points = design_points(runs)
     best = best_design(runs)
@@ -133,22 +141,20 @@ def analyse(runs: Runs, parts: Sequence[str], rule: str, gate: float) -> dict:
     front = frontier(runs, rule)
     on_front = pareto(points)
     ci = bootstrap_ci(gain_per_query(runs, rule, best))  # the gain's 95% interval, queries resampled
-    out = {"designs": [asdict(p) | {"pareto": f} for p, f in zip(points, on_front, strict=True)],
-           "best": asdict(points[best]), "oracle": asdict(oracle), "oracle_in_sample": asdict(in_sample),
-           "gain": oracle.score - points[best].score, "gate": gate, "rule": rule,
-           "gain_interval": [ci.lo, ci.hi],
-           "passes": oracle.score - points[best].score >= gate,
-           "frontier": [asdict(o) | {"gain": gain_within(points, o)} for o in front],
-           "queries": len(runs.queries), "reps": runs.reps,
-           "per_part": {}}
+    out = HeadroomAnalysis(
+        designs=[DesignRow(**asdict(p), pareto=on) for p, on in zip(points, on_front, strict=True)],
+        best=DesignPoint(**asdict(points[best])), oracle=OracleResult(**asdict(oracle)),
+        oracle_in_sample=OracleResult(**asdict(in_sample)), gain=oracle.score - points[best].score, gate=gate,
+        rule=rule, gain_interval=[ci.lo, ci.hi], passes=oracle.score - points[best].score >= gate,
+        frontier=[OracleResult(**asdict(o), gain=gain_within(points, o)) for o in front],
+        queries=len(runs.queries), reps=runs.reps)
     if len(set(parts)) > 1:
         router, chosen = part_router(runs, parts, best)
-        per_part = {}
-        for p in sorted(set(parts)):
-            m = [i for i, x in enumerate(parts) if x == p]
-            per_part[p] = {"queries": len(m), "best": chosen[p],
-                           "scores": {d: float(runs.scores[i][m].mean()) for i, d in enumerate(runs.designs)}}
-        out |= {"per_part": per_part, "part_router": asdict(router)}
+        for part in sorted(set(parts)):
+            members = [i for i, x in enumerate(parts) if x == part]
+            out.per_part[part] = PartResult(queries=len(members), best=chosen[part], scores={
+                d: float(runs.scores[i][members].mean()) for i, d in enumerate(runs.designs)})
+        out.part_router = OracleResult(**asdict(router))
     return out
 
 
@@ -174,7 +180,7 @@ def stage_status(store: Store, cfg: RunConfig, split: str, reps: int) -> list[di
 
 
 def run_headroom(config: str | Path, call=None, run_id: str | None = None, split: str = "dev",
-                 reps: int | None = None, sets: list[str] | None = None) -> dict:
+                 reps: int | None = None, sets: list[str] | None = None) -> HeadroomSummary:
     """Run (or resume) every design on `split` through `call` (a stage caller; default in this process), analyse,
     write the outputs; returns the summary (`analyse` plus run ids, truncation shares, dropped queries, `results`)."""
     from pipeline.stages.rounds import direct_call, study_config
@@ -195,24 +201,23 @@ def run_headroom(config: str | Path, call=None, run_id: str | None = None, split
             run_baseline(str(path), d, call, owner(cfg), split, extra)
     frames = {tag: design_rows(store, rid) for tag, rid in runs_of.items()}
     runs, parts, dropped = build_runs(frames, reps)
-    summary = {"run_id": cfg.run_id, "config": str(path), "sets": sets, "split": split,
-               "design_runs": runs_of, "dropped": dropped,
-               **analyse(runs, parts, cfg.headroom.budget_rule, cfg.headroom.gate)}
-    shares = {tag: truncated_share(store, rid) for tag, rid in runs_of.items()}
-    for row in summary["designs"]:
-        row["truncated_share"] = shares[row["name"]]
-    summary["results"] = str(write_outputs(store, summary, runs))
+    analysis = analyse(runs, parts, cfg.headroom.budget_rule, cfg.headroom.gate)
+    summary = HeadroomSummary(run_id=cfg.run_id, config=str(path), sets=sets, split=split, design_runs=runs_of,
+                              dropped=dropped, **analysis.field_values())
+    for row in summary.designs:
+        row.truncated_share = truncated_share(store, runs_of[row.name])
+    summary.results = str(write_outputs(store, summary, runs))
     return summary
 
 
-def write_outputs(store: Store, summary: dict, runs: Runs) -> Path:
+def write_outputs(store: Store, summary: HeadroomSummary, runs: Runs) -> Path:
     """headroom.json, designs.csv, per_query.csv, frontier.png and headroom.md under <store>/headroom/<run_id>/."""
-    dest = headroom_dir(store, summary["run_id"])
+    dest = headroom_dir(store, summary.run_id)
     with store.output_dir(dest) as out:
         tmp = out / ".headroom.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=1, default=str))
+        tmp.write_text(json.dumps(summary.to_dict(), indent=1, default=str))
         tmp.replace(out / "headroom.json")
-        pl.DataFrame(summary["designs"]).write_csv(out / "designs.csv")
+        pl.DataFrame([row.to_dict() for row in summary.designs]).write_csv(out / "designs.csv")
         d, q, r = np.meshgrid(np.arange(len(runs.designs)), np.arange(len(runs.queries)), np.arange(runs.reps),
                               indexing="ij")
         pl.DataFrame({"design": [runs.designs[i] for i in d.ravel()], "query_id": [runs.queries[i] for i in q.ravel()],
@@ -223,30 +228,30 @@ def write_outputs(store: Store, summary: dict, runs: Runs) -> Path:
     return dest
 
 
-def plot_frontier(summary: dict, out: Path):
+def plot_frontier(summary: HeadroomSummary, out: Path):
     """Score vs executor tokens per run: each design (the Pareto ones joined), the cross-fitted oracle anchored at
     every design (its budget on x), the best design's oracle marked. Returns the matplotlib Figure."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
-    pts = summary["designs"]
-    ax.scatter([p["tokens"] for p in pts], [p["score"] for p in pts], color="C0", zorder=3, label="design (fixed)")
+    pts = summary.designs
+    ax.scatter([p.tokens for p in pts], [p.score for p in pts], color="C0", zorder=3, label="design (fixed)")
     for p in pts:
-        ax.annotate(p["name"].removeprefix("program-"), (p["tokens"], p["score"]), fontsize="x-small",
+        ax.annotate(p.name.removeprefix("program-"), (p.tokens, p.score), fontsize="x-small",
                     xytext=(4, 3), textcoords="offset points")
-    front = sorted((p for p in pts if p["pareto"]), key=lambda p: p["tokens"])
-    ax.plot([p["tokens"] for p in front], [p["score"] for p in front], color="C0", linewidth=1, alpha=0.6)
-    orc = sorted(summary["frontier"], key=lambda o: o["budget"])
-    ax.plot([o["budget"] for o in orc], [o["score"] for o in orc], color="C3", marker="x", linestyle="--",
-            label=f"per-query oracle at each design's budget (cross-fitted, {summary['rule']})")
-    o = summary["oracle"]
-    ax.scatter([o["tokens"]], [o["score"]], color="C3", marker="*", s=140, zorder=4,
-               label=f"oracle at the best design's budget: {o['score']:.3f} (best {summary['best']['score']:.3f})")
+    front = sorted((p for p in pts if p.pareto), key=lambda p: p.tokens)
+    ax.plot([p.tokens for p in front], [p.score for p in front], color="C0", linewidth=1, alpha=0.6)
+    orc = sorted(summary.frontier, key=lambda o: o.budget)
+    ax.plot([o.budget for o in orc], [o.score for o in orc], color="C3", marker="x", linestyle="--",
+            label=f"per-query oracle at each design's budget (cross-fitted, {summary.rule})")
+    o = summary.oracle
+    ax.scatter([o.tokens], [o.score], color="C3", marker="*", s=140, zorder=4,
+               label=f"oracle at the best design's budget: {o.score:.3f} (best {summary.best.score:.3f})")
     ax.set_xlabel("executor tokens per run (mean over queries and runs)")
-    ax.set_ylabel(f"score (mean over {summary['queries']} {summary['split']} queries x {summary['reps']} runs)")
-    ax.set_title(f"headroom {summary['run_id']}: gain {summary['gain']:+.3f}, gate {summary['gate']:.2f} "
-                 f"{'passed' if summary['passes'] else 'not passed'}", fontsize="medium")
+    ax.set_ylabel(f"score (mean over {summary.queries} {summary.split} queries x {summary.reps} runs)")
+    ax.set_title(f"headroom {summary.run_id}: gain {summary.gain:+.3f}, gate {summary.gate:.2f} "
+                 f"{'passed' if summary.passes else 'not passed'}", fontsize="medium")
     # beside the axes: inside, it hides the designs' labels
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -254,34 +259,37 @@ def plot_frontier(summary: dict, out: Path):
     return fig
 
 
-def markdown(summary: dict) -> list[str]:
+def markdown(summary: HeadroomSummary) -> list[str]:
     """The study as lines of Markdown (the CLI prints them): the gate, the designs' table, per part."""
-    b, o, i = summary["best"], summary["oracle"], summary["oracle_in_sample"]
-    lines = [f"headroom {summary['run_id']} on {summary['split']}: {summary['queries']} queries x {summary['reps']} "
-             f"runs ({len(summary['dropped'])} left out: not final in every design)",
-             f"(a) best single design: {b['name']} {b['score']:.3f} at {b['tokens']:.0f} executor tokens per run",
-             f"(b) per-query oracle, cross-fitted ({o['rule']}, budget {o['budget']:.0f}): {o['score']:.3f} at "
-             f"{o['tokens']:.0f} tokens; in sample (optimistic) {i['score']:.3f}",
-             f"gain (b) - (a): {summary['gain']:+.3f}"
-             + (f" {span(*summary['gain_interval'])} (95%, queries resampled)" if "gain_interval" in summary else "")
-             + f"; gate {summary['gate']:.2f} on the point estimate: "
-             + ("PASSES: go on to training" if summary["passes"] else "does not pass: no training run")]
-    at = {f["anchor"]: f for f in summary["frontier"]}
-    if "gain" in summary["frontier"][0]:  # summaries written before the column have none
-        top = max(summary["frontier"], key=lambda f: f["gain"])
-        lines.append(f"largest gain along the frontier: {top['gain']:+.3f} at {top['anchor']}'s budget "
-                     f"({top['budget']:.0f} tokens) over the designs within it (the gate reads it at (a)'s budget)")
+    best, oracle, in_sample = summary.best, summary.oracle, summary.oracle_in_sample
+    interval = summary.gain_interval  # None in summaries written before the interval existed
+    lines = [f"headroom {summary.run_id} on {summary.split}: {summary.queries} queries x {summary.reps} "
+             f"runs ({len(summary.dropped)} left out: not final in every design)",
+             f"(a) best single design: {best.name} {best.score:.3f} at {best.tokens:.0f} executor tokens per run",
+             f"(b) per-query oracle, cross-fitted ({oracle.rule}, budget {oracle.budget:.0f}): {oracle.score:.3f} at "
+             f"{oracle.tokens:.0f} tokens; in sample (optimistic) {in_sample.score:.3f}",
+             f"gain (b) - (a): {summary.gain:+.3f}"
+             + (f" {span(*interval)} (95%, queries resampled)" if interval is not None else "")
+             + f"; gate {summary.gate:.2f} on the point estimate: "
+             + ("PASSES: go on to training" if summary.passes else "does not pass: no training run")]
+    at = {point.anchor: point for point in summary.frontier}
+    if summary.frontier[0].gain is not None:  # summaries written before the column have none
+        top = max(summary.frontier, key=lambda point: point.gain)
+        lines.append(f"largest gain along the frontier: {top.gain:+.3f} at {top.anchor}'s budget "
+                     f"({top.budget:.0f} tokens) over the designs within it (the gate reads it at (a)'s budget)")
     lines += ["", "| design | score | executor tokens / run | Pareto | executor calls cut at the cap | oracle at its "
               "budget | oracle - the best design within that budget |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {p['name']} | {p['score']:.3f} | {p['tokens']:.0f} | {'yes' if p['pareto'] else ''} | "
-              f"{num(p.get('truncated_share'))} | {num(at.get(p['name'], {}).get('score'))} | "
-              f"{signed(at.get(p['name'], {}).get('gain'))} |" for p in summary["designs"]]
-    if summary["per_part"]:
-        names = [p["name"] for p in summary["designs"]]
+    for row in summary.designs:
+        anchored = at.get(row.name)
+        lines.append(f"| {row.name} | {row.score:.3f} | {row.tokens:.0f} | {'yes' if row.pareto else ''} | "
+                     f"{num(row.truncated_share)} | {num(anchored and anchored.score)} | "
+                     f"{signed(anchored and anchored.gain)} |")
+    if summary.per_part:
+        names = [row.name for row in summary.designs]
         lines += ["", "| part | queries | best design | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]
-        lines += [f"| {part} | {v['queries']} | {v['best']} | " + " | ".join(f"{v['scores'][n]:.3f}" for n in names)
-                  + " |" for part, v in summary["per_part"].items()]
-        r = summary["part_router"]
-        lines.append(f"router over parts (one design per part, cross-fitted): {r['score']:.3f} at {r['tokens']:.0f} "
-                     "tokens per run")
+        lines += [f"| {part} | {v.queries} | {v.best} | " + " | ".join(f"{v.scores[n]:.3f}" for n in names) + " |"
+                  for part, v in summary.per_part.items()]
+        router = summary.part_router
+        lines.append(f"router over parts (one design per part, cross-fitted): {router.score:.3f} at "
+                     f"{router.tokens:.0f} tokens per run")
     return lines

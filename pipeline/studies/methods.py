@@ -60,7 +60,7 @@ from pathlib import Path
 
 import polars as pl
 
-from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.config import ConfigError, RunConfig, as_sets, load_config
 from pipeline.core.learning import METRICS, paired_differences
 from pipeline.engines.servers import sharing
 from pipeline.engines.workflow import extract_code
@@ -264,7 +264,7 @@ def parse_arm_sets(items: list[str] | None) -> dict[str, list[str]]:
 def method_sets(m: Method, sets: list[str], seed: list[str], lr: float | None = None,
                 extra: list[str] | None = None) -> list[str]:
     """A method run's overrides: CONFIG's --set, the seed's, the method's overlay, the swept lr, its --arm-set."""
-    return [*sets, *seed, *m.sets, *([f"training.lr={lr}"] if lr is not None else []), *(extra or [])]
+    return [*sets, *seed, *m.sets, *(as_sets({"training.lr": lr}) if lr is not None else []), *(extra or [])]
 
 
 def two_level_shape(L: int) -> tuple[int, int]:
@@ -329,8 +329,8 @@ def evaluate_refined(store: Store, arm_run: str, round: int, arm_cfg: RunConfig,
         call(stage=stage, run_id=ctx.run_id, round=0, store_root=root, sets=vsets)
     choice = refined_workflow(store, ctx.run_id)
     # the test run holds the chosen program L times per query, scored as a flat workflow (its run is flat)
-    summ = EvalSummary.from_dict(run_fixed(frozen_config(store, arm_run), REFINED, call, arm_run, split,
-                                           [*METRIC_ONLY, "rollout.mode=flat"], choice["code"]))
+    summ = run_fixed(frozen_config(store, arm_run), REFINED, call, arm_run, split, [*METRIC_ONLY, "rollout.mode=flat"],
+                     choice["code"])
     return {"eval_run_id": summ.eval_run_id, "validation_run_id": ctx.run_id, "validation_split": val,
             "selected": {k: v for k, v in choice.items() if k != "code"}}
 
@@ -351,9 +351,8 @@ def run_reference(m: Method, evaluation: str, store: Store, cfg: RunConfig, sp: 
     split, config = cfg.experiment.eval_split, frozen_config(store, base)
     if evaluation == SMC:
         own = [f"smc.seed={sp.seed}", f"smc.N={cfg.experiment.eval_l}", *METRIC_ONLY, *m.sets, *extra]
-        return {"eval_run_id": EvalSummary.from_dict(run_smc(config, call, seed_run_id(cfg.run_id, sp.seed), split,
-                                                             own)).eval_run_id}
-    s = EvalSummary.from_dict(run_baseline(config, TASK_BEST, call, cfg.run_id, split, [*METRIC_ONLY, *m.sets, *extra]))
+        return {"eval_run_id": run_smc(config, call, seed_run_id(cfg.run_id, sp.seed), split, own).eval_run_id}
+    s = run_baseline(config, TASK_BEST, call, cfg.run_id, split, [*METRIC_ONLY, *m.sets, *extra])
     return {"eval_run_id": s.eval_run_id, "selected": s.selected}
 
 
@@ -373,11 +372,11 @@ def sweep_lr(path: Path, cfg: RunConfig, chosen: list[Method], sets: list[str], 
         rows = []
         for lr in lrs:
             rid = sweep_run_id(cfg.run_id, m.name, lr, sp.seed)
-            own = [*method_sets(m, sets, sp.sets, None, arm_sets.get(m.name)), "rounds=1", f"training.lr={lr}"]
+            own = [*method_sets(m, sets, sp.sets, None, arm_sets.get(m.name)),
+                   *as_sets({"rounds": 1, "training.lr": lr})]
             log.info("lr sweep: %s at lr %g (%s)", m.name, lr, rid)
             run_rounds(path, 1, rid, call, sets=own, observer=TRACKERS)
-            summ = EvalSummary.from_dict(evaluate_tracked(str(store.root), rid, 0, "dev",
-                                                          arm_eval_sets(load_config(path, own)), call))
+            summ = evaluate_tracked(str(store.root), rid, 0, "dev", arm_eval_sets(load_config(path, own)), call)
             rows.append(SweepRun(lr=lr, run_id=rid, eval_run_id=summ.eval_run_id, queries=summ.queries,
                                  mean_at_l=summ.mean_at_l, best_at_l=summ.best_at_l,
                                  train_wall_s=run_wall_s(store, rid)))
@@ -430,7 +429,7 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
             seed_cfg, same_base, base = seed_base(path, cfg, sets, sp)
             open_run(path, base, 0, sets + sp.sets)  # frozen, never trained: the base model's evaluation run's parent
             log.info("seed %d: evaluating the base model on %s", sp.seed, split)
-            b = EvalSummary.from_dict(evaluate_tracked(root, base, BASE, split, arm_eval_sets(cfg), call))
+            b = evaluate_tracked(root, base, BASE, split, arm_eval_sets(cfg), call)
             records.append(ArmRun(arm=BASE_ARM, method=BASE_ARM, evaluation=SAMPLE, seed=sp.seed, train_run_id=None,
                                   eval_run_id=b.eval_run_id))
             for m in chosen:
@@ -456,8 +455,8 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                 for ev in m.evaluations:
                     log.info("seed %d: evaluating %s (%s) on %s", sp.seed, m.name, ev, split)
                     if ev == SAMPLE:
-                        got = {"eval_run_id": EvalSummary.from_dict(evaluate_tracked(
-                            root, arm, last, split, arm_eval_sets(arm_cfg), call)).eval_run_id}
+                        got = {"eval_run_id": evaluate_tracked(root, arm, last, split, arm_eval_sets(arm_cfg),
+                                                               call).eval_run_id}
                     else:
                         got = evaluate_refined(store, arm, last, arm_cfg, split, call)
                     records.append(ArmRun(arm=m.arm(ev), method=m.name, evaluation=ev, seed=sp.seed,
@@ -645,7 +644,7 @@ def summarise(store: Store, cfg: RunConfig, methods: list[str], records: list[Ar
     summaries: dict[str, EvalSummary] = {}
     for rec in records:
         if rec.eval_run_id not in summaries:
-            summaries[rec.eval_run_id] = EvalSummary.from_dict(eval_summary(store, rec.eval_run_id))
+            summaries[rec.eval_run_id] = eval_summary(store, rec.eval_run_id)
     keep = shared_queries(records, summaries)
     per_query, per_seed = [], []
     for rec in records:

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from pipeline.core.learning import QueryMetrics, split_summary
+from pipeline.core.records import Record
 from pipeline.core.router import oracle_choice, part_choice, route, solved
 from pipeline.store import Store
 from pipeline.studies.evaluate import usage_summary
-from pipeline.studies.summaries import Record, ReferenceArm
+from pipeline.studies.summaries import ReferenceArm
 
 log = logging.getLogger(__name__)
 

@@ -56,6 +56,7 @@ from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext, derived_seed, open_run
 from pipeline.stages.runner import StageResult, record_timing, round_s
 from pipeline.studies.report import timing_lines
+from pipeline.studies.summaries import EvalSummary
 
 log = logging.getLogger(__name__)
 
@@ -370,8 +371,9 @@ def finished_queries(ctx: RunContext) -> set[str]:
 
 
 def run_smc(config: str, call=None, run_id: str | None = None, split: str = "test",
-            sets: list[str] | None = None) -> dict:
-    """Sample (`sample_smc`), score the final workflows through `call`, return the run's `eval_summary`."""
+            sets: list[str] | None = None) -> EvalSummary:
+    """Sample (`sample_smc`), score the final workflows through `call`, return the run's `eval_summary` with the
+    sampler's counts (`smc`) and `workflow_runs_per_query` (`executed_per_query`)."""
     from pipeline.stages.rounds import direct_call
     from pipeline.studies.evaluate import eval_summary
 
@@ -379,7 +381,10 @@ def run_smc(config: str, call=None, run_id: str | None = None, split: str = "tes
     ctx = open_smc_run(config, run_id, split, sets)
     counts = sample_smc(ctx)
     call(stage="score", run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=sets)
-    return {**eval_summary(ctx.store, ctx.run_id), "smc": counts}
+    summary = eval_summary(ctx.store, ctx.run_id)
+    summary.extra["smc"] = counts
+    summary.extra["workflow_runs_per_query"] = executed_per_query(ctx.store, ctx.run_id)
+    return summary
 
 
 def executed_per_query(store, run_id: str) -> float:
@@ -396,7 +401,7 @@ def plain_run_id(run_id: str, L: int, split: str = "test") -> str:
 
 
 def run_plain(config: str, L: int, call=None, run_id: str | None = None, split: str = "test",
-              sets: list[str] | None = None) -> dict:
+              sets: list[str] | None = None) -> EvalSummary:
     """Plain sampling for comparison with SMC at a chosen executor budget: the configured generator samples L
     workflows per held-out query (the rollout stage, flat), scored by the score stage; returns `eval_summary`."""
     from pipeline.stages.rounds import direct_call

@@ -12,13 +12,11 @@ command, config, --set and wall seconds)."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
-from typing import ClassVar, Self
+from dataclasses import dataclass, field
 
 from pipeline.core.headroom import Point, pareto
 from pipeline.core.learning import METRICS
+from pipeline.core.records import Record
 from pipeline.studies.formatting import (
     metric_name,
     metrics_phrase,
@@ -33,81 +31,6 @@ BASE = -1  # the round index of the base model in evaluations
 BASE_ARM = "base"  # the base model's arm in the ablation and the methods comparison
 REFERENCE_ARM = "spogw"  # the methods comparison pairs every arm with this one too
 BEST_FIXED_ARM = "task_best"  # ... and with the best fixed workflow chosen on dev (the baseline baselines.TASK_BEST)
-
-
-# ---- the record: a stored dict as a dataclass ------------------------------------------------------------------------
-
-
-def _plain(value):
-    """A record's value as JSON holds it: records as dicts, in lists and dicts too."""
-    if isinstance(value, Record):
-        return value.to_dict()
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-@dataclass(kw_only=True)
-class Record:
-    """The dict a study stores, as a dataclass (module doc). A subclass names its nested records in NESTED (a record,
-    or a list of them) and KEYED (a dict of them); a record built here (not read) gives its fields in LEAD's order
-    first, then in their own, leaving out an OPTIONAL one while it holds its default (a key today's summaries only
-    write where it applies)."""
-
-    # keys no field names, in their order
-    extra: dict = field(default_factory=dict)
-    # the stored dict's key order, so that to_dict rebuilds it as it was; empty for a record built here
-    order: tuple[str, ...] = field(default=(), repr=False, compare=False)
-
-    NESTED: ClassVar[dict[str, type[Record]]] = {}
-    KEYED: ClassVar[dict[str, type[Record]]] = {}
-    LEAD: ClassVar[tuple[str, ...]] = ()
-    OPTIONAL: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def names(cls) -> list[str]:
-        """The stored keys a field holds, in the fields' order."""
-        return [f.name for f in fields(cls) if f.name not in ("extra", "order")]
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Self:
-        """Read a stored dict; a key it lacks (written before that figure existed) reads as its default."""
-        names = set(cls.names())
-        return cls(**{k: cls._read(k, v) for k, v in d.items() if k in names},
-                   extra={k: v for k, v in d.items() if k not in names}, order=tuple(d))
-
-    @classmethod
-    def read(cls, path: Path) -> Self:
-        """A study's stored JSON file (experiment.json, ...)."""
-        return cls.from_dict(json.loads(path.read_text()))
-
-    @classmethod
-    def _read(cls, name: str, value):
-        if value is None:
-            return None
-        if name in cls.KEYED:
-            return {k: cls.KEYED[name].from_dict(v) for k, v in value.items()}
-        kind = cls.NESTED.get(name)
-        if kind is None:
-            return value
-        return [kind.from_dict(v) for v in value] if isinstance(value, list) else kind.from_dict(value)
-
-    def to_dict(self) -> dict:
-        merged = {n: _plain(getattr(self, n)) for n in self.names()} | self.extra
-        keys = self.order or self._built_keys()
-        return {k: merged[k] for k in keys if k in merged} | {k: v for k, v in self.extra.items() if k not in keys}
-
-    def _built_keys(self) -> list[str]:
-        defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()
-                    for f in fields(self) if f.name in self.OPTIONAL}
-        names = [*self.LEAD, *(n for n in self.names() if n not in self.LEAD)]
-        return [n for n in names if n not in defaults or getattr(self, n) != defaults[n]]
-
-    def field_values(self) -> dict:
-        """Field -> value, records kept as they are (to build a record that extends this one)."""
-        return {n: getattr(self, n) for n in self.names()}
 
 
 # ---- an evaluation ---------------------------------------------------------------------------------------------------
@@ -146,6 +69,16 @@ class EvalSummary(Record):
         """task_best's choice per task (pipeline.studies.baselines)."""
         return self.extra.get("selected")
 
+    @property
+    def selection_run(self) -> str | None:
+        """task_best: the run in which it chose each task's program."""
+        return self.extra.get("selection_run")
+
+    @property
+    def workflow_runs_per_query(self) -> float | None:
+        """SMC: look-ahead and scoring runs per query (pipeline.studies.smc.executed_per_query)."""
+        return self.extra.get("workflow_runs_per_query")
+
     def phrase(self, more: str = "") -> str:
         """`Mean@L .., Best@L ..[, Sel@L ..], Majority@L .., valid .., tokens/query ..[, more], status {...}`."""
         metrics = metrics_phrase(self.mean_at_l, self.best_at_l, self.majority_at_l, self.select_at_l,
@@ -180,9 +113,10 @@ class ExperimentArm(EvalSummary):
     OPTIONAL = ("per_query",)
 
     @classmethod
-    def of(cls, seed: int, round: int, summary: dict) -> ExperimentArm:
+    def of(cls, seed: int, round: int, summary: EvalSummary) -> ExperimentArm:
         """From the evaluation's `eval_summary`, keys in its order."""
-        return cls.from_dict({"seed": seed, "round": round, **{k: v for k, v in summary.items() if k != "per_query"}})
+        return cls.from_dict({"seed": seed, "round": round,
+                              **{k: v for k, v in summary.to_dict().items() if k != "per_query"}})
 
     def line(self, more: str = "") -> str:
         return f"seed {self.seed} {round_name(self.round)}: held-out {self.phrase(more)}"
@@ -739,3 +673,94 @@ class MethodsSummary(Record):
         lines += [f"| {name} | {r.lr:g} | {num(r.mean_at_l)} | {num(r.best_at_l)} | {r.run_id} | "
                   f"{'yes' if r.lr == s.chosen else ''} |" for name, s in self.lr_sweep.items() for r in s.runs]
         return lines
+
+
+# ---- the headroom study (pipeline.studies.headroom) ------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class DesignPoint(Record):
+    """A design as a fixed program: its mean score and executor tokens per run (pipeline.core.headroom.Point)."""
+
+    name: str
+    score: float
+    tokens: float
+
+
+@dataclass(kw_only=True)
+class DesignRow(DesignPoint):
+    """A row of the designs' table: on the score-vs-tokens Pareto front or not, and the share of its executor calls
+    cut at the token cap (None: no call recorded one)."""
+
+    pareto: bool
+    truncated_share: float | None = None
+
+
+@dataclass(kw_only=True)
+class OracleResult(Record):
+    """The per-query oracle over designs (pipeline.core.headroom.Oracle) at the budget of the design `anchor`: its
+    score and tokens, the (run, run) pairs it was cross-fitted over and the share of queries given to each design;
+    on the frontier also `gain`, its score minus the best design within that budget."""
+
+    rule: str
+    anchor: str
+    score: float
+    tokens: float
+    budget: float
+    pairs: int
+    chosen: dict[str, float] = field(default_factory=dict)
+    gain: float | None = None
+    OPTIONAL = ("gain",)
+
+
+@dataclass(kw_only=True)
+class PartResult(Record):
+    """One part's queries (a procedural task, else the benchmark): how many, its best design and each design's
+    score on them."""
+
+    queries: int
+    best: str
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class HeadroomAnalysis(Record):
+    """What the headroom study computes from its runs (pipeline.studies.headroom.analyse): the designs, (a) the best
+    single design, (b) the cross-fitted oracle at (a)'s budget (and in sample), the gain (b) - (a) with its interval
+    and whether it passes the gate, the oracle along the frontier, and with several parts the best design per part
+    and the router over parts."""
+
+    designs: list[DesignRow] = field(default_factory=list)
+    best: DesignPoint
+    oracle: OracleResult
+    oracle_in_sample: OracleResult
+    gain: float
+    gate: float
+    rule: str
+    gain_interval: list[float] | None = None  # None: a summary written before the interval existed
+    passes: bool
+    frontier: list[OracleResult] = field(default_factory=list)
+    queries: int
+    reps: int
+    per_part: dict[str, PartResult] = field(default_factory=dict)
+    part_router: OracleResult | None = None
+    NESTED = {"designs": DesignRow, "best": DesignPoint, "oracle": OracleResult, "oracle_in_sample": OracleResult,
+              "frontier": OracleResult, "part_router": OracleResult}
+    KEYED = {"per_part": PartResult}
+    OPTIONAL = ("part_router",)
+
+
+@dataclass(kw_only=True)
+class HeadroomSummary(HeadroomAnalysis):
+    """The headroom study's summary (headroom.json): its run facts (the run id, config, --set, split, each design's
+    baseline run, the queries left out) and the analysis, and where its outputs are (`results`)."""
+
+    run_id: str
+    config: str
+    sets: list[str] = field(default_factory=list)
+    split: str
+    design_runs: dict[str, str] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    results: str | None = None
+    LEAD = ("run_id", "config", "sets", "split", "design_runs", "dropped")
+    OPTIONAL = ("part_router", "results")

@@ -33,6 +33,7 @@ from pipeline.config import RunConfig, config_from_dict
 from pipeline.store import Store, round_stats
 from pipeline.studies.evaluate import eval_summary, evaluate_round
 from pipeline.studies.report import stage_timings, status_counts
+from pipeline.studies.summaries import EvalSummary
 
 log = logging.getLogger("pipeline.studies.tracking")
 
@@ -94,7 +95,8 @@ def heldout_scalars(store: Store, run_id: str) -> list[Scalar]:
     out = []
     for split, k, eid in eval_runs(store, run_id):
         summ = eval_summary(store, eid)
-        out += [Scalar(f"heldout/{split}/{c}", k + 1, summ[c]) for c in HELDOUT_COLUMNS if summ.get(c) is not None]
+        out += [Scalar(f"heldout/{split}/{c}", k + 1, getattr(summ, c)) for c in HELDOUT_COLUMNS
+                if getattr(summ, c) is not None]
     return out
 
 
@@ -202,7 +204,7 @@ TRACKERS = Trackers()
 
 
 def evaluate_tracked(store_root: str, run_id: str, round: int, split: str = "test", sets: list[str] | None = None,
-                     call=None) -> dict:
+                     call=None) -> EvalSummary:
     """`evaluate_round`, then the evaluated run's trackers gain the held-out evaluation; returns its summary."""
     summary = evaluate_round(store_root, run_id, round, split, sets, call)
     sync_quietly(Store(store_root), run_id)

@@ -9,6 +9,7 @@ top-p nucleus, in fp32. At temperature 1 and top_p 1 that is the model's own dis
 from __future__ import annotations
 
 import json
+import threading
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -100,18 +101,38 @@ class Generator(ABC):
     """
 
     backend: str
+    # whether `_generate` takes `progress` and calls it as its requests finish (else a call reports at its end)
+    reports_progress: bool = False
 
-    def generate(self, prompts: list[str], sampling: Sampling, adapter: str | None = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[str], sampling: Sampling, adapter: str | None = None,
+                 progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
+        """`progress(n)`: n more completions finished (a backend that reports per request tells it as they end, e.g.
+        a rollout's meter; the others, and whatever a backend left untold, at the end of the call)."""
         if not prompts:
             return []
+        told, lock = 0, threading.Lock()
+
+        def tell(n: int) -> None:  # requests may end on several threads (openai)
+            nonlocal told
+            with lock:
+                told += n
+                progress(n)
+
+        reporting = {"progress": tell} if progress is not None and self.reports_progress else {}
         if sampling.temperature == 0 and sampling.n > 1:  # engines allow greedy only with n=1: repeat the prompt
-            flat = self._generate([p for p in prompts for _ in range(sampling.n)], replace(sampling, n=1), adapter)
-            return [[c for row in flat[i : i + sampling.n] for c in row] for i in range(0, len(flat), sampling.n)]
-        return self._generate(prompts, sampling, adapter)
+            flat = self._generate([p for p in prompts for _ in range(sampling.n)], replace(sampling, n=1), adapter,
+                                  **reporting)
+            out = [[c for row in flat[i : i + sampling.n] for c in row] for i in range(0, len(flat), sampling.n)]
+        else:
+            out = self._generate(prompts, sampling, adapter, **reporting)
+        if progress is not None and (untold := sum(map(len, out)) - told) > 0:
+            progress(untold)
+        return out
 
     @abstractmethod
     def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None) -> list[list[Completion]]:
-        """Non-empty prompts; greedy calls come with n=1."""
+        """Non-empty prompts; greedy calls come with n=1. A backend with `reports_progress` also takes
+        `progress: Callable[[int], None]` and calls it with each request's completions as the request ends."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine (GPU memory, server sessions)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ class Endpoint:
 
 class OpenAIGenerator(Generator):
     backend = "openai"
+    reports_progress = True
 
     def __init__(self, model_ref: str, urls: str | list[str] | None, served_model: str | None = None,
                  api_key_env: str = "OPENAI_API_KEY", concurrency: int = 8, timeout_s: float = 600.0,
@@ -180,11 +182,19 @@ class OpenAIGenerator(Generator):
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None) -> list[list[Completion]]:
+    def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None,
+                  progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
         model = self._adapter_model(adapter)
         workers = max(1, min(self.concurrency * len(self.endpoints), len(prompts)))
+
+        def one(index: int, prompt: str) -> list[Completion]:
+            completions = self._one(model, prompt, sampling, index)
+            if progress is not None:
+                progress(len(completions))
+            return completions
+
         with ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(lambda ip: self._one(model, ip[1], sampling, ip[0]), enumerate(prompts)))
+            return list(pool.map(lambda ip: one(*ip), enumerate(prompts)))
 
     def request(self, model: str, prompt: str, sampling: Sampling, index: int) -> tuple[list[int], dict[str, Any]]:
         """Prompt ids and the completions request for prompt `index` of a call (seeded like the vllm backend:

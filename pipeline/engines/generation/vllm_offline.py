@@ -17,6 +17,7 @@ request beside a chunked prefill killed a CPU server's engine.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.engines.generation.base import Completion, GenerationError, Generator, Sampling, adapter_id
@@ -89,8 +90,31 @@ def shutdown(llm: Any) -> None:
     gc.collect()
 
 
+def request_bar(progress: Callable[[int], None]) -> Callable[..., Any]:
+    """A tqdm class for `LLM.generate(use_tqdm=...)` (vLLM takes a tqdm factory there): vLLM's own bar of finished
+    requests, drawn nowhere, that tells `progress` of each request's completions as the request ends, so a long call
+    moves the rollout's meter request by request. Its bar over the prompts being rendered (an iterable) tells
+    nothing."""
+    import io
+
+    from tqdm import tqdm
+
+    class RequestBar(tqdm):
+        def __init__(self, *args: Any, **kwargs: Any):
+            kwargs["file"] = io.StringIO()  # vLLM reads the bar's elapsed time: a live bar, out of sight
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            if self.iterable is None and n:
+                progress(int(n))
+            return super().update(n)
+
+    return RequestBar
+
+
 class VLLMGenerator(Generator):
     backend = "vllm"
+    reports_progress = True
 
     def __init__(self, model_ref: str, *, llm: Any = None, **engine: Any):
         """`llm`: an already started `vllm.LLM` (shared by tests and the bench); else one is started with
@@ -123,14 +147,15 @@ class VLLMGenerator(Generator):
     def inputs(self, prompts: list[str]) -> list[dict[str, list[int]]]:
         return [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids} for p in prompts]
 
-    def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None) -> list[list[Completion]]:
+    def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None,
+                  progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
         lora = None
         if adapter is not None:
             if not self.lora_enabled:
                 raise GenerationError("this vLLM engine was started without enable_lora; cannot apply an adapter")
             lora = lora_request(adapter)
         outs = self.llm.generate(self.inputs(prompts), self.params(sampling, len(prompts)), lora_request=lora,
-                                 use_tqdm=False)
+                                 use_tqdm=False if progress is None else request_bar(progress))
         return [[_completion(list(o.prompt_token_ids), c) for c in o.outputs] for o in outs]
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ Imports torch alone (`pipeline bench train` runs on a bare GPU machine)."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 
@@ -77,26 +78,32 @@ def _pass_logprobs(model: torch.nn.Module, seqs: list[TrainSequence], pass_: Pas
 def reference_logprobs(model: torch.nn.Module, seqs: list[TrainSequence], passes: list[Pass], pad_id: int,
                        device: torch.device | str, disable_adapter: bool = False, desc: str = "old logprobs",
                        bf16: bool = False, shard: tuple[int, int] = (0, 1),
-                       layout: str = "split") -> dict[str, torch.Tensor]:
+                       layout: str = "split", relay: Path | None = None) -> dict[str, torch.Tensor]:
     """Per gen_id, completion log-probs (fp32 values) of `model` in eval mode (no dropout) computed on `passes`
     (`pipeline.core.packing.logprob_passes`), under the same bf16 autocast as the training forward when `bf16`: π_old
     and π_θ are then the same computation at the first step (ratio 1, k3 0 before any update), and the pass costs
     half the fp32 time on CPU. A sequence in several passes takes the first pass's value.
     `shard=(rank, n)`: this rank computes passes[rank::n] (its share of the first step is exactly the passes it
-    trains, `pipeline.stages.parallel.rank_share`) and the ranks' results are gathered."""
-    from tqdm import tqdm
-
+    trains, `pipeline.stages.parallel.rank_share`) and the ranks' results are gathered. Rank 0 shows its progress
+    (pipeline.engines.meter; `relay`: the stage call's relay file)."""
+    from pipeline.engines.meter import ProgressMeter
     from pipeline.stages.parallel import gather_logprobs
 
     rank, n = shard
     was_training = model.training
     model.eval()
     computed: dict[int, dict[str, torch.Tensor]] = {}
+    mine = range(rank, len(passes), n)
+    meter = ProgressMeter(len(mine), desc, "pass", relay=relay) if rank == 0 else None
     try:
-        for k in tqdm(range(rank, len(passes), n), desc=desc, unit="pass", leave=False, disable=rank > 0):
+        for k in mine:
             computed[k] = _pass_logprobs(model, seqs, passes[k], pad_id, device, bf16, disable_adapter, layout)
+            if meter is not None:
+                meter.update()
     finally:
         model.train(was_training)
+        if meter is not None:
+            meter.close()
     computed = gather_logprobs(computed, n)
     by_gen: dict[str, torch.Tensor] = {}
     for k in sorted(computed):

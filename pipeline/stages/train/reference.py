@@ -17,6 +17,7 @@ import torch
 
 from pipeline.core.packing import Pass, logprob_passes
 from pipeline.engines.hardware import resolve_dtype
+from pipeline.engines.meter import relay_path
 from pipeline.stages.train.logprobs import reference_logprobs
 from pipeline.stages.train.plan import pass_budget, row_shapes
 from pipeline.stages.train.policy import start_adapter
@@ -76,7 +77,8 @@ def reference_passes(setup: TrainSetup) -> RefLogprobs:
                             pass_budget(train_cfg))
     compute = functools.partial(reference_logprobs, setup.model, setup.seqs, pad_id=setup.pad_id,
                                 device=setup.accel.device, bf16=setup.bf16, shard=setup.shard,
-                                layout=train_cfg.prompt_layout)
+                                layout=train_cfg.prompt_layout,
+                                relay=relay_path(setup.ctx.run_id, setup.ctx.round, "train"))
     old = old_logprobs(setup, passes, compute) if objective.needs_old else None
     if not objective.uses_ref or train_cfg.reference == "none":
         return RefLogprobs(old, None)

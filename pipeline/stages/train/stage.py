@@ -63,9 +63,9 @@ def run_train(ctx: RunContext) -> dict[str, Any]:
 def optimise(setup: TrainSetup, ref: RefLogprobs, saved: dict[str, Any] | None = None) -> list[StepMetrics]:
     """Step 3: the optimiser loop; each rank runs its share of every step's passes
     (`pipeline.stages.parallel.rank_share`). From `saved` progress it goes on at the step after the saved one; every
-    `training.save_steps` steps rank 0 saves its own (`pipeline.stages.progress`)."""
-    from tqdm import tqdm
-
+    `training.save_steps` steps rank 0 saves its own (`pipeline.stages.progress`) and shows how far it is
+    (`pipeline.engines.meter`)."""
+    from pipeline.engines.meter import ProgressMeter, relay_path
     from pipeline.stages.parallel import rank_share
 
     train_cfg, accel, ctx, steps = setup.train_cfg, setup.accel, setup.ctx, setup.steps
@@ -96,22 +96,26 @@ def optimise(setup: TrainSetup, ref: RefLogprobs, saved: dict[str, Any] | None =
     if path is not None and saved is None and steps:
         save(0)  # the reference passes can take 40 min on a CPU: a kill before save_steps keeps them
     setup.policy.train()
-    for step in tqdm(range(start, len(steps)), desc=f"train round {ctx.round} ({setup.objective.name})", unit="step",
-                     initial=start, total=len(steps), disable=not accel.is_main_process):
-        planned, rows = steps[step], steps[step].rows
-        t0, lr, sums = time.perf_counter(), sched.get_last_lr()[0], StepSums()
-        mine = rank_share(planned.passes, *setup.shard)
-        for j, (pass_, real) in enumerate(mine):
-            # DDP all-reduces at each rank's last backward of the step only
-            with contextlib.nullcontext() if j == len(mine) - 1 else accel.no_sync(setup.policy):
-                train_pass(setup, pass_, rows, real, ref, sums)
-        grad_norm = accel.clip_grad_norm_(params, train_cfg.max_grad_norm)
-        optimizer.step()
-        sched.step()
-        optimizer.zero_grad(set_to_none=True)
-        metrics.append(_step_metrics(step, planned.epoch, lr, float(grad_norm), sums, accel.num_processes, t0))
-        if path is not None and (step + 1) % train_cfg.save_steps == 0 and step + 1 < len(steps):
-            save(step + 1)
+    meter = ProgressMeter(len(steps), f"train round {ctx.round} ({setup.objective.name})", "step", done=start,
+                          relay=relay_path(ctx.run_id, ctx.round, "train")) if accel.is_main_process else None
+    with meter or contextlib.nullcontext():
+        for step in range(start, len(steps)):
+            planned, rows = steps[step], steps[step].rows
+            t0, lr, sums = time.perf_counter(), sched.get_last_lr()[0], StepSums()
+            mine = rank_share(planned.passes, *setup.shard)
+            for j, (pass_, real) in enumerate(mine):
+                # DDP all-reduces at each rank's last backward of the step only
+                with contextlib.nullcontext() if j == len(mine) - 1 else accel.no_sync(setup.policy):
+                    train_pass(setup, pass_, rows, real, ref, sums)
+            grad_norm = accel.clip_grad_norm_(params, train_cfg.max_grad_norm)
+            optimizer.step()
+            sched.step()
+            optimizer.zero_grad(set_to_none=True)
+            metrics.append(_step_metrics(step, planned.epoch, lr, float(grad_norm), sums, accel.num_processes, t0))
+            if meter is not None:
+                meter.update()
+            if path is not None and (step + 1) % train_cfg.save_steps == 0 and step + 1 < len(steps):
+                save(step + 1)
     setup.policy.eval()
     return metrics
 
