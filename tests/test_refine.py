@@ -110,7 +110,7 @@ def test_a_menu_task_refines_from_its_drawn_design_and_its_turns_show_the_menu()
     menu = [load_design(p) for p in paths]
     items = [Item(f"q{i}", f"What is {i} + 1?", {"answer": str(i + 1)}) for i in range(8)]
     cfg = config_from_dict({"rollout": {"mode": "refine", "prompt_dir": "configs/prompts/mixed-menu",
-                                        "example_menu": paths, "refine": {"task_size": 4}}})
+                                        "example_menu": paths, "menu_choice": "drawn", "refine": {"task_size": 4}}})
     ref = Refine(SimpleNamespace(cfg=cfg), SimpleNamespace(items=items, menu=menu, family="procedural"), None, None)
     assert [t.id for t in ref.tasks] == ["task:q0+4", "task:q4+4"]
     assert all(ref.start_code[t.id] == menu[draw_design(0, t.id, 0, 4)].code for t in ref.tasks)
