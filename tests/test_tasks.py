@@ -503,4 +503,4 @@ def test_the_example_runs_a_round_on_the_smoke_model(tmp_path, monkeypatch):
     runs = st.sql("SELECT status FROM latest_scores WHERE run_id = 'uc'")
     assert runs.height == 4  # 2 queries x 2 workflows x 1 rep, each with a final status
     assert set(runs["status"]) <= {"ok", "invalid", "exec_error", "timeout", "killed"}  # no scorer error
-    assert len(out["rounds"]) == 1
+    assert len(out.rounds) == 1
