@@ -470,8 +470,8 @@ class RolloutConfig(_Strict):
         "label starts, e.g. with `# design:`.",
     )
     choice_temperature: float | None = Field(
-        None, gt=0, description="choice_step: temperature of the design token (above the generator's it explores the "
-        "designs more, still by the policy's own odds); null: generator.temperature.",
+        None, gt=0, le=2, description="choice_step: temperature of the design token (above the generator's it explores "
+        "the designs more, still by the policy's own odds; vLLM takes at most 2); null: generator.temperature.",
     )
     menu_seed: int = Field(0, description="menu_choice drawn: seed of the draws (not the generator's: every seed of "
                            "an experiment draws alike).")
