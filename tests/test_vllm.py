@@ -179,6 +179,16 @@ def test_seeded_batch_larger_than_one_prefill_step(vgen):
 # ---- two servers: generator.endpoints ------------------------------------------------------------------------
 
 
+def test_a_call_reports_each_request_as_it_ends(vgen, hf):
+    """vLLM's own per-request progress (`use_tqdm` given a tqdm factory, vllm_offline.request_bar): a call tells the
+    rollout's meter of each request's n completions as that request ends, not of all of them at the call's end."""
+    prompts = chat_prompts(hf.tokenizer, QUESTIONS)
+    assert len(prompts) >= 2
+    told: list[int] = []
+    rows = vgen.generate(prompts, Sampling(n=2, temperature=1.0, max_new_tokens=8, seed=5), progress=told.append)
+    assert told == [2] * len(prompts) and sum(map(len, rows)) == 2 * len(prompts)
+
+
 # After every test of the module's offline engine (`engine`, `vgen`): the rollout below starts a second in-process
 # engine, whose shutdown tears down vLLM's process-wide parallel state, which the module's engine needs.
 def test_rollout_through_vllm_offline_and_server(tmp_path, monkeypatch, server, adapter, smol_lm):
@@ -378,13 +388,3 @@ def test_seeded_samples_beside_long_prompts_leave_the_cpu_server_alive(vllm_serv
 
     assert len(asyncio.run(go())) == 12
     assert "smol" in servers.served_models(vllm_server[: -len("/v1")])  # the engine is still up
-
-
-def test_a_call_reports_each_request_as_it_ends(vgen, hf):
-    """vLLM's own per-request progress (`use_tqdm` given a tqdm factory, vllm_offline.request_bar): a call tells the
-    rollout's meter of each request's n completions as that request ends, not of all of them at the call's end."""
-    prompts = chat_prompts(hf.tokenizer, QUESTIONS)
-    assert len(prompts) >= 2
-    told: list[int] = []
-    rows = vgen.generate(prompts, Sampling(n=2, temperature=1.0, max_new_tokens=8, seed=5), progress=told.append)
-    assert told == [2] * len(prompts) and sum(map(len, rows)) == 2 * len(prompts)
