@@ -154,3 +154,16 @@ def tiny_model(tmp_path_factory) -> str:
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+# The suite runs on two workers, a test file each at a time (--dist loadfile), in collection order. Collected
+# alphabetically, the longest file (test_vllm.py: servers and engines, minutes) came last and ran alone while the
+# other worker idled; the longest files first (longest-processing-time first) end both workers closer together.
+LONGEST_FIRST = ("test_vllm.py", "test_flows.py", "test_chaos.py", "test_parallel_train.py", "test_sharded_scoring.py",
+                 "test_train.py", "test_shutdown.py", "test_store_s3.py", "test_tasks.py", "test_lease.py",
+                 "test_documented_commands.py", "test_references.py", "test_methods.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: within a file, the file's order
