@@ -463,15 +463,16 @@ class RolloutConfig(_Strict):
     )
     choice_step: bool = Field(
         False, description="menu_choice policy: the design is a sampling step of its own. The first token after "
-        "workflow_prefix is drawn from the generator restricted to the first tokens of the designs' labels (their "
-        "names without the prefix all share, as `$designs` shows them) at choice_temperature, then the workflow is "
+        "workflow_prefix is drawn from the generator's odds over the first tokens of the designs' labels (their "
+        "names without the prefix all share, as `$designs` shows them), renormalised over them, at choice_temperature, then the workflow is "
         "sampled after it; both are the sample's tokens and train alike (training.old_logprobs must be recompute: "
         "the rollout's log-probability of the restricted draw is not the policy's). workflow_prefix ends where a "
         "label starts, e.g. with `# design:`.",
     )
     choice_temperature: float | None = Field(
-        None, gt=0, le=2, description="choice_step: temperature of the design token (above the generator's it explores "
-        "the designs more, still by the policy's own odds; vLLM takes at most 2); null: generator.temperature.",
+        None, gt=0, le=100, description="choice_step: temperature of the design token: the policy's odds over the "
+        "labels, renormalised and raised to 1/temperature (above 1 it explores the designs more, still by the "
+        "policy's own odds; drawn by the rollout, so above vLLM's cap of 2 too); null: generator.temperature.",
     )
     menu_seed: int = Field(0, description="menu_choice drawn: seed of the draws (not the generator's: every seed of "
                            "an experiment draws alike).")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import socket
 import zlib
 from pathlib import Path
@@ -533,9 +534,10 @@ def test_policy_menu_shows_every_design_and_forces_none(tmp_path, fake, monkeypa
 
 
 def test_choice_step_draws_the_design_token_from_the_labels_then_writes_after_it(tmp_path, fake, monkeypatch):
-    """rollout.choice_step: one call draws each slot's first token among the labels' first tokens (the engine is
-    handed exactly those ids, at choice_temperature), a second call writes the workflow after the drawn token, one
-    prompt a slot; a row's tokens are the two steps' joined and its choice is the drawn label's design."""
+    """rollout.choice_step: the engine is asked for the policy's log-probs of exactly the labels' first tokens, each
+    slot's design is drawn from them renormalised and tempered (choice_temperature), then a second call writes the
+    workflow after the drawn token, one prompt a slot; a row's tokens are the two steps' joined, the design token's
+    log-prob the one it was drawn with, and its choice the drawn label's design."""
     menu = []
     for name, body in (("mixed_direct", "return (await llm(problem))[0]"), ("mixed_steps", "return 'steps'")):
         path = tmp_path / f"{name}.py"
@@ -546,30 +548,35 @@ def test_choice_step_draws_the_design_token_from_the_labels_then_writes_after_it
     prefix = "```python\nasync def solve(problem):\n    # design:"
     expected = {"mixed_direct": tok(prefix + " direct", add_special_tokens=False).input_ids[-1],
                 "mixed_steps": tok(prefix + " steps", add_special_tokens=False).input_ids[-1]}
+    asked = []
+
+    def odds(self, prompts, token_ids, adapter=None):  # the policy: P(direct) = 0.8, P(steps) = 0.2
+        asked.append(list(token_ids))
+        return [[math.log(0.8 if t == expected["mixed_direct"] else 0.2) for t in token_ids] for _ in prompts]
 
     def generate(self, prompts, smp, adapter):
         self.calls.append((prompts, smp, adapter))
-        if smp.allowed_token_ids:  # step 1: slot j draws candidate j % 2
-            ids = list(smp.allowed_token_ids)
-            return [[Completion(tok.decode([ids[j % 2]]), [5, 6], [ids[j % 2]], [-0.7], "length")
-                     for j in range(smp.n)] for _ in prompts]
         return [[Completion("\n    return 1\n```", [5, 6, 9], [11, 12], [-0.1, -0.2], "stop")] for _ in prompts]
 
+    monkeypatch.setattr(FakeGen, "next_token_logprobs", odds)
     monkeypatch.setattr(FakeGen, "_generate", generate)
     ctx = make_ctx(tmp_path, rollout={"m": 4, "example_menu": menu, "workflow_prefix": prefix, "choice_step": True,
-                                      "choice_temperature": 1.5}, training={"old_logprobs": "recompute"})
+                                      "choice_temperature": 3.0}, training={"old_logprobs": "recompute"})
     run_rollout(ctx)
-    (first, smp1, _), (second, smp2, _) = gens[0].calls
-    assert set(smp1.allowed_token_ids) == set(expected.values()) and smp1.temperature == 1.5 and smp1.n == 4
-    assert len(first) == 2 and len(second) == 8 and smp2.n == 1  # 2 queries x 4 slots, one prompt a slot
-    assert second[0].endswith(prefix + tok.decode([smp1.allowed_token_ids[0]]))
+    assert [set(a) for a in asked] == [set(expected.values())]  # one read for the batch's two queries
+    ((second, smp2, _),) = gens[0].calls
+    assert len(second) == 8 and smp2.n == 1  # 2 queries x 4 slots, one prompt a slot
     df = ctx.store.read("generations", "t", 0).sort("gen_id")
-    row = df.row(0, named=True)
-    assert row["token_ids"] == [smp1.allowed_token_ids[0], 11, 12]
-    assert row["token_logprobs"] == pytest.approx([-0.7, -0.1, -0.2])  # stored as float32
-    assert row["retokenized"]  # the fake's step-2 prompt ids are not step 1's plus the drawn token
-    by_label = {v: k for k, v in expected.items()}
-    assert df["choice"].to_list() == [by_label[smp1.allowed_token_ids[j % 2]] for j in range(4)] * 2
+    by_token = {v: k for k, v in expected.items()}
+    # at temperature 3: P(direct) = 0.8^(1/3) / (0.8^(1/3) + 0.2^(1/3)) = 0.9283 / (0.9283 + 0.5848) = 0.6135
+    logp = {"mixed_direct": math.log(0.6135), "mixed_steps": math.log(0.3865)}
+    for row in df.iter_rows(named=True):
+        design = by_token[row["token_ids"][0]]
+        assert row["choice"] == design and row["token_ids"][1:] == [11, 12]
+        assert row["token_logprobs"] == pytest.approx([logp[design], -0.1, -0.2], abs=2e-4)  # stored as float32
+    assert second[0].endswith(prefix + tok.decode([df["token_ids"][0][0]]))
+    assert df.row(0, named=True)["retokenized"]  # the fake's step-2 prompt ids are not step 1's plus the drawn token
+    assert set(df["choice"]) == {"mixed_direct", "mixed_steps"}  # 8 draws at 0.61 / 0.39: both (seeded)
     with pytest.raises(ValueError, match="set training.old_logprobs: recompute"):
         make_ctx(tmp_path, rollout={"example_menu": menu, "choice_step": True}, training={"old_logprobs": "auto"})
 

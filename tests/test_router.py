@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
-from pipeline.core.designs import COMBINED, OWN, declared_choice, reply_independent
+from pipeline.core.designs import COMBINED, OWN, declared_choice, reply_independent, tempered_draws
 from pipeline.core.router import oracle_choice, part_choice, route, solved
 from pipeline.studies.router import DesignTable, chances, compose, fit_router
 
@@ -109,3 +111,22 @@ def test_declared_choice(text, choice):
 ])
 def test_reply_independent(code, independent):
     assert reply_independent(code) is independent
+
+
+def test_tempered_draws_flatten_the_policys_odds_over_the_labels():
+    """Policy odds 0.6 / 0.15 / 0.05 over three labels (0.2 elsewhere): renormalised 0.75 / 0.1875 / 0.0625; at
+    temperature 2 the square roots 0.8660 / 0.4330 / 0.2500 (sum 1.5490), i.e. 0.5591 / 0.2795 / 0.1614 (by hand)."""
+    logprobs = [math.log(0.6), math.log(0.15), math.log(0.05)]
+    want = [0.5591, 0.2795, 0.1614]
+    draws = tempered_draws(logprobs, 2.0, 6000, seed=7)
+    for index, logprob in draws[:20]:
+        assert math.exp(logprob) == pytest.approx(want[index], abs=1e-4)
+    shares = [sum(i == k for i, _ in draws) / len(draws) for k in range(3)]
+    assert shares == pytest.approx(want, abs=0.02)
+    assert tempered_draws(logprobs, 2.0, 6000, seed=7) == draws  # seeded
+    at_one = tempered_draws(logprobs, 1.0, 200, seed=1)  # temperature 1: the renormalised odds themselves
+    assert {i for i, _ in at_one} == {0, 1, 2}
+    for index, logprob in at_one:
+        assert math.exp(logprob) == pytest.approx([0.75, 0.1875, 0.0625][index], abs=1e-9)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        tempered_draws(logprobs, 0.0, 1, seed=0)

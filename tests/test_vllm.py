@@ -113,6 +113,24 @@ def test_offline_sampled_logprobs_match_transformers(vgen, hf, adapter, smol_lm)
     assert a.token_ids != b.token_ids  # n distinct samples
 
 
+def test_next_token_logprobs_agree_across_backends(vgen, server, hf, adapter, smol_lm):
+    """The design step's read (rollout.choice_step): log-probs of chosen next tokens after each prompt, the same from
+    transformers (two prompts of different lengths: left padding), the offline engine and a vLLM server, with and
+    without an adapter; transformers' checked against one forward pass of the bare model."""
+    prompts = chat_prompts(hf.tokenizer)
+    ids = hf.tokenizer(" Sure Hello def", add_special_tokens=False).input_ids
+    gen = make_generator(GeneratorConfig(model=MODEL, backend="openai", base_url=server))
+    for ad in (None, adapter):
+        ref = hf.next_token_logprobs(prompts, ids, ad)
+        assert vgen.next_token_logprobs(prompts, ids, ad) == [pytest.approx(row, abs=TOL) for row in ref]
+        assert gen.next_token_logprobs(prompts, ids, ad) == [pytest.approx(row, abs=TOL) for row in ref]
+        if ad is None:
+            for prompt, row in zip(prompts, ref, strict=True):
+                prompt_ids = hf.tokenizer(prompt, add_special_tokens=False).input_ids
+                assert row == pytest.approx([teacher_forced(smol_lm, prompt_ids, [t])[0] for t in ids], abs=TOL)
+    assert len(ids) == 3 and ref[0] != pytest.approx(ref[1], abs=TOL)  # the two prompts' odds differ
+
+
 def test_equal_prompts_in_a_batch_get_distinct_samples(vgen, hf):
     prompt = chat_prompts(hf.tokenizer, QUESTIONS[:1])[0]
     rows = vgen.generate([prompt, prompt], Sampling(n=2, temperature=1.0, max_new_tokens=16, seed=3))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.core.designs import declared_choice, nearest_design
+from pipeline.core.designs import declared_choice, nearest_design, tempered_draws
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.engines.executors import cost_usd
 from pipeline.engines.generation import BACKENDS, Completion, Generator, Sampling, make_generator
@@ -193,23 +193,26 @@ class Sampler:
 
     def choose_then_write(self, gen: Generator, batch: list[Request], sampling: Sampling,
                           progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
-        """rollout.choice_step: per slot, the design token drawn from the policy restricted to the labels' first
-        tokens (at choice_temperature), then the workflow sampled after it (one prompt a slot); each completion is
-        the two steps' tokens joined, their log-probs as the engine reported them (π_old is recomputed).
-        `progress`: told of each workflow as it is written."""
-        ro = self.cfg.rollout
-        first = replace(sampling, temperature=ro.choice_temperature or sampling.temperature, top_p=1.0,
-                        max_new_tokens=1, stop=(), allowed_token_ids=tuple(self.choice_tokens.values()))
-        chosen = gen.generate([r.prompt_text for r in batch], first, self.sample_adapter)
-        picks = [c for comps in chosen for c in comps]
+        """rollout.choice_step: per slot, the design token drawn from the policy's odds over the labels' first tokens
+        (renormalised over them, at choice_temperature: any temperature, not only what an engine's sampler takes),
+        then the workflow sampled after it (one prompt a slot); each completion is the two steps' tokens joined, the
+        design token's log-prob the one it was drawn with (π_old is recomputed). `progress`: told of each workflow."""
+        ids = list(self.choice_tokens.values())
+        temperature = self.cfg.rollout.choice_temperature or sampling.temperature
+        odds = gen.next_token_logprobs([r.prompt_text for r in batch], ids, self.sample_adapter)
+        picks = []
+        for r, row in zip(batch, odds, strict=True):
+            prompt_ids = self.tokenizer(r.prompt_text, add_special_tokens=False).input_ids
+            for i, logprob in tempered_draws(row, temperature, sampling.n, derived_seed(sampling.seed, "design",
+                                                                                         r.gen_ids[0])):
+                picks.append(Completion(self.tokenizer.decode([ids[i]]), prompt_ids, [ids[i]], [logprob], "length"))
         then = replace(sampling, n=1, max_new_tokens=max(1, sampling.max_new_tokens - 1),
                        seed=derived_seed(sampling.seed, "after the choice"))
-        prompts = [r.prompt_text + c.text for r, comps in zip(batch, chosen, strict=True) for c in comps]
+        prompts = [batch[k // sampling.n].prompt_text + c.text for k, c in enumerate(picks)]
         written = [comps[0] for comps in gen.generate(prompts, then, self.sample_adapter, progress=progress)]
         joined = [Completion(c.text + w.text, c.prompt_token_ids, c.token_ids + w.token_ids,
-                             None if c.token_logprobs is None or w.token_logprobs is None
-                             else c.token_logprobs + w.token_logprobs, w.finish_reason,
-                             retokenized=w.prompt_token_ids != c.prompt_token_ids + c.token_ids)
+                             None if w.token_logprobs is None else c.token_logprobs + w.token_logprobs,
+                             w.finish_reason, retokenized=w.prompt_token_ids != c.prompt_token_ids + c.token_ids)
                   for c, w in zip(picks, written, strict=True)]
         return [joined[i * sampling.n:(i + 1) * sampling.n] for i in range(len(batch))]
 

@@ -45,8 +45,6 @@ class Sampling:
     max_new_tokens: int = 256
     seed: int = 0
     stop: tuple[str, ...] = ()  # a sample ends with the first of these strings it writes (kept in text and tokens)
-    # a sample draws only these tokens: the distribution renormalised over them (empty: every token)
-    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:
@@ -56,7 +54,7 @@ class Sampling:
 
     def to_json(self, **extra: object) -> str:
         """The stored provenance of a sample's parameters (`stop` only where set: rows without one read as before)."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("stop", "allowed_token_ids") or v}
+        d = {k: v for k, v in asdict(self).items() if k != "stop" or v}
         return json.dumps({**d, "logprobs": "processed", **extra}, sort_keys=True)
 
 
@@ -133,6 +131,13 @@ class Generator(ABC):
     def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None) -> list[list[Completion]]:
         """Non-empty prompts; greedy calls come with n=1. A backend with `reports_progress` also takes
         `progress: Callable[[int], None]` and calls it with each request's completions as the request ends."""
+
+    def next_token_logprobs(self, prompts: list[str], token_ids: list[int],
+                            adapter: str | None = None) -> list[list[float]]:
+        """Per prompt, the log-probability of each of `token_ids` as the next token under the model's own
+        distribution (temperature 1, the whole vocabulary): what a rollout's design step reweights and draws from."""
+        raise GenerationError(f"the {self.backend} backend cannot read next-token log-probabilities "
+                              "(rollout.choice_step); use vllm, hf, or a vLLM server")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine (GPU memory, server sessions)."""

@@ -22,18 +22,6 @@ from pipeline.engines.models import load_causal_lm, load_tokenizer
 log = logging.getLogger(__name__)
 
 
-class _AllowedTokens(LogitsProcessor):
-    """Every token but `allowed` gets -inf: a sample draws from the distribution renormalised over them."""
-
-    def __init__(self, allowed: tuple[int, ...]):
-        self.allowed = list(allowed)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        masked = torch.full_like(scores, float("-inf"))
-        masked[:, self.allowed] = scores[:, self.allowed]
-        return masked
-
-
 class _LogprobRecorder(LogitsProcessor):
     """Keeps log_softmax of the final (processed) scores of step t and, once step t's token is known
     (the last column of input_ids at step t+1, or of the output), gathers its logprob."""
@@ -87,8 +75,6 @@ class TransformersGenerator(Generator):
         enc = self.encode(prompts)
         recorder = _LogprobRecorder()
         procs: list[LogitsProcessor] = []
-        if sampling.allowed_token_ids:
-            procs.append(_AllowedTokens(sampling.allowed_token_ids))
         if sample and sampling.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(sampling.temperature))
         if sample and sampling.top_p < 1.0:
@@ -108,6 +94,15 @@ class TransformersGenerator(Generator):
         logprobs = torch.stack(recorder.steps, dim=1).cpu() if recorder.steps else torch.zeros(seqs.shape[0], 0)
         log.debug("generate: %d x %d in %.2fs", len(prompts), sampling.n, time.perf_counter() - t0)
         return self._unpack(enc, seqs.cpu(), logprobs, sampling)
+
+    @torch.inference_mode()
+    def next_token_logprobs(self, prompts: list[str], token_ids: list[int],
+                            adapter: str | None = None) -> list[list[float]]:
+        self._use_adapter(adapter)
+        enc = self.encode(prompts)
+        pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding: positions count real tokens only
+        last = self.model(**enc, position_ids=pos).logits[:, -1, :].float()
+        return torch.log_softmax(last, dim=-1)[:, list(token_ids)].cpu().tolist()
 
     def _prefilled(self, enc: dict, n: int) -> dict:
         """generate() inputs for n samples per prompt with each prompt prefilled once, not n times: the KV cache

@@ -208,20 +208,42 @@ class OpenAIGenerator(Generator):
                                                      "skip_special_tokens": True, "include_stop_str_in_output": True})
             if sampling.stop:
                 kw.update(stop=list(sampling.stop))
-            if sampling.allowed_token_ids:
-                kw["extra_body"]["allowed_token_ids"] = list(sampling.allowed_token_ids)
             # Another server drops the stop string from the text and reports finish "stop" as for an EOS, so its
             # tokens could not be rebuilt: it gets no stop, and its samples run on to EOS or the cap.
         else:
-            if sampling.allowed_token_ids:
-                raise GenerationError("allowed_token_ids (rollout.choice_step) needs a vLLM server; this one is not")
             kw.update(prompt=prompt)
         return prompt_ids, kw
 
     def _one(self, model: str, prompt: str, sampling: Sampling, index: int) -> list[Completion]:
+        prompt_ids, kw = self.request(model, prompt, sampling, index)
+        choices = sorted(self._create(kw).choices, key=lambda c: c.index)
+        return [self._completion(prompt_ids, c) for c in choices]
+
+    def next_token_logprobs(self, prompts: list[str], token_ids: list[int],
+                            adapter: str | None = None) -> list[list[float]]:
+        if not self.is_vllm:
+            return super().next_token_logprobs(prompts, token_ids, adapter)
+        model = self._adapter_model(adapter)
+
+        def one(prompt: str) -> list[float]:
+            kw = dict(model=model, prompt=self.tokenizer(prompt, add_special_tokens=False).input_ids, max_tokens=1,
+                      temperature=1.0, seed=0, logprobs=1, extra_body={"logprob_token_ids": list(token_ids),
+                                                                       "return_tokens_as_token_ids": True})
+            logprobs = self._create(kw).choices[0].logprobs
+            step = (logprobs.top_logprobs or [{}])[0] if logprobs else {}
+            try:
+                return [float(step[f"token_id:{t}"]) for t in token_ids]
+            except KeyError:
+                raise GenerationError(f"{self.urls[0]} returned no log-probability for some of tokens "
+                                      f"{list(token_ids)} (a vLLM server with logprob_token_ids is needed)") from None
+
+        with ThreadPoolExecutor(max(1, min(self.concurrency * len(self.endpoints), len(prompts)))) as pool:
+            return list(pool.map(one, prompts))
+
+    def _create(self, kw: dict[str, Any]) -> Any:
+        """One completions request, retried on the next live server while servers fail."""
         import openai
 
-        prompt_ids, kw = self.request(model, prompt, sampling, index)
         while True:  # until a server answers; _acquire raises when none is left
             ep = self._acquire()
             try:
@@ -233,8 +255,7 @@ class OpenAIGenerator(Generator):
                 self._drop(ep, e)
                 continue
             self._release(ep, served=True)
-            choices = sorted(resp.choices, key=lambda c: c.index)
-            return [self._completion(prompt_ids, c) for c in choices]
+            return resp
 
     def _completion(self, prompt_ids: list[int], c: Any) -> Completion:
         finish = "stop" if c.finish_reason == "stop" else "length"

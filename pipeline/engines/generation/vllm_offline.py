@@ -141,22 +141,37 @@ class VLLMGenerator(Generator):
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
             seed=sampling.seed + i * sampling.n, logprobs=0, skip_special_tokens=True,
             stop=list(sampling.stop) or None, include_stop_str_in_output=True,
-            allowed_token_ids=list(sampling.allowed_token_ids) or None,
         ) for i in range(count)]
+
+    def _lora(self, adapter: str) -> Any:
+        if not self.lora_enabled:
+            raise GenerationError("this vLLM engine was started without enable_lora; cannot apply an adapter")
+        return lora_request(adapter)
 
     def inputs(self, prompts: list[str]) -> list[dict[str, list[int]]]:
         return [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids} for p in prompts]
 
     def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None,
                   progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
-        lora = None
-        if adapter is not None:
-            if not self.lora_enabled:
-                raise GenerationError("this vLLM engine was started without enable_lora; cannot apply an adapter")
-            lora = lora_request(adapter)
+        lora = None if adapter is None else self._lora(adapter)
         outs = self.llm.generate(self.inputs(prompts), self.params(sampling, len(prompts)), lora_request=lora,
                                  use_tqdm=False if progress is None else request_bar(progress))
         return [[_completion(list(o.prompt_token_ids), c) for c in o.outputs] for o in outs]
+
+    def next_token_logprobs(self, prompts: list[str], token_ids: list[int],
+                            adapter: str | None = None) -> list[list[float]]:
+        # One token at temperature 1 over the whole vocabulary: the engine's processed log-probs are then the model's
+        # own; `logprob_token_ids` returns exactly these tokens' (the sampled token is not used).
+        params = self._sampling_params(n=1, temperature=1.0, max_tokens=1, seed=0, logprob_token_ids=list(token_ids))
+        lora = None if adapter is None else self._lora(adapter)
+        outs = self.llm.generate(self.inputs(prompts), [params] * len(prompts), lora_request=lora, use_tqdm=False)
+        rows = []
+        for o in outs:
+            step = o.outputs[0].logprobs[0] if o.outputs and o.outputs[0].logprobs else {}
+            if any(t not in step for t in token_ids):
+                raise GenerationError(f"vLLM returned no log-probability for some of tokens {list(token_ids)}")
+            rows.append([float(step[t].logprob) for t in token_ids])
+        return rows
 
     def close(self) -> None:
         if self._owned and self.llm is not None:
