@@ -464,10 +464,10 @@ class RolloutConfig(_Strict):
     choice_step: bool = Field(
         False, description="menu_choice policy: the design is a sampling step of its own. The first token after "
         "workflow_prefix is drawn from the generator's odds over the first tokens of the designs' labels (their "
-        "names without the prefix all share, as `$designs` shows them), renormalised over them, at choice_temperature, then the workflow is "
-        "sampled after it; both are the sample's tokens and train alike (training.old_logprobs must be recompute: "
-        "the rollout's log-probability of the restricted draw is not the policy's). workflow_prefix ends where a "
-        "label starts, e.g. with `# design:`.",
+        "names without the prefix all share, as `$designs` shows them), renormalised over them, at "
+        "choice_temperature, then the workflow is sampled after it; both are the sample's tokens and train alike "
+        "(training.old_logprobs must be recompute: the log-probability a tempered draw was made with is not the "
+        "policy's). workflow_prefix ends where a label starts, e.g. with `# design:`.",
     )
     choice_temperature: float | None = Field(
         None, gt=0, le=100, description="choice_step: temperature of the design token: the policy's odds over the "
