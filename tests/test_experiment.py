@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.config import ConfigError, config_from_dict
+from pipeline.config import ConfigError, config_from_dict, load_config
 from pipeline.studies.experiment import plan
 
 
@@ -30,3 +30,11 @@ def test_evaluations_sample_at_the_eval_temperature_when_one_is_set():
     assert eval_sets(cfg()) == ["benchmark.max_queries=12", "rollout.m=3", crn]
     assert eval_sets(cfg(eval_temperature=0.7)) == ["benchmark.max_queries=12", "generator.temperature=0.7",
                                                     "rollout.m=3", crn]
+    # an exploring design step (rollout.choice_step at choice_temperature 4) is evaluated at the policy's own odds
+    menu = {"rollout": {"example_menu": ["configs/programs/mixed_direct.py", "configs/programs/mixed_pot.py"],
+                        "choice_step": True, "choice_temperature": 4.0}, "training": {"old_logprobs": "recompute"}}
+    exploring = config_from_dict({**menu, "experiment": {"eval_queries": 12, "eval_l": 3, "eval_temperature": 0.7}})
+    assert eval_sets(exploring) == ["benchmark.max_queries=12", "generator.temperature=0.7",
+                                    "rollout.choice_temperature=null", "rollout.m=3", crn]
+    assert load_config("configs/mixed-choice.yaml", eval_sets(load_config("configs/mixed-choice.yaml"))
+                       ).rollout.choice_temperature is None

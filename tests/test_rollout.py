@@ -574,6 +574,8 @@ def test_choice_step_draws_the_design_token_from_the_labels_then_writes_after_it
         design = by_token[row["token_ids"][0]]
         assert row["choice"] == design and row["token_ids"][1:] == [11, 12]
         assert row["token_logprobs"] == pytest.approx([logp[design], -0.1, -0.2], abs=2e-4)  # stored as float32
+        step = json.loads(row["sampling"])["choice_step"]  # the policy's own odds, whatever the temperature drew
+        assert step["temperature"] == 3.0 and step["odds"] == {"mixed_direct": 0.8, "mixed_steps": 0.2}
     assert second[0].endswith(prefix + tok.decode([df["token_ids"][0][0]]))
     assert df.row(0, named=True)["retokenized"]  # the fake's step-2 prompt ids are not step 1's plus the drawn token
     assert set(df["choice"]) == {"mixed_direct", "mixed_steps"}  # 8 draws at 0.61 / 0.39: both (seeded)

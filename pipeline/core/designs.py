@@ -31,19 +31,25 @@ _SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, token
          tokenize.ENDMARKER}
 
 
-def tempered_draws(logprobs: Sequence[float], temperature: float, n: int, seed: int) -> list[tuple[int, float]]:
-    """n candidates drawn with replacement from softmax(logprobs / temperature) over the candidates alone: the
-    policy's odds renormalised over the designs' label tokens, flattened (temperature > 1) or sharpened (< 1).
-    Each draw is (index, its log-probability under that distribution), the probability the sample was drawn with;
-    seeded, so a rollout draws the same designs again."""
-    if not logprobs or temperature <= 0 or n < 1:
-        raise ValueError(f"need candidates, temperature > 0 and n >= 1; got {len(logprobs)}, {temperature}, {n}")
+def tempered_log_probs(logprobs: Sequence[float], temperature: float) -> list[float]:
+    """log softmax(logprobs / temperature) over the candidates alone: the policy's odds renormalised over the designs'
+    label tokens, flattened (temperature > 1) or sharpened (< 1)."""
+    if not logprobs or temperature <= 0:
+        raise ValueError(f"need candidates and temperature > 0; got {len(logprobs)}, {temperature}")
     scaled = [lp / temperature for lp in logprobs]
     top = max(scaled)
     if top == -math.inf:
         raise ValueError("every candidate has probability 0")
     log_norm = top + math.log(sum(math.exp(s - top) for s in scaled))
-    log_probs = [s - log_norm for s in scaled]
+    return [s - log_norm for s in scaled]
+
+
+def tempered_draws(logprobs: Sequence[float], temperature: float, n: int, seed: int) -> list[tuple[int, float]]:
+    """n candidates drawn with replacement from `tempered_log_probs`, each as (index, its log-probability there: the
+    probability the sample was drawn with); seeded, so a rollout draws the same designs again."""
+    if n < 1:
+        raise ValueError(f"need n >= 1, got {n}")
+    log_probs = tempered_log_probs(logprobs, temperature)
     picks = random.Random(seed).choices(range(len(log_probs)), weights=[math.exp(lp) for lp in log_probs], k=n)
     return [(i, log_probs[i]) for i in picks]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import random
 import tempfile
 import time
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.core.designs import declared_choice, nearest_design, tempered_draws
+from pipeline.core.designs import declared_choice, nearest_design, tempered_draws, tempered_log_probs
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.engines.executors import cost_usd
 from pipeline.engines.generation import BACKENDS, Completion, Generator, Sampling, make_generator
@@ -183,13 +184,15 @@ class Sampler:
         return Sampling(n=len(batch[0].slots), temperature=g.temperature, top_p=g.top_p,
                         max_new_tokens=batch[0].max_new_tokens, seed=seed, stop=stops(g, batch[0].kind))
 
-    def choice_provenance(self, req: Request) -> dict:
-        """What a row's `sampling` adds under rollout.choice_step: the design token's temperature and candidates."""
+    def choice_provenance(self, req: Request, completion: Completion) -> dict:
+        """What a row's `sampling` adds under rollout.choice_step: the design token's temperature and candidates, and
+        the policy's own odds over the designs (renormalised, before the temperature): how the policy's choice moves
+        round over round, whatever the exploration drew."""
         if not self.choice_tokens or req.kind != "workflow":
             return {}
         ro = self.cfg.rollout
         return {"choice_step": {"temperature": ro.choice_temperature or self.cfg.generator.temperature,
-                                "tokens": self.choice_tokens}}
+                                "tokens": self.choice_tokens, "odds": completion.extra.get("choice_odds")}}
 
     def choose_then_write(self, gen: Generator, batch: list[Request], sampling: Sampling,
                           progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
@@ -203,16 +206,20 @@ class Sampler:
         picks = []
         for r, row in zip(batch, odds, strict=True):
             prompt_ids = self.tokenizer(r.prompt_text, add_special_tokens=False).input_ids
+            own = {name: round(math.exp(lp), 6) for name, lp in zip(self.choice_tokens, tempered_log_probs(row, 1.0),
+                                                                          strict=True)}
             for i, logprob in tempered_draws(row, temperature, sampling.n, derived_seed(sampling.seed, "design",
                                                                                          r.gen_ids[0])):
-                picks.append(Completion(self.tokenizer.decode([ids[i]]), prompt_ids, [ids[i]], [logprob], "length"))
+                picks.append(Completion(self.tokenizer.decode([ids[i]]), prompt_ids, [ids[i]], [logprob], "length",
+                                        extra={"choice_odds": own}))
         then = replace(sampling, n=1, max_new_tokens=max(1, sampling.max_new_tokens - 1),
                        seed=derived_seed(sampling.seed, "after the choice"))
         prompts = [batch[k // sampling.n].prompt_text + c.text for k, c in enumerate(picks)]
         written = [comps[0] for comps in gen.generate(prompts, then, self.sample_adapter, progress=progress)]
         joined = [Completion(c.text + w.text, c.prompt_token_ids, c.token_ids + w.token_ids,
                              None if w.token_logprobs is None else c.token_logprobs + w.token_logprobs,
-                             w.finish_reason, retokenized=w.prompt_token_ids != c.prompt_token_ids + c.token_ids)
+                             w.finish_reason, retokenized=w.prompt_token_ids != c.prompt_token_ids + c.token_ids,
+                             extra=c.extra)
                   for c, w in zip(picks, written, strict=True)]
         return [joined[i * sampling.n:(i + 1) * sampling.n] for i in range(len(batch))]
 
@@ -226,7 +233,7 @@ class Sampler:
                 gen_id=gid, kind=req.kind, parent_id=req.parent_id, query_id=req.query_id, slot=slot,
                 prompt_text=req.prompt_text, text=text, prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids,
                 token_logprobs=c.token_logprobs, model=g.model, backend=g.backend, adapter_round=self.adapter_round,
-                sampling=sampling.to_json(adapter=self.adapter, **self.choice_provenance(req)),
+                sampling=sampling.to_json(adapter=self.adapter, **self.choice_provenance(req, c)),
                 exemplar_ids=req.exemplar_ids,
                 finish_reason=c.finish_reason, valid=reason is None, invalid_reason=reason,
                 retokenized=c.retokenized, latency_s=latency, attempt=0,

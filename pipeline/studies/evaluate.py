@@ -72,12 +72,15 @@ def derived_run_sets(split: str, cfg=None) -> list[str]:
 
 def eval_sets(cfg: RunConfig) -> list[str]:
     """Overrides of an evaluation run: the held-out query count, L (flat: L samples per query), the sampling
-    temperature when it is not the rollout's (explore while training, sample as chosen on dev when evaluating) and
+    temperature when it is not the rollout's (explore while training, sample as chosen on dev when evaluating; the
+    design step too: an exploring choice_temperature would credit the policy with the exploration's choices) and
     common random numbers for the executor (`experiment.common_random_numbers`)."""
     ex = cfg.experiment
     sets = [f"benchmark.max_queries={'null' if ex.eval_queries is None else ex.eval_queries}"]
     if ex.eval_temperature is not None:
         sets.append(f"generator.temperature={ex.eval_temperature}")
+    if cfg.rollout.choice_step and cfg.rollout.choice_temperature is not None:
+        sets.append("rollout.choice_temperature=null")  # the design at the policy's own odds, not the exploration's
     if get_mode(cfg.rollout.mode).evaluated_as == "flat":  # L samples per query (refine runs are evaluated flat)
         sets.append(f"rollout.m={ex.eval_l}")
     # the arms an experiment pairs share the executor's noise: the same call on the same query and slot, one sample
