@@ -3,9 +3,12 @@ and declared design (`generations.choice`), the workflows, their share of the pa
 generator tokens per workflow, and the share whose answer depends on no executor reply
 (pipeline.core.designs.reply_independent: the query's own numbers computed in the code, or a reply asked for and
 ignored); and per round the kept GRPO groups whose members declare two or more designs, the only groups whose
-advantages compare designs (pipeline.store.views.CHOICE_SPAN_SQL). `pipeline report RUN` shows both."""
+advantages compare designs (pipeline.store.views.CHOICE_SPAN_SQL); under a design step, the policy's own odds of
+each design per round and part (`policy_odds`). `pipeline report RUN` shows them."""
 
 from __future__ import annotations
+
+import json
 
 import polars as pl
 
@@ -41,6 +44,29 @@ def choice_mix(store: Store, run_id: str) -> pl.DataFrame:
     return out.select("round", "part", "choice", "workflows", "share", "mean_score", "exec_tokens", "gen_tokens",
                       "reply_free_share").sort("round", "part", "workflows", "choice", descending=[False, False, True,
                                                                                                       False])
+
+
+ODDS_SQL = """
+SELECT g.round, coalesce(json_extract_string(q.meta, '$.task'), '') AS part,
+       json_extract(g.sampling, '$.choice_step.odds') AS odds
+FROM generations g
+JOIN (SELECT round, query_id, any_value(meta) AS meta FROM queries WHERE run_id = $run GROUP BY ALL) q
+  USING (round, query_id)
+WHERE g.run_id = $run AND g.kind = 'workflow' AND json_extract(g.sampling, '$.choice_step.odds') IS NOT NULL
+"""
+
+
+def policy_odds(store: Store, run_id: str) -> pl.DataFrame:
+    """Under rollout.choice_step, per round and part: the policy's own mean probability of each design (its odds
+    over the labels renormalised, before choice_temperature flattens them for the draw; one read a query, averaged
+    over the part's workflows): what training moved, whatever the exploration drew. Empty without a design step."""
+    df = store.sql(ODDS_SQL, {"run": run_id})
+    if df.height == 0:
+        return pl.DataFrame()
+    rows = [{"round": r, "part": part, "design": name, "odds": float(p)}
+            for r, part, odds in df.iter_rows() for name, p in json.loads(odds).items()]
+    return (pl.DataFrame(rows).group_by("round", "part", "design").agg(pl.col("odds").mean())
+            .sort("round", "part", "design"))
 
 
 def choice_span(store: Store, run_id: str) -> pl.DataFrame:

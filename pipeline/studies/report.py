@@ -15,7 +15,7 @@ import polars as pl
 from pipeline.store import Store, round_stats
 from pipeline.store.schema import STATUSES
 from pipeline.store.views import design_spread, part_signal
-from pipeline.studies.choices import choice_mix, choice_span
+from pipeline.studies.choices import choice_mix, choice_span, policy_odds
 from pipeline.studies.formatting import num
 from pipeline.studies.summaries import ExperimentSummary, ReferenceArm, RoundDiff
 
@@ -190,6 +190,11 @@ def _part_and_design_tables(store: Store, run_id: str) -> str:
                 "(combined: two or more, own: none of the menu); reply_free_share: workflows whose answer depends on "
                 "no executor reply; spanning: kept groups whose members chose two designs or more</p>"
                 f"{_table(mix)}{_table(choice_span(store, run_id))}")
+    odds = policy_odds(store, run_id)
+    if odds.height:
+        out += ("<h2>The policy's odds of each design</h2><p>odds: the generator's probability of the design's label "
+                "token, renormalised over the designs, before rollout.choice_temperature flattens it for the draw; the "
+                f"mean over the part's workflows</p>{_table(odds)}")
     copies = design_copies(store, run_id)
     if copies.height:
         out += ("<h2>Copies of the menu's designs</h2><p>copies: workflows whose code is the design's own (up to "
