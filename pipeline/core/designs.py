@@ -31,20 +31,21 @@ _SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, token
          tokenize.ENDMARKER}
 
 
-def tempered_draws(logprobs: Sequence[float], temperature: float, n: int, seed: int) -> list[tuple[int, float]]:
-    """n candidates drawn with replacement from softmax(logprobs / temperature) over the candidates alone: the
+def tempered_draws(logprobs: Sequence[float], temperature: float, draws: int, seed: int) -> list[tuple[int, float]]:
+    """`draws` candidates drawn with replacement from softmax(logprobs / temperature) over the candidates alone: the
     policy's odds renormalised over the designs' label tokens, flattened (temperature > 1) or sharpened (< 1).
     Each draw is (index, its log-probability under that distribution), the probability the sample was drawn with;
     seeded, so a rollout draws the same designs again."""
-    if not logprobs or temperature <= 0 or n < 1:
-        raise ValueError(f"need candidates, temperature > 0 and n >= 1; got {len(logprobs)}, {temperature}, {n}")
+    if not logprobs or temperature <= 0 or draws < 1:
+        raise ValueError(f"need candidates, temperature > 0 and draws >= 1; got {len(logprobs)}, {temperature}, "
+                         f"{draws}")
     scaled = [lp / temperature for lp in logprobs]
     top = max(scaled)
     if top == -math.inf:
         raise ValueError("every candidate has probability 0")
     log_norm = top + math.log(sum(math.exp(s - top) for s in scaled))
     log_probs = [s - log_norm for s in scaled]
-    picks = random.Random(seed).choices(range(len(log_probs)), weights=[math.exp(lp) for lp in log_probs], k=n)
+    picks = random.Random(seed).choices(range(len(log_probs)), weights=[math.exp(lp) for lp in log_probs], k=draws)
     return [(i, log_probs[i]) for i in picks]
 
 
