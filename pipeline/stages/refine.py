@@ -275,13 +275,13 @@ class Refine:
             rows = [runs[start_id(self.ctx.round, task.id)][it.id] for it in task.items]
             acc = float(np.mean([r["reward"] for r in rows]))
             state = State(None, self.start_code[task.id], acc, acc, rows, [("start", acc)])
-            for u in range(turn):
-                a = adv.get((task.id, u))
+            for earlier in range(turn):
+                a = adv.get((task.id, earlier))
                 if a is not None:
                     rows = [runs[a["gen_id"]][it.id] for it in task.items]
                     state = State(a["gen_id"], extract_code(texts[a["gen_id"]] or ""), a["accuracy"],
                                   max(state.best, a["accuracy"]), rows,
-                                  [*state.history, (f"turn {u + 1}", a["accuracy"])])
+                                  [*state.history, (f"turn {earlier + 1}", a["accuracy"])])
             out[task.id] = state
         return out
 
