@@ -164,14 +164,15 @@ class _TopN:
         return key > self.key[-1]
 
     def push(self, key: np.ndarray, query: int, members: np.ndarray, dkey: np.ndarray | None = None) -> None:
-        r = len(key)
+        count = len(key)
         if members.shape[1] < self.width:  # a query with m < n: pad its (smaller) groups with -1
             members = np.pad(members, ((0, 0), (0, self.width - members.shape[1])), constant_values=-1)
         if dkey is None:
-            dkey = np.empty((r, self.dkey.shape[1]), np.int64)
-        self._pending.append((key, np.arange(self._arrived, self._arrived + r), np.full(r, query), members, dkey))
-        self._arrived += r
-        self._pending_rows += r
+            dkey = np.empty((count, self.dkey.shape[1]), np.int64)
+        self._pending.append((key, np.arange(self._arrived, self._arrived + count), np.full(count, query), members,
+                              dkey))
+        self._arrived += count
+        self._pending_rows += count
         if self._pending_rows >= max(4 * self.n, self.flush_rows):
             self._compact()
 
@@ -180,19 +181,19 @@ class _TopN:
         ok = np.ones(len(query), bool)
         if self.dedupe and len(query):
             # group equal (query, dkey) rows, rank order inside a group; keep each group's first row
-            o = np.lexsort((np.arange(len(query)), *dkey.T[::-1], query))
-            q, d = query[o], dkey[o]
-            first = np.ones(len(o), bool)
-            first[1:] = (q[1:] != q[:-1]) | np.any(d[1:] != d[:-1], axis=1)
-            ok[o] = first
+            order = np.lexsort((np.arange(len(query)), *dkey.T[::-1], query))
+            queries, d = query[order], dkey[order]
+            first = np.ones(len(order), bool)
+            first[1:] = (queries[1:] != queries[:-1]) | np.any(d[1:] != d[:-1], axis=1)
+            ok[order] = first
         if self.cap is not None:
             live = np.flatnonzero(ok)
-            o = np.argsort(query[live], kind="stable")  # per query, in rank order
-            q = query[live][o]
-            pos = np.arange(len(q))
-            start = np.maximum.accumulate(np.where(np.r_[True, q[1:] != q[:-1]], pos, 0))
-            within = np.empty(len(q), bool)
-            within[o] = pos - start < self.cap
+            order = np.argsort(query[live], kind="stable")  # per query, in rank order
+            queries = query[live][order]
+            pos = np.arange(len(queries))
+            start = np.maximum.accumulate(np.where(np.r_[True, queries[1:] != queries[:-1]], pos, 0))
+            within = np.empty(len(queries), bool)
+            within[order] = pos - start < self.cap
             ok[live] = within
         return ok
 
@@ -302,35 +303,35 @@ def curate_flat(
     dedupe = dedupe and sharpening  # elsewhere the kept member sets are distinct n-subsets already
     words = max(1, -(-max((s.size for s in arrays), default=1) // 63))
     top = _TopN(top_n, n, dedupe=dedupe, dkey_width=words if dedupe else 0, cap=max_kept_per_query)
-    for qi, (qid, s) in enumerate(zip(qids, arrays, strict=True)):
-        if s.size < 2:
-            out.dropped[qid] = f"fewer than 2 scored workflows ({s.size})"
+    for query_index, (qid, scores) in enumerate(zip(qids, arrays, strict=True)):
+        if scores.size < 2:
+            out.dropped[qid] = f"fewer than 2 scored workflows ({scores.size})"
             continue
-        if mode != "random" and np.all(s == s[0]):
-            out.dropped[qid] = f"all {s.size} scores equal ({s[0]:g})"
+        if mode != "random" and np.all(scores == scores[0]):
+            out.dropped[qid] = f"all {scores.size} scores equal ({scores[0]:g})"
             continue
         count = 0
-        for idx in candidate_groups(s.size, min(n, s.size), max_groups_per_query, rng):
+        for idx in candidate_groups(scores.size, min(n, scores.size), max_groups_per_query, rng):
             # random: the top-N of iid uniform keys is a uniform sample of N groups;
             # screening: variance, rounded so that equal multisets of scores tie exactly
-            key = rng.random(len(idx)) if mode.startswith("random") else np.round(s[idx].var(axis=1), 12)
+            key = rng.random(len(idx)) if mode.startswith("random") else np.round(scores[idx].var(axis=1), 12)
             count += len(idx)
             live = top.may_enter(key)
             if live is not None:
                 key, idx = key[live], idx[live]
             if len(key):
-                top.push(key, qi, idx, member_bits(sharpened_rows(idx, s, t), words) if dedupe else None)
+                top.push(key, query_index, idx, member_bits(sharpened_rows(idx, scores, t), words) if dedupe else None)
         out.candidates[qid] = count
     _, query, members = top.result()
-    for qi, row in zip(query, members, strict=True):
-        s = arrays[qi]
+    for query_index, row in zip(query, members, strict=True):
+        scores = arrays[query_index]
         idx = row[row >= 0]
-        var = float(s[idx].var())
+        var = float(scores[idx].var())
         if sharpening:
-            idx = sharpen(idx, s[idx], t)
-        adv = group_advantages(s[idx], eps_adv)
-        out.groups.append(Group(qids[qi], tuple(int(i) for i in idx), tuple(float(x) for x in s[idx]), var,
-                                tuple(float(a) for a in adv), tuple(bool(a > 0) for a in adv)))
+            idx = sharpen(idx, scores[idx], t)
+        adv = group_advantages(scores[idx], eps_adv)
+        out.groups.append(Group(qids[query_index], tuple(int(i) for i in idx), tuple(float(x) for x in scores[idx]),
+                                var, tuple(float(a) for a in adv), tuple(bool(a > 0) for a in adv)))
     return out
 
 
@@ -395,22 +396,22 @@ def two_level_advantages(
         raise ValueError(f"agent_stats must be 'workflows' or 'agents', got {agent_stats!r}")
     per_query = []
     for qid, agents in scores_by_query.items():
-        wf = [np.asarray(w, dtype=float) for w in agents]
-        rewards = np.array([w.mean() if w.size else 0.0 for w in wf])
-        per_query.append((qid, rewards, wf))
+        workflow_scores = [np.asarray(w, dtype=float) for w in agents]
+        rewards = np.array([w.mean() if w.size else 0.0 for w in workflow_scores])
+        per_query.append((qid, rewards, workflow_scores))
     scopes = [per_query] if norm == "batch" else [[q] for q in per_query]
     out = []
     for scope in scopes:
         a_stats, w_stats = _level_stats(scope, agent_stats)
-        for qid, rewards, wf in scope:
+        for qid, rewards, workflow_scores in scope:
             out.append(TwoLevelQuery(
                 query_id=qid,
                 agent_rewards=rewards,
                 agent_advantages=normalise(rewards, *a_stats, eps_adv),
                 agent_buckets=assign_buckets(rewards),
-                workflow_scores=wf,
-                workflow_advantages=[normalise(w, *w_stats, eps_adv) for w in wf],
-                workflow_buckets=[assign_buckets(w) for w in wf],
+                workflow_scores=workflow_scores,
+                workflow_advantages=[normalise(w, *w_stats, eps_adv) for w in workflow_scores],
+                workflow_buckets=[assign_buckets(w) for w in workflow_scores],
             ))
     return out
 
@@ -463,25 +464,25 @@ def best_member(scores: Sequence[float], above: float) -> int | None:
     return i if scores[i] > above else None
 
 
-def objective_rows(scores: Mapping[str, Sequence[float]], gen_ids: Mapping[str, Sequence[str]], cc,
+def objective_rows(scores: Mapping[str, Sequence[float]], gen_ids: Mapping[str, Sequence[str]], curation,
                    rng: np.random.Generator) -> tuple[list[dict], dict]:
     """Flat rows of the `pair` (score_dpo), `weighted` (rwr) and `best` (sft_best) kinds of a round's queries."""
     rows = []
-    for j, (qid, w, lo) in enumerate(score_pairs(scores, cc.pairs_per_query, cc.pair_gap_power, rng)):
-        ids, s = gen_ids[qid], scores[qid]
-        rows.append(group_row(qid, f"{qid}/pair{j}", "flat", [ids[w], ids[lo]], [s[w], s[lo]], kept=True, kind="pair",
-                         weights=[1.0, 1.0]))
+    for j, (qid, w, lo) in enumerate(score_pairs(scores, curation.pairs_per_query, curation.pair_gap_power, rng)):
+        ids, query_scores = gen_ids[qid], scores[qid]
+        rows.append(group_row(qid, f"{qid}/pair{j}", "flat", [ids[w], ids[lo]], [query_scores[w], query_scores[lo]],
+                              kept=True, kind="pair", weights=[1.0, 1.0]))
     n_pairs = len(rows)
     best = 0
-    for qid, s in scores.items():
-        rows.append(group_row(qid, f"{qid}/weighted", "flat", gen_ids[qid], s, kept=True, kind="weighted",
-                         weights=rwr_weights(s, cc.rwr_temperature)))
-        b = best_member(s, cc.best_above)
+    for qid, query_scores in scores.items():
+        rows.append(group_row(qid, f"{qid}/weighted", "flat", gen_ids[qid], query_scores, kept=True, kind="weighted",
+                              weights=rwr_weights(query_scores, curation.rwr_temperature)))
+        b = best_member(query_scores, curation.best_above)
         best += b is not None
         rows.append(group_row(qid, f"{qid}/best", "flat", [gen_ids[qid][b]] if b is not None else list(gen_ids[qid]),
-                         [s[b]] if b is not None else s, kept=b is not None, kind="best",
-                         weights=[1.0] if b is not None else None,
-                         reason=None if b is not None else f"no workflow scored above {cc.best_above:g}"))
+                              [query_scores[b]] if b is not None else query_scores, kept=b is not None, kind="best",
+                              weights=[1.0] if b is not None else None,
+                              reason=None if b is not None else f"no workflow scored above {curation.best_above:g}"))
     return rows, {"pairs": n_pairs, "best_kept": best}
 
 

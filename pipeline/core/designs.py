@@ -44,13 +44,13 @@ def tempered_log_probs(logprobs: Sequence[float], temperature: float) -> list[fl
     return [s - log_norm for s in scaled]
 
 
-def tempered_draws(logprobs: Sequence[float], temperature: float, n: int, seed: int) -> list[tuple[int, float]]:
-    """n candidates drawn with replacement from `tempered_log_probs`, each as (index, its log-probability there: the
-    probability the sample was drawn with); seeded, so a rollout draws the same designs again."""
-    if n < 1:
-        raise ValueError(f"need n >= 1, got {n}")
+def tempered_draws(logprobs: Sequence[float], temperature: float, draws: int, seed: int) -> list[tuple[int, float]]:
+    """`draws` candidates drawn with replacement from `tempered_log_probs`, each as (index, its log-probability
+    there: the probability the sample was drawn with); seeded, so a rollout draws the same designs again."""
+    if draws < 1:
+        raise ValueError(f"need draws >= 1, got {draws}")
     log_probs = tempered_log_probs(logprobs, temperature)
-    picks = random.Random(seed).choices(range(len(log_probs)), weights=[math.exp(lp) for lp in log_probs], k=n)
+    picks = random.Random(seed).choices(range(len(log_probs)), weights=[math.exp(lp) for lp in log_probs], k=draws)
     return [(i, log_probs[i]) for i in picks]
 
 

@@ -60,18 +60,20 @@ def query_metrics(rows: Sequence[Mapping]) -> list[QueryMetrics]:
     (its normalised answer, None: no vote). Returns one QueryMetrics per query that has at least one scored
     workflow, in first-seen order."""
     by_q: dict[str, list[Mapping]] = {}
-    for r in rows:
-        by_q.setdefault(r["query_id"], []).append(r)
+    for row in rows:
+        by_q.setdefault(row["query_id"], []).append(row)
     out = []
-    for qid, rs in by_q.items():
-        scored = [(r, 0.0 if not r["valid"] else r["score"]) for r in rs if not r["valid"] or r["score"] is not None]
+    for qid, query_rows in by_q.items():
+        scored = [(r, 0.0 if not r["valid"] else r["score"]) for r in query_rows
+                  if not r["valid"] or r["score"] is not None]
         if not scored:
             continue
         s = np.array([x for _, x in scored])
         votes = [(r.get("vote") if r["valid"] else None, x) for r, x in scored]
-        maj = majority_at_l(votes) if any("vote" in r for r in rs) else None
+        maj = majority_at_l(votes) if any("vote" in r for r in query_rows) else None
         out.append(QueryMetrics(qid, int(s.size), float(s.mean()), float(s.max()),
-                                float(np.mean([bool(r["valid"]) for r in rs])), len(rs) - int(s.size), maj))
+                                float(np.mean([bool(r["valid"]) for r in query_rows])), len(query_rows) - int(s.size),
+                                maj))
     return out
 
 
@@ -114,24 +116,24 @@ def bootstrap_ci(diffs: Sequence[float], n_boot: int = 10_000, level: float = 0.
     `clusters` (one label per diff, e.g. the query): resample whole clusters instead of single pairs and take
     the mean over every pair of the drawn clusters. Pairs of one query across seeds share the query's
     difficulty, so they are not independent; the clustered interval accounts for it and is the wider one."""
-    d = np.asarray(diffs, dtype=float)
-    if d.size == 0:
+    differences = np.asarray(diffs, dtype=float)
+    if differences.size == 0:
         raise ValueError("no paired differences: the arms share no query")
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     rng = np.random.default_rng(seed)
     if clusters is None:
-        means = d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)
+        means = differences[rng.integers(0, differences.size, size=(n_boot, differences.size))].mean(axis=1)
     else:
-        if len(clusters) != d.size:
-            raise ValueError(f"{len(clusters)} cluster labels for {d.size} differences")
+        if len(clusters) != differences.size:
+            raise ValueError(f"{len(clusters)} cluster labels for {differences.size} differences")
         labels = list(dict.fromkeys(clusters))
         index = {c: i for i, c in enumerate(labels)}
         ids = np.array([index[c] for c in clusters])
-        sums, sizes = np.bincount(ids, weights=d), np.bincount(ids).astype(float)
+        sums, sizes = np.bincount(ids, weights=differences), np.bincount(ids).astype(float)
         draw = rng.integers(0, len(labels), size=(n_boot, len(labels)))
         means = sums[draw].sum(axis=1) / sizes[draw].sum(axis=1)
-    return _interval(d, means, level)
+    return _interval(differences, means, level)
 
 
 def _interval(d: np.ndarray, means: np.ndarray, level: float) -> Interval:

@@ -58,7 +58,7 @@ OBJECTIVES: dict[str, Objective] = {}
 
 def register_objective(name: str, kind: str, *, needs_old: bool = False, needs_ref: bool = False,
                         uses_ref: bool = False, paired: bool = False) -> Callable:
-    """Decorator: register `fn(inp: LossInput, tc: TrainingConfig) -> LossTerms` under `name`."""
+    """Decorator: register `fn(inp: LossInput, training: TrainingConfig) -> LossTerms` under `name`."""
     if kind not in KINDS:
         raise ValueError(f"objective {name!r}: kind must be one of {KINDS}, got {kind!r}")
 
@@ -78,23 +78,23 @@ def get_objective(name: str) -> Objective:
         raise ValueError(f"unknown objective {name!r}; registered: {', '.join(OBJECTIVES)}") from None
 
 
-def _clipped(inp: LossInput, tc, kl_mask: bool | torch.Tensor) -> LossTerms:
+def _clipped(inp: LossInput, training, kl_mask: bool | torch.Tensor) -> LossTerms:
     """The clipped-ratio surrogate with β·k3 where `kl_mask` allows it (pipeline.core.grpo.grpo_mkl_terms)."""
     return grpo_mkl_terms(inp.logp, inp.old_logp, inp.ref_logp, inp.coef, inp.mask,
-                          tc.beta if inp.ref_logp is not None else 0.0, tc.clip_eps, kl_mask,
-                          norm=tc.loss_norm, seq_weights=inp.seq_weights)
+                          training.beta if inp.ref_logp is not None else 0.0, training.clip_eps, kl_mask,
+                          norm=training.loss_norm, seq_weights=inp.seq_weights)
 
 
 @register_objective("iogrpo_mkl", "group", needs_old=True, uses_ref=True)
-def iogrpo_mkl(inp: LossInput, tc) -> LossTerms:
+def iogrpo_mkl(inp: LossInput, training) -> LossTerms:
     """SPOGW's ioGRPO with the advantage-masked KL (pipeline.core.grpo.grpo_mkl_terms)."""
-    return _clipped(inp, tc, inp.kl_mask)
+    return _clipped(inp, training, inp.kl_mask)
 
 
 @register_objective("grpo", "group", needs_old=True, uses_ref=True)
-def grpo(inp: LossInput, tc) -> LossTerms:
+def grpo(inp: LossInput, training) -> LossTerms:
     """Plain GRPO: the same clipped surrogate, the KL on every completion token (no advantage mask)."""
-    return _clipped(inp, tc, False)
+    return _clipped(inp, training, False)
 
 
 def weighted_nll(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, norm: str = "sequence",
@@ -105,21 +105,21 @@ def weighted_nll(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, 
     return reduce_tokens(-logp * w, mask.to(logp.dtype), norm, seq_weights)
 
 
-def _nll_terms(inp: LossInput, tc) -> LossTerms:
-    loss = weighted_nll(inp.logp, inp.mask, inp.coef, tc.loss_norm, inp.seq_weights)
+def _nll_terms(inp: LossInput, training) -> LossTerms:
+    loss = weighted_nll(inp.logp, inp.mask, inp.coef, training.loss_norm, inp.seq_weights)
     return LossTerms(loss, loss.detach(), None, None, None)
 
 
 @register_objective("rwr", "weighted")
-def rwr(inp: LossInput, tc) -> LossTerms:
+def rwr(inp: LossInput, training) -> LossTerms:
     """Reward-weighted regression (W4S's RLAO): weighted NLL with w = exp(r/τ) from curation, no KL."""
-    return _nll_terms(inp, tc)
+    return _nll_terms(inp, training)
 
 
 @register_objective("sft_best", "best")
-def sft_best(inp: LossInput, tc) -> LossTerms:
+def sft_best(inp: LossInput, training) -> LossTerms:
     """SFT on each query's best workflow (rejection sampling): NLL, weight 1 per kept workflow."""
-    return _nll_terms(inp, tc)
+    return _nll_terms(inp, training)
 
 
 def score_dpo_loss(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, scores: torch.Tensor,
@@ -139,11 +139,11 @@ def score_dpo_loss(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tenso
 
 
 @register_objective("score_dpo", "pair", needs_ref=True, paired=True)
-def score_dpo(inp: LossInput, tc) -> LossTerms:
+def score_dpo(inp: LossInput, training) -> LossTerms:
     """ScoreFlow's Score-DPO on score-gap-sampled pairs, reference = `training.reference` (ScoreFlow: base)."""
     if inp.ref_logp is None or inp.scores is None:
         raise ValueError("score_dpo needs reference log-probs and member scores")
-    loss = score_dpo_loss(inp.logp, inp.ref_logp, inp.mask, inp.scores, inp.coef, tc.dpo_beta)
+    loss = score_dpo_loss(inp.logp, inp.ref_logp, inp.mask, inp.scores, inp.coef, training.dpo_beta)
     with torch.no_grad():
-        kl = reduce_tokens(k3(inp.logp, inp.ref_logp), inp.mask.to(inp.logp.dtype), tc.loss_norm)
+        kl = reduce_tokens(k3(inp.logp, inp.ref_logp), inp.mask.to(inp.logp.dtype), training.loss_norm)
     return LossTerms(loss, loss.detach(), kl, None, None)

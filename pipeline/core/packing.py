@@ -110,18 +110,18 @@ def pack(units: list[list[int]], shapes: Sequence[RowShape], budget: int) -> lis
     gets a pass of its own). Units are taken by prompt (longest first, so similar lengths meet) and, within a
     prompt, by completion length (longest first): a pass then shares prompts and pads completions little."""
     first: dict[tuple[int, ...], int] = {}
-    for i, u in enumerate(units):
-        first.setdefault(shapes[u[0]].prompt, i)
+    for i, unit in enumerate(units):
+        first.setdefault(shapes[unit[0]].prompt, i)
     def key(u: list[int]) -> tuple[int, int, int]:
         prompt = shapes[u[0]].prompt
         return -len(prompt), first[prompt], -max(shapes[r].completion_len for r in u)
 
     passes: list[list[int]] = []
-    for u in sorted(units, key=key):
-        if passes and pass_slots(passes[-1] + u, shapes) <= budget:
-            passes[-1].extend(u)
+    for unit in sorted(units, key=key):
+        if passes and pass_slots(passes[-1] + unit, shapes) <= budget:
+            passes[-1].extend(unit)
         else:
-            passes.append(list(u))
+            passes.append(list(unit))
     return [_pass(rows, shapes) for rows in passes]
 
 

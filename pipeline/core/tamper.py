@@ -74,11 +74,12 @@ def scan(code: str) -> list[str]:
     aliases: dict[str, str] = {}  # local name -> the module or module attribute it is
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            for a in node.names:
-                aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+            for alias in node.names:
+                top = alias.name.split(".")[0]
+                aliases[alias.asname or top] = alias.name if alias.asname else top
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            for a in node.names:
-                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
     def resolve(node: ast.AST) -> str | None:
         dotted = _dotted(node)
         if dotted is None:
@@ -91,8 +92,8 @@ def scan(code: str) -> list[str]:
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            for a in node.names:
-                found |= _hits(a.name)
+            for alias in node.names:
+                found |= _hits(alias.name)
         elif isinstance(node, ast.ImportFrom) and node.module:
             found |= set().union(_hits(node.module), *(_hits(f"{node.module}.{a.name}") for a in node.names))
         elif isinstance(node, ast.Attribute | ast.Name):

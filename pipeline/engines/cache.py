@@ -83,13 +83,13 @@ class ShardCache:
             end = data.rfind(b"\n") + 1
             for line in data[:end].splitlines():
                 try:
-                    e = json.loads(line)
-                    key = e["key"]
+                    entry = json.loads(line)
+                    key = entry["key"]
                 except (ValueError, KeyError, TypeError):
                     self.torn_lines += 1
                     continue
-                if self.accept(e):
-                    self.entries.setdefault(key, e)  # first written wins: the same key always gives the same value
+                if self.accept(entry):
+                    self.entries.setdefault(key, entry)  # first written wins: the same key always gives the same value
             self._offsets[path] = start + end
 
     def get(self, key: str) -> dict | None:
@@ -155,21 +155,21 @@ class ShardCache:
 # ---- executor identity -----------------------------------------------------------------------------------------
 
 
-def large_file_digest(f: Path) -> str:
+def large_file_digest(file: Path) -> str:
     """SHA-256 of a large file's content (base weights), computed once per machine: remembered under the pipeline's
     cache folder by (path, size, modification time, inode), which change whenever the file does. Content, not the
     modification time, is the identity, so a store's cache answers on another machine (or a fresh clone) whose
     copy of the same weights was written at another time; hashing 2.5 GB once costs a few seconds."""
     from pipeline.engines.models import cache_dir
 
-    real = f.resolve()
+    real = file.resolve()
     st = real.stat()
     stamp = digest([str(real), st.st_size, st.st_mtime_ns, st.st_ino])
     memo = cache_dir() / "fingerprints" / stamp
     with contextlib.suppress(OSError):
         return memo.read_text().strip()
-    log.info("fingerprinting %s (%.1f GB) by its content, once on this machine", f, st.st_size / 1e9)
-    with f.open("rb") as fh:
+    log.info("fingerprinting %s (%.1f GB) by its content, once on this machine", file, st.st_size / 1e9)
+    with file.open("rb") as fh:
         value = hashlib.file_digest(fh, "sha256").hexdigest()
     with contextlib.suppress(OSError):  # a read-only home only costs the hash again next time
         memo.parent.mkdir(parents=True, exist_ok=True)
@@ -184,14 +184,14 @@ def folder_fingerprint(path: str) -> str:
     """A model or adapter folder's identity: its files' names and contents (files over HASHED_FILE_MB, the base
     weights, through `large_file_digest`), not where it lies nor when it was written."""
     root = Path(path)
-    h = hashlib.sha256()
+    hasher = hashlib.sha256()
     for f in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        hasher.update(f.relative_to(root).as_posix().encode() + b"\0")
         if f.stat().st_size <= HASHED_FILE_MB << 20:
-            h.update(hashlib.sha256(f.read_bytes()).digest())
+            hasher.update(hashlib.sha256(f.read_bytes()).digest())
         else:
-            h.update(bytes.fromhex(large_file_digest(f)))
-    return h.hexdigest()
+            hasher.update(bytes.fromhex(large_file_digest(f)))
+    return hasher.hexdigest()
 
 
 def model_identity(ref: str) -> dict:
@@ -216,8 +216,9 @@ def executor_identity(cfg: ExecutorConfig) -> dict | None:
     endpoint the pipeline does not start, unless `executor.cache: on` vouches for it)."""
     if cfg.kind == "local":  # float32 on this process's device, sampled by _RowSampler
         return {"kind": "local", "model": model_identity(cfg.model), "dtype": "float32", "sampler": SAMPLER}
-    s = cfg.serve or cfg._served_from  # the server this pipeline starts (or started for this stage: servers.serving)
-    if s is not None:  # its weights and the settings that change numerics
+    # the server this pipeline starts (or started for this stage: servers.serving)
+    served = cfg.serve or cfg._served_from
+    if served is not None:  # its weights and the settings that change numerics
         import importlib.metadata as md
 
         try:
@@ -228,10 +229,10 @@ def executor_identity(cfg: ExecutorConfig) -> dict | None:
 
         # the dtype the server loads here, not `auto`: a store (and its cache) moves between machines that resolve
         # `auto` differently, and an fp32 reply must never answer a bf16 server's call
-        dtype = resolve_dtype(s.dtype, what="executor server")
-        return {"kind": "vllm", "model": model_identity(s.model or cfg.model), "dtype": dtype,
-                "max_model_len": s.max_model_len, "enforce_eager": s.enforce_eager, "extra_args": list(s.extra_args),
-                "vllm": vllm}
+        dtype = resolve_dtype(served.dtype, what="executor server")
+        return {"kind": "vllm", "model": model_identity(served.model or cfg.model), "dtype": dtype,
+                "max_model_len": served.max_model_len, "enforce_eager": served.enforce_eager,
+                "extra_args": list(served.extra_args), "vllm": vllm}
     if cfg.cache == "on":
         from pipeline.config import server_urls
 

@@ -134,26 +134,26 @@ def parse_retry_after(headers: Any) -> float | None:
             return float(ms) / 1000
         except ValueError:
             pass
-    ra = headers.get("retry-after")
-    if not ra:
+    retry_after = headers.get("retry-after")
+    if not retry_after:
         return None
     try:
-        return max(0.0, float(ra))
+        return max(0.0, float(retry_after))
     except ValueError:
         try:
-            return max(0.0, email.utils.parsedate_to_datetime(ra).timestamp() - time.time())
+            return max(0.0, email.utils.parsedate_to_datetime(retry_after).timestamp() - time.time())
         except (TypeError, ValueError):
             return None
 
 
-def retryable(e: BaseException) -> bool:
+def retryable(error: BaseException) -> bool:
     """An openai-client error worth another try, here or on another endpoint: 429 / 408 / 409 / 5xx, connection
     errors, timeouts and malformed bodies; not other client errors (the request itself is wrong)."""
     import openai
 
-    if isinstance(e, openai.APIStatusError):
-        return e.status_code in (408, 409, 429) or e.status_code >= 500
-    return isinstance(e, openai.APIConnectionError | openai.APIResponseValidationError | TimeoutError | ValueError)
+    if isinstance(error, openai.APIStatusError):
+        return error.status_code in (408, 409, 429) or error.status_code >= 500
+    return isinstance(error, openai.APIConnectionError | openai.APIResponseValidationError | TimeoutError | ValueError)
 
 
 def _is_timeout(e: BaseException) -> bool:
@@ -177,23 +177,23 @@ class SequenceWindow:
         self._cond: asyncio.Condition | None = None
         self._queue: asyncio.Lock | None = None
 
-    async def acquire(self, k: int) -> int:
-        """Wait for `k` slots; returns the epoch the call starts in."""
+    async def acquire(self, slots: int) -> int:
+        """Wait for `slots` slots; returns the epoch the call starts in."""
         if self._cond is None:  # bound to the running loop at first use
             self._cond, self._queue = asyncio.Condition(), asyncio.Lock()
         async with self._queue, self._cond:
-            await self._cond.wait_for(lambda: self.used == 0 or self.used + k <= self.limit)
-            self.used += k
+            await self._cond.wait_for(lambda: self.used == 0 or self.used + slots <= self.limit)
+            self.used += slots
             return self.epoch
 
-    async def release(self, k: int, epoch: int, timed_out: bool) -> None:
-        self.used -= k
+    async def release(self, slots: int, epoch: int, timed_out: bool) -> None:
+        self.used -= slots
         if timed_out and epoch == self.epoch:
             self.limit, self.epoch, self._done = max(1, self.limit // 2), self.epoch + 1, 0
             log.warning("an executor call timed out: at most %d sequences in flight from now (executor.concurrency "
                         "%d; widened again as calls finish)", self.limit, self.cap)
         elif not timed_out and self.limit < self.cap:
-            self._done += k
+            self._done += slots
             if self._done >= self.limit:
                 self.limit, self._done = self.limit + 1, 0
         async with self._cond:  # the counts above are already right if this wait is cancelled
@@ -254,15 +254,15 @@ class OpenAIExecutor(Executor):
         return ExecutorReply(texts, tin, tout, cost_usd(cfg.prices, tin, tout), truncated)
 
     @contextlib.asynccontextmanager
-    async def _slots(self, n: int):
+    async def _slots(self, sequences: int):
         """Hold one slot of the sequence window per sequence the server will decode: a request for n samples is
         n sequences on the server, and counting it as one let 32 CoT-SC calls (n = 5) put 160 sequences in flight,
         each so slow that it met the call timeout, was retried, and met it again. A call that times out narrows
         the window (`SequenceWindow`)."""
         if self._window is None:
             self._window = SequenceWindow(self.cfg.concurrency)
-        k = min(n, self.cfg.concurrency)
-        epoch = await self._window.acquire(k)
+        slots = min(sequences, self.cfg.concurrency)
+        epoch = await self._window.acquire(slots)
         timed_out = False
         try:
             yield
@@ -270,7 +270,7 @@ class OpenAIExecutor(Executor):
             timed_out = _is_timeout(e)
             raise
         finally:
-            await self._window.release(k, epoch, timed_out)
+            await self._window.release(slots, epoch, timed_out)
 
     async def complete(self, messages: list[dict], temperature: float | None = None, n: int = 1,
                        max_tokens: int | None = None, seed: int | None = None) -> ExecutorReply:
@@ -347,18 +347,18 @@ class LocalExecutor(Executor):
         while self._pending:
             key = self._pending[0].key
             batch = [r for r in self._pending if r.key == key][: self.max_batch]
-            for r in batch:
-                self._pending.remove(r)
+            for request in batch:
+                self._pending.remove(request)
             try:
                 outs = await asyncio.to_thread(self._generate, batch)
             except Exception as e:
-                for r in batch:
-                    if not r.fut.done():
-                        r.fut.set_exception(ExecutorError(f"local generate failed: {type(e).__name__}: {e}"))
+                for request in batch:
+                    if not request.fut.done():
+                        request.fut.set_exception(ExecutorError(f"local generate failed: {type(e).__name__}: {e}"))
                 continue
-            for r, out in zip(batch, outs, strict=True):
-                if not r.fut.done():
-                    r.fut.set_result(out)
+            for request, out in zip(batch, outs, strict=True):
+                if not request.fut.done():
+                    request.fut.set_result(out)
 
     def _generate(self, batch: list[_Request]) -> list[ExecutorReply]:
         import torch
@@ -372,27 +372,28 @@ class LocalExecutor(Executor):
         prompts = [tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False) for r in batch]
         rows = [p for p, k in zip(prompts, reps, strict=True) for _ in range(k)]
         enc = tok(rows, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        kw: dict[str, Any] = {"do_sample": False, "max_new_tokens": max_tokens, "pad_token_id": tok.pad_token_id}
+        generate_kwargs: dict[str, Any] = {"do_sample": False, "max_new_tokens": max_tokens,
+                                           "pad_token_id": tok.pad_token_id}
         if not greedy:  # sample j of a request seeded s draws with seed s + j, as vLLM's server does
             seeds = [None if r.seed is None else r.seed + j for r, k in zip(batch, reps, strict=True) for j in range(k)]
-            kw["logits_processor"] = [_RowSampler(seeds, temperature)]
+            generate_kwargs["logits_processor"] = [_RowSampler(seeds, temperature)]
         with torch.inference_mode():
-            out = model.generate(**enc, **kw)
+            out = model.generate(**enc, **generate_kwargs)
         self.generate_calls += 1
         gen = out[:, enc["input_ids"].shape[1]:].tolist()
         stop = {tok.eos_token_id, tok.pad_token_id}
-        results, i = [], 0
-        for r, k in zip(batch, reps, strict=True):
+        results, offset = [], 0
+        for request, count in zip(batch, reps, strict=True):
             texts, tout, truncated = [], 0, 0
-            for ids in gen[i: i + k]:
+            for ids in gen[offset: offset + count]:
                 cut = next((j for j, t in enumerate(ids) if t in stop), len(ids))
                 texts.append(tok.decode(ids[:cut], skip_special_tokens=True).strip())
                 tout += cut  # tokens actually generated (greedy: once for all n answers)
                 truncated += cut == len(ids)  # no stop token before the cap
-            tin = int(enc["attention_mask"][i].sum())
-            i += k
-            results.append(ExecutorReply(texts * r.n if greedy else texts, tin, tout,
-                                         truncated=truncated * r.n if greedy else truncated))
+            tin = int(enc["attention_mask"][offset].sum())
+            offset += count
+            results.append(ExecutorReply(texts * request.n if greedy else texts, tin, tout,
+                                         truncated=truncated * request.n if greedy else truncated))
         return results
 
 

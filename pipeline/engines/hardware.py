@@ -83,27 +83,27 @@ def machine(flags: str | None = None, name: str | None = None, cores: int | None
     return f"{name} ({isa}, {cores} cores)"
 
 
-def _gflops(a, b, reps: int, min_s: float = 0.05) -> float:
+def _gflops(left, right, reps: int, min_s: float = 0.05) -> float:
     """Best of `reps` timed products (at least `min_s` each, repeated), in GFLOP/s."""
     import torch
 
-    m, k = a.shape
-    n = b.shape[1]
-    t0 = time.perf_counter()
-    torch.mm(a, b)  # warm-up: first calls pick kernels and allocate
-    if time.perf_counter() - t0 > 10 * min_s:
+    rows, inner = left.shape
+    cols = right.shape[1]
+    started = time.perf_counter()
+    torch.mm(left, right)  # warm-up: first calls pick kernels and allocate
+    if time.perf_counter() - started > 10 * min_s:
         reps = 1  # a path this slow (bf16 without native support: ~1 s a product) needs no best-of to be told apart
     best = float("inf")
     for _ in range(reps):
-        count, t0 = 0, time.perf_counter()
+        count, started = 0, time.perf_counter()
         while True:
-            torch.mm(a, b)
+            torch.mm(left, right)
             count += 1
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - started
             if dt >= min_s:
                 break
         best = min(best, dt / count)
-    return 2 * m * k * n / best / 1e9
+    return 2 * rows * inner * cols / best / 1e9
 
 
 def measure_cpu(reps: int = 3) -> tuple[float, float]:
@@ -184,15 +184,15 @@ def resolve_dtype(requested: str, device: str | None = None, *, what: str = "mod
         raise ValueError(f"unknown dtype {requested!r}; use one of {', '.join(DTYPES)}")
     if requested in ("float32", "float16"):
         return requested
-    p = probe(device or local_device())
+    measured = probe(device or local_device())
     if requested == "auto":
-        chosen = "bfloat16" if p.native_bf16 else "float32"
-        _once(logging.INFO, "%s dtype auto -> %s (%s)", what, chosen, p.reason)
+        chosen = "bfloat16" if measured.native_bf16 else "float32"
+        _once(logging.INFO, "%s dtype auto -> %s (%s)", what, chosen, measured.reason)
         return chosen
-    if not p.native_bf16:
-        slower = f"{p.slowdown:.0f}x slower than fp32 here" if p.slowdown else "not native here"
+    if not measured.native_bf16:
+        slower = f"{measured.slowdown:.0f}x slower than fp32 here" if measured.slowdown else "not native here"
         _once(logging.WARNING, "%s dtype bfloat16 is honoured, but bf16 is %s (%s); `auto` would pick float32",
-              what, slower, p.reason)
+              what, slower, measured.reason)
     return requested
 
 

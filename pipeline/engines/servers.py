@@ -120,19 +120,19 @@ def spec_for(cfg: RunConfig, section: str) -> ServerSpec:
     """The server of `cfg.<section>.serve`: it loads `serve.model` (default: the section's model) under the name the
     section's requests use (executor.model; generator.served_model, else generator.model)."""
     part = getattr(cfg, section)
-    s = part.serve
-    if s is None:
+    serve = part.serve
+    if serve is None:
         raise ValueError(f"{section}.serve is not set")
     from pipeline.engines.hardware import resolve_dtype
 
-    common = {"dtype": resolve_dtype(s.dtype, what=f"{section} server"), "max_model_len": s.max_model_len,
-              "kv_cache_gb": s.kv_cache_gb, "host": s.host, "port": s.port, "enforce_eager": s.enforce_eager,
-              "start_timeout_s": s.start_timeout_s}
+    common = {"dtype": resolve_dtype(serve.dtype, what=f"{section} server"), "max_model_len": serve.max_model_len,
+              "kv_cache_gb": serve.kv_cache_gb, "host": serve.host, "port": serve.port,
+              "enforce_eager": serve.enforce_eager, "start_timeout_s": serve.start_timeout_s}
     if section == "executor":
-        return ServerSpec(s.model or part.model, part.model, extra_args=tuple(s.extra_args), **common)
+        return ServerSpec(serve.model or part.model, part.model, extra_args=tuple(serve.extra_args), **common)
     # generator: its rows need token ids and processed logprobs (pipeline.engines.generation.openai_server)
-    return ServerSpec(s.model or part.model, part.served_model or part.model, lora_rank=part.max_lora_rank,
-                      extra_args=("--logprobs-mode", "processed_logprobs", *s.extra_args), **common)
+    return ServerSpec(serve.model or part.model, part.served_model or part.model, lora_rank=part.max_lora_rank,
+                      extra_args=("--logprobs-mode", "processed_logprobs", *serve.extra_args), **common)
 
 
 # ---- checks before any work ----------------------------------------------------------------------------------
@@ -475,14 +475,14 @@ def watch(parent: int, cmd: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Run a command; end its process group when PARENT exits.")
-    ap.add_argument("--parent", type=int, required=True)
-    ap.add_argument("cmd", nargs=argparse.REMAINDER)
-    a = ap.parse_args(argv)
-    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    parser = argparse.ArgumentParser(description="Run a command; end its process group when PARENT exits.")
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
-        ap.error("no command after --")
-    return watch(a.parent, cmd)
+        parser.error("no command after --")
+    return watch(args.parent, cmd)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ branches in the stages) and a new mode is one `register_mode` call.
 Contracts (ctx: `pipeline.run.RunContext`):
     rollout(ctx, sampler, bench) -> counts    sampler: `pipeline.stages.rollout.Sampler`, bench: the `Benchmark`
     score(ctx, only_failed, shard) -> counts  shard: a `pipeline.stages.Shard` or None (only when `shardable`)
-    curate(ctx, df) -> (groups rows, counts)  df: `pipeline.stages.curate.load_round(ctx)`
+    curate(ctx, generation_scores) -> (groups rows, counts)  generation_scores: `pipeline.stages.curate.load_round(ctx)`
 """
 
 from __future__ import annotations

@@ -161,13 +161,13 @@ def feedback_text(task: Task, state: State, failure_cases: int, show_gold: bool,
     if not shown:
         return "\n".join(lines)
     lines.append(f"Failed cases ({len(shown)} of {len(failed)}):")
-    for it, r in shown:
-        lines.append(f"- Question: {_clip(it.prompt)}")
+    for item, r in shown:
+        lines.append(f"- Question: {_clip(item.prompt)}")
         lines.append(f"  Workflow answer: {_clip(r['answer']) or '(none)'}")
         if r["status"] != "ok" or r["error"]:
             lines.append(f"  Error: {r['status']}: {_clip(r['error'], tail=True) or 'no error message'}")
         if show_gold:
-            lines.append(f"  Correct answer: {_clip(it.gold_text())}")
+            lines.append(f"  Correct answer: {_clip(item.gold_text())}")
     return "\n".join(lines)
 
 
@@ -210,21 +210,21 @@ class Refine:
     """One round's refinement of every task. `engine()`: the generator, started on first use; `executor`: shared by
     every sandbox run (None: each call makes its own)."""
 
-    def __init__(self, ctx, ro, bench, engine: Callable, executor=None):
-        self.ctx, self.ro, self.bench, self.engine, self.executor = ctx, ro, bench, engine, executor
-        self.rc = ctx.cfg.rollout.refine
-        self.tasks = make_tasks(ro.items, self.rc.unit, self.rc.task_size)
+    def __init__(self, ctx, sampler, bench, engine: Callable, executor=None):
+        self.ctx, self.sampler, self.bench, self.engine, self.executor = ctx, sampler, bench, engine, executor
+        self.refine_cfg = ctx.cfg.rollout.refine
+        self.tasks = make_tasks(sampler.items, self.refine_cfg.unit, self.refine_cfg.task_size)
         self.start_code = {t.id: self._start(t) for t in self.tasks}
         self.counts = {"sampled": 0, "checked": 0, "repairs": 0, "validation_runs": 0}
 
     def _start(self, task: Task) -> str:
         """A task's start workflow: `refine.start`; else, with an example menu, the design the task's first slot
         draws (as a flat rollout's prompt shows it); else the prompt's example."""
-        if self.rc.start:
-            return extract_code(self.rc.start)
-        if (d := drawn_design(self.ctx.cfg.rollout, self.ro.menu, task.id, 0)) is not None:
+        if self.refine_cfg.start:
+            return extract_code(self.refine_cfg.start)
+        if (d := drawn_design(self.ctx.cfg.rollout, self.sampler.menu, task.id, 0)) is not None:
             return d.code
-        return example(self.ro.family, self.ctx.cfg.rollout.prompt_dir)
+        return example(self.sampler.family, self.ctx.cfg.rollout.prompt_dir)
 
     # ---- store reads
     def _read(self, table: str) -> pl.DataFrame:
@@ -274,42 +274,44 @@ class Refine:
         for task in self.tasks:
             rows = [runs[start_id(self.ctx.round, task.id)][it.id] for it in task.items]
             acc = float(np.mean([r["reward"] for r in rows]))
-            st = State(None, self.start_code[task.id], acc, acc, rows, [("start", acc)])
-            for u in range(turn):
-                a = adv.get((task.id, u))
+            state = State(None, self.start_code[task.id], acc, acc, rows, [("start", acc)])
+            for earlier in range(turn):
+                a = adv.get((task.id, earlier))
                 if a is not None:
                     rows = [runs[a["gen_id"]][it.id] for it in task.items]
-                    st = State(a["gen_id"], extract_code(texts[a["gen_id"]] or ""), a["accuracy"],
-                               max(st.best, a["accuracy"]), rows, [*st.history, (f"turn {u + 1}", a["accuracy"])])
-            out[task.id] = st
+                    state = State(a["gen_id"], extract_code(texts[a["gen_id"]] or ""), a["accuracy"],
+                                  max(state.best, a["accuracy"]), rows,
+                                  [*state.history, (f"turn {earlier + 1}", a["accuracy"])])
+            out[task.id] = state
         return out
 
     # ---- one turn
     def sample(self, turn: int, tasks: list[Task], states: dict[str, State]) -> int:
         """The K candidates of each task's state that are not in the store yet."""
-        ctx, ro, rc, g = self.ctx, self.ro, self.rc, self.ctx.cfg.generator
+        ctx, sampler, refine_cfg, generator = self.ctx, self.sampler, self.refine_cfg, self.ctx.cfg.generator
         have = set(self._read("generations")["gen_id"].to_list())
         prefix, reqs = ctx.cfg.rollout.workflow_prefix, []
         for task in tasks:
-            ids = [candidate_id(ctx.round, task.id, turn, k) for k in range(rc.candidates)]
+            ids = [candidate_id(ctx.round, task.id, turn, k) for k in range(refine_cfg.candidates)]
             slots = [k for k, gid in enumerate(ids) if gid not in have]
             if not slots:
                 continue
             st = states[task.id]
-            rng = seeded_rng(g.seed, f"refine:{ctx.round}:{task.id}:{turn}")
-            user = state_prompt(task, st, turn, rc.turns, rc.unit, ctx.cfg.benchmark.name, ro.family,
-                                rc.failure_cases, rc.show_gold, rng, ctx.cfg.rollout.prompt_dir, ro.menu)
+            rng = seeded_rng(generator.seed, f"refine:{ctx.round}:{task.id}:{turn}")
+            user = state_prompt(task, st, turn, refine_cfg.turns, refine_cfg.unit, ctx.cfg.benchmark.name,
+                                sampler.family, refine_cfg.failure_cases, refine_cfg.show_gold, rng,
+                                ctx.cfg.rollout.prompt_dir, sampler.menu)
             reqs.append(Request("workflow", task.id, st.gen_id, [ids[k] for k in slots], slots,
-                                render(ro.tokenizer, user, prompt_dir=ro.cfg.rollout.prompt_dir) + prefix, [],
-                                g.max_new_tokens, prefix))
+                                render(sampler.tokenizer, user, prompt_dir=sampler.cfg.rollout.prompt_dir) + prefix, [],
+                                generator.max_new_tokens, prefix))
         written = 0
-        for batch in batches(reqs, g.batch_size):
-            sampling = ro.sampling(batch)
+        for batch in batches(reqs, generator.batch_size):
+            sampling = sampler.sampling(batch)
             t0 = time.perf_counter()
-            outs = self.engine().generate([r.prompt_text for r in batch], sampling, ro.sample_adapter)
+            outs = self.engine().generate([r.prompt_text for r in batch], sampling, sampler.sample_adapter)
             latency = (time.perf_counter() - t0) / max(1, sampling.n * len(batch))
             rows = [row | {"turn": turn} for r, comps in zip(batch, outs, strict=True)
-                    for row in ro.rows(r, comps, sampling, latency)]
+                    for row in sampler.rows(r, comps, sampling, latency)]
             ctx.store.write("generations", rows, ctx.run_id, ctx.round)
             written += len(rows)
         return written
@@ -329,7 +331,7 @@ class Refine:
         states = self.states(turn)
         self.counts["sampled"] += self.sample(turn, tasks, states)
         scope = self._scope(turn, tasks)
-        rep = self_repair(ctx, self.ro, self.engine, items={t.id: t.items[0] for t in tasks}, scope=scope,
+        rep = self_repair(ctx, self.sampler, self.engine, items={t.id: t.items[0] for t in tasks}, scope=scope,
                           extra={"turn": turn}, executor=self.executor)
         self.counts["checked"] += rep["checked"]
         self.counts["repairs"] += rep["repairs"]
@@ -341,16 +343,16 @@ class Refine:
         parent = dict(zip(gens["gen_id"], gens["repair_of"], strict=True))
         out = []
         for task in tasks:
-            st, cands = states[task.id], ends.filter(pl.col("query_id") == task.id).to_dicts()
+            state, cands = states[task.id], ends.filter(pl.col("query_id") == task.id).to_dicts()
             accs = [float(np.mean([runs[c["gen_id"]][it.id]["reward"] for it in task.items]))
                     if passed.get(c["gen_id"]) else None for c in cands]
-            live = rlao_rewards([a for a in accs if a is not None], st.best, st.accuracy)
+            live = rlao_rewards([a for a in accs if a is not None], state.best, state.accuracy)
             rewards = [None if a is None else live.pop(0) for a in accs]
             best = best_index(accs)
             out += [{"task_id": task.id, "turn": turn, "slot": c["slot"], "gen_id": c["gen_id"],
                      "root_id": root_of(c["gen_id"], parent), "attempts": c["attempt"] or 0,
-                     "parent_id": st.gen_id, "items": 0 if a is None else len(task.items), "accuracy": a,
-                     "previous": st.accuracy, "best_before": st.best, "reward": r, "advanced": j == best,
+                     "parent_id": state.gen_id, "items": 0 if a is None else len(task.items), "accuracy": a,
+                     "previous": state.accuracy, "best_before": state.best, "reward": r, "advanced": j == best,
                      "skipped": a is None}
                     for j, (c, a, r) in enumerate(zip(cands, accs, rewards, strict=True))]
         ctx.store.write("turns", out, ctx.run_id, ctx.round)
@@ -359,7 +361,7 @@ class Refine:
     def run(self) -> dict:
         rnd = self.ctx.round
         self.validate([(start_id(rnd, t.id), self.start_code[t.id], t) for t in self.tasks])
-        for turn in range(self.rc.turns):
+        for turn in range(self.refine_cfg.turns):
             done = self._done_turns()
             todo = [t for t in self.tasks if (t.id, turn) not in done]
             if todo:
@@ -382,22 +384,22 @@ def _shared_executor(ctx):
     return make_cached_executor(ctx.cfg.executor, ctx.store.cache_dir())
 
 
-def run_refine(ctx, ro, bench) -> dict:
-    """The rollout stage in refine mode (registered in `pipeline.stages.modes`; `ro`: the rollout's `Sampler`)."""
+def run_refine(ctx, sampler, bench) -> dict:
+    """The rollout stage in refine mode (registered in `pipeline.stages.modes`; `sampler`: the rollout's `Sampler`)."""
     with contextlib.ExitStack() as stack:
         gen = None
 
         def engine():  # started on first use: a resumed rollout may have only runs left
             nonlocal gen
             if gen is None:
-                gen = start_generator(ctx, ro, stack)
+                gen = start_generator(ctx, sampler, stack)
                 stack.callback(gen.close)
             return gen
 
-        write_queries(ctx, ro.items)
-        refine = Refine(ctx, ro, bench, engine, _shared_executor(ctx))
+        write_queries(ctx, sampler.items)
+        refine = Refine(ctx, sampler, bench, engine, _shared_executor(ctx))
         counts = refine.run()
-    counts = {"queries": len(ro.items), **rollout_counts(ctx, counts.pop("sampled")), **counts}
+    counts = {"queries": len(sampler.items), **rollout_counts(ctx, counts.pop("sampled")), **counts}
     ctx.finish("rollout", mode="refine", **counts)
     log.info("rollout round %d (refine): %s", ctx.round, counts)
     return counts
@@ -419,24 +421,25 @@ def score_refine(ctx, only_failed: bool = False, shard=None) -> dict:
               .iter_rows(named=True)}
     have = set(store.read("scores", rid, rnd)["gen_id"].to_list())
     rows = []
-    for g in gens.sort("gen_id").iter_rows(named=True):
-        if g["gen_id"] in have:
+    for generation in gens.sort("gen_id").iter_rows(named=True):
+        if generation["gen_id"] in have:
             continue
-        t = turns.get(g["gen_id"])
-        row = {"gen_id": g["gen_id"], "query_id": g["query_id"], "rep": 0, "attempt": 0, "complexity": 0.0,
-               "cost": 0.0, "llm_calls": 0, "tokens_in": 0, "tokens_out": 0, "cost_usd": 0.0, "wall_s": 0.0}
-        info = {"turn": g["turn"], "task_id": g["query_id"]}
-        if t is not None and not t["skipped"]:
-            rows.append(row | {"status": "ok", "score": t["accuracy"], "metric": t["accuracy"],
-                               "details": json.dumps({"refine": info | {"validated": True, "items": t["items"]}})})
+        turn = turns.get(generation["gen_id"])
+        row = {"gen_id": generation["gen_id"], "query_id": generation["query_id"], "rep": 0, "attempt": 0,
+               "complexity": 0.0, "cost": 0.0, "llm_calls": 0, "tokens_in": 0, "tokens_out": 0, "cost_usd": 0.0,
+               "wall_s": 0.0}
+        info = {"turn": generation["turn"], "task_id": generation["query_id"]}
+        if turn is not None and not turn["skipped"]:
+            rows.append(row | {"status": "ok", "score": turn["accuracy"], "metric": turn["accuracy"],
+                               "details": json.dumps({"refine": info | {"validated": True, "items": turn["items"]}})})
             continue
-        c = checks.get(g["gen_id"])
-        if c is None:
-            raise ValueError(f"run {rid!r} round {rnd}: {g['gen_id']} was neither validated nor self-checked; "
+        check = checks.get(generation["gen_id"])
+        if check is None:
+            raise ValueError(f"run {rid!r} round {rnd}: {generation['gen_id']} was neither validated nor self-checked; "
                              "finish the rollout first")
-        why = failure(c["status"], c["answer"], c["error"]) or "not validated"
-        status = "exec_error" if _transient(c["status"]) else c["status"]  # the rollout's decision is final
-        rows.append(row | {"status": status, "score": 0.0, "metric": 0.0, "answer": c["answer"],
+        why = failure(check["status"], check["answer"], check["error"]) or "not validated"
+        status = "exec_error" if _transient(check["status"]) else check["status"]  # the rollout's decision is final
+        rows.append(row | {"status": status, "score": 0.0, "metric": 0.0, "answer": check["answer"],
                            "error": f"self-check failed: {why}"[:4000],
                            "details": json.dumps({"refine": info | {"validated": False}})})
     store.write("scores", rows, rid, rnd)
@@ -450,18 +453,18 @@ def score_refine(ctx, only_failed: bool = False, shard=None) -> dict:
 # ---- curation ------------------------------------------------------------------------------------------------------
 
 
-def curate_refine(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
+def curate_refine(ctx, generation_scores: pl.DataFrame) -> tuple[list[dict], dict]:
     """`groups` rows of a refine round from its `turns` rows, per (task, turn), over the candidates that were not
     skipped (in slot order): a `weighted` row (member_scores = accuracies, weights = exp(RLAO reward /
     curation.rwr_temperature), kept) for `training.objective: rwr`, and a `group` row (GRPO advantages of the
     accuracies, kl_mask = advantage > 0, kept when the accuracies vary) for the GRPO objectives. A turn whose
-    candidates were all skipped gets one `weighted` row, not kept. `df`: the round's `generation_scores` (load_round);
+    candidates were all skipped gets one `weighted` row, not kept. `generation_scores`: the round's (load_round);
     every member must be in it."""
-    cc = ctx.cfg.curation
+    curation = ctx.cfg.curation
     turns = ctx.store.read("turns", ctx.run_id, ctx.round).sort(["task_id", "turn", "slot"])
     if turns.height == 0:
         raise RuntimeError(f"run {ctx.run_id!r} round {ctx.round}: no refine turns to curate (rollout.mode: refine)")
-    known = set(df["gen_id"].to_list())
+    known = set(generation_scores["gen_id"].to_list())
     rows: list[dict] = []
     for (task_id, turn), grp in turns.group_by(["task_id", "turn"], maintain_order=True):
         live = grp.filter(~pl.col("skipped"))
@@ -476,8 +479,8 @@ def curate_refine(ctx, df: pl.DataFrame) -> tuple[list[dict], dict]:
         if missing:
             raise RuntimeError(f"refine candidates without a generation or score: {missing[:5]}")
         rows.append(group_row(task_id, f"{gid}/weighted", "flat", members, accs, kept=True, kind="weighted",
-                         weights=rwr_weights(rewards, cc.rwr_temperature)))
-        adv = group_advantages(accs, cc.eps_adv)
+                              weights=rwr_weights(rewards, curation.rwr_temperature)))
+        adv = group_advantages(accs, curation.eps_adv)
         var = float(np.var(accs))
         flat = None if var > 0 else f"no variance: all {len(accs)} candidates scored {accs[0]:g}"
         rows.append(group_row(task_id, f"{gid}/group", "flat", members, accs, kept=var > 0, advantages=adv,

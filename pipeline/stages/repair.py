@@ -69,33 +69,34 @@ def _check(ctx, ends: pl.DataFrame, items: dict, checked: dict[str, dict], execu
     return len(rows)
 
 
-def _requests(ro, failing: list[tuple[dict, str]], parent: dict[str, str | None], items: dict, family: str) -> list:
+def _requests(sampler, failing: list[tuple[dict, str]], parent: dict[str, str | None], items: dict,
+              family: str) -> list:
     out = []
     for row, error in failing:
         item, attempt = items[row["query_id"]], (row["attempt"] or 0) + 1
         user = repair_prompt(item.prompt, family, extract_code(row["text"] or ""), error[:MAX_ERROR_CHARS])
-        prefix = ro.cfg.rollout.workflow_prefix
+        prefix = sampler.cfg.rollout.workflow_prefix
         out.append(Request("workflow", row["query_id"], row["parent_id"],
                            [repair_id(root_of(row["gen_id"], parent), attempt)], [row["slot"]],
-                           render(ro.tokenizer, user, prompt_dir=ro.cfg.rollout.prompt_dir) + prefix, [],
-                           ro.cfg.generator.max_new_tokens, prefix))
+                           render(sampler.tokenizer, user, prompt_dir=sampler.cfg.rollout.prompt_dir) + prefix, [],
+                           sampler.cfg.generator.max_new_tokens, prefix))
     return out
 
 
-def _repair(ctx, ro, engine: Callable, failing: list[tuple[dict, str]], parent: dict, items: dict,
+def _repair(ctx, sampler, engine: Callable, failing: list[tuple[dict, str]], parent: dict, items: dict,
             extra: dict | None = None) -> int:
     """One repair per failing chain end, sampled in batches of generator.batch_size; returns rows written. `extra`:
     columns set on every repair row (a refine rollout's turn)."""
-    reqs = _requests(ro, failing, parent, items, ro.family)
+    reqs = _requests(sampler, failing, parent, items, sampler.family)
     by_id = {repair_id(root_of(r["gen_id"], parent), (r["attempt"] or 0) + 1): r for r, _ in failing}
     written, size = 0, ctx.cfg.generator.batch_size
     for i in range(0, len(reqs), size):
         batch = reqs[i:i + size]
-        sampling = ro.sampling(batch)
+        sampling = sampler.sampling(batch)
         t0 = time.perf_counter()
-        outs = engine().generate([r.prompt_text for r in batch], sampling, ro.sample_adapter)
+        outs = engine().generate([r.prompt_text for r in batch], sampling, sampler.sample_adapter)
         latency = (time.perf_counter() - t0) / len(batch)
-        rows = [row for r, comps in zip(batch, outs, strict=True) for row in ro.rows(r, comps, sampling, latency)]
+        rows = [row for r, comps in zip(batch, outs, strict=True) for row in sampler.rows(r, comps, sampling, latency)]
         for row in rows:
             broken = by_id[row["gen_id"]]
             row.update(repair_of=broken["gen_id"], attempt=(broken["attempt"] or 0) + 1, **(extra or {}))
@@ -104,17 +105,17 @@ def _repair(ctx, ro, engine: Callable, failing: list[tuple[dict, str]], parent: 
     return written
 
 
-def self_repair(ctx, ro, engine: Callable, *, items: dict | None = None,
+def self_repair(ctx, sampler, engine: Callable, *, items: dict | None = None,
                 scope: Callable[[pl.DataFrame], pl.DataFrame] | None = None, extra: dict | None = None,
                 executor=None) -> dict:
-    """Check, repair, check again ... up to `rollout.repair_attempts` repairs per slot (module doc). `ro`: the
+    """Check, repair, check again ... up to `rollout.repair_attempts` repairs per slot (module doc). `sampler`: the
     rollout's `Sampler` (prompt rendering, sampling, row building); `engine()`: the generator, started on first
     use. Returns counts: checked, repairs, fixed (chains that pass after a repair), gave_up (still failing after
     the last attempt). Refine rollouts (pipeline.stages.refine) pass `items` (a generation's query_id -> the item its
     self-check runs on and its repair prompt shows), `scope` (the generations of one turn), `extra` (the turn
     column of its repairs) and `executor` (one shared by every check)."""
     limit = ctx.cfg.rollout.repair_attempts
-    items = {it.id: it for it in ro.items} if items is None else items
+    items = {it.id: it for it in sampler.items} if items is None else items
     scope = scope or (lambda df: df)
     checked, counts = _checked(ctx), {"checked": 0, "repairs": 0}
     for _ in range(limit + 1):
@@ -127,7 +128,7 @@ def self_repair(ctx, ro, engine: Callable, *, items: dict | None = None,
                                       checked[r["gen_id"]]["error"])) is not None and (r["attempt"] or 0) < limit]
         if not failing:
             break
-        counts["repairs"] += _repair(ctx, ro, engine, failing, parent, items, extra)
+        counts["repairs"] += _repair(ctx, sampler, engine, failing, parent, items, extra)
     return counts | _outcome(ctx, checked, scope)
 
 

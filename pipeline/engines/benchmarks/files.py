@@ -43,80 +43,80 @@ class Row:
 
 def read_rows(path: str | Path) -> list[Row]:
     """All rows of a .jsonl/.json/.parquet file, or of every *.json file under a folder (sorted)."""
-    p = Path(path)
-    if p.is_dir() and any((p / marker).is_file() for marker in ("state.json", "dataset_dict.json")):
-        return _read_saved_dataset(p)
-    if p.is_dir():
-        files = sorted(p.rglob("*.json"))
+    source = Path(path)
+    if source.is_dir() and any((source / marker).is_file() for marker in ("state.json", "dataset_dict.json")):
+        return _read_saved_dataset(source)
+    if source.is_dir():
+        files = sorted(source.rglob("*.json"))
         if not files:
-            raise BenchmarkError(f"{p}: folder holds no *.json files")
+            raise BenchmarkError(f"{source}: folder holds no *.json files")
         rows = []
         for i, f in enumerate(files):
             obj = _load_json(f)
             if not isinstance(obj, dict):
                 raise BenchmarkError(f"{f}: expected one JSON object per file")
-            rows.append(Row(obj, str(f), i, f.relative_to(p).with_suffix("").as_posix()))
+            rows.append(Row(obj, str(f), i, f.relative_to(source).with_suffix("").as_posix()))
         return rows
-    suffix = p.suffix.lower()
+    suffix = source.suffix.lower()
     if suffix == ".jsonl":
         rows = []
-        with p.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
+        with source.open(encoding="utf-8") as handle:
+            for lineno, line in enumerate(handle, 1):
                 if not line.strip():
                     continue
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise BenchmarkError(f"{p}:{lineno}: invalid JSON ({e.msg})") from None
+                    raise BenchmarkError(f"{source}:{lineno}: invalid JSON ({e.msg})") from None
                 if not isinstance(obj, dict):
-                    raise BenchmarkError(f"{p}:{lineno}: expected a JSON object per line")
-                rows.append(Row(obj, f"{p}:{lineno}", len(rows)))
+                    raise BenchmarkError(f"{source}:{lineno}: expected a JSON object per line")
+                rows.append(Row(obj, f"{source}:{lineno}", len(rows)))
         return rows
     if suffix == ".json":
-        obj = _load_json(p)
+        obj = _load_json(source)
         if isinstance(obj, dict):  # one record, e.g. a single MATH problem file
             obj = [obj]
         if not isinstance(obj, list) or not all(isinstance(o, dict) for o in obj):
-            raise BenchmarkError(f"{p}: expected a JSON array of objects")
-        return [Row(o, f"{p} item {i}", i) for i, o in enumerate(obj)]
+            raise BenchmarkError(f"{source}: expected a JSON array of objects")
+        return [Row(o, f"{source} item {i}", i) for i, o in enumerate(obj)]
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
         try:
-            table = pq.read_table(p)
+            table = pq.read_table(source)
         except Exception as e:
-            raise BenchmarkError(f"{p}: unreadable Parquet file ({e})") from None
-        return [Row(o, f"{p} row {i}", i) for i, o in enumerate(table.to_pylist())]
+            raise BenchmarkError(f"{source}: unreadable Parquet file ({e})") from None
+        return [Row(o, f"{source} row {i}", i) for i, o in enumerate(table.to_pylist())]
     if suffix == ".csv":
-        with p.open(encoding="utf-8", newline="") as fh:
-            reader = csv.DictReader(fh)
+        with source.open(encoding="utf-8", newline="") as handle:
+            reader = csv.DictReader(handle)
             if reader.fieldnames is None:
-                raise BenchmarkError(f"{p}:1: empty CSV file (no header line)")
+                raise BenchmarkError(f"{source}:1: empty CSV file (no header line)")
             rows = []
             for record in reader:  # line_num: the record's last line (a quoted field may span lines)
-                rows.append(Row(dict(record), f"{p}:{reader.line_num}", len(rows)))
+                rows.append(Row(dict(record), f"{source}:{reader.line_num}", len(rows)))
         return rows
-    raise BenchmarkError(f"{p}: unsupported file type {suffix!r}; use .jsonl, .json, .csv, .parquet, a folder of "
+    raise BenchmarkError(f"{source}: unsupported file type {suffix!r}; use .jsonl, .json, .csv, .parquet, a folder of "
                          ".json or a folder saved by `datasets` (save_to_disk)")
 
 
-def _read_saved_dataset(p: Path) -> list[Row]:
+def _read_saved_dataset(folder: Path) -> list[Row]:
     """The rows of a folder written by `datasets`' save_to_disk (a DatasetDict: its `train` split, else its only
     one)."""
     try:
         import datasets
     except ImportError:
-        raise BenchmarkError(f"{p}: a folder saved by `datasets` needs the `datasets` library (pip install "
+        raise BenchmarkError(f"{folder}: a folder saved by `datasets` needs the `datasets` library (pip install "
                              "datasets); or save the data as JSONL, CSV or Parquet") from None
     try:
-        ds = datasets.load_from_disk(str(p))
+        dataset = datasets.load_from_disk(str(folder))
     except Exception as e:
-        raise BenchmarkError(f"{p}: unreadable `datasets` folder ({type(e).__name__}: {e})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds and len(ds) != 1:
-            raise BenchmarkError(f"{p}: a DatasetDict of splits {sorted(ds)}: save the one split to use")
-        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    return [Row(dict(o), f"{p} row {i}", i) for i, o in enumerate(ds)]
+        raise BenchmarkError(f"{folder}: unreadable `datasets` folder ({type(e).__name__}: {e})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset and len(dataset) != 1:
+            raise BenchmarkError(f"{folder}: a DatasetDict of splits {sorted(dataset)}: save the one split to use")
+        dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
+    return [Row(dict(o), f"{folder} row {i}", i) for i, o in enumerate(dataset)]
 
 
 def _load_json(p: Path) -> Any:
@@ -144,13 +144,13 @@ def read_hub(hub_id: str, default_split: str) -> list[Row]:
             "hub; offline, download the file once and set benchmark.path instead"
         ) from None
     try:
-        ds = datasets.load_dataset(name, config, split=split)
+        dataset = datasets.load_dataset(name, config, split=split)
     except Exception as e:
         raise BenchmarkError(
             f"benchmark.hub_id={hub_id!r}: could not load {name} (config {config}, split {split}): "
             f"{type(e).__name__}: {e}. Offline? Set benchmark.path to a local file instead (see data/README.md)"
         ) from None
-    return [Row(dict(o), f"{hub_id} row {i}", i) for i, o in enumerate(ds)]
+    return [Row(dict(o), f"{hub_id} row {i}", i) for i, o in enumerate(dataset)]
 
 
 def load_rows(cfg: BenchmarkConfig, fmt: str, default_split: str) -> list[Row]:

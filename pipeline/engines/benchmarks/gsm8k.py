@@ -17,13 +17,13 @@ class GSM8K(Benchmark):
     def load(self) -> list[Item]:
         rows = load_rows(self.cfg, FORMAT, default_split="test")
         items = []
-        for r in rows:
-            solution = r.get("answer")
+        for row in rows:
+            solution = row.get("answer")
             gold = gsm8k_gold(solution)
             if gold is None:
-                raise r.fail("field 'answer' has no '#### <number>' final answer")
+                raise row.fail("field 'answer' has no '#### <number>' final answer")
             # the official files carry no ids: the row index is stable for a given file
-            items.append(Item(id=f"gsm8k-{r.index}", prompt=r.get("question"), reference={"answer": gold}))
+            items.append(Item(id=f"gsm8k-{row.index}", prompt=row.get("question"), reference={"answer": gold}))
         unique_ids([it.id for it in items], rows)
         return items
 

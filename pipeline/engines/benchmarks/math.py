@@ -34,18 +34,18 @@ class MATH(Benchmark):
         rows = load_rows(self.cfg, FORMAT, default_split="test")
         wanted = set(self.cfg.levels)
         items, kept = [], []
-        for r in rows:
-            level = parse_level(r)
+        for row in rows:
+            level = parse_level(row)
             if wanted and level not in wanted:
                 continue
-            gold = r.get("answer", (str, int, float), default=None)
-            gold = str(gold) if gold is not None else last_boxed(r.get("solution"))
+            gold = row.get("answer", (str, int, float), default=None)
+            gold = str(gold) if gold is not None else last_boxed(row.get("solution"))
             if gold is None:
-                raise r.fail("field 'solution' has no \\boxed{...} answer (and there is no 'answer' field)")
-            item_id = r.get("unique_id", default=None) or f"math-{r.key or r.index}"
-            meta = {"level": level, "type": r.get("type", default=None) or r.get("subject", default=None)}
-            items.append(Item(id=item_id, prompt=r.get("problem"), reference={"answer": gold}, meta=meta))
-            kept.append(r)
+                raise row.fail("field 'solution' has no \\boxed{...} answer (and there is no 'answer' field)")
+            item_id = row.get("unique_id", default=None) or f"math-{row.key or row.index}"
+            meta = {"level": level, "type": row.get("type", default=None) or row.get("subject", default=None)}
+            items.append(Item(id=item_id, prompt=row.get("problem"), reference={"answer": gold}, meta=meta))
+            kept.append(row)
         if not items:
             source = self.cfg.path or self.cfg.hub_id
             raise BenchmarkError(f"benchmark 'math': no problems of levels {sorted(wanted)} in {source}")

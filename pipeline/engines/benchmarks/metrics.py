@@ -74,18 +74,18 @@ def last_boxed(text: str) -> str | None:
     """Content of the last top-level \\boxed{...} (or \\fbox{...}, or "\\boxed 5"), braces balanced;
     a box nested inside a box belongs to its outer box. None if there is none (or it is unclosed)."""
     last, pos = None, 0
-    while m := _BOX.search(text, pos):
-        if m.group(1) is None:  # "\boxed 5": the content runs to the next space or "$"
-            content = re.match(r"[^\s$]*", text[m.end() :]).group(0)
-            last, pos = (content or None), m.end() + len(content)
+    while match := _BOX.search(text, pos):
+        if match.group(1) is None:  # "\boxed 5": the content runs to the next space or "$"
+            content = re.match(r"[^\s$]*", text[match.end() :]).group(0)
+            last, pos = (content or None), match.end() + len(content)
             continue
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
+        depth, end = 1, match.end()
+        while end < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            end += 1
         if depth:
             break
-        last, pos = text[m.end() : i - 1], i
+        last, pos = text[match.end() : end - 1], end
     return last
 
 

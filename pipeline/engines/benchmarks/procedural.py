@@ -93,24 +93,25 @@ class Procedural(Benchmark):
         per_task = {t: n for t, n in task_sizes(list(self.cfg.tasks), self.cfg.size).items() if n}
         generated: dict[str, list[Item]] = {}
         with tqdm(total=self.cfg.size, desc="procedural items", unit="item", leave=False) as bar:
-            for spec, n in per_task.items():
+            for spec, count in per_task.items():
                 task, options = parse_task(spec)
-                ds = _dataset(task, seed, n, options)
+                dataset = _dataset(task, seed, count, options)
                 # options change the items: they get their own id prefix
                 prefix = task + (f"[{','.join(f'{k}={v}' for k, v in sorted(options.items()))}]" if options else "")
                 generated[spec] = []
-                for idx in range(n):
-                    e = ds[idx]
+                for idx in range(count):
+                    example = dataset[idx]
                     ref = {
                         "task": task,
                         "options": options,
                         "seed": seed,
-                        "size": n,
-                        "question": e["question"],
-                        "answer": _plain(e["answer"]),
-                        "metadata": _plain(e.get("metadata", {})),
+                        "size": count,
+                        "question": example["question"],
+                        "answer": _plain(example["answer"]),
+                        "metadata": _plain(example.get("metadata", {})),
                     }
-                    item = Item(id=f"{prefix}-{seed}-{idx}", prompt=e["question"], reference=ref, meta={"task": task})
+                    item = Item(id=f"{prefix}-{seed}-{idx}", prompt=example["question"], reference=ref,
+                                meta={"task": task})
                     generated[spec].append(item)
                     bar.update()
         # interleave tasks so that a max_queries prefix of a split mixes them

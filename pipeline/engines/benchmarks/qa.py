@@ -41,30 +41,30 @@ class DROP(_QA):
     FORMAT = DROP_FORMAT
 
     @staticmethod
-    def _item(r: Row) -> Item:
-        spans = r.get("answers_spans", dict)
+    def _item(row: Row) -> Item:
+        spans = row.get("answers_spans", dict)
         # HF flattens the validated answers (and the parts of multi-span answers) into one list: each
         # span counts as a gold alternative, as in common DROP evaluations of generated answers.
         golds = list(dict.fromkeys(s for s in spans.get("spans") or [] if isinstance(s, str) and s.strip()))
         if not golds:
-            raise r.fail("field 'answers_spans.spans' holds no answer")
-        prompt = f"Passage: {r.get('passage')}\n\nQuestion: {r.get('question')}"
-        meta = {"section_id": r.get("section_id", default=None), "types": spans.get("types") or []}
-        return Item(id=r.get("query_id"), prompt=prompt, reference={"answers": golds}, meta=meta)
+            raise row.fail("field 'answers_spans.spans' holds no answer")
+        prompt = f"Passage: {row.get('passage')}\n\nQuestion: {row.get('question')}"
+        meta = {"section_id": row.get("section_id", default=None), "types": spans.get("types") or []}
+        return Item(id=row.get("query_id"), prompt=prompt, reference={"answers": golds}, meta=meta)
 
 
-def hotpot_paragraphs(r: Row) -> list[tuple[str, list[str]]]:
+def hotpot_paragraphs(row: Row) -> list[tuple[str, list[str]]]:
     """(title, sentences) pairs from either HotpotQA layout."""
-    ctx = r.get("context", (list, dict))
+    ctx = row.get("context", (list, dict))
     if isinstance(ctx, dict):  # HF: {"title": [...], "sentences": [[...], ...]}
         titles, sents = ctx.get("title"), ctx.get("sentences")
         if not isinstance(titles, list) or not isinstance(sents, list) or len(titles) != len(sents):
-            raise r.fail("field 'context' should hold equal-length lists 'title' and 'sentences'")
+            raise row.fail("field 'context' should hold equal-length lists 'title' and 'sentences'")
         return [(str(t), list(s)) for t, s in zip(titles, sents, strict=True)]
     out = []
     for para in ctx:  # original: [[title, [sentence, ...]], ...]
         if not (isinstance(para, list) and len(para) == 2 and isinstance(para[1], list)):
-            raise r.fail("field 'context' should be a list of [title, [sentences...]] pairs")
+            raise row.fail("field 'context' should be a list of [title, [sentences...]] pairs")
         out.append((str(para[0]), list(para[1])))
     return out
 

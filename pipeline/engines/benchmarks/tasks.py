@@ -368,7 +368,7 @@ def check_task(bench: Benchmark, progress: Callable[[int, int], None] | None = N
         check.note = (f"{len(items) - len(pairs)} rows have no reference answer to score (a code task's reference "
                       "is its tests" + ("; a `solution` column gives validate one to run them against)"
                                          if isinstance(bench, FileCodeTask) else ")"))
-    for n, (item, answer) in enumerate(pairs, 1):
+    for done, (item, answer) in enumerate(pairs, 1):
         try:
             res = bench.score(item, answer)
             if res.score < 1.0:
@@ -378,7 +378,7 @@ def check_task(bench: Benchmark, progress: Callable[[int, int], None] | None = N
             check.problems.append(RowProblem(where.get(item.id, item.id), item.id, None, f"{type(e).__name__}: {e}"))
         check.checked += 1
         if progress is not None:
-            progress(n, len(pairs))
+            progress(done, len(pairs))
     if isinstance(bench, FileTask):
         bench.close()
     return check

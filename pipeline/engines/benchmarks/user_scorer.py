@@ -57,7 +57,7 @@ def checked_score(value: Any) -> tuple[float, dict[str, Any]]:
 def serve(spec: str) -> None:
     out, sys.stdout = sys.stdout, sys.stderr  # the user's prints must not corrupt the protocol
     try:
-        fn = load_scorer(spec)
+        scorer = load_scorer(spec)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the scorer
         out.write(json.dumps({"error": f"cannot load the scorer: {type(e).__name__}: {e}"}) + "\n")
         out.flush()
@@ -67,7 +67,7 @@ def serve(spec: str) -> None:
     for line in sys.stdin:
         answer, reference, metadata = json.loads(line)
         try:
-            score, details = checked_score(fn(answer, reference, **metadata))
+            score, details = checked_score(scorer(answer, reference, **metadata))
             reply = {"score": score, "details": json.loads(json.dumps(details, default=str))}
         except Exception as e:  # noqa: BLE001 - one row's error, not the worker's
             reply = {"error": f"{type(e).__name__}: {e}"}

@@ -63,14 +63,14 @@ def stop_length(token_ids: list[int], decode: Callable[[list[int]], str], stops:
     holds one (what vLLM keeps with include_stop_str_in_output), None when the text holds none."""
     if not stops or not any(s in decode(token_ids) for s in stops):
         return None
-    lo, hi = 1, len(token_ids)  # a prefix's text only grows, so the first prefix holding a stop is a bisection
-    while lo < hi:
-        mid = (lo + hi) // 2
+    low, high = 1, len(token_ids)  # a prefix's text only grows, so the first prefix holding a stop is a bisection
+    while low < high:
+        mid = (low + high) // 2
         if any(s in decode(token_ids[:mid]) for s in stops):
-            hi = mid
+            high = mid
         else:
-            lo = mid + 1
-    return lo
+            low = mid + 1
+    return low
 
 
 def stop_text(text: str, stops: tuple[str, ...]) -> str:

@@ -80,7 +80,7 @@ class TransformersGenerator(Generator):
         if sample and sampling.top_p < 1.0:
             procs.append(TopPLogitsWarper(sampling.top_p))
         procs.append(recorder)
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         warp = dict(temperature=1.0, top_p=1.0, top_k=0) if sample else {}  # our warpers replace the built-in ones
         inputs = self._prefilled(enc, sampling.n) if sampling.n > 1 else {**enc, "num_return_sequences": 1}
         torch.manual_seed(sampling.seed)
@@ -92,7 +92,7 @@ class TransformersGenerator(Generator):
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         recorder.gather(seqs[:, -1])
         logprobs = torch.stack(recorder.steps, dim=1).cpu() if recorder.steps else torch.zeros(seqs.shape[0], 0)
-        log.debug("generate: %d x %d in %.2fs", len(prompts), sampling.n, time.perf_counter() - t0)
+        log.debug("generate: %d x %d in %.2fs", len(prompts), sampling.n, time.perf_counter() - started)
         return self._unpack(enc, seqs.cpu(), logprobs, sampling)
 
     @torch.inference_mode()
@@ -104,22 +104,22 @@ class TransformersGenerator(Generator):
         last = self.model(**enc, position_ids=pos).logits[:, -1, :].float()
         return torch.log_softmax(last, dim=-1)[:, list(token_ids)].cpu().tolist()
 
-    def _prefilled(self, enc: dict, n: int) -> dict:
-        """generate() inputs for n samples per prompt with each prompt prefilled once, not n times: the KV cache
-        of all but the last prompt token is computed for the batch, then repeated n times (generate() itself
+    def _prefilled(self, enc: dict, samples: int) -> dict:
+        """generate() inputs for n = `samples` samples per prompt with each prompt prefilled once, not n times: the KV
+        cache of all but the last prompt token is computed for the batch, then repeated n times (generate() itself
         would repeat the prompt and prefill every copy). Same tokens as `num_return_sequences=n` (the prefill
         draws no random numbers); the prefill is most of a rollout's cost on CPU, more so with exemplars."""
         from transformers import DynamicCache
 
         ids, att = enc["input_ids"], enc["attention_mask"]
         if ids.shape[1] < 2:
-            return {**enc, "num_return_sequences": n}
+            return {**enc, "num_return_sequences": samples}
         cache = DynamicCache(config=self.model.config)
         pos = (att.cumsum(-1) - 1).clamp(min=0)  # left padding: positions count real tokens only
         self.model(input_ids=ids[:, :-1], attention_mask=att[:, :-1], position_ids=pos[:, :-1], past_key_values=cache,
                    use_cache=True)
-        cache.batch_repeat_interleave(n)
-        return {"input_ids": ids.repeat_interleave(n, 0), "attention_mask": att.repeat_interleave(n, 0),
+        cache.batch_repeat_interleave(samples)
+        return {"input_ids": ids.repeat_interleave(samples, 0), "attention_mask": att.repeat_interleave(samples, 0),
                 "past_key_values": cache}
 
     def _unpack(self, enc: dict, seqs: torch.Tensor, logprobs: torch.Tensor,
@@ -133,8 +133,8 @@ class TransformersGenerator(Generator):
             prompt_ids = ids[i][mask[i]].tolist()
             row: list[Completion] = []
             for j in range(sampling.n):
-                k = i * sampling.n + j  # generate repeats each prompt n times in place
-                toks = seqs[k, width:].tolist()
+                sample_index = i * sampling.n + j  # generate repeats each prompt n times in place
+                toks = seqs[sample_index, width:].tolist()
                 stop = next((t for t, tok in enumerate(toks) if tok in eos), None)
                 toks = toks if stop is None else toks[: stop + 1]
                 # a row that wrote a stop string ends with it (generate pads it while the others run on)
@@ -144,7 +144,7 @@ class TransformersGenerator(Generator):
                     text=stop_text(self._decode(toks), sampling.stop),
                     prompt_token_ids=prompt_ids,
                     token_ids=toks,
-                    token_logprobs=logprobs[k, : len(toks)].tolist(),
+                    token_logprobs=logprobs[sample_index, : len(toks)].tolist(),
                     finish_reason="length" if stop is None else "stop",
                 ))
             results.append(row)

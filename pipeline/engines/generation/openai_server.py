@@ -84,16 +84,16 @@ class OpenAIGenerator(Generator):
 
     # ---- start: every server up, serving the same model, all of one kind -------------------------------------
 
-    def _models(self, ep: Endpoint) -> list[str]:
+    def _models(self, endpoint: Endpoint) -> list[str]:
         import openai
 
         try:
-            return [m.id for m in ep.client.models.list().data]
+            return [m.id for m in endpoint.client.models.list().data]
         except openai.APIConnectionError as e:
-            raise GenerationError(f"generator server {ep.url} is not reachable ({e}); start it or fix "
+            raise GenerationError(f"generator server {endpoint.url} is not reachable ({e}); start it or fix "
                                   "generator.base_url / generator.endpoints") from None
         except openai.APIError as e:
-            raise GenerationError(f"generator server {ep.url} refused /models: {e}") from None
+            raise GenerationError(f"generator server {endpoint.url} refused /models: {e}") from None
 
     def _check_models(self, served_model: str | None) -> str:
         served = {ep.url: self._models(ep) for ep in self.endpoints}
@@ -144,13 +144,13 @@ class OpenAIGenerator(Generator):
             ep.served += served
             self._cond.notify_all()
 
-    def _drop(self, ep: Endpoint, err: BaseException) -> None:
+    def _drop(self, endpoint: Endpoint, err: BaseException) -> None:
         with self._cond:
-            if ep.failed is None:
-                ep.failed = f"{type(err).__name__}: {str(err)[:200]}"
+            if endpoint.failed is None:
+                endpoint.failed = f"{type(err).__name__}: {str(err)[:200]}"
                 left = sum(e.failed is None for e in self.endpoints)
                 log.warning("generator endpoint %s failed (%s); dropped, its prompts go to the %d other live "
-                            "endpoint(s)", ep.url, ep.failed, left)
+                            "endpoint(s)", endpoint.url, endpoint.failed, left)
             self._cond.notify_all()  # waiters re-check: none may be left
 
     # ---- adapters -----------------------------------------------------------------------------------------
@@ -167,18 +167,18 @@ class OpenAIGenerator(Generator):
                 self._load_adapter(ep, name, path, adapter)
         return name
 
-    def _load_adapter(self, ep: Endpoint, name: str, path: str, adapter: str) -> None:
+    def _load_adapter(self, endpoint: Endpoint, name: str, path: str, adapter: str) -> None:
         try:
-            r = self._http.post(server_root(ep.url) + "/v1/load_lora_adapter", json={"lora_name": name,
+            response = self._http.post(server_root(endpoint.url) + "/v1/load_lora_adapter", json={"lora_name": name,
                                                                                     "lora_path": path})
         except httpx.TransportError as e:  # the server went away: like a failed request
-            self._drop(ep, e)
+            self._drop(endpoint, e)
             return
-        if r.status_code != 200 and "already" not in r.text:
+        if response.status_code != 200 and "already" not in response.text:
             raise GenerationError(
-                f"{ep.url} refused to load adapter {adapter} (HTTP {r.status_code}: {r.text[:300]}); the "
-                "server needs --enable-lora and env VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
-        ep.loaded.add(name)
+                f"{endpoint.url} refused to load adapter {adapter} (HTTP {response.status_code}: "
+                f"{response.text[:300]}); the server needs --enable-lora and env VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+        endpoint.loaded.add(name)
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -200,19 +200,20 @@ class OpenAIGenerator(Generator):
         """Prompt ids and the completions request for prompt `index` of a call (seeded like the vllm backend:
         by the index, whichever server takes it)."""
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
-        kw: dict[str, Any] = dict(model=model, n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                  max_tokens=sampling.max_new_tokens, seed=sampling.seed + index * sampling.n,
-                                  logprobs=0)
+        kwargs: dict[str, Any] = dict(model=model, n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                      max_tokens=sampling.max_new_tokens, seed=sampling.seed + index * sampling.n,
+                                      logprobs=0)
         if self.is_vllm:
-            kw.update(prompt=prompt_ids, extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True,
-                                                     "skip_special_tokens": True, "include_stop_str_in_output": True})
+            kwargs.update(prompt=prompt_ids,
+                          extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True,
+                                      "skip_special_tokens": True, "include_stop_str_in_output": True})
             if sampling.stop:
-                kw.update(stop=list(sampling.stop))
+                kwargs.update(stop=list(sampling.stop))
             # Another server drops the stop string from the text and reports finish "stop" as for an EOS, so its
             # tokens could not be rebuilt: it gets no stop, and its samples run on to EOS or the cap.
         else:
-            kw.update(prompt=prompt)
-        return prompt_ids, kw
+            kwargs.update(prompt=prompt)
+        return prompt_ids, kwargs
 
     def _one(self, model: str, prompt: str, sampling: Sampling, index: int) -> list[Completion]:
         prompt_ids, kw = self.request(model, prompt, sampling, index)
@@ -240,35 +241,35 @@ class OpenAIGenerator(Generator):
         with ThreadPoolExecutor(max(1, min(self.concurrency * len(self.endpoints), len(prompts)))) as pool:
             return list(pool.map(one, prompts))
 
-    def _create(self, kw: dict[str, Any]) -> Any:
+    def _create(self, kwargs: dict[str, Any]) -> Any:
         """One completions request, retried on the next live server while servers fail."""
         import openai
 
         while True:  # until a server answers; _acquire raises when none is left
-            ep = self._acquire()
+            endpoint = self._acquire()
             try:
-                resp = ep.client.completions.create(**kw)
+                resp = endpoint.client.completions.create(**kwargs)
             except openai.APIError as e:
-                self._release(ep, served=False)
+                self._release(endpoint, served=False)
                 if not retryable(e):  # the request itself is wrong: another server would refuse it too
-                    raise GenerationError(f"generator server {ep.url} failed a request: {e}") from None
-                self._drop(ep, e)
+                    raise GenerationError(f"generator server {endpoint.url} failed a request: {e}") from None
+                self._drop(endpoint, e)
                 continue
-            self._release(ep, served=True)
+            self._release(endpoint, served=True)
             return resp
 
-    def _completion(self, prompt_ids: list[int], c: Any) -> Completion:
-        finish = "stop" if c.finish_reason == "stop" else "length"
-        lps = list(c.logprobs.token_logprobs) if c.logprobs and c.logprobs.token_logprobs else None
-        ids = getattr(c, "token_ids", None) or (c.model_extra or {}).get("token_ids")
+    def _completion(self, prompt_ids: list[int], choice: Any) -> Completion:
+        finish = "stop" if choice.finish_reason == "stop" else "length"
+        lps = list(choice.logprobs.token_logprobs) if choice.logprobs and choice.logprobs.token_logprobs else None
+        ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
         if self.is_vllm and ids is not None:
-            return Completion(text=c.text, prompt_token_ids=prompt_ids, token_ids=list(ids),
+            return Completion(text=choice.text, prompt_token_ids=prompt_ids, token_ids=list(ids),
                               token_logprobs=lps if lps is not None and len(lps) == len(ids) else None,
                               finish_reason=finish)
-        toks = self.tokenizer(c.text, add_special_tokens=False).input_ids
+        toks = self.tokenizer(choice.text, add_special_tokens=False).input_ids
         if finish == "stop" and self.tokenizer.eos_token_id is not None:
             toks.append(self.tokenizer.eos_token_id)  # the server stopped on EOS; keep the token like the others
-        return Completion(text=c.text, prompt_token_ids=prompt_ids, token_ids=toks,
+        return Completion(text=choice.text, prompt_token_ids=prompt_ids, token_ids=toks,
                           token_logprobs=lps if lps is not None and len(lps) == len(toks) else None,
                           finish_reason=finish, retokenized=True)
 

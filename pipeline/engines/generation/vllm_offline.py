@@ -53,16 +53,16 @@ def lora_request(adapter: str) -> Any:
 def engine_kwargs(model_ref: str, *, dtype: str = "float32", enable_lora: bool = False, max_lora_rank: int = 64,
                   max_model_len: int = 4096, enforce_eager: bool = True, gpu_memory_utilization: float = 0.85,
                   tensor_parallel_size: int = 1, seed: int = 0) -> dict[str, Any]:
-    kw: dict[str, Any] = dict(
+    kwargs: dict[str, Any] = dict(
         model=resolve_model(model_ref), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
         gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size, seed=seed,
         logprobs_mode="processed_logprobs",
     )
     if enable_lora:
-        kw.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
     if not cuda_available():
-        kw.update(no_partial_prefills(max_model_len))
-    return kw
+        kwargs.update(no_partial_prefills(max_model_len))
+    return kwargs
 
 
 def no_partial_prefills(max_model_len: int) -> dict[str, Any]:
@@ -122,14 +122,14 @@ class VLLMGenerator(Generator):
         vllm = import_vllm()
         cpu_defaults()
         self.tokenizer = load_tokenizer(model_ref)
-        kw = engine_kwargs(model_ref, **engine)
-        self.lora_enabled = bool(kw.get("enable_lora")) if llm is None else bool(
+        kwargs = engine_kwargs(model_ref, **engine)
+        self.lora_enabled = bool(kwargs.get("enable_lora")) if llm is None else bool(
             getattr(llm.llm_engine.vllm_config, "lora_config", None))
         self._owned = llm is None  # an engine passed in is its owner's to stop
         self._marked = self._owned and not cuda_available()
         if self._marked:  # a CPU engine: other jobs' engines on this CPU slow it, and it them
             warn_if_shared("the vLLM generator")
-        self.llm = llm if llm is not None else vllm.LLM(**kw)
+        self.llm = llm if llm is not None else vllm.LLM(**kwargs)
         if self._marked:
             mark("vLLM generator")
         self._sampling_params = vllm.SamplingParams

@@ -50,15 +50,15 @@ def serve(sock: socket.socket) -> None:
     os._exit(0)
 
 
-def _serve(req: dict, ns: dict) -> dict:
-    op = req["op"]
+def _serve(req: dict, namespace: dict) -> dict:
+    operation = req["op"]
     try:
-        if op == "program":
-            exec(compile(req["source"], "<solution>", "exec"), ns)
+        if operation == "program":
+            exec(compile(req["source"], "<solution>", "exec"), namespace)
             return {"ok": True}
-        if op == "names":
-            return {"kinds": {n: _kind(ns, n) for n in req["names"]}}
-        fn = ns.get(req["name"])
+        if operation == "names":
+            return {"kinds": {n: _kind(namespace, n) for n in req["names"]}}
+        fn = namespace.get(req["name"])
         if not callable(fn):
             return {"raise": ["NameError", f"name {req['name']!r} is not defined", ""]}
         v = fn(*values.decode(req["args"]), **values.decode(req["kwargs"]))
@@ -67,7 +67,7 @@ def _serve(req: dict, ns: dict) -> dict:
         except values.NotPlain as e:
             return {"hack": str(e)}
     except Exception as e:
-        if op == "program":
+        if operation == "program":
             return {"error": f"{type(e).__name__}: {e}"[:MAX_TEXT]}
         return {"raise": [type(e).__name__, str(e)[:MAX_TEXT], "".join(traceback.format_exception(e))[-MAX_TEXT:]]}
     except BaseException as e:  # SystemExit, KeyboardInterrupt: an exit, whatever the candidate meant

@@ -52,13 +52,13 @@ class _CappedWriter(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, s: str) -> int:
-        self.size += len(s)
+    def write(self, text: str) -> int:
+        self.size += len(text)
         if self.size > self.cap:
             raise OutputLimitExceeded(f"output limit exceeded: more than {self.cap} chars printed")
         if sum(map(len, self.head)) < MAX_TEXT:
-            self.head.append(s)
-        return len(s)
+            self.head.append(text)
+        return len(text)
 
     def text(self) -> str:
         return "".join(self.head)[:MAX_TEXT]
@@ -84,19 +84,19 @@ async def _run_tests_forked(code: str, tests: list[str], timeout_s: float) -> st
     """`run_tests` helper: the public tests run in a forked grandchild (the grader, which forks the candidate
     in turn) so the candidate code cannot disturb the workflow's own state; a hard deadline covers code that
     blocks in C."""
-    r, w = os.pipe()
+    read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            os.close(r)
+            os.close(read_fd)
             out = grader.grade(grader.Candidate(), code, tests, timeout_s)
-            os.write(w, json.dumps(out).encode()[: 1 << 20])
+            os.write(write_fd, json.dumps(out).encode()[: 1 << 20])
         finally:
             os._exit(0)
-    os.close(w)
+    os.close(write_fd)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 21)
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(r, "rb"))
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb"))
     try:
         raw = await asyncio.wait_for(reader.read(), timeout_s * (len(tests) + 2) + 1)
     except TimeoutError:
@@ -121,16 +121,16 @@ def _suite_main() -> None:
     """Suite mode: fork the candidate first, while this process holds no hidden test yet, then read the
     payload, grade, and send the verdict on the run channel, which the candidate never held."""
     cand = grader.Candidate()
-    ch = socket.socket(fileno=RUN_FD)
+    channel = socket.socket(fileno=RUN_FD)
     buf = b""
     while b"\n" not in buf:
-        chunk = ch.recv(1 << 20)
+        chunk = channel.recv(1 << 20)
         if not chunk:
             return
         buf += chunk
     p = json.loads(buf.split(b"\n", 1)[0])
     report = grader.grade(cand, p["program"], p["tests"], p["timeout_s"], p.get("setup", ""), p.get("entry_points", ()))
-    ch.sendall((json.dumps({"op": "result", "suite": report}) + "\n").encode())
+    channel.sendall((json.dumps({"op": "result", "suite": report}) + "\n").encode())
 
 
 # ---- the workflow run ------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ class _Channel:
         return await fut
 
 
-async def _workflow(ch: _Channel, payload: dict) -> dict:
+async def _workflow(channel: _Channel, payload: dict) -> dict:
     public = payload.get("public_tests") or {}
 
     async def llm(messages, temperature=None, n=1, role="", instructions=""):
@@ -170,8 +170,8 @@ async def _workflow(ch: _Channel, payload: dict) -> dict:
             messages = [messages]
         if not isinstance(messages, str | list):
             raise TypeError("llm(messages): messages must be a str or a list of {role, content} dicts")
-        reply = await ch.call("llm", messages=messages, temperature=temperature, n=n, role=str(role),
-                              instructions=str(instructions))
+        reply = await channel.call("llm", messages=messages, temperature=temperature, n=n, role=str(role),
+                                   instructions=str(instructions))
         if "error" in reply:
             raise HelperError(reply["error"])
         return reply["texts"]
@@ -200,15 +200,15 @@ async def _workflow(ch: _Channel, payload: dict) -> dict:
 
 async def _amain() -> None:
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=RUN_FD), limit=1 << 26)
-    ch = _Channel(reader, writer)
+    channel = _Channel(reader, writer)
     payload = json.loads(await reader.readline())
     cap = int(payload.get("output_chars", 1 << 20))
     sys.stdout = sys.stderr = out = _CappedWriter(cap)
-    pump = asyncio.ensure_future(ch.pump())
-    result = await _workflow(ch, payload)
+    pump = asyncio.ensure_future(channel.pump())
+    result = await _workflow(channel, payload)
     pump.cancel()
     result["stdout"] = out.text()
-    await ch.send(result)
+    await channel.send(result)
 
 
 def main(run_fd: int, mode: str) -> None:

@@ -144,13 +144,13 @@ class _UidPool:
             for uid in range(UID_BASE, UID_BASE + UID_COUNT):
                 if uid in self.held:
                     continue
-                fd = os.open(self.dir / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+                lock_fd = os.open(self.dir / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    os.close(fd)
+                    os.close(lock_fd)
                     continue
-                self.held[uid] = fd
+                self.held[uid] = lock_fd
                 return uid
         raise SandboxError(f"no free sandbox uid in {UID_BASE}..{UID_BASE + UID_COUNT}")
 
@@ -249,7 +249,7 @@ class Sandbox:
         uid = self._uids.acquire() if self.isolation.get("privilege_drop") else os.getuid()
         run_ours, run_theirs = socket.socketpair()
         st_ours, st_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        t0 = time.perf_counter()
+        began = time.perf_counter()
         out: dict = {"result": None, "exit": None, "timed_out": False, "oversized": False}
         pid = None
         tasks: set[asyncio.Task] = set()
@@ -290,7 +290,7 @@ class Sandbox:
                         t.add_done_callback(tasks.discard)
 
             try:
-                await _within(converse(), limits.timeout_s, t0, not_counted)
+                await _within(converse(), limits.timeout_s, began, not_counted)
             except TimeoutError:
                 out["timed_out"] = True
             except (ValueError, asyncio.LimitOverrunError, asyncio.IncompleteReadError, ConnectionError):
@@ -311,18 +311,18 @@ class Sandbox:
                 self._uids.release(uid)  # an unswept uid (processes that would not die) is never reused
             elif pid is not None:  # cancelled mid-run: kill it; the uid stays out of the pool until exit
                 _kill_group(pid)
-        out["wall_s"] = time.perf_counter() - t0
+        out["wall_s"] = time.perf_counter() - began
         return out
 
 
-async def _within(coro, limit_s: float, t0: float, not_counted: Callable[[], float] | None) -> None:
-    """Await `coro` until the wall time since `t0`, less `not_counted()`, reaches `limit_s` (then TimeoutError)."""
+async def _within(coro, limit_s: float, began: float, not_counted: Callable[[], float] | None) -> None:
+    """Await `coro` until the wall time since `began`, less `not_counted()`, reaches `limit_s` (then TimeoutError)."""
     if not_counted is None:
         return await asyncio.wait_for(coro, limit_s)
     task = asyncio.ensure_future(coro)
     try:
         while not task.done():
-            left = limit_s - (time.perf_counter() - t0 - not_counted())
+            left = limit_s - (time.perf_counter() - began - not_counted())
             if left <= 0:
                 raise TimeoutError
             await asyncio.wait({task}, timeout=min(left, 0.5))  # re-read: executor waits extend the limit
@@ -408,21 +408,21 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
         res.llm_calls += 1
         try:
             msgs = build_messages(msg.get("messages"), msg.get("role", ""), msg.get("instructions", ""))
-            n = int(msg.get("n") or 1)
-            t = msg.get("temperature")
-            t = None if t is None else float(t)
-            if not 1 <= n <= limits.max_n or (t is not None and not 0 <= t <= 2):
+            samples = int(msg.get("n") or 1)
+            temperature = msg.get("temperature")
+            temperature = None if temperature is None else float(temperature)
+            if not 1 <= samples <= limits.max_n or (temperature is not None and not 0 <= temperature <= 2):
                 raise ValueError(f"need 1 <= n <= {limits.max_n} and 0 <= temperature <= 2")
         except (TypeError, ValueError) as e:
             return await reply({"id": rid, "error": f"bad llm() call: {e}"})
         if executor is None:
             return await reply({"id": rid, "error": "no executor configured for llm()"})
-        seed = None if seeds is None else seeds.seed(msgs, t, n, None)
+        seed = None if seeds is None else seeds.seed(msgs, temperature, samples, None)
         if not waiting["calls"]:
             waiting["since"] = time.perf_counter()
         waiting["calls"] += 1
         try:
-            comp = await executor.complete(msgs, temperature=t, n=n, seed=seed)
+            comp = await executor.complete(msgs, temperature=temperature, n=samples, seed=seed)
         except Exception as e:  # any executor failure (after its own retries) is transient, not the workflow's
             notes["executor_error"] = _truncate(f"{type(e).__name__}: {e}")
             return await reply({"id": rid, "error": "executor error"})

@@ -199,15 +199,15 @@ def _rebuild(info: object) -> Exception:
     CandidateError. The candidate's traceback rides along as text."""
     if not (type(info) is list and len(info) == 3 and all(type(x) is str for x in info)):
         return ForgedReply(f"a malformed exception report: {str(info)[:200]}")
-    name, msg, tb = info
+    name, msg, remote_traceback = info
     cls = getattr(builtins, name, None)
-    e: Exception | None = None
+    error: Exception | None = None
     if isinstance(cls, type) and issubclass(cls, Exception):
         with contextlib.suppress(Exception):
-            e = cls(msg)
-    e = e or CandidateError(f"{name}: {msg}")
-    e.candidate_traceback = tb[-MAX_TEXT:]
-    return e
+            error = cls(msg)
+    error = error or CandidateError(f"{name}: {msg}")
+    error.candidate_traceback = remote_traceback[-MAX_TEXT:]
+    return error
 
 
 def _timer(timeout_s: float):
@@ -226,34 +226,34 @@ def _free_names(sources: list[str]) -> set[str]:
     return out
 
 
-def _bind(ns: dict, cand: Candidate, kinds: dict, asked: set[str], entry_points: tuple[str, ...]) -> None:
+def _bind(namespace: dict, cand: Candidate, kinds: dict, asked: set[str], entry_points: tuple[str, ...]) -> None:
     """Bind the names the tests need from the candidate's program, and only those asked for (never the
     setup's own, such as `check`): functions as proxies, stdlib modules imported here. A forced entry point
     the program lacks stays unbound (NameError)."""
     for name in entry_points:
-        ns.pop(name, None)  # e.g. HumanEval's prompt stub: the tests must call the candidate's
+        namespace.pop(name, None)  # e.g. HumanEval's prompt stub: the tests must call the candidate's
     for name, kind in kinds.items():
         if name not in asked:
             continue
         if kind == "callable":
-            ns[name] = _Remote(cand, name)
+            namespace[name] = _Remote(cand, name)
         elif isinstance(kind, dict) and type(kind.get("module")) is str:
             mod = kind["module"]
             if mod.split(".")[0] in sys.stdlib_module_names and mod not in NOT_IMPORTED:
                 with contextlib.suppress(ImportError):
-                    ns[name] = importlib.import_module(mod)
+                    namespace[name] = importlib.import_module(mod)
 
 
-def _failure(test: str, e: BaseException) -> dict:
+def _failure(test: str, error: BaseException) -> dict:
     # the test's own frames (<setup>, <test>): the grader's are noise to whoever reads the failure
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename.startswith("<")]
-    tb = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
-                  *traceback.format_exception_only(e)])
-    extra = getattr(e, "candidate_traceback", None)
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith("<")]
+    text = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
+                    *traceback.format_exception_only(error)])
+    extra = getattr(error, "candidate_traceback", None)
     if extra:
-        tb += "\nin the candidate:\n" + extra
-    return {"test": test[:MAX_TEXT], "error_type": type(e).__name__, "message": str(e)[:MAX_TEXT],
-            "traceback": tb[-MAX_TEXT:]}
+        text += "\nin the candidate:\n" + extra
+    return {"test": test[:MAX_TEXT], "error_type": type(error).__name__, "message": str(error)[:MAX_TEXT],
+            "traceback": text[-MAX_TEXT:]}
 
 
 def grade(cand: Candidate, program: str, tests: list[str], timeout_s: float, setup: str = "",
@@ -271,22 +271,22 @@ def grade(cand: Candidate, program: str, tests: list[str], timeout_s: float, set
 def _grade(cand: Candidate, program: str, tests: list[str], timeout_s: float, setup: str,
            entry_points: tuple[str, ...]) -> dict:
     # 1. the tests and their setup, compiled and bound before any candidate code runs
-    ns: dict = {"__name__": "__main__"}
+    namespace: dict = {"__name__": "__main__"}
     try:
         _timer(timeout_s)
-        exec(compile(setup, "<setup>", "exec"), ns)
+        exec(compile(setup, "<setup>", "exec"), namespace)
         _timer(0)
     except BaseException as e:  # trusted code: a broken benchmark, said as such
         _timer(0)
         why = f"the tests' setup failed: {type(e).__name__}: {e}"
         return {"status": "exec_error", "exec_fail_case": why[:MAX_TEXT]}
     codes: list = []
-    for t in tests:
+    for test in tests:
         try:
-            codes.append(compile(t, "<test>", "exec"))
+            codes.append(compile(test, "<test>", "exec"))
         except (SyntaxError, ValueError) as e:
             codes.append(e)
-    wanted = {n for n in _free_names([setup, *tests]) if n not in ns and not hasattr(builtins, n)}
+    wanted = {n for n in _free_names([setup, *tests]) if n not in namespace and not hasattr(builtins, n)}
     # 2. the program, in the candidate
     try:
         _timer(timeout_s)
@@ -300,19 +300,19 @@ def _grade(cand: Candidate, program: str, tests: list[str], timeout_s: float, se
         _timer(0)
     except BaseException as e:
         return {"status": status_of(e), "exec_fail_case": f"{type(e).__name__}: {e}"[:MAX_TEXT]}
-    _bind(ns, cand, kinds if type(kinds) is dict else {}, asked, entry_points)
+    _bind(namespace, cand, kinds if type(kinds) is dict else {}, asked, entry_points)
     # 3. the tests, each under its own timer, here
     failures, kinds_seen = [], []
-    for t, code in zip(tests, codes, strict=True):
+    for test, code in zip(tests, codes, strict=True):
         try:
             if isinstance(code, BaseException):
                 raise code
             _timer(timeout_s)
-            exec(code, ns)
+            exec(code, namespace)
             _timer(0)
         except BaseException as e:  # noqa: BLE001  (any failure of a test is a result)
             _timer(0)
-            failures.append(_failure(t, e))
+            failures.append(_failure(test, e))
             kinds_seen.append(status_of(e))
     if cand.gone is None and not cand.alive():  # an exit of any kind before the last test reported fails it
         kinds_seen.append("early_exit")

@@ -23,26 +23,27 @@ class NotPlain(TypeError):
     """A value that is not built from exact plain types."""
 
 
-def encode(v: object, depth: int = 0) -> object:
-    """A JSON-able form of `v`; raises NotPlain for anything but exact plain types."""
+def encode(value: object, depth: int = 0) -> object:
+    """A JSON-able form of `value`; raises NotPlain for anything but exact plain types."""
     if depth > MAX_DEPTH:
         raise NotPlain(f"nested deeper than {MAX_DEPTH}")
-    t = type(v)
-    if v is None or t is bool or t is str or t is float:
-        return v
-    if t is int:
-        return v if -_BIG < v < _BIG else {"i": format(v, "x")}
-    if t is list:
-        return [encode(x, depth + 1) for x in v]
-    if t is tuple or t is set or t is frozenset:
-        return {t.__name__: [encode(x, depth + 1) for x in v]}
-    if t is dict:
-        return {"dict": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in v.items()]}
-    if t is complex:
-        return {"complex": [v.real, v.imag]}
-    if t is bytes:
-        return {"bytes": v.hex()}
-    raise NotPlain(f"a {t.__module__}.{t.__qualname__} object" if t.__module__ != "builtins" else f"a {t.__name__}")
+    kind = type(value)
+    if value is None or kind is bool or kind is str or kind is float:
+        return value
+    if kind is int:
+        return value if -_BIG < value < _BIG else {"i": format(value, "x")}
+    if kind is list:
+        return [encode(x, depth + 1) for x in value]
+    if kind is tuple or kind is set or kind is frozenset:
+        return {kind.__name__: [encode(x, depth + 1) for x in value]}
+    if kind is dict:
+        return {"dict": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in value.items()]}
+    if kind is complex:
+        return {"complex": [value.real, value.imag]}
+    if kind is bytes:
+        return {"bytes": value.hex()}
+    raise NotPlain(f"a {kind.__module__}.{kind.__qualname__} object" if kind.__module__ != "builtins"
+                   else f"a {kind.__name__}")
 
 
 def dumps(v: object) -> str:
@@ -57,21 +58,21 @@ def decode(o: object) -> object:
         raise ValueError(f"not an encoded plain value: {e}") from None
 
 
-def _decode(o: object, depth: int) -> object:
+def _decode(encoded: object, depth: int) -> object:
     if depth > MAX_DEPTH:
         raise ValueError("nested too deep")
-    t = type(o)
-    if o is None or t is bool or t is str or t is float or t is int:
-        return o
-    if t is list:
-        return [_decode(x, depth + 1) for x in o]
-    if t is not dict or len(o) != 1:
-        raise ValueError(f"not an encoded plain value: {t.__name__}")
-    (tag, p), = o.items()
-    if tag == "i" and type(p) is str:
-        return int(p, 16)
-    if tag in ("tuple", "set", "frozenset", "dict") and type(p) is list:
-        items = [_decode(x, depth + 1) for x in p]
+    kind = type(encoded)
+    if encoded is None or kind is bool or kind is str or kind is float or kind is int:
+        return encoded
+    if kind is list:
+        return [_decode(x, depth + 1) for x in encoded]
+    if kind is not dict or len(encoded) != 1:
+        raise ValueError(f"not an encoded plain value: {kind.__name__}")
+    (tag, payload), = encoded.items()
+    if tag == "i" and type(payload) is str:
+        return int(payload, 16)
+    if tag in ("tuple", "set", "frozenset", "dict") and type(payload) is list:
+        items = [_decode(x, depth + 1) for x in payload]
         if tag == "tuple":
             return tuple(items)
         if tag == "dict":
@@ -79,10 +80,11 @@ def _decode(o: object, depth: int) -> object:
                 raise ValueError("a dict entry is not a [key, value] pair")
             return {k: x for k, x in items}
         return set(items) if tag == "set" else frozenset(items)
-    if tag == "complex" and type(p) is list and len(p) == 2 and all(type(x) in (int, float) for x in p):
-        return complex(p[0], p[1])
-    if tag == "bytes" and type(p) is str:
-        return bytes.fromhex(p)
+    if (tag == "complex" and type(payload) is list and len(payload) == 2
+            and all(type(x) in (int, float) for x in payload)):
+        return complex(payload[0], payload[1])
+    if tag == "bytes" and type(payload) is str:
+        return bytes.fromhex(payload)
     raise ValueError(f"unknown value tag {tag!r}")
 
 

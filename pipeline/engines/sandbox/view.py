@@ -122,11 +122,11 @@ class View:
 
     def _populate(self) -> None:
         self.report["private_tmp"] = []
-        for d in PRIVATE_TMP:
-            if os.path.isdir(d) and not os.path.islink(d):
-                os.makedirs(self.root + d, mode=0o755, exist_ok=True)
-                _mount("tmpfs", self.root + d, "tmpfs", MS_NOSUID | MS_NODEV, PRIVATE_TMP_OPTS)
-                self.report["private_tmp"].append(d)
+        for folder in PRIVATE_TMP:
+            if os.path.isdir(folder) and not os.path.islink(folder):
+                os.makedirs(self.root + folder, mode=0o755, exist_ok=True)
+                _mount("tmpfs", self.root + folder, "tmpfs", MS_NOSUID | MS_NODEV, PRIVATE_TMP_OPTS)
+                self.report["private_tmp"].append(folder)
         for p in SYSTEM_TREES + ETC:
             self._expose(p)
         for p in self.dirs + self.files:
@@ -136,26 +136,26 @@ class View:
         for m in masked_paths(self.deny):
             self._mask(m)
         self._dev()
-        for d in MOUNT_POINTS:
-            os.makedirs(self.root + d, mode=0o755, exist_ok=True)
+        for folder in MOUNT_POINTS:
+            os.makedirs(self.root + folder, mode=0o755, exist_ok=True)
         self._proc()
 
-    def _expose(self, p: str) -> None:
-        if not os.path.lexists(p):
+    def _expose(self, path: str) -> None:
+        if not os.path.lexists(path):
             return
-        dst = self.root + p
+        dst = self.root + path
         os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
-        if os.path.islink(p):  # merged-usr /bin -> usr/bin, /etc/localtime -> zoneinfo: same link
-            os.symlink(os.readlink(p), dst)
+        if os.path.islink(path):  # merged-usr /bin -> usr/bin, /etc/localtime -> zoneinfo: same link
+            os.symlink(os.readlink(path), dst)
             return
-        if os.path.isdir(p):
+        if os.path.isdir(path):
             os.makedirs(dst, mode=0o755, exist_ok=True)
-            self.trees.append(p)
+            self.trees.append(path)
         else:
             open(dst, "a").close()  # noqa: SIM115  (an empty mount point for a file)
-        _mount(p, dst, None, MS_BIND | MS_REC)
+        _mount(path, dst, None, MS_BIND | MS_REC)
         _mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-        self.report["exposed"].append(p)
+        self.report["exposed"].append(path)
 
     def _link_executable(self) -> None:
         """`sys.executable` (a venv's bin/python) as a link to the real interpreter, so a workflow's
@@ -166,17 +166,17 @@ class View:
             os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
             os.symlink(os.path.realpath(exe), dst)
 
-    def _mask(self, m: str) -> None:
-        if not any(_under(m, t) and m != t for t in self.trees):
+    def _mask(self, path: str) -> None:
+        if not any(_under(path, t) and path != t for t in self.trees):
             return  # outside every exposed tree: already absent from the view
-        if any(_under(n, m) for n in self.dirs + self.files):
-            self.report["not_masked"].append(m)  # it holds the Python install itself
+        if any(_under(n, path) for n in self.dirs + self.files):
+            self.report["not_masked"].append(path)  # it holds the Python install itself
             return
-        if os.path.isdir(m):
-            _mount("tmpfs", self.root + m, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0755")
+        if os.path.isdir(path):
+            _mount("tmpfs", self.root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0755")
         else:
-            _mount("/dev/null", self.root + m, None, MS_BIND)
-        self.report["masked"].append(m)
+            _mount("/dev/null", self.root + path, None, MS_BIND)
+        self.report["masked"].append(path)
 
     def _dev(self) -> None:
         dev = self.root + "/dev"

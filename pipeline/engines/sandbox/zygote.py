@@ -84,9 +84,9 @@ class Zygote:
             notes.append(_err("no network namespace (children can open connections)"))
         mnt = _libc.unshare(CLONE_NEWNS) == 0 and _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
         self.iso["mount_namespace"] = mnt
-        ro = tmp = False
+        readonly = tmp = False
         if mnt:
-            ro = self._file_system(deny)
+            readonly = self._file_system(deny)
             done = self.iso.get("view", {}).get("private_tmp", [])  # the view mounts them under what it exposes
             tmp = all(_mount_tmpfs(d, PRIVATE_TMP_OPTS) for d in ("/tmp", "/var/tmp", "/dev/shm")
                       if os.path.isdir(d) and d not in done)
@@ -96,7 +96,7 @@ class Zygote:
             self.iso["file_view"], self.iso["hidden_dirs"] = False, []
             notes.append(_err("no mount namespace: work dirs are plain dirs without a size quota"))
             notes.append(NO_VIEW)
-        self.iso["readonly_root"], self.iso["private_tmp"] = ro, tmp
+        self.iso["readonly_root"], self.iso["private_tmp"] = readonly, tmp
         self.tmp_mounts = mnt and tmp
         base = tempfile.gettempdir() if tmp else tempfile.mkdtemp(prefix="pipeline-sbx-")
         self.base = os.path.join(base, ".runs") if tmp else base
@@ -160,14 +160,15 @@ class Zygote:
     def reap(self) -> None:
         while True:
             try:
-                pid, st = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
             run = self.runs.get(pid)
             if run is not None and run["exit"] is None:
-                run["exit"] = {"signal": os.WTERMSIG(st)} if os.WIFSIGNALED(st) else {"code": os.WEXITSTATUS(st)}
+                run["exit"] = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
+                               else {"code": os.WEXITSTATUS(status)})
 
     def sweep(self, run: dict, pid: int) -> int:
         """Kill every process left by a run and wait until they are gone; returns the kill rounds used.
@@ -231,13 +232,13 @@ class Zygote:
 
     def _leftovers(self, uid: int) -> int:
         """Processes of a finished run still alive: its orphans were re-parented to us (subreaper)."""
-        n = 0
+        count = 0
         for k in self._children():
             if k in self.runs:
                 continue
             with contextlib.suppress(OSError), open(f"/proc/{k}/status") as f:
-                n += any(ln.startswith("Uid:") and int(ln.split()[1]) == uid for ln in f)
-        return n
+                count += any(ln.startswith("Uid:") and int(ln.split()[1]) == uid for ln in f)
+        return count
 
     def finish_exited(self) -> None:
         for pid in [p for p, r in self.runs.items() if r["exit"] is not None]:
@@ -330,17 +331,17 @@ def _expose_python() -> list[str]:
     for anc, paths in _blocked(_python_paths()).items():
         keep = [p for p in paths if not any(p != q and p.startswith(q + "/") for q in paths)]
         staged = []
-        for i, p in enumerate(keep):  # bind the originals aside before the ancestor is covered
-            st = tempfile.mkdtemp(prefix=f".keep{i}-")
-            _libc.mount(p.encode(), st.encode(), None, MS_BIND | MS_REC, None)
-            staged.append((st, p))
+        for i, path in enumerate(keep):  # bind the originals aside before the ancestor is covered
+            staging = tempfile.mkdtemp(prefix=f".keep{i}-")
+            _libc.mount(path.encode(), staging.encode(), None, MS_BIND | MS_REC, None)
+            staged.append((staging, path))
         if not _mount_tmpfs(anc, "size=1m,mode=0755"):
             continue
-        for st, p in staged:
-            os.makedirs(p, mode=0o755, exist_ok=True)
-            _libc.mount(st.encode(), p.encode(), None, MS_BIND | MS_REC, None)
-            _libc.umount2(st.encode(), MNT_DETACH)
-            os.rmdir(st)
+        for staging, path in staged:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            _libc.mount(staging.encode(), path.encode(), None, MS_BIND | MS_REC, None)
+            _libc.umount2(staging.encode(), MNT_DETACH)
+            os.rmdir(staging)
         _libc.mount(b"none", anc.encode(), None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
         covered.append(anc)
     return covered

@@ -93,32 +93,35 @@ def collate_packed(seqs: list[TrainSequence], pad_id: int, device: torch.device 
     """`PackedBatch` of `seqs` (prompts of at least one token: a completion's first token is predicted from its
     prompt's last position)."""
     rows: dict[tuple[int, ...], list[int]] = {}
-    for b, s in enumerate(seqs):
-        rows.setdefault(tuple(s.prompt_ids), []).append(b)
+    for seq_index, seq in enumerate(seqs):
+        rows.setdefault(tuple(seq.prompt_ids), []).append(seq_index)
     width = max(len(s.completion_ids) for s in seqs)
     built, src, dst, tgt = [], [], [], []  # per row (ids, positions, owners); src as (row, index)
-    for r, (prompt, members) in enumerate(rows.items()):
-        lp = len(prompt)
-        ids, pos, own = list(prompt), list(range(lp)), [-1] * lp
-        for b in members:
-            c = seqs[b].completion_ids
-            src += [(r, lp - 1)] + [(r, len(ids) + j) for j in range(len(c) - 1)]
-            dst += [b * width + j for j in range(len(c))]
+    for row, (prompt, members) in enumerate(rows.items()):
+        prompt_len = len(prompt)
+        ids, pos, own = list(prompt), list(range(prompt_len)), [-1] * prompt_len
+        for seq_index in members:
+            c = seqs[seq_index].completion_ids
+            src += [(row, prompt_len - 1)] + [(row, len(ids) + j) for j in range(len(c) - 1)]
+            dst += [seq_index * width + j for j in range(len(c))]
             tgt += c
-            ids, pos, own = ids + c[:-1], pos + list(range(lp, lp + len(c) - 1)), own + [b] * (len(c) - 1)
+            ids, pos = ids + c[:-1], pos + list(range(prompt_len, prompt_len + len(c) - 1))
+            own = own + [seq_index] * (len(c) - 1)
         built.append((ids, pos, own))
-    t = max(len(ids) for ids, _, _ in built)
-    ids_t = torch.full((len(built), t), pad_id, dtype=torch.long)
-    pos_t = torch.zeros((len(built), t), dtype=torch.long)
-    own_t = -2 - torch.arange(t).repeat(len(built), 1)  # padding: an owner of its own (it sees itself: no empty row)
-    for r, (ids, pos, own) in enumerate(built):
-        ids_t[r, : len(ids)], pos_t[r, : len(ids)], own_t[r, : len(ids)] = (torch.tensor(x) for x in (ids, pos, own))
-    idx = torch.arange(t)
+    row_len = max(len(ids) for ids, _, _ in built)
+    ids_t = torch.full((len(built), row_len), pad_id, dtype=torch.long)
+    pos_t = torch.zeros((len(built), row_len), dtype=torch.long)
+    # padding: an owner of its own (it sees itself: no empty row)
+    own_t = -2 - torch.arange(row_len).repeat(len(built), 1)
+    for row, (ids, pos, own) in enumerate(built):
+        used = len(ids)
+        ids_t[row, :used], pos_t[row, :used], own_t[row, :used] = (torch.tensor(x) for x in (ids, pos, own))
+    idx = torch.arange(row_len)
     mask = (idx[None, :] <= idx[:, None]) & ((own_t[:, None, :] == -1) | (own_t[:, None, :] == own_t[:, :, None]))
     cmask = torch.zeros((len(seqs), width))
-    for b, s in enumerate(seqs):
-        cmask[b, : len(s.completion_ids)] = 1
-    src_t = torch.tensor([r * t + i for r, i in src], dtype=torch.long)
+    for seq_index, seq in enumerate(seqs):
+        cmask[seq_index, : len(seq.completion_ids)] = 1
+    src_t = torch.tensor([r * row_len + i for r, i in src], dtype=torch.long)
     dst_t = torch.tensor(dst, dtype=torch.long)
     real = sum(len(ids) for ids, _, _ in built)
     tgt_t = torch.tensor(tgt, dtype=torch.long)

@@ -51,20 +51,20 @@ def load_sequences(ctx: RunContext, kind: str = "group") -> tuple[list[TrainSequ
             .unique("gen_id", keep="first").collect())
     rows = members.join(gens, on="gen_id", how="left", maintain_order="left")
     seqs, bad_groups = [], set()
-    for r in rows.iter_rows(named=True):
-        prompt, comp = r["prompt_token_ids"], r["token_ids"]
+    for row in rows.iter_rows(named=True):
+        prompt, comp = row["prompt_token_ids"], row["token_ids"]
         if not prompt or not comp or len(prompt) >= max_len:
             info["sequences_dropped"] += 1  # no generation row, no tokens, or a prompt longer than the cap
-            bad_groups.add(r["group_id"])
+            bad_groups.add(row["group_id"])
             continue
-        glp = r["token_logprobs"]
+        glp = row["token_logprobs"]
         if len(prompt) + len(comp) > max_len:
             info["sequences_truncated"] += 1
             comp = comp[: max_len - len(prompt)]
             glp = glp[: len(comp)] if glp else glp
-        seqs.append(TrainSequence(r["gen_id"], list(prompt), list(comp), float(r["coef"]),
-                                  list(glp) if glp and len(glp) == len(comp) else None, r["level"],
-                                  None if r["score"] is None else float(r["score"]), r["group_id"]))
+        seqs.append(TrainSequence(row["gen_id"], list(prompt), list(comp), float(row["coef"]),
+                                  list(glp) if glp and len(glp) == len(comp) else None, row["level"],
+                                  None if row["score"] is None else float(row["score"]), row["group_id"]))
     if kind == "pair" and bad_groups:
         seqs = [s for s in seqs if s.group_id not in bad_groups]
     if info["sequences_dropped"]:

@@ -66,13 +66,13 @@ def cache_under_checkpointing(decoder: torch.nn.Module) -> Iterator[None]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for m in layers:
-        m._can_checkpoint_with_cache = True
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
     try:
         yield
     finally:
-        for m in layers:
-            del m._can_checkpoint_with_cache
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
 
 
 def prompt_states(decoder: torch.nn.Module, batch: Batch) -> Cache | None:

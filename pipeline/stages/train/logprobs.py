@@ -27,17 +27,17 @@ def _head_logprobs(head: torch.nn.Module, h: torch.Tensor, tgt: torch.Tensor) ->
     return logits.gather(1, tgt[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
-def _gathered_logprobs(head: torch.nn.Module, h: torch.Tensor, tgt: torch.Tensor, head_chunk: int) -> torch.Tensor:
-    """Log-probs of `tgt` from the hidden states `h` [N, H]: above `head_chunk` positions in checkpointed chunks of
+def _gathered_logprobs(head: torch.nn.Module, hidden: torch.Tensor, tgt: torch.Tensor, head_chunk: int) -> torch.Tensor:
+    """Log-probs of `tgt` from the hidden states `hidden` [N, H]: above `head_chunk` positions in checkpointed chunks of
     that many positions, so at most [head_chunk, V] logits live at once."""
     from torch.utils.checkpoint import checkpoint
 
-    if h.shape[0] <= head_chunk:
-        return _head_logprobs(head, h, tgt)
+    if hidden.shape[0] <= head_chunk:
+        return _head_logprobs(head, hidden, tgt)
     run = (lambda *a: checkpoint(_head_logprobs, *a, use_reentrant=False)) if torch.is_grad_enabled() else \
         _head_logprobs
-    return torch.cat([run(head, h[i: i + head_chunk], tgt[i: i + head_chunk])
-                      for i in range(0, h.shape[0], head_chunk)])
+    return torch.cat([run(head, hidden[i: i + head_chunk], tgt[i: i + head_chunk])
+                      for i in range(0, hidden.shape[0], head_chunk)])
 
 
 def completion_logprobs(model: torch.nn.Module, batch: Batch | PackedBatch, head_chunk: int = 2048) -> torch.Tensor:
@@ -89,24 +89,25 @@ def reference_logprobs(model: torch.nn.Module, seqs: list[TrainSequence], passes
     from pipeline.engines.meter import ProgressMeter
     from pipeline.stages.parallel import gather_logprobs
 
-    rank, n = shard
+    rank, n_ranks = shard
     was_training = model.training
     model.eval()
     computed: dict[int, dict[str, torch.Tensor]] = {}
-    mine = range(rank, len(passes), n)
+    mine = range(rank, len(passes), n_ranks)
     meter = ProgressMeter(len(mine), desc, "pass", relay=relay) if rank == 0 else None
     try:
-        for k in mine:
-            computed[k] = _pass_logprobs(model, seqs, passes[k], pad_id, device, bf16, disable_adapter, layout)
+        for pass_index in mine:
+            computed[pass_index] = _pass_logprobs(model, seqs, passes[pass_index], pad_id, device, bf16,
+                                                  disable_adapter, layout)
             if meter is not None:
                 meter.update()
     finally:
         model.train(was_training)
         if meter is not None:
             meter.close()
-    computed = gather_logprobs(computed, n)
+    computed = gather_logprobs(computed, n_ranks)
     by_gen: dict[str, torch.Tensor] = {}
-    for k in sorted(computed):
-        for gen, lp in computed[k].items():
+    for pass_index in sorted(computed):
+        for gen, lp in computed[pass_index].items():
             by_gen.setdefault(gen, lp)
     return by_gen

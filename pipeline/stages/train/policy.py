@@ -60,11 +60,11 @@ def frozen_linears_bf16(model: torch.nn.Module) -> int:
     casts go and the frozen weights take half the memory. Tied input embeddings stay fp32 (they start the residual
     stream, which autocast keeps in fp32)."""
     emb = model.get_input_embeddings().weight
-    n = 0
+    converted = 0
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad and m.weight is not emb:
             for t in (m.weight, m.bias):
                 if t is not None and not t.requires_grad:
                     t.data = t.data.to(torch.bfloat16)
-            n += 1
-    return n
+            converted += 1
+    return converted

@@ -101,7 +101,7 @@ def optimise(setup: TrainSetup, ref: RefLogprobs, saved: dict[str, Any] | None =
     with meter or contextlib.nullcontext():
         for step in range(start, len(steps)):
             planned, rows = steps[step], steps[step].rows
-            t0, lr, sums = time.perf_counter(), sched.get_last_lr()[0], StepSums()
+            started, learning_rate, sums = time.perf_counter(), sched.get_last_lr()[0], StepSums()
             mine = rank_share(planned.passes, *setup.shard)
             for j, (pass_, real) in enumerate(mine):
                 # DDP all-reduces at each rank's last backward of the step only
@@ -111,7 +111,8 @@ def optimise(setup: TrainSetup, ref: RefLogprobs, saved: dict[str, Any] | None =
             optimizer.step()
             sched.step()
             optimizer.zero_grad(set_to_none=True)
-            metrics.append(_step_metrics(step, planned.epoch, lr, float(grad_norm), sums, accel.num_processes, t0))
+            metrics.append(_step_metrics(step, planned.epoch, learning_rate, float(grad_norm), sums,
+                                         accel.num_processes, started))
             if meter is not None:
                 meter.update()
             if path is not None and (step + 1) % train_cfg.save_steps == 0 and step + 1 < len(steps):
@@ -152,14 +153,15 @@ def _lr_scheduler(optimizer: torch.optim.Optimizer, train_cfg: TrainingConfig,
                          num_training_steps=max(total_steps, 1))
 
 
-def _step_metrics(step: int, epoch: int, lr: float, grad_norm: float, sums: StepSums, n_ranks: int,
-                  t0: float) -> StepMetrics:
+def _step_metrics(step: int, epoch: int, learning_rate: float, grad_norm: float, sums: StepSums, n_ranks: int,
+                  started: float) -> StepMetrics:
     from pipeline.stages.parallel import reduce_step
 
     t = reduce_step(sums, n_ranks, maxed=("ratio_dev",))
     return StepMetrics(step=step, epoch=epoch, loss=t.loss, pg_loss=t.pg_loss, kl=t.kl, kl_old=t.kl_old,
-                       clip_frac=t.clip_frac, ratio_dev=t.ratio_dev, lr=lr, grad_norm=grad_norm, tokens=int(t.tokens),
-                       padding_share=t.padding_share, logp_mismatch=t.logp_mismatch, wall_s=time.perf_counter() - t0)
+                       clip_frac=t.clip_frac, ratio_dev=t.ratio_dev, lr=learning_rate, grad_norm=grad_norm,
+                       tokens=int(t.tokens), padding_share=t.padding_share, logp_mismatch=t.logp_mismatch,
+                       wall_s=time.perf_counter() - started)
 
 
 def write_outputs(setup: TrainSetup, metrics: list[StepMetrics]) -> dict[str, Any]:
