@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import EMBEDDED_MODEL, free_port, vllm_or_skip, wait_until
+from conftest import EMBEDDED_MODEL, free_port, wait_until
 
 from pipeline import stages
 from pipeline.config import load_config
@@ -47,9 +47,7 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
 
 # A stage child (the runner's `python -m pipeline.stages` side) whose score function reports the executor URL it
-# was given, then blocks until the test kills it. FAKE_SERVER set: the fake server instead of vLLM. With vLLM, the
-# server's engine core runs the model itself instead of spawning a worker (each vLLM process imports torch and vLLM
-# again, ~20 s of CPU): the group is still the watchdog, the API server and the engine core it spawned.
+# was given, then blocks until the test kills it; its server is the stand-in (FAKE_SERVER).
 BLOCKING_STAGE = '''
 import dataclasses, os, sys, time
 from pathlib import Path
@@ -62,13 +60,8 @@ def block(ctx, **options):
     time.sleep(3600)
 
 stages.STAGES["score"] = dataclasses.replace(stages.STAGES["score"], fn=block)
-if os.environ.get("FAKE_SERVER"):
-    servers.ServerSpec.command = lambda self, path, port: [sys.executable, os.environ["FAKE_SERVER"], self.name,
-                                                           str(port)]
-    servers.vllm_installed = lambda: True
-else:  # vLLM: its engine core runs the model in-process (as conftest's test servers do), one process fewer to import
-    env = servers.ServerSpec.env
-    servers.ServerSpec.env = lambda self: {**env(self), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+servers.ServerSpec.command = lambda self, path, port: [sys.executable, os.environ["FAKE_SERVER"], self.name, str(port)]
+servers.vllm_installed = lambda: True
 sys.exit(child_main(sys.argv[1:]))
 '''
 
@@ -215,16 +208,14 @@ def test_a_server_already_serving_the_model_at_the_port_is_reused_and_left_runni
     assert group_alive(owner.pgid) == []
 
 
-@pytest.mark.parametrize("engine", ["fake", "vllm"])
-def test_kill_9_of_a_stage_child_takes_its_server_with_it(tmp_path, engine):
+def test_kill_9_of_a_stage_child_takes_its_server_with_it(tmp_path):
     """A real stage child process (the runner's child side, its score function replaced by one that blocks once
-    the server is up) is killed with SIGKILL: no cleanup runs in it, yet its server's whole group goes."""
+    the server is up) is killed with SIGKILL: no cleanup runs in it, yet its server's whole group goes. The server is
+    the stand-in, whose child ignores SIGTERM; that a real vLLM server keeps all its processes in the group is
+    tests/test_vllm.py's check (a vLLM start here cost a minute of the suite and checked nothing more)."""
     env = {**os.environ, "PROBE": str(tmp_path / "probe")}
-    if engine == "vllm":
-        vllm_or_skip()
-    else:
-        (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
-        env["FAKE_SERVER"] = str(tmp_path / "fake_server.py")
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    env["FAKE_SERVER"] = str(tmp_path / "fake_server.py")
     ctx = open_run(served_config(tmp_path), round=0)  # freezes the run
     (tmp_path / "stage.py").write_text(BLOCKING_STAGE)
     child = subprocess.Popen([sys.executable, str(tmp_path / "stage.py"), "score", "--run-id", "t", "--round", "0",

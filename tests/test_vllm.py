@@ -327,15 +327,19 @@ def test_rollout_over_two_servers_equals_one(tmp_path, monkeypatch, server, seco
 
 
 def test_a_server_dying_mid_rollout_hands_its_prompts_over(server, second_server, smol_tokenizer, caplog):
-    """The second server stops after the generator started: its prompts go to the first, the log names it.
-    (Last in the module: the second server is gone afterwards.)"""
+    """The second server stops after the generator started: its prompts go to the first, the log names it; every
+    process of the real vLLM server was in the group the stop ended (what tests/test_servers.py's kill -9 of a stage
+    child relies on, checked there on a stand-in). (Last in the module: the second server is gone afterwards.)"""
     import logging
+
+    from pipeline.engines.servers import group_alive
 
     url2, server2 = second_server
     prompts = chat_prompts(smol_tokenizer, [f"Name {i} colours." for i in range(4)])
     s = Sampling(n=1, temperature=1.0, max_new_tokens=8, seed=3)
     with make_generator(GeneratorConfig(model=MODEL, backend="openai", endpoints=[url2, server])) as gen:
         server2.stop()
+        assert group_alive(server2.pgid) == []
         with caplog.at_level(logging.WARNING, "pipeline.engines.generation.openai_server"):
             rows = gen.generate(prompts, s)
         assert [ep.url for ep in gen.endpoints if ep.failed] == [url2]
