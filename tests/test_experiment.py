@@ -20,13 +20,16 @@ def test_experiment_refuses_an_eval_split_that_holds_training_queries():
 
 
 def test_evaluations_sample_at_the_eval_temperature_when_one_is_set():
-    from pipeline.studies.evaluate import eval_sets
+    from pipeline.config import as_sets
+    from pipeline.studies.evaluate import eval_changes
 
     def cfg(**experiment):
         return config_from_dict({"experiment": {"eval_queries": 12, "eval_l": 3, **experiment},
                                  "generator": {"temperature": 1.0}})
 
-    crn = "executor.common_random_numbers=true"  # evaluations seed their executor calls
-    assert eval_sets(cfg()) == ["benchmark.max_queries=12", "rollout.m=3", crn]
-    assert eval_sets(cfg(eval_temperature=0.7)) == ["benchmark.max_queries=12", "generator.temperature=0.7",
-                                                    "rollout.m=3", crn]
+    crn = {"executor.common_random_numbers": True}  # evaluations seed their executor calls
+    assert eval_changes(cfg()) == {"benchmark.max_queries": 12, "rollout.m": 3} | crn
+    cooler = eval_changes(cfg(eval_temperature=0.7))
+    assert cooler == {"benchmark.max_queries": 12, "generator.temperature": 0.7, "rollout.m": 3} | crn
+    assert as_sets(cooler) == ["benchmark.max_queries=12", "generator.temperature=0.7", "rollout.m=3",
+                               "executor.common_random_numbers=true"]  # the text the evaluation's stages get
