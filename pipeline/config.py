@@ -1000,6 +1000,14 @@ def as_sets(changes: dict[str, Any]) -> list[str]:
     return out
 
 
+def variant_sets(changes: dict[str, Any] | None, before: list[str] | None = None,
+                 after: list[str] | None = None) -> list[str]:
+    """A study's typed variant as the overrides a process boundary takes (`open_run`, a stage's call or child
+    process, a Prefect parameter): `changes` as `--set` text (`as_sets`) between the user's own `--set` text that it
+    changes (`before`, a study's CONFIG --set) and the user's text that has the last word (`after`)."""
+    return [*(before or []), *as_sets(changes or {}), *(after or [])]
+
+
 def config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     try:
         return RunConfig.model_validate(data)

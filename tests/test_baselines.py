@@ -106,7 +106,7 @@ def _config(tmp_path: Path, url: str) -> Path:
 def test_derived_runs_on_the_dev_split(tmp_path):
     """A baseline on `dev` holds the dev queries (disjoint from `train`, where rounds optimise), under its own run
     id; task_best chooses on dev once the config holds one out; unknown split names are refused."""
-    from pipeline.studies.evaluate import check_split, derived_run_sets
+    from pipeline.studies.evaluate import check_split, derived_run_changes
 
     path, dev = _config(tmp_path, "http://127.0.0.1:9/v1"), ["benchmark.dev_share=0.5"]
     ctx = open_baseline_run(str(path), "io", split="dev", sets=dev)
@@ -116,7 +116,7 @@ def test_derived_runs_on_the_dev_split(tmp_path):
     # 20 items: 4 validate, 2 of them dev; the run's 2 held-out queries are those
     assert len(dev_ids) == 2 and not dev_ids & train_ids and {it.id for it in bench.items()} == dev_ids
     assert selection_split(load_config(path, dev)) == "dev" and selection_split(load_config(path)) == "validate"
-    assert derived_run_sets("train")[0] == "benchmark.train_split=train"
+    assert derived_run_changes("train") == {"benchmark.train_split": "train", "rounds": 1, "rollout.exemplars": False}
     with pytest.raises(ConfigError, match="split must be one of validate, train, dev, test, got 'holdout'"):
         check_split("holdout")
 

@@ -28,7 +28,7 @@ from pipeline.engines.sandbox import Limits, run_workflow
 from pipeline.run import open_run
 from pipeline.stages.score import run_score
 from pipeline.store import Store, round_stats
-from pipeline.studies.evaluate import eval_sets
+from pipeline.studies.evaluate import eval_changes
 
 MSG = [{"role": "user", "content": "hi"}]
 SLOT = SampleSlot(seed=0, query_id="q1", slot=2, rep=0)
@@ -485,7 +485,7 @@ def test_common_random_numbers_and_the_cache_never_refuse_or_rerun_a_run():
                                    "scoring": {"cache_verdicts": False}})
     assert cfg.config_hash() == on.config_hash() and diff_configs(cfg, on) == []
     assert diff_configs(cfg, RunConfig.model_validate({"executor": {"temperature": 0.5}})) == ["executor.temperature"]
-    assert eval_sets(cfg)[-1] == "executor.common_random_numbers=true"  # evaluations and references: on
+    assert eval_changes(cfg)["executor.common_random_numbers"] is True  # evaluations and references: on
     off = RunConfig.model_validate({"experiment": {"common_random_numbers": False}})
-    assert eval_sets(off)[-1] == "executor.common_random_numbers=false"
+    assert eval_changes(off)["executor.common_random_numbers"] is False
     assert cfg.executor.common_random_numbers is False  # training rollouts: fresh samples unless asked

@@ -306,7 +306,7 @@ def test_the_config_reference_in_docs_matches_the_models():
 def test_a_typed_variant_crosses_a_process_boundary_as_the_same_values():
     """A study's variant as a typed copy (`with_changes`) and as the `--set` text a child process gets (`as_sets`):
     the text reads back as the same config, a float a float, the string "true" a string, null null."""
-    from pipeline.config import as_sets, with_changes
+    from pipeline.config import as_sets, variant_sets, with_changes
 
     base = load_config("configs/smoke.yaml")
     changes = {"training.lr": 1e-5, "rounds": 1, "generator.seed": 3, "training.objective": "grpo",
@@ -320,3 +320,9 @@ def test_a_typed_variant_crosses_a_process_boundary_as_the_same_values():
     assert load_config("configs/smoke.yaml", as_sets(changes)) == variant
     with pytest.raises(ConfigError, match="lr"):
         with_changes(base, {"training.lr": "fast"})
+    # at a boundary the variant's text sits between the user's text it changes and the user's text that wins
+    text = variant_sets({"training.lr": 2e-4, "rounds": 1}, before=["rounds=5"], after=["training.lr=1e-3"])
+    assert text == ["rounds=5", "training.lr=0.0002", "rounds=1", "training.lr=1e-3"]
+    assert (load_config("configs/smoke.yaml", text).training.lr, load_config("configs/smoke.yaml", text).rounds) == (
+        1e-3, 1)
+    assert variant_sets(None) == [] and variant_sets({}, after=["rounds=2"]) == ["rounds=2"]

@@ -20,21 +20,24 @@ def test_experiment_refuses_an_eval_split_that_holds_training_queries():
 
 
 def test_evaluations_sample_at_the_eval_temperature_when_one_is_set():
-    from pipeline.studies.evaluate import eval_sets
+    from pipeline.config import as_sets, with_changes
+    from pipeline.studies.evaluate import eval_changes
 
     def cfg(**experiment):
         return config_from_dict({"experiment": {"eval_queries": 12, "eval_l": 3, **experiment},
                                  "generator": {"temperature": 1.0}})
 
-    crn = "executor.common_random_numbers=true"  # evaluations seed their executor calls
-    assert eval_sets(cfg()) == ["benchmark.max_queries=12", "rollout.m=3", crn]
-    assert eval_sets(cfg(eval_temperature=0.7)) == ["benchmark.max_queries=12", "generator.temperature=0.7",
-                                                    "rollout.m=3", crn]
+    crn = {"executor.common_random_numbers": True}  # evaluations seed their executor calls
+    assert eval_changes(cfg()) == {"benchmark.max_queries": 12, "rollout.m": 3} | crn
+    cooler = eval_changes(cfg(eval_temperature=0.7))
+    assert cooler == {"benchmark.max_queries": 12, "generator.temperature": 0.7, "rollout.m": 3} | crn
+    assert as_sets(cooler) == ["benchmark.max_queries=12", "generator.temperature=0.7", "rollout.m=3",
+                               "executor.common_random_numbers=true"]  # the text the evaluation's stages get
     # an exploring design step (rollout.choice_step at choice_temperature 4) is evaluated at the policy's own odds
     menu = {"rollout": {"example_menu": ["configs/programs/mixed_direct.py", "configs/programs/mixed_pot.py"],
                         "choice_step": True, "choice_temperature": 4.0}, "training": {"old_logprobs": "recompute"}}
     exploring = config_from_dict({**menu, "experiment": {"eval_queries": 12, "eval_l": 3, "eval_temperature": 0.7}})
-    assert eval_sets(exploring) == ["benchmark.max_queries=12", "generator.temperature=0.7",
-                                    "rollout.choice_temperature=null", "rollout.m=3", crn]
-    assert load_config("configs/mixed-choice.yaml", eval_sets(load_config("configs/mixed-choice.yaml"))
-                       ).rollout.choice_temperature is None
+    assert eval_changes(exploring) == {"benchmark.max_queries": 12, "generator.temperature": 0.7,
+                                       "rollout.choice_temperature": None, "rollout.m": 3} | crn
+    mixed = load_config("configs/mixed-choice.yaml")
+    assert with_changes(mixed, eval_changes(mixed)).rollout.choice_temperature is None

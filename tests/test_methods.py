@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 
 from pipeline import stages
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError, as_sets, load_config, with_changes
 from pipeline.engines.workflow import extract_code
 from pipeline.run import open_run
 from pipeline.stages.rounds import direct_call
@@ -35,27 +35,48 @@ def test_every_methods_overlay_is_a_valid_config_of_its_paper(config):
             "flowreasoner": ("flat", "grpo", "previous")}
     assert set(mm.METHODS) == {*want, "smc", "task_best"}
     for name, m in mm.METHODS.items():
-        cfg = load_config(config, mm.method_sets(m, [], ["generator.seed=1"], 3e-4 if m.trained else None))
+        cfg = load_config(config, mm.method_sets(m, [], {"generator.seed": 1}, 3e-4 if m.trained else None))
         assert cfg.generator.seed == 1
         if not m.trained:
-            assert m.sets == () and cfg.rollout.mode == load_config(config).rollout.mode
+            assert m.changes == {} and cfg.rollout.mode == load_config(config).rollout.mode
             continue
         assert (cfg.rollout.mode, cfg.training.objective, cfg.training.reference) == want[name]
         assert cfg.training.lr == 3e-4
-    fr = load_config(config, list(mm.METHODS["flowreasoner"].sets)).scoring.reward
+    fr = with_changes(load_config(config), mm.METHODS["flowreasoner"].changes).scoring.reward
     assert (fr.complexity_weight, fr.cost_weight, fr.diversity_weight) == (0.1, 0.1, 0.1)
-    assert load_config(config, list(mm.METHODS["spogw"].sets)).training.kl_mask
+    assert with_changes(load_config(config), mm.METHODS["spogw"].changes).training.kl_mask
     assert mm.METHODS["w4s"].evaluations == ("sample", "refined") and mm.METHODS["w4s"].arm("refined") == "w4s/refined"
     # held-out evaluations score the metric alone: FlowReasoner's evaluation has no reward shaping
-    ev = load_config(config, [*mm.METHODS["flowreasoner"].sets, *mm.arm_eval_sets(load_config(config))])
+    base = load_config(config)
+    ev = with_changes(base, mm.METHODS["flowreasoner"].changes | mm.arm_eval_changes(base))
     assert (ev.scoring.reward.complexity_weight, ev.scoring.reward.cost_weight,
             ev.scoring.reward.diversity_weight) == (0, 0, 0)
 
 
+def test_a_methods_swept_lr_stays_a_float_until_its_runs_get_it_as_text():
+    """A method arm's variant is typed: the swept learning rate is the float 2e-4 in its changes and in the config
+    `with_changes` makes; only the overrides its runs get are text, and they read back as the same config."""
+    from pipeline.studies.experiment import seed_changes
+
+    base = load_config("configs/smoke.yaml")
+    changes = mm.method_changes(mm.METHODS["scoreflow"], seed_changes(1), 2e-4)
+    assert changes == {"generator.seed": 1, "training.seed": 1, "curation.seed": 1, "rollout.mode": "flat",
+                       "rollout.exemplars": "none", "training.objective": "score_dpo", "training.reference": "base",
+                       "training.lr": 2e-4}
+    assert type(changes["training.lr"]) is float and type(changes["generator.seed"]) is int
+    variant = with_changes(base, changes)
+    assert (variant.training.lr, variant.generator.seed, variant.training.objective) == (2e-4, 1, "score_dpo")
+    text = mm.method_sets(mm.METHODS["scoreflow"], ["rounds=1"], seed_changes(1), 2e-4, ["training.beta=0.5"])
+    assert text[0] == "rounds=1" and "training.lr=0.0002" in text and text[-1] == "training.beta=0.5"
+    typed = with_changes(base, {"rounds": 1} | changes | {"training.beta": 0.5})
+    assert load_config("configs/smoke.yaml", text) == typed
+
+
 def test_two_level_shape_and_arm_sets():
     assert [mm.two_level_shape(L) for L in (1, 2, 4, 6, 8, 9)] == [(1, 1), (2, 1), (2, 2), (3, 2), (4, 2), (3, 3)]
-    cfg = load_config("configs/smoke.yaml", [*mm.METHODS["two_level"].sets, "experiment.eval_l=6"])
-    assert mm.arm_eval_sets(cfg)[-2:] == ["rollout.n_agents=3", "rollout.n_workflows=2"]
+    cfg = with_changes(load_config("configs/smoke.yaml"), mm.METHODS["two_level"].changes | {"experiment.eval_l": 6})
+    changes = mm.arm_eval_changes(cfg)
+    assert (changes["rollout.n_agents"], changes["rollout.n_workflows"]) == (3, 2)
     assert mm.parse_arm_sets(["w4s:training.lr=5e-4", "w4s:rollout.refine.turns=2", "spogw:training.beta=0"]) == {
         "w4s": ["training.lr=5e-4", "rollout.refine.turns=2"], "spogw": ["training.beta=0"]}
     with pytest.raises(ValueError, match="unknown method 'ppo'"):
@@ -306,7 +327,7 @@ def test_the_method_of_config_itself_reuses_the_experiment_run_of_its_seed(tmp_p
 
     fakes = Fakes().install(monkeypatch)
     call = direct_call(RetryPolicy(retries=0, delay_s=0))
-    sets = _sets(tmp_path, *mm.get_method("spogw").sets)
+    sets = _sets(tmp_path, *as_sets(mm.get_method("spogw").changes))
     run_experiment("configs/smoke.yaml", call, seeds=1, run_id="ex", sets=sets)
     trained = [c for c in fakes.calls if c[1] == "train"]
     assert len(trained) == 1

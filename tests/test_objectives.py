@@ -277,7 +277,7 @@ def test_ablation_plans_arms_and_pairs_them_by_hand(tmp_path, monkeypatch):
         calls.append((stage, run_id, round))
         return {"skipped": False, "wall_s": 0.0, "counts": {}}
 
-    def evaluate_tracked(store_root, run_id, round, split, sets, call):
+    def evaluate_tracked(store_root, run_id, round, split, sets=None, call=None, changes=None):
         evals.append((run_id, round))
         eid = ab.eval_run_id(run_id, round, split)
         (ab.Store(store_root).run_dir(eid)).mkdir(parents=True, exist_ok=True)

@@ -142,14 +142,14 @@ def test_evaluation_and_derived_runs_of_a_refine_run_sample_flat(tmp_path):
     import yaml
 
     from pipeline.run import open_run
-    from pipeline.studies.evaluate import derived_run_sets, eval_sets, open_eval_run
+    from pipeline.studies.evaluate import derived_run_changes, eval_changes, open_eval_run
 
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"run_id": "rf", "store": {"root": str(tmp_path)}, "rollout": {"mode": "refine"}}))
     cfg = open_run(path, "rf").cfg
-    assert "rollout.mode=flat" in derived_run_sets("test", cfg) and "rollout.m=4" in eval_sets(cfg)
-    assert "rollout.mode=flat" not in derived_run_sets("test", config_from_dict({}))
-    ev = open_eval_run(str(tmp_path), "rf", -1, "test", eval_sets(cfg))
+    assert derived_run_changes("test", cfg)["rollout.mode"] == "flat" and eval_changes(cfg)["rollout.m"] == 4
+    assert "rollout.mode" not in derived_run_changes("test", config_from_dict({}))
+    ev = open_eval_run(str(tmp_path), "rf", -1, "test", changes=eval_changes(cfg))
     assert (ev.cfg.rollout.mode, ev.cfg.rollout.m, ev.cfg.benchmark.train_split) == ("flat", 4, "test")
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import polars as pl
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, variant_sets
 from pipeline.core.learning import bootstrap_ci
 from pipeline.engines.servers import sharing
 from pipeline.run import open_run
@@ -187,7 +187,7 @@ def run_crn_bench(src_root: str | Path, arms: dict[str, str], pairs: list[tuple[
         dst = Store(str(Path(out) / mode))
         for rid in arms.values():
             copy_arm(src, dst, rid, shared)
-        mode_sets = [*(sets or []), f"executor.common_random_numbers={str(on).lower()}"]
+        mode_sets = variant_sets({"executor.common_random_numbers": on}, before=sets)
         cfg = open_run(None, next(iter(arms.values())), 0, mode_sets, str(dst.root)).cfg
         t0 = time.perf_counter()
         with sharing(cfg, dst.root / "server-logs"):  # one executor server for every arm of the mode

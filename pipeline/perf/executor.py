@@ -18,8 +18,9 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError, load_config, variant_sets
 from pipeline.engines.benchmarks import load_benchmark
 from pipeline.engines.servers import serving
 from pipeline.run import open_run
@@ -51,11 +52,13 @@ async def plain_tokens_per_s(url: str, model: str, prompts: list[str], concurren
             "tokens_per_s": round(tokens / wall, 1)}
 
 
-def scoring_tokens_per_s(config: str, sets: list[str], root: str, url: str, program: str, concurrency: int) -> dict:
-    """The score stage on one copy of `program` per problem, with `concurrency` workflows (and requests) at once."""
-    ctx = open_run(config, f"bench-executor-c{concurrency}", 0, sets + [
-        f"store.root={root}", f"executor.base_url={url}", "executor.serve=null",
-        f"scoring.concurrency={concurrency}", f"executor.concurrency={concurrency}"])
+def scoring_tokens_per_s(config: str, sets: list[str], bench: dict[str, Any], root: str, url: str, program: str,
+                         concurrency: int) -> dict:
+    """The score stage on one copy of `program` per problem, with `concurrency` workflows (and requests) at once:
+    CONFIG with the user's `sets`, the bench's problems (`bench`) and the served executor."""
+    served = {"store.root": root, "executor.base_url": url, "executor.serve": None, "scoring.concurrency": concurrency,
+              "executor.concurrency": concurrency}
+    ctx = open_run(config, f"bench-executor-c{concurrency}", 0, variant_sets(bench | served, before=sets))
     queries = write_queries(ctx)
     write_programs(ctx, {q["query_id"]: [("bench", program, {})] for q in queries})
     t = time.perf_counter()
@@ -70,8 +73,8 @@ def scoring_tokens_per_s(config: str, sets: list[str], root: str, url: str, prog
 
 def run(config: str, sets: list[str], problems: int, concurrency: list[int], scoring: list[int],
         program_file: Path | None, echo=print) -> dict:
-    sets = [*sets, "benchmark.train_split=dev", f"benchmark.max_queries={problems}"]
-    cfg = load_config(config, sets)
+    bench = {"benchmark.train_split": "dev", "benchmark.max_queries": problems}
+    cfg = load_config(config, variant_sets(bench, before=sets))
     if cfg.executor.serve is None:
         raise ConfigError(f"{config}: executor.serve is not set; this bench starts the executor's server itself")
     program = (program_file or DEFAULT_PROGRAM).read_text()
@@ -92,7 +95,7 @@ def run(config: str, sets: list[str], problems: int, concurrency: list[int], sco
             echo(f"plain client, {c:>3} at once: {r['tokens_per_s']:7.1f} tokens/s ({r['tokens']} tokens, "
                  f"{r['wall_s']} s)")
         for c in scoring:
-            r = scoring_tokens_per_s(config, sets, str(Path(tmp) / "store"), url, program, c)
+            r = scoring_tokens_per_s(config, sets, bench, str(Path(tmp) / "store"), url, program, c)
             out["scoring"].append(r)
             echo(f"score stage, {c:>3} at once: {r['tokens_per_s']:7.1f} tokens/s ({r['tokens']} tokens, "
                  f"{r['llm_calls']} calls, {r['wall_s']} s, mean score {r['mean_score']})")

@@ -23,7 +23,9 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from pipeline.config import as_sets, variant_sets
 from pipeline.stages.rounds import study_config
 from pipeline.store import Store, store_for
 from pipeline.studies.experiment import plan, status, timing_machines
@@ -31,11 +33,11 @@ from pipeline.studies.formatting import num, round_s
 
 log = logging.getLogger(__name__)
 
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "before": ("executor.cache='off'", "scoring.cache_verdicts=false", "experiment.common_random_numbers=false",
-               "experiment.eval_rounds=all"),
-    "after": (),
-    "after_seeded_training": ("executor.common_random_numbers=true",),
+VARIANTS: dict[str, dict[str, Any]] = {
+    "before": {"executor.cache": "off", "scoring.cache_verdicts": False, "experiment.common_random_numbers": False,
+               "experiment.eval_rounds": "all"},
+    "after": {},
+    "after_seeded_training": {"executor.common_random_numbers": True},
 }
 GOAL = 0.4  # the executor cache's goal: a seed after the cache at most 0.4x its wall time before
 
@@ -87,11 +89,11 @@ class SeedBench:
         return out
 
 
-def variant_sets(variant: str, out: str | Path, sets: list[str] | None) -> list[str]:
-    """A variant's overrides: its store, what it turns off or on, then the caller's `--set` values."""
+def variant_changes(variant: str, out: str | Path) -> dict[str, Any]:
+    """A variant's changes: its store, what it turns off or on (the caller's `--set` values come after them)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; variants: {', '.join(VARIANTS)}")
-    return [f"store.root={Path(out) / variant}", *VARIANTS[variant], *(sets or [])]
+    return {"store.root": str(Path(out) / variant), **VARIANTS[variant]}
 
 
 def cache_use(store: Store, run_ids: list[str]) -> tuple[int, int] | None:
@@ -106,7 +108,7 @@ def variant_parts(config: str | Path, variant: str, out: str | Path, sets: list[
         list[PartTime], dict[str, int]]:
     """A variant's timed stages summed per (part, stage) in plan order, with the score stages' cache use, and the
     machines that took them."""
-    _, _, cfg = study_config(config, variant_sets(variant, out, sets), None)
+    _, _, cfg = study_config(config, variant_sets(variant_changes(variant, out), after=sets), None)
     store = store_for(cfg.store)
     rows = status(store, cfg, [p.seed for p in plan(cfg, [0])])
     parts: list[PartTime] = []
@@ -130,10 +132,10 @@ def run_seed_bench(config: str | Path, out: str | Path, call, variants: list[str
     if "before" not in variants:
         raise ValueError("bench seed: the variants must hold `before`, the baseline of every ratio")
     for v in variants:  # every name checked before anything runs
-        variant_sets(v, out, sets)
+        variant_changes(v, out)
     for v in variants:
-        log.info("bench seed: variant %s (%s)", v, ", ".join(VARIANTS[v]) or "the defaults")
-        run_experiment(config, call, seeds=1, sets=variant_sets(v, out, sets))
+        log.info("bench seed: variant %s (%s)", v, ", ".join(as_sets(VARIANTS[v])) or "the defaults")
+        run_experiment(config, call, seeds=1, sets=variant_sets(variant_changes(v, out), after=sets))
     parts, machines = [], {}
     for v in variants:
         got, machines[v] = variant_parts(config, v, out, sets)

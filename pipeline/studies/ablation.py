@@ -22,12 +22,12 @@ import logging
 import time
 from pathlib import Path
 
-from pipeline.config import as_sets
+from pipeline.config import variant_sets
 from pipeline.core.learning import paired_differences
 from pipeline.core.objectives import OBJECTIVES, get_objective
 from pipeline.run import open_run
 from pipeline.store import Store, store_for
-from pipeline.studies.evaluate import eval_run_id, eval_sets, eval_summary
+from pipeline.studies.evaluate import eval_changes, eval_run_id, eval_summary
 from pipeline.studies.experiment import compared_metrics, mean_or_none, paired_interval, plan
 from pipeline.studies.formatting import round_s
 from pipeline.studies.report import write_study
@@ -46,11 +46,6 @@ def arm_changes(source: str, objective: str) -> dict[str, str]:
     """An objective's arm as a variant of the config (pipeline.config.with_changes): it trains the source run's
     curated data with `objective`."""
     return {"training.objective": objective, "training.data_run": source}
-
-
-def arm_sets(source: str, objective: str) -> list[str]:
-    """`arm_changes` as the overrides the arm's stages get (pipeline.config.as_sets)."""
-    return as_sets(arm_changes(source, objective))
 
 
 def ablation_dir(store: Store, run_id: str) -> Path:
@@ -123,20 +118,22 @@ def run_ablation(config: str | Path, call, objectives: list[str] | None = None, 
     for sp in plan(cfg, list(range(seeds)) if seeds is not None else None):
         t_seed = time.perf_counter()
         src = sp.run_id
-        open_run(path, src, 0, sets + sp.sets)  # freeze the source run
+        src_sets = variant_sets(sp.changes, before=sets)
+        open_run(path, src, 0, src_sets)  # freeze the source run
         for k in range(round + 1):  # round `round` trained with CONFIG's objective: the reference arm
             for stage in ROUND_STAGES:
-                call(stage=stage, run_id=src, round=k, store_root=str(store.root), sets=sets + sp.sets)
+                call(stage=stage, run_id=src, round=k, store_root=str(store.root), sets=src_sets)
         log.info("seed %d: evaluating the base model and %s on %s", sp.seed, ref, split)
-        evaluate_tracked(str(store.root), src, BASE, split, eval_sets(cfg), call)
-        evaluate_tracked(str(store.root), src, round, split, eval_sets(cfg), call)
+        evaluation = eval_changes(cfg)
+        evaluate_tracked(str(store.root), src, BASE, split, call=call, changes=evaluation)
+        evaluate_tracked(str(store.root), src, round, split, call=call, changes=evaluation)
         for o in objectives[1:]:
             arm = arm_run_id(src, o, ref)
-            arm_all = sets + sp.sets + arm_sets(src, o)
+            arm_all = variant_sets(sp.changes | arm_changes(src, o), before=sets)
             open_run(path, arm, round, arm_all)  # freeze the arm: CONFIG + seed + objective + data_run
             log.info("seed %d: training %s on %s's round %d", sp.seed, o, src, round)
             call(stage="train", run_id=arm, round=round, store_root=str(store.root), sets=arm_all)
-            evaluate_tracked(str(store.root), arm, round, split, eval_sets(cfg), call)
+            evaluate_tracked(str(store.root), arm, round, split, call=call, changes=evaluation)
         walls[sp.seed] = round_s(time.perf_counter() - t_seed)
         done.append(sp.seed)
         summary = summarise(store, cfg, objectives, done, round)

@@ -2,7 +2,7 @@
 metrics as generated workflows, so that a trained generator can be compared with simple prompting.
 
 A baseline is a derived run `<run_id>-baseline-<method>` (`-baseline-<split>-<method>` off the test split): CONFIG
-with `benchmark.train_split=<split>` and the experiment's held-out query count and L (`evaluate.eval_sets`), as
+with `benchmark.train_split=<split>` and the experiment's held-out query count and L (`evaluate.eval_changes`), as
 the base model's and a checkpoint's evaluation runs have. Its round 0 holds the split's queries and, per query, L
 generations whose text is the method's program (`backend` = "baseline", `model` = the method; no generator tokens).
 The normal score stage runs them; `evaluate.eval_summary` gives Mean@L / Best@L / Majority@L and tokens per query.
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import ConfigError, RunConfig, diff_configs, load_config
+from pipeline.config import ConfigError, RunConfig, diff_configs, load_config, variant_sets
 from pipeline.core.records import Record
 from pipeline.core.reward import program_key
 from pipeline.engines.servers import sharing
@@ -176,18 +176,19 @@ def open_baseline_run(config: str, method: str, run_id: str | None = None, split
     """Create (first call) or reopen the derived run of `method` on `split`. `held_out`: the experiment's query
     count and L (as evaluation runs); else CONFIG's own queries (task_best's selection run). A run reopened with
     `baseline_changes` is refused, naming them."""
-    from pipeline.studies.evaluate import derived_run_sets, eval_sets
+    from pipeline.studies.evaluate import derived_run_changes, eval_changes
 
     sets = list(sets or [])
     cfg = load_config(config, sets)
-    derived = derived_run_sets(split, cfg) + (eval_sets(cfg) if held_out else [])
+    derived = derived_run_changes(split, cfg) | (eval_changes(cfg) if held_out else {})
     bid = baseline_run_id(run_id or cfg.run_id, method, split)
     store = store_for(cfg.store)
     if store.read_config(bid) is None:
-        return open_run(config, bid, 0, derived + sets)
+        return open_run(config, bid, 0, variant_sets(derived, after=sets))
     ctx = open_run(None, bid, 0, sets, str(store.root))
     # as open_run: CONFIG matches alone (`sets` then a deliberate per-invocation change) or with `sets`
-    changed = min((baseline_changes(ctx.cfg, load_config(config, derived + extra)) for extra in ([], sets)), key=len)
+    changed = min((baseline_changes(ctx.cfg, load_config(config, variant_sets(derived, after=extra)))
+                   for extra in ([], sets)), key=len)
     if changed:
         raise ConfigError(f"baseline run {bid!r} was made with other settings ({', '.join(changed)}): use another "
                           "--run-id, or --set for a deliberate per-invocation change")

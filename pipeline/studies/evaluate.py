@@ -35,10 +35,11 @@ import hashlib
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
-from pipeline.config import SPLITS, ConfigError, RunConfig, load_config
+from pipeline.config import SPLITS, ConfigError, RunConfig, load_config, variant_sets
 from pipeline.run import RunContext, open_run
 from pipeline.stages.modes import get_mode
 from pipeline.store import CHECKPOINT_MARKER, KEPT_CONFIG, Store
@@ -61,56 +62,63 @@ def check_split(split: str) -> None:
         raise ConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
 
 
-def derived_run_sets(split: str, cfg=None) -> list[str]:
-    """The frozen overrides of a method's derived run on `split` (baselines, SMC, plain sampling): CONFIG's
+def derived_run_changes(split: str, cfg: RunConfig | None = None) -> dict[str, Any]:
+    """The frozen changes of a method's derived run on `split` (baselines, SMC, plain sampling): CONFIG's
     queries of that split, one round, no exemplars; flat rollouts for a refine CONFIG `cfg` (its feedback reads
     gold answers, and its score stage reads refine turns)."""
     check_split(split)
-    sets = [f"benchmark.train_split={split}", "rounds=1", "rollout.exemplars=false"]
-    return sets + ([] if cfg is None else _evaluated_as(cfg.rollout.mode))
+    changes = {"benchmark.train_split": split, "rounds": 1, "rollout.exemplars": False}
+    return changes | ({} if cfg is None else _evaluated_as(cfg.rollout.mode))
 
 
-def eval_sets(cfg: RunConfig) -> list[str]:
-    """Overrides of an evaluation run: the held-out query count, L (flat: L samples per query), the sampling
+def held_out_queries(cfg: RunConfig) -> dict[str, Any]:
+    """The change that makes a run on a held-out split hold the experiment's query count (`experiment.eval_queries`,
+    None: all of them)."""
+    return {"benchmark.max_queries": cfg.experiment.eval_queries}
+
+
+def eval_changes(cfg: RunConfig) -> dict[str, Any]:
+    """Changes of an evaluation run: the held-out query count, L (flat: L samples per query), the sampling
     temperature when it is not the rollout's (explore while training, sample as chosen on dev when evaluating; the
     design step too: an exploring choice_temperature would credit the policy with the exploration's choices) and
     common random numbers for the executor (`experiment.common_random_numbers`)."""
     ex = cfg.experiment
-    sets = [f"benchmark.max_queries={'null' if ex.eval_queries is None else ex.eval_queries}"]
+    changes = held_out_queries(cfg)
     if ex.eval_temperature is not None:
-        sets.append(f"generator.temperature={ex.eval_temperature}")
+        changes["generator.temperature"] = ex.eval_temperature
     if cfg.rollout.choice_step and cfg.rollout.choice_temperature is not None:
-        sets.append("rollout.choice_temperature=null")  # the design at the policy's own odds, not the exploration's
+        changes["rollout.choice_temperature"] = None  # the design at the policy's own odds, not the exploration's
     if get_mode(cfg.rollout.mode).evaluated_as == "flat":  # L samples per query (refine runs are evaluated flat)
-        sets.append(f"rollout.m={ex.eval_l}")
+        changes["rollout.m"] = ex.eval_l
     # the arms an experiment pairs share the executor's noise: the same call on the same query and slot, one sample
-    return sets + [f"executor.common_random_numbers={str(ex.common_random_numbers).lower()}"]
+    return changes | {"executor.common_random_numbers": ex.common_random_numbers}
 
 
-def _evaluated_as(mode: str) -> list[str]:
-    """The override that makes held-out evaluation sample in the mode's evaluation mode (refine: flat)."""
+def _evaluated_as(mode: str) -> dict[str, Any]:
+    """The change that makes held-out evaluation sample in the mode's evaluation mode (refine: flat)."""
     as_mode = get_mode(mode).evaluated_as
-    return [] if as_mode == mode else [f"rollout.mode={as_mode}"]
+    return {} if as_mode == mode else {"rollout.mode": as_mode}
 
 
-def frozen_eval_sets(saved: RunConfig, round: int, adapter: str, split: str, store: Store,
-                     mode: str | None = None) -> list[str]:
-    """The frozen overrides of the evaluation run of `saved`'s round `round` (-1: the base model), sampled with
-    `adapter` ("null": none) on `split`, one round, in `store`. Prompts are built as in training: exemplars from the
+def frozen_eval_changes(saved: RunConfig, round: int, adapter: str | None, split: str, store: Store,
+                        mode: str | None = None) -> dict[str, Any]:
+    """The frozen changes of the evaluation run of `saved`'s round `round` (-1: the base model), sampled with
+    `adapter` (None: none) on `split`, one round, in `store`. Prompts are built as in training: exemplars from the
     run whose rounds the checkpoint's data came from (an ablation arm trains on training.data_run's round), below round
     `round + 1`. A refine run samples L flat workflows (its feedback reads gold answers) unless `mode` asks for a
     rollout mode (refinement itself)."""
     pool = saved.training.data_run or saved.run_id
-    frozen = [f"benchmark.train_split={split}", f"generator.adapter={adapter}", "rounds=1",
-              f"store.root={store.root}", f"rollout.exemplar_run={pool}", f"rollout.exemplar_round={round + 1}"]
-    return frozen + (_evaluated_as(saved.rollout.mode) if mode is None else [f"rollout.mode={mode}"])
+    frozen = {"benchmark.train_split": split, "generator.adapter": adapter, "rounds": 1, "store.root": str(store.root),
+              "rollout.exemplar_run": pool, "rollout.exemplar_round": round + 1}
+    return frozen | (_evaluated_as(saved.rollout.mode) if mode is None else {"rollout.mode": mode})
 
 
-def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
-                  sets: list[str] | None = None, mode: str | None = None) -> RunContext:
-    """Create (first call) or reopen the evaluation run of round `round`'s checkpoint (-1: base model). `mode`: sample
-    in that rollout mode instead of the run's evaluation mode, in the run `eval_run_id(..., mode)` (W4S's refinement
-    of the checkpoint on a validation split, pipeline.studies.methods: `refine`)."""
+def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test", sets: list[str] | None = None,
+                  mode: str | None = None, changes: dict[str, Any] | None = None) -> RunContext:
+    """Create (first call) or reopen the evaluation run of round `round`'s checkpoint (-1: base model), with a study's
+    typed `changes` (e.g. `eval_changes`) and the user's `sets` after them. `mode`: sample in that rollout mode instead
+    of the run's evaluation mode, in the run `eval_run_id(..., mode)` (W4S's refinement of the checkpoint on a
+    validation split, pipeline.studies.methods: `refine`)."""
     check_split(split)
     store = Store(store_root)
     saved = store.run_dir(run_id) / "config.yaml"
@@ -120,15 +128,15 @@ def open_eval_run(store_root: str, run_id: str, round: int, split: str = "test",
         get_mode(mode)  # an unknown mode fails before the run is frozen
     eid = eval_run_id(run_id, round, split, mode)
     if (store.run_dir(eid) / "config.yaml").is_file():
-        return open_run(None, eid, 0, sets, str(store.root))
-    adapter = "null"
+        return open_run(None, eid, 0, variant_sets(changes, after=sets), str(store.root))
+    adapter = None
     if round >= 0:
         ckpt = store.checkpoint_dir(run_id, round)
         if not ckpt.is_dir():
             raise ConfigError(f"run {run_id!r} has no checkpoint for round {round} ({ckpt}); train that round first")
         adapter = str(ckpt)
-    frozen = frozen_eval_sets(load_config(saved), round, adapter, split, store, mode)
-    return open_run(saved, eid, 0, frozen + list(sets or []), str(store.root))
+    frozen = frozen_eval_changes(load_config(saved), round, adapter, split, store, mode)
+    return open_run(saved, eid, 0, variant_sets(frozen | (changes or {}), after=sets), str(store.root))
 
 
 # ---- a kept adapter (pipeline.studies.experiment.keep_adapter) on new problems ---------------------------------------
@@ -192,7 +200,7 @@ def open_adapter_eval_run(store_root: str, folder: str | Path, split: str = "tes
                           sets: list[str] | None = None) -> RunContext:
     """Create (first call) or reopen the evaluation run of a kept adapter folder (adapter_config.json,
     adapter_model.safetensors, KEPT_CONFIG) on `split` of its config's benchmark with the extra overrides `sets` (new
-    problems: `new_problems`), as the experiment evaluated its checkpoint (eval_sets: its queries and L); the run
+    problems: `new_problems`), as the experiment evaluated its checkpoint (eval_changes: its queries and L); the run
     `adapter_eval_run_id` in the store at `store_root`. A kept adapter is its run's last round, whose prompts were
     built as in round `rounds`."""
     check_split(split)
@@ -202,7 +210,8 @@ def open_adapter_eval_run(store_root: str, folder: str | Path, split: str = "tes
     eid = adapter_eval_run_id(folder, split, sets)
     if (store.run_dir(eid) / "config.yaml").is_file():
         return open_run(None, eid, 0, None, str(store.root))
-    frozen = frozen_eval_sets(saved, saved.rounds - 1, str(folder), split, store) + eval_sets(saved) + sets
+    frozen = variant_sets(frozen_eval_changes(saved, saved.rounds - 1, str(folder), split, store) | eval_changes(saved),
+                          after=sets)
     check_new_problems(saved, load_config(folder / KEPT_CONFIG, frozen))
     if saved.rollout.exemplars != "none" and store.read_config(saved.run_id) is None:
         log.warning("run %s, whose scored workflows its prompts showed as exemplars, is not in %s: these prompts "
@@ -299,22 +308,24 @@ def add_selection(summary: dict, rows: list[dict]) -> None:
                  selected_workflow=s.workflow_id if s else None)
 
 
-def run_evaluation(ctx: RunContext, sets: list[str] | None = None, call=None) -> EvalSummary:
+def run_evaluation(ctx: RunContext, sets: list[str] | None = None, call=None,
+                   changes: dict[str, Any] | None = None) -> EvalSummary:
     """Roll out and score an evaluation run's round 0 through `call` (a stage caller, default:
-    `pipeline.stages.rounds.direct_call()`), `sets` applied to each stage; returns `eval_summary`."""
+    `pipeline.stages.rounds.direct_call()`), `changes` then `sets` applied to each stage; returns `eval_summary`."""
     from pipeline.stages.rounds import direct_call
 
-    call = call or direct_call()
+    call, stage_sets = call or direct_call(), variant_sets(changes, after=sets) if changes else sets
     for stage in EVAL_STAGES:
-        call(stage=stage, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=sets)
+        call(stage=stage, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=stage_sets)
     return eval_summary(ctx.store, ctx.run_id)
 
 
 def evaluate_round(store_root: str, run_id: str, round: int, split: str = "test", sets: list[str] | None = None,
-                   call=None) -> EvalSummary:
+                   call=None, changes: dict[str, Any] | None = None) -> EvalSummary:
     """Roll out and score round `round`'s checkpoint (-1: the base model) on `split` in its evaluation run
-    (`run_evaluation`); returns `eval_summary`."""
-    return run_evaluation(open_eval_run(store_root, run_id, round, split, sets), sets, call)
+    (`run_evaluation`), with a study's typed `changes` and the user's `sets`; returns `eval_summary`."""
+    ctx = open_eval_run(store_root, run_id, round, split, sets, changes=changes)
+    return run_evaluation(ctx, sets, call, changes)
 
 
 def evaluate_adapter(store_root: str, folder: str | Path, split: str = "test", sets: list[str] | None = None,

@@ -53,10 +53,11 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import polars as pl
 
-from pipeline.config import ConfigError, RunConfig, as_sets, load_config
+from pipeline.config import ConfigError, RunConfig, load_config, variant_sets
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
 from pipeline.engines.models import half_weights
 from pipeline.engines.servers import sharing
@@ -75,9 +76,9 @@ from pipeline.studies.baselines import (
 )
 from pipeline.studies.evaluate import (
     EVAL_STAGES,
-    derived_run_sets,
+    derived_run_changes,
+    eval_changes,
     eval_run_id,
-    eval_sets,
     eval_summary,
     new_problems,
 )
@@ -110,11 +111,6 @@ def seed_changes(seed: int) -> dict[str, int]:
     return {"generator.seed": seed, "training.seed": seed, "curation.seed": seed}
 
 
-def seed_sets(seed: int) -> list[str]:
-    """`seed_changes` as the overrides its runs' stages get (pipeline.config.as_sets)."""
-    return as_sets(seed_changes(seed))
-
-
 def eval_rounds(cfg: RunConfig) -> list[int]:
     """The base model, then every round's checkpoint (or only the last)."""
     last = cfg.rounds - 1
@@ -125,7 +121,7 @@ def eval_rounds(cfg: RunConfig) -> list[int]:
 class SeedPlan:
     seed: int
     run_id: str
-    sets: list[str]
+    changes: dict[str, Any]  # seed_changes: the seed's variant of the config
 
 
 def compared_metrics(cfg: RunConfig) -> tuple[str, ...]:
@@ -155,7 +151,7 @@ def plan(cfg: RunConfig, seeds: list[int] | None = None) -> list[SeedPlan]:
     seeds = list(cfg.experiment.seeds if seeds is None else seeds)
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"experiment seeds repeat: {seeds}")
-    return [SeedPlan(s, seed_run_id(cfg.run_id, s), seed_sets(s)) for s in seeds]
+    return [SeedPlan(s, seed_run_id(cfg.run_id, s), seed_changes(s)) for s in seeds]
 
 
 def experiment_dir(store: Store, run_id: str) -> Path:
@@ -221,16 +217,14 @@ def reference_runs(cfg: RunConfig, split: str | None = None) -> dict[str, str]:
 NOT_COMPUTED = ("executor.serve.port",)  # where a run's executor listened, not what it computed
 
 
-def select_sets(cfg: RunConfig) -> list[str]:
-    """The override that makes a reference run on `select_split` hold its first `select_queries` queries."""
-    n = cfg.experiment.select_queries
-    return [f"experiment.eval_queries={'null' if n is None else n}"]
+def select_changes(cfg: RunConfig) -> dict[str, int | None]:
+    """The change that makes a reference run on `select_split` hold its first `select_queries` queries."""
+    return {"experiment.eval_queries": cfg.experiment.select_queries}
 
 
-def fit_sets(cfg: RunConfig) -> list[str]:
-    """The override that makes a router design's run on `router.fit_split` hold its first `fit_queries` queries."""
-    n = cfg.experiment.router.fit_queries if cfg.experiment.router else None
-    return [f"experiment.eval_queries={'null' if n is None else n}"]
+def fit_changes(cfg: RunConfig) -> dict[str, int | None]:
+    """The change that makes a router design's run on `router.fit_split` hold its first `fit_queries` queries."""
+    return {"experiment.eval_queries": cfg.experiment.router.fit_queries if cfg.experiment.router else None}
 
 
 def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[str]) -> None:
@@ -241,10 +235,10 @@ def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[
     ex = cfg.experiment
     checks = [(ex.eval_split, sets, True)]
     if ex.select_split is not None:
-        checks.append((ex.select_split, sets + select_sets(cfg), False))
+        checks.append((ex.select_split, variant_sets(select_changes(cfg), before=sets), False))
     for split, extra, required in checks:
         mine = load_config(config, extra)
-        wanted = load_config(config, derived_run_sets(split, mine) + eval_sets(mine) + extra)
+        wanted = load_config(config, variant_sets(derived_run_changes(split, mine) | eval_changes(mine), after=extra))
         for m, rid in reference_runs(cfg, split).items():
             if not (store.run_dir(rid) / "config.yaml").is_file():
                 if not required:
@@ -710,11 +704,12 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 if store.read_config(sp.run_id) is not None else 0  # as run_rounds will see it
             set_aside_evaluations(store, cfg, sp, order, lost_weights(store, sp.run_id, since))
             run_rounds(path, cfg.rounds, sp.run_id, call, keeping(store, cfg, sp.seed, after_round),
-                       sets=sets + sp.sets, observer=TRACKERS)
+                       sets=variant_sets(sp.changes, before=sets), observer=TRACKERS)
             for k in seed_rounds(cfg, sp.seed, order):
                 log.info("seed %d: evaluating %s on %s", sp.seed, "the base model" if k < 0 else f"round {k}",
                          cfg.experiment.eval_split)
-                evaluate_tracked(str(store.root), sp.run_id, k, cfg.experiment.eval_split, eval_sets(cfg), call)
+                evaluate_tracked(str(store.root), sp.run_id, k, cfg.experiment.eval_split, call=call,
+                                 changes=eval_changes(cfg))
             keep_adapter(store, cfg, sp.seed)
             drop_resume_copies(store, cfg, sp.seed)
             extra["seed_wall_s"][sp.seed] = round(time.perf_counter() - t_seed, 1)
@@ -730,11 +725,13 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
             if (chooser := cfg.experiment.select_split) and not cfg.experiment.references_from:
                 for method in cfg.experiment.references:
                     log.info("reference %s on %s (the best fixed workflow is chosen there)", method, chooser)
-                    run_baseline(str(path), method, call, cfg.run_id, chooser, sets + select_sets(cfg))
+                    run_baseline(str(path), method, call, cfg.run_id, chooser,
+                                 variant_sets(select_changes(cfg), before=sets))
             if (rc := cfg.experiment.router) is not None and not cfg.experiment.references_from:
                 for method in router_designs(cfg):
                     log.info("router design %s on %s (the routers are fitted there)", method, rc.fit_split)
-                    run_baseline(str(path), method, call, cfg.run_id, rc.fit_split, sets + fit_sets(cfg))
+                    run_baseline(str(path), method, call, cfg.run_id, rc.fit_split,
+                                 variant_sets(fit_changes(cfg), before=sets))
             extra["references_wall_s"] = round(time.perf_counter() - t_refs, 1)
             summary, out = publish("after the references")
     if out is None:  # every seed of the plan was finished already, and no reference to run

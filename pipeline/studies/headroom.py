@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from pipeline.config import ConfigError, RunConfig
+from pipeline.config import ConfigError, RunConfig, variant_sets
 from pipeline.core.headroom import (
     Runs,
     best_design,
@@ -73,10 +73,9 @@ def headroom_designs(cfg: RunConfig) -> list[str]:
     return designs
 
 
-def study_sets(cfg: RunConfig, reps: int) -> list[str]:
-    """Overrides of every design's run: L = reps runs per query, the first `headroom.queries` queries."""
-    n = cfg.headroom.queries
-    return [f"experiment.eval_l={reps}", f"experiment.eval_queries={'null' if n is None else n}"]
+def study_changes(cfg: RunConfig, reps: int) -> dict[str, int | None]:
+    """Changes of every design's run: L = reps runs per query, the first `headroom.queries` queries."""
+    return {"experiment.eval_l": reps, "experiment.eval_queries": cfg.headroom.queries}
 
 
 def owner(cfg: RunConfig) -> str:
@@ -192,7 +191,7 @@ def run_headroom(config: str | Path, call=None, run_id: str | None = None, split
     designs = headroom_designs(cfg)
     call = call or direct_call()
     store = store_for(cfg.store)
-    extra = sets + study_sets(cfg, reps)
+    extra = variant_sets(study_changes(cfg, reps), before=sets)
     runs_of = {method_tag(d): baseline_run_id(owner(cfg), method_tag(d), split) for d in designs}
     left = not all(r["done"] for r in stage_status(store, cfg, split, reps))  # all done: read back, start nothing
     with sharing(cfg, headroom_dir(store, cfg.run_id) / "server-logs") if left else nullcontext():

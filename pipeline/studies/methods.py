@@ -3,8 +3,9 @@ implements trained from the same base model on the same training queries, S seed
 same held-out queries with its own inference procedure, against the base model, against SPOGW and against the best
 fixed workflow chosen on dev (`task_best`).
 
-A method is a record in `METHODS` (pure data, as verl's registries): its overlay on CONFIG (`--set` strings), whether
-it trains, and how it is evaluated. For each seed s of `experiment.seeds` (as `pipeline experiment`):
+A method is a record in `METHODS` (pure data, as verl's registries): its overlay on CONFIG (typed changes, as
+pipeline.config.with_changes takes them), whether it trains, and how it is evaluated. For each seed s of
+`experiment.seeds` (as `pipeline experiment`):
 - the base model, once per seed and the same for every method: the run `<run_id>-s<s>` of `pipeline experiment`
   (CONFIG with the seed's overrides) evaluated at k = -1 (pipeline.studies.evaluate: `<run_id>-s<s>-eval-base`), or
   `<run_id>-base-s<s>` when scoring by the metric alone would change CONFIG;
@@ -55,12 +56,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
-from pipeline.config import ConfigError, RunConfig, as_sets, load_config
+from pipeline.config import ConfigError, RunConfig, load_config, variant_sets
 from pipeline.core.learning import METRICS, paired_differences
 from pipeline.engines.servers import sharing
 from pipeline.engines.workflow import extract_code
@@ -73,7 +75,7 @@ from pipeline.studies.experiment import (
     PlannedRun,
     SeedPlan,
     drop_resume_copies,
-    eval_sets,
+    eval_changes,
     keep_adapter,
     keeping,
     mean_or_none,
@@ -112,15 +114,15 @@ EVALUATIONS = (SAMPLE, REFINED, SMC, TASK_BEST_EVAL)
 TIMED = {SAMPLE: EVAL_STAGES, SMC: EVAL_STAGES, REFINED: ("score",), TASK_BEST_EVAL: ("score",)}
 ALL_METRICS = (*METRICS, "select_at_l")
 # held-out scores are the benchmark metric: no reward shaping in any evaluation
-METRIC_ONLY = ("scoring.reward.complexity_weight=0", "scoring.reward.cost_weight=0",
-               "scoring.reward.diversity_weight=0")
+METRIC_ONLY: dict[str, Any] = {"scoring.reward.complexity_weight": 0.0, "scoring.reward.cost_weight": 0.0,
+                               "scoring.reward.diversity_weight": 0.0}
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
     paper: str  # the method in one line: paper, objective, inference
-    sets: tuple[str, ...] = ()  # its overlay on CONFIG, as `--set` strings
+    changes: dict[str, Any] = field(default_factory=dict)  # its overlay on CONFIG (pipeline.config.with_changes)
     trained: bool = True  # False: a training-free reference on the base model
     evaluations: tuple[str, ...] = (SAMPLE,)  # its held-out evaluations; the first one's arm is named after it
     seeded: bool = True  # a reference whose result depends on the seed (run per seed); False: once, for all seeds
@@ -159,31 +161,33 @@ def get_method(name: str) -> Method:
 # the advantage-masked KL; no exemplars.
 register_method(Method(
     "spogw", "SPOGW: flat rollout, C(m,n) groups with screening and sharpening, ioGRPO with masked KL; sampling",
-    ("rollout.mode=flat", "rollout.exemplars=none", "training.objective=iogrpo_mkl", "training.kl_mask=true")))
+    {"rollout.mode": "flat", "rollout.exemplars": "none", "training.objective": "iogrpo_mkl",
+     "training.kl_mask": True}))
 # The project's proposal (configs/two-level.yaml): N_A plans, N_W workflows under each, F/M/S contrastive exemplars,
 # agent and workflow advantages over one batch mean and std, the two-term loss with unmasked KL; Sel@L at inference.
 register_method(Method(
     "two_level", "two-level agent/workflow proposal: plans then workflows, F/M/S exemplars, agent + workflow "
     "advantages; Mean@L and Sel@L",
-    ("rollout.mode=two_level", "rollout.n_agents=2", "rollout.n_workflows=3", "rollout.exemplars=buckets",
-     "curation.adv_norm=batch", "curation.agent_adv_stats=workflows", "training.objective=iogrpo_mkl",
-     "training.two_level.agent_weight=1.0", "training.two_level.workflow_weight=1.0",
-     "training.two_level.agent_kl_mask=false", "training.two_level.workflow_kl_mask=false")))
+    {"rollout.mode": "two_level", "rollout.n_agents": 2, "rollout.n_workflows": 3, "rollout.exemplars": "buckets",
+     "curation.adv_norm": "batch", "curation.agent_adv_stats": "workflows", "training.objective": "iogrpo_mkl",
+     "training.two_level.agent_weight": 1.0, "training.two_level.workflow_weight": 1.0,
+     "training.two_level.agent_kl_mask": False, "training.two_level.workflow_kl_mask": False}))
 # W4S (arXiv 2504.04785, configs/refine.yaml): T turns of K candidates per task with self-repair, RLAO turn rewards,
 # reward-weighted regression (exp(r / 0.4)); evaluated by sampling and by refine-on-validation-then-test.
 register_method(Method(
     "w4s", "W4S: multi-turn refinement with self-repair, RLAO rewards, RWR; sampling, and refine on validation then "
     "the best refined workflow on test",
-    ("rollout.mode=refine", "rollout.exemplars=none", "rollout.repair_attempts=3", "rollout.repair_check=run",
-     "rollout.refine.turns=3", "rollout.refine.candidates=4", "rollout.refine.unit=task", "rollout.refine.task_size=8",
-     "rollout.refine.failure_cases=3", "rollout.refine.show_gold=true", "curation.rwr_temperature=0.4",
-     "training.objective=rwr"),
+    {"rollout.mode": "refine", "rollout.exemplars": "none", "rollout.repair_attempts": 3, "rollout.repair_check": "run",
+     "rollout.refine.turns": 3, "rollout.refine.candidates": 4, "rollout.refine.unit": "task",
+     "rollout.refine.task_size": 8, "rollout.refine.failure_cases": 3, "rollout.refine.show_gold": True,
+     "curation.rwr_temperature": 0.4, "training.objective": "rwr"},
     evaluations=(SAMPLE, REFINED)))
 # ScoreFlow (arXiv 2502.04306): Score-DPO on pairs drawn by score gap^3, the base model as the reference (its code).
 register_method(Method(
     "scoreflow", "ScoreFlow: Score-DPO on score-gap-weighted pairs of the same flat rollouts, reference = base; "
     "sampling",
-    ("rollout.mode=flat", "rollout.exemplars=none", "training.objective=score_dpo", "training.reference=base")))
+    {"rollout.mode": "flat", "rollout.exemplars": "none", "training.objective": "score_dpo",
+     "training.reference": "base"}))
 # FlowReasoner (arXiv 2504.15257): GRPO on a multi-purpose reward for performance, complexity and efficiency (its
 # abstract; its formula names pass rate, AST complexity and diversity). Weights: ours (0.1 each; the paper gives
 # none), the reward penalises complexity, executor cost (in the task's `scoring.reward.token_budget`, so it bites at
@@ -191,8 +195,9 @@ register_method(Method(
 register_method(Method(
     "flowreasoner", "FlowReasoner: GRPO (KL on every token) on metric - 0.1 complexity - 0.1 cost - 0.1 "
     "(1 - diversity); sampling",
-    ("rollout.mode=flat", "rollout.exemplars=none", "training.objective=grpo",
-     "scoring.reward.complexity_weight=0.1", "scoring.reward.cost_weight=0.1", "scoring.reward.diversity_weight=0.1")))
+    {"rollout.mode": "flat", "rollout.exemplars": "none", "training.objective": "grpo",
+     "scoring.reward.complexity_weight": 0.1, "scoring.reward.cost_weight": 0.1,
+     "scoring.reward.diversity_weight": 0.1}))
 # Training-free references on the base model.
 register_method(Method(
     "smc", "BayesFlow's SMC sampler (M = 0, consistency reward) on the base model, N = L particles",
@@ -231,8 +236,8 @@ def seed_base(path: Path, cfg: RunConfig, sets: list[str], sp: SeedPlan) -> tupl
     """(the seed's config, whether it is `pipeline experiment`'s seed run, the run its base evaluation hangs off).
     The experiment's run of the seed is CONFIG's own method: its base evaluation and training are the comparison's
     too when scoring by the metric alone changes nothing (config hash), so neither command computes them twice."""
-    seed_cfg = load_config(path, sets + sp.sets)
-    same_base = same_hash(seed_cfg, load_config(path, sets + sp.sets + list(METRIC_ONLY)))
+    seed_cfg = load_config(path, variant_sets(sp.changes, before=sets))
+    same_base = same_hash(seed_cfg, load_config(path, variant_sets(sp.changes | METRIC_ONLY, before=sets)))
     return seed_cfg, same_base, seed_run_id(cfg.run_id, sp.seed) if same_base else base_run_id(cfg.run_id, sp.seed)
 
 
@@ -240,7 +245,7 @@ def arm_run(path: Path, cfg: RunConfig, m: Method, sets: list[str], sp: SeedPlan
             extra: list[str], seed_cfg: RunConfig, same_base: bool) -> tuple[list[str], RunConfig, str]:
     """(overrides, config, training run) of trained method `m` on seed `sp`: the experiment's seed run where `m`
     is CONFIG's own method, else `method_run_id`."""
-    own = method_sets(m, sets, sp.sets, lr, extra)
+    own = method_sets(m, sets, sp.changes, lr, extra)
     arm_cfg = load_config(path, own)
     same = same_base and same_hash(arm_cfg, seed_cfg)
     return own, arm_cfg, seed_run_id(cfg.run_id, sp.seed) if same else method_run_id(cfg.run_id, m.name, sp.seed)
@@ -261,10 +266,15 @@ def parse_arm_sets(items: list[str] | None) -> dict[str, list[str]]:
     return out
 
 
-def method_sets(m: Method, sets: list[str], seed: list[str], lr: float | None = None,
+def method_changes(m: Method, seed: dict[str, Any], lr: float | None = None) -> dict[str, Any]:
+    """A method run's variant of CONFIG: the seed's changes, the method's overlay, the swept lr."""
+    return seed | m.changes | ({} if lr is None else {"training.lr": lr})
+
+
+def method_sets(m: Method, sets: list[str], seed: dict[str, Any], lr: float | None = None,
                 extra: list[str] | None = None) -> list[str]:
-    """A method run's overrides: CONFIG's --set, the seed's, the method's overlay, the swept lr, its --arm-set."""
-    return [*sets, *seed, *m.sets, *(as_sets({"training.lr": lr}) if lr is not None else []), *(extra or [])]
+    """A method run's overrides: CONFIG's --set, `method_changes`, then its --arm-set."""
+    return variant_sets(method_changes(m, seed, lr), before=sets, after=extra)
 
 
 def two_level_shape(L: int) -> tuple[int, int]:
@@ -274,13 +284,13 @@ def two_level_shape(L: int) -> tuple[int, int]:
     return L // w, w
 
 
-def arm_eval_sets(cfg: RunConfig) -> list[str]:
-    """Overrides of a held-out evaluation of a run of `cfg`: the experiment's queries and L (two-level: N_A x N_W =
+def arm_eval_changes(cfg: RunConfig) -> dict[str, Any]:
+    """Changes of a held-out evaluation of a run of `cfg`: the experiment's queries and L (two-level: N_A x N_W =
     L), scored by the metric alone."""
-    out = [*eval_sets(cfg), *METRIC_ONLY]
+    out = eval_changes(cfg) | METRIC_ONLY
     if get_mode(cfg.rollout.mode).evaluated_as == "two_level":
-        a, w = two_level_shape(cfg.experiment.eval_l)
-        out += [f"rollout.n_agents={a}", f"rollout.n_workflows={w}"]
+        agents, workflows = two_level_shape(cfg.experiment.eval_l)
+        out |= {"rollout.n_agents": agents, "rollout.n_workflows": workflows}
     return out
 
 
@@ -323,14 +333,14 @@ def evaluate_refined(store: Store, arm_run: str, round: int, arm_cfg: RunConfig,
     if splits_overlap(val, split):
         raise ConfigError(f"the refined evaluation chooses on {val}, which shares queries with the held-out {split}")
     root = str(store.root)
-    vsets = ["rollout.refine.unit=task", f"rollout.refine.task_size={arm_cfg.benchmark.max_queries or 1_000_000}"]
-    ctx = open_eval_run(root, arm_run, round, val, vsets, mode="refine")
+    refine = {"rollout.refine.unit": "task", "rollout.refine.task_size": arm_cfg.benchmark.max_queries or 1_000_000}
+    ctx = open_eval_run(root, arm_run, round, val, mode="refine", changes=refine)
     for stage in EVAL_STAGES:
-        call(stage=stage, run_id=ctx.run_id, round=0, store_root=root, sets=vsets)
+        call(stage=stage, run_id=ctx.run_id, round=0, store_root=root, sets=variant_sets(refine))
     choice = refined_workflow(store, ctx.run_id)
     # the test run holds the chosen program L times per query, scored as a flat workflow (its run is flat)
-    summ = run_fixed(frozen_config(store, arm_run), REFINED, call, arm_run, split, [*METRIC_ONLY, "rollout.mode=flat"],
-                     choice["code"])
+    summ = run_fixed(frozen_config(store, arm_run), REFINED, call, arm_run, split,
+                     variant_sets(METRIC_ONLY | {"rollout.mode": "flat"}), choice["code"])
     return {"eval_run_id": summ.eval_run_id, "validation_run_id": ctx.run_id, "validation_split": val,
             "selected": {k: v for k, v in choice.items() if k != "code"}}
 
@@ -350,9 +360,9 @@ def run_reference(m: Method, evaluation: str, store: Store, cfg: RunConfig, sp: 
     {eval_run_id[, selected]}."""
     split, config = cfg.experiment.eval_split, frozen_config(store, base)
     if evaluation == SMC:
-        own = [f"smc.seed={sp.seed}", f"smc.N={cfg.experiment.eval_l}", *METRIC_ONLY, *m.sets, *extra]
+        own = variant_sets({"smc.seed": sp.seed, "smc.N": cfg.experiment.eval_l} | METRIC_ONLY | m.changes, after=extra)
         return {"eval_run_id": run_smc(config, call, seed_run_id(cfg.run_id, sp.seed), split, own).eval_run_id}
-    s = run_baseline(config, TASK_BEST, call, cfg.run_id, split, [*METRIC_ONLY, *m.sets, *extra])
+    s = run_baseline(config, TASK_BEST, call, cfg.run_id, split, variant_sets(METRIC_ONLY | m.changes, after=extra))
     return {"eval_run_id": s.eval_run_id, "selected": s.selected}
 
 
@@ -372,11 +382,12 @@ def sweep_lr(path: Path, cfg: RunConfig, chosen: list[Method], sets: list[str], 
         rows = []
         for lr in lrs:
             rid = sweep_run_id(cfg.run_id, m.name, lr, sp.seed)
-            own = [*method_sets(m, sets, sp.sets, None, arm_sets.get(m.name)),
-                   *as_sets({"rounds": 1, "training.lr": lr})]
+            own = variant_sets({"rounds": 1, "training.lr": lr},
+                               before=method_sets(m, sets, sp.changes, None, arm_sets.get(m.name)))
             log.info("lr sweep: %s at lr %g (%s)", m.name, lr, rid)
             run_rounds(path, 1, rid, call, sets=own, observer=TRACKERS)
-            summ = evaluate_tracked(str(store.root), rid, 0, "dev", arm_eval_sets(load_config(path, own)), call)
+            summ = evaluate_tracked(str(store.root), rid, 0, "dev", call=call,
+                                    changes=arm_eval_changes(load_config(path, own)))
             rows.append(SweepRun(lr=lr, run_id=rid, eval_run_id=summ.eval_run_id, queries=summ.queries,
                                  mean_at_l=summ.mean_at_l, best_at_l=summ.best_at_l,
                                  train_wall_s=run_wall_s(store, rid)))
@@ -404,7 +415,7 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
         raise ValueError(f"--arm-set names methods not compared: {stray}")
     plans = plan(cfg, list(range(seeds)) if seeds is not None else None)
     for m in chosen:  # every arm's config validates before any work
-        m_cfg = load_config(path, method_sets(m, sets, plans[0].sets, None, arm_sets.get(m.name)))
+        m_cfg = load_config(path, method_sets(m, sets, plans[0].changes, None, arm_sets.get(m.name)))
         if REFINED in m.evaluations and m_cfg.rollout.mode != "refine":
             raise ConfigError(f"method {m.name}: the refined evaluation needs rollout.mode refine")
         if REFINED in m.evaluations and splits_overlap(selection_split(m_cfg), cfg.experiment.eval_split):
@@ -427,9 +438,10 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
         for sp in plans:
             t_seed = time.perf_counter()
             seed_cfg, same_base, base = seed_base(path, cfg, sets, sp)
-            open_run(path, base, 0, sets + sp.sets)  # frozen, never trained: the base model's evaluation run's parent
+            # frozen, never trained: the base model's evaluation run's parent
+            open_run(path, base, 0, variant_sets(sp.changes, before=sets))
             log.info("seed %d: evaluating the base model on %s", sp.seed, split)
-            b = evaluate_tracked(root, base, BASE, split, arm_eval_sets(cfg), call)
+            b = evaluate_tracked(root, base, BASE, split, call=call, changes=arm_eval_changes(cfg))
             records.append(ArmRun(arm=BASE_ARM, method=BASE_ARM, evaluation=SAMPLE, seed=sp.seed, train_run_id=None,
                                   eval_run_id=b.eval_run_id))
             for m in chosen:
@@ -455,8 +467,8 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
                 for ev in m.evaluations:
                     log.info("seed %d: evaluating %s (%s) on %s", sp.seed, m.name, ev, split)
                     if ev == SAMPLE:
-                        got = {"eval_run_id": evaluate_tracked(root, arm, last, split, arm_eval_sets(arm_cfg),
-                                                               call).eval_run_id}
+                        got = {"eval_run_id": evaluate_tracked(root, arm, last, split, call=call,
+                                                               changes=arm_eval_changes(arm_cfg)).eval_run_id}
                     else:
                         got = evaluate_refined(store, arm, last, arm_cfg, split, call)
                     records.append(ArmRun(arm=m.arm(ev), method=m.name, evaluation=ev, seed=sp.seed,

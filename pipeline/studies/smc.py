@@ -49,7 +49,7 @@ import numpy as np
 import polars as pl
 from tqdm import tqdm
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError, load_config, variant_sets
 from pipeline.engines.checks import CheckJob, run_checks
 from pipeline.engines.servers import SECTIONS, server_log_dir, serving
 from pipeline.engines.workflow import check_workflow, extract_code
@@ -228,13 +228,13 @@ def smc_run_id(run_id: str, split: str = "test", plain_n: int | None = None) -> 
 def open_smc_run(config: str, run_id: str | None = None, split: str = "test",
                  sets: list[str] | None = None) -> RunContext:
     """The derived run: CONFIG on `split` with the experiment's held-out query count, exemplars off."""
-    from pipeline.studies.evaluate import derived_run_sets, eval_sets
+    from pipeline.studies.evaluate import derived_run_changes, held_out_queries
 
     sets = list(sets or [])
     cfg = load_config(config, sets)
-    frozen = [*derived_run_sets(split, cfg), *eval_sets(cfg)[:1]]
+    frozen = derived_run_changes(split, cfg) | held_out_queries(cfg)
     rid = smc_run_id(run_id or cfg.run_id, split, None if cfg.smc.resample else cfg.smc.N)
-    return open_run(config, rid, 0, frozen + sets)
+    return open_run(config, rid, 0, variant_sets(frozen, after=sets))
 
 
 def _reward_fn(ctx: RunContext, bench) -> Callable[[object, list[dict]], list[float]]:
@@ -405,14 +405,13 @@ def run_plain(config: str, L: int, call=None, run_id: str | None = None, split: 
     """Plain sampling for comparison with SMC at a chosen executor budget: the configured generator samples L
     workflows per held-out query (the rollout stage, flat), scored by the score stage; returns `eval_summary`."""
     from pipeline.stages.rounds import direct_call
-    from pipeline.studies.evaluate import derived_run_sets, eval_sets, eval_summary
+    from pipeline.studies.evaluate import derived_run_changes, eval_summary, held_out_queries
 
-    frozen = derived_run_sets(split)
     call = call or direct_call()
     sets = list(sets or [])
     cfg = load_config(config, sets)
-    frozen += ["rollout.mode=flat", *eval_sets(cfg)[:1], f"rollout.m={L}"]
-    ctx = open_run(config, plain_run_id(run_id or cfg.run_id, L, split), 0, frozen + sets)
+    frozen = derived_run_changes(split) | {"rollout.mode": "flat"} | held_out_queries(cfg) | {"rollout.m": L}
+    ctx = open_run(config, plain_run_id(run_id or cfg.run_id, L, split), 0, variant_sets(frozen, after=sets))
     for stage in ("rollout", "score"):
         call(stage=stage, run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=sets)
     return eval_summary(ctx.store, ctx.run_id)

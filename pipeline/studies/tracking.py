@@ -26,6 +26,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -204,8 +205,8 @@ TRACKERS = Trackers()
 
 
 def evaluate_tracked(store_root: str, run_id: str, round: int, split: str = "test", sets: list[str] | None = None,
-                     call=None) -> EvalSummary:
+                     call=None, changes: dict[str, Any] | None = None) -> EvalSummary:
     """`evaluate_round`, then the evaluated run's trackers gain the held-out evaluation; returns its summary."""
-    summary = evaluate_round(store_root, run_id, round, split, sets, call)
+    summary = evaluate_round(store_root, run_id, round, split, sets, call, changes)
     sync_quietly(Store(store_root), run_id)
     return summary
