@@ -146,14 +146,15 @@ KEPT_SHORT_NAMES = {
                         "Mean@L beside `api.sample(config, L)`)"),
     "pipeline/api.py": ({"L"}, "the public `sample(config, L, ...)` of docs/api.md: the paper's L (Mean@L, "
                         "workflows per query), which callers may pass by keyword"),
+    "pipeline/perf/train_parity.py": ({"lr"}, "`run(..., lr=)`, the keyword of `pipeline bench train-parity --lr` "
+                                      "and of its test, and the report's `lr`"),
 }
 # TEMPORARY, to be emptied: files another change is rewriting, not yet audited for names. Remove a file from
 # this list once its names pass; the test fails on a listed file that has nothing flagged.
 NOT_YET_AUDITED = {
     "pipeline/config.py", "pipeline/stages/rounds.py",
     "pipeline/stages/runner.py",
-    *(f"pipeline/perf/{name}.py" for name in ("curate", "executor", "rollout", "sandbox", "seed", "store", "train",
-                                              "train_parity")),
+    *(f"pipeline/perf/{name}.py" for name in ("executor", "seed")),
     *(f"pipeline/studies/{name}.py" for name in ("ablation", "baselines", "browse", "evaluate", "experiment",
                                                  "headroom", "methods", "report", "router", "smc", "summaries")),
 }
