@@ -155,8 +155,8 @@ NOT_YET_AUDITED = {
     "pipeline/config.py", "pipeline/stages/rounds.py",
     "pipeline/stages/runner.py",
     *(f"pipeline/perf/{name}.py" for name in ("executor", "seed")),
-    *(f"pipeline/studies/{name}.py" for name in ("ablation", "baselines", "browse", "evaluate", "experiment",
-                                                 "headroom", "methods", "report", "router", "smc", "summaries")),
+    *(f"pipeline/studies/{name}.py" for name in ("ablation", "baselines", "evaluate", "experiment", "headroom",
+                                                 "methods", "smc", "summaries")),
 }
 _NEW_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef,
                ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
