@@ -254,30 +254,30 @@ def report(run_id: str, store: str | Path | None = None, out: str | Path | None 
     from pipeline.studies.report import build_report, round_stats, stage_timings
     from pipeline.studies.summaries import ExperimentSummary
 
-    st = open_store(store)
-    exp = experiment_dir(st, run_id) / "experiment.json"
-    if not (st.run_dir(run_id) / "config.yaml").is_file() and exp.is_file():
+    opened = open_store(store)
+    exp = experiment_dir(opened, run_id) / "experiment.json"
+    if not (opened.run_dir(run_id) / "config.yaml").is_file() and exp.is_file():
         summary = ExperimentSummary.read(exp)
         result = Report(run_id=run_id, kind="experiment", report=str(exp.parent / "report.html"),
                         lines=[a.line() for a in summary.arms] + summary.headline())
         try:
-            result.pages = str(build_experiment_pages(st, exp.parent, query))
+            result.pages = str(build_experiment_pages(opened, exp.parent, query))
         except FileNotFoundError as e:
             if query is not None:  # the page asked for does not exist
                 raise
             result.pages_missing = str(e)  # the report itself is there
         return result
-    result = Report(run_id=run_id, kind="run", report=str(build_report(st, run_id, Path(out) if out else None)))
+    result = Report(run_id=run_id, kind="run", report=str(build_report(opened, run_id, Path(out) if out else None)))
     if not pages:
         return result
     try:
-        result.pages = str(build_run_pages(st, run_id, round, query))
+        result.pages = str(build_run_pages(opened, run_id, round, query))
     except FileNotFoundError as e:
         if round is not None or query is not None:  # asked for: an error; else the run has no scores yet
             raise
         result.pages_missing = str(e)
-    timings = stage_timings(st, run_id)
-    for r in round_stats(st, run_id).iter_rows(named=True):
+    timings = stage_timings(opened, run_id)
+    for r in round_stats(opened, run_id).iter_rows(named=True):
         walls = {t["stage"]: t["wall_s"] for t in timings.filter(timings["round"] == r["round"]).iter_rows(named=True)}
         result.lines.append(f"round {r['round']}: mean score {num(r['mean_score'])}, workflows {r['workflows']}, "
                             f"valid {r['valid_share']}, flagged rewarded runs {r['flagged_rewarded'] or 0}, "

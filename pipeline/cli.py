@@ -84,14 +84,14 @@ def validate(config: Path, sets: SetOpt = None) -> None:
     try:
         cfg = load_config(config, sets or [])
         bench = load_benchmark(cfg.benchmark)
-        n = len(bench.items())
+        query_count = len(bench.items())
         check_served(cfg)  # served sections: vLLM, the model and the port
         check = check_task(bench)
     except (ConfigError, BenchmarkError, ServeError) as e:
         _fail(str(e))
     typer.echo(f"task {check.name}: {check.rows} rows, scorer {check.scorer}")
     typer.echo("splits: " + ", ".join(f"{k} {v}" for k, v in check.splits.items())
-               + f" (benchmark.train_split {cfg.benchmark.train_split}: {n} queries a round)")
+               + f" (benchmark.train_split {cfg.benchmark.train_split}: {query_count} queries a round)")
     if check.labels:
         typer.echo("labels: " + ", ".join(f"{label} {count}" for label, count in check.labels.items()))
     if check.note:
@@ -104,8 +104,9 @@ def validate(config: Path, sets: SetOpt = None) -> None:
         raise typer.Exit(1)
     typer.echo(f"references: {check.checked} of {check.checked} score 1.0" if check.checked else
                "references: none scored")
-    typer.echo(f"{config}: ok (run_id={cfg.run_id}, {n} {cfg.benchmark.name} queries, mode={cfg.rollout.mode}, "
-               f"generator={cfg.generator.model} via {cfg.generator.backend}, executor={cfg.executor.kind})")
+    typer.echo(f"{config}: ok (run_id={cfg.run_id}, {query_count} {cfg.benchmark.name} queries, "
+               f"mode={cfg.rollout.mode}, generator={cfg.generator.model} via {cfg.generator.backend}, "
+               f"executor={cfg.executor.kind})")
 
 
 @app.command(rich_help_panel=SETUP)
@@ -220,40 +221,40 @@ def sql(
 
     from pipeline import api
 
-    st = api.open_store(store)
+    opened = api.open_store(store)
     if query is None:
-        if not st.remote:  # catalog.duckdb is local-only; the shell below loads the views itself
-            st.refresh_catalog()
-        return _sql_shell(st, limit)
+        if not opened.remote:  # catalog.duckdb is local-only; the shell below loads the views itself
+            opened.refresh_catalog()
+        return _sql_shell(opened, limit)
     try:
-        df = st.sql(query)
+        result = opened.sql(query)
     except duckdb.Error as e:
         _fail(f"SQL error: {e}")
-    if not st.remote:
-        st.refresh_catalog()
+    if not opened.remote:
+        opened.refresh_catalog()
     if out is not None:
-        writers = {".csv": df.write_csv, ".json": df.write_json, ".parquet": df.write_parquet}
+        writers = {".csv": result.write_csv, ".json": result.write_json, ".parquet": result.write_parquet}
         if out.suffix not in writers:
             _fail(f"--out {out}: use .csv, .json or .parquet")
         writers[out.suffix](out)
-        typer.echo(f"wrote {df.height} rows to {out}")
+        typer.echo(f"wrote {result.height} rows to {out}")
         return
-    _print_df(df, limit)
+    _print_df(result, limit)
 
 
-def _print_df(df, limit: int) -> None:
+def _print_df(rows, limit: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(caption=f"{df.height} rows")
-    for name in df.columns:  # folded, not cut with an ellipsis: run ids and numbers stay readable whole
+    table = Table(caption=f"{rows.height} rows")
+    for name in rows.columns:  # folded, not cut with an ellipsis: run ids and numbers stay readable whole
         table.add_column(name, overflow="fold")
-    for row in df.head(limit).iter_rows():
+    for row in rows.head(limit).iter_rows():
         table.add_row(*("" if v is None else str(v)[:80] for v in row))
     Console().print(table)
 
 
-def _sql_shell(st, limit: int) -> None:
+def _sql_shell(store, limit: int) -> None:
     """The SQL shell of `pipeline sql` with no query: one connection with the store's views (refreshed at
     start), a SQL error costs that statement only. Works without the `duckdb` CLI."""
     import duckdb
@@ -264,9 +265,9 @@ def _sql_shell(st, limit: int) -> None:
 
         from pipeline.store.schema import TABLES
 
-        typer.echo(f"store {st.root}: views {', '.join([*TABLES, 'latest_scores'])}. End statements with ';', "
+        typer.echo(f"store {store.root}: views {', '.join([*TABLES, 'latest_scores'])}. End statements with ';', "
                    ".quit to leave.")
-    con, buf = st.connect(), ""
+    con, buf = store.connect(), ""
     try:
         while True:
             try:
@@ -316,13 +317,13 @@ def bench_dtype(
     """fp32 and bf16 matrix-product rates on this machine and the dtype `auto` picks (pipeline.engines.hardware)."""
     from pipeline.engines.hardware import PROBE_SHAPE, local_device, probe
 
-    p = probe(local_device(), refresh=refresh)
+    verdict = probe(local_device(), refresh=refresh)
     m, k, n = PROBE_SHAPE
-    typer.echo(f"device: {p.device} ({p.machine}); probe: {m}x{k} @ {k}x{n}, one thread")
-    if p.fp32_gflops is not None:
-        typer.echo(f"fp32 {p.fp32_gflops:.1f} GFLOP/s, bf16 {p.bf16_gflops:.1f} GFLOP/s (bf16/fp32 = "
-                   f"{p.bf16_gflops / p.fp32_gflops:.2f})")
-    typer.echo(f"auto -> {'bfloat16' if p.native_bf16 else 'float32'}: {p.reason}")
+    typer.echo(f"device: {verdict.device} ({verdict.machine}); probe: {m}x{k} @ {k}x{n}, one thread")
+    if verdict.fp32_gflops is not None:
+        typer.echo(f"fp32 {verdict.fp32_gflops:.1f} GFLOP/s, bf16 {verdict.bf16_gflops:.1f} GFLOP/s (bf16/fp32 = "
+                   f"{verdict.bf16_gflops / verdict.fp32_gflops:.2f})")
+    typer.echo(f"auto -> {'bfloat16' if verdict.native_bf16 else 'float32'}: {verdict.reason}")
 
 
 @bench_app.command("sandbox")

@@ -141,16 +141,22 @@ KEPT_SHORT_NAMES = {
     "pipeline/engines/executors.py": ({"n"}, "an executor call's sample count: OpenAI's `n`, which `complete(..., n=)` "
                                       "takes by keyword from the sandbox's llm() calls"),
     "pipeline/engines/cache.py": ({"n"}, "the cached executor's `complete(..., n=)`, the executors' interface"),
+    "pipeline/cli.py": ({"n", "lr", "L"}, "a CLI option's name: a typer command's parameter is its option "
+                        "(`bench rollout --n`, `bench train-parity --lr`; `sample`'s L, `--l`, the paper's L of "
+                        "Mean@L beside `api.sample(config, L)`)"),
+    "pipeline/api.py": ({"L"}, "the public `sample(config, L, ...)` of docs/api.md: the paper's L (Mean@L, "
+                        "workflows per query), which callers may pass by keyword"),
+    "pipeline/perf/train_parity.py": ({"lr"}, "`run(..., lr=)`, the keyword of `pipeline bench train-parity --lr` "
+                                      "and of its test, and the report's `lr`"),
 }
 # TEMPORARY, to be emptied: files another change is rewriting, not yet audited for names. Remove a file from
 # this list once its names pass; the test fails on a listed file that has nothing flagged.
 NOT_YET_AUDITED = {
-    "pipeline/api.py", "pipeline/cli.py", "pipeline/config.py", "pipeline/stages/rounds.py",
+    "pipeline/config.py", "pipeline/stages/rounds.py",
     "pipeline/stages/runner.py",
-    *(f"pipeline/perf/{name}.py" for name in ("curate", "executor", "rollout", "sandbox", "seed", "store", "train",
-                                              "train_parity")),
-    *(f"pipeline/studies/{name}.py" for name in ("ablation", "baselines", "browse", "evaluate", "experiment",
-                                                 "headroom", "methods", "report", "router", "smc", "summaries")),
+    *(f"pipeline/perf/{name}.py" for name in ("executor", "seed")),
+    *(f"pipeline/studies/{name}.py" for name in ("ablation", "baselines", "evaluate", "experiment", "headroom",
+                                                 "methods", "smc", "summaries")),
 }
 _NEW_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef,
                ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)

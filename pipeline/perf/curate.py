@@ -26,13 +26,13 @@ def _scores(rng: np.random.Generator, q: int) -> dict[str, list[float]]:
     return {f"q{i}": (rng.integers(0, 5, M) / 4 if i % 8 else np.full(M, 0.5)).tolist() for i in range(q)}
 
 
-def naive_top_groups(scores: dict[str, list[float]], n: int, top_n: int) -> list[tuple[float, str, tuple]]:
+def naive_top_groups(scores: dict[str, list[float]], group_size: int, top_n: int) -> list[tuple[float, str, tuple]]:
     """The obvious implementation: every combination in Python, a heap of the best."""
     heap: list[tuple[float, str, tuple]] = []
     for qid, s in scores.items():
         if len(set(s)) == 1:
             continue
-        for combo in itertools.combinations(range(len(s)), n):
+        for combo in itertools.combinations(range(len(s)), group_size):
             item = (statistics.pvariance([s[i] for i in combo]), qid, combo)
             if len(heap) < top_n:
                 heapq.heappush(heap, item)
@@ -48,25 +48,25 @@ def _rss_mib() -> float:
 def bench_function(scores: dict[str, list[float]]) -> float:
     from pipeline.core.curation import curate_flat
 
-    t0 = time.perf_counter()
+    start = time.perf_counter()
     res = curate_flat(scores, N, T, TOP_N, CAP, seed=0)
-    dt = time.perf_counter() - t0
-    print(f"curate_flat   {Q} queries x m={M}, n={N}, t={T}: {dt:6.2f} s  "
+    seconds = time.perf_counter() - start
+    print(f"curate_flat   {Q} queries x m={M}, n={N}, t={T}: {seconds:6.2f} s  "
           f"({sum(res.candidates.values()):,} candidate groups, {len(res.groups)} kept, {len(res.dropped)} filtered)")
-    t0 = time.perf_counter()
+    start = time.perf_counter()
     res8 = curate_flat(scores, 8, 3, TOP_N, CAP, seed=0)
-    dt8 = time.perf_counter() - t0
+    dt8 = time.perf_counter() - start
     print(f"curate_flat   {Q} queries x m={M}, n=8, t=3 (sampled {CAP} of 12,870/query): {dt8:6.2f} s  "
           f"({sum(res8.candidates.values()):,} candidate groups)")
     sl = dict(itertools.islice(scores.items(), Q // 20))
-    t0 = time.perf_counter()
+    start = time.perf_counter()
     naive = naive_top_groups(sl, N, TOP_N)
-    dn = (time.perf_counter() - t0) * 20
+    naive_seconds = (time.perf_counter() - start) * 20
     fast = curate_flat(sl, N, T, TOP_N, CAP, mode="screen").groups
     agree = [round(v, 12) for v, _, _ in naive] == [round(g.variance, 12) for g in fast]
-    print(f"naive Python  (itertools + heapq, {Q // 20} queries, x20): {dn:6.2f} s  -> speed-up {dn / dt:.1f}x; "
-          f"same top-{TOP_N} variances: {agree}")
-    return dt
+    print(f"naive Python  (itertools + heapq, {Q // 20} queries, x20): {naive_seconds:6.2f} s  "
+          f"-> speed-up {naive_seconds / seconds:.1f}x; same top-{TOP_N} variances: {agree}")
+    return seconds
 
 
 def bench_stage(scores: dict[str, list[float]]) -> float:

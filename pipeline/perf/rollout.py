@@ -30,13 +30,13 @@ def bench_prompts(tokenizer, count: int) -> list[str]:
 def best_of(fns: dict[str, Callable[[], int]], reps: int) -> dict[str, tuple[float, float, int]]:
     """Best wall time, best process CPU time and the token count of each callable, run alternately `reps`
     times after one warm-up. CPU time is less disturbed by other processes on a shared machine."""
-    for fn in fns.values():
-        fn()
+    for call in fns.values():
+        call()
     best: dict[str, tuple[float, float, int]] = {}
     for _ in range(reps):
-        for name, fn in fns.items():
+        for name, call in fns.items():
             t0, c0 = time.perf_counter(), time.process_time()
-            tokens = fn()
+            tokens = call()
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             old = best.get(name, (dt, dc, tokens))
             best[name] = (min(dt, old[0]), min(dc, old[1]), tokens)

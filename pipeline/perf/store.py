@@ -20,24 +20,24 @@ TOKENS_PER_ROW = 32
 PART_ROWS = 100_000
 
 
-def synthetic_generations(n: int, seed: int = 0) -> pa.Table:
+def synthetic_generations(rows: int, seed: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
-    q = rng.integers(0, max(1, n // 16), n)
-    offsets = pa.array(np.arange(n + 1, dtype=np.int32) * TOKENS_PER_ROW)
-    ids = pa.array(rng.integers(0, 49152, n * TOKENS_PER_ROW, dtype=np.int32))
-    lps = pa.array(-rng.exponential(1.0, n * TOKENS_PER_ROW).astype(np.float32))
+    query_numbers = rng.integers(0, max(1, rows // 16), rows)
+    offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * TOKENS_PER_ROW)
+    ids = pa.array(rng.integers(0, 49152, rows * TOKENS_PER_ROW, dtype=np.int32))
+    lps = pa.array(-rng.exponential(1.0, rows * TOKENS_PER_ROW).astype(np.float32))
     texts = [f"async def solve(problem):\n    return (await llm(problem))[{i % 7}]\n" for i in range(64)]
     return pa.table({
-        "gen_id": pa.array([f"g{i:08d}" for i in range(n)]),
-        "kind": pa.array(np.where(rng.random(n) < 0.2, "agent", "workflow")),
-        "query_id": pa.array([f"q{x:06d}" for x in q]),
-        "slot": pa.array((np.arange(n) % 16).astype(np.int32)),
-        "text": pa.array([texts[i % 64] for i in range(n)]),
+        "gen_id": pa.array([f"g{i:08d}" for i in range(rows)]),
+        "kind": pa.array(np.where(rng.random(rows) < 0.2, "agent", "workflow")),
+        "query_id": pa.array([f"q{x:06d}" for x in query_numbers]),
+        "slot": pa.array((np.arange(rows) % 16).astype(np.int32)),
+        "text": pa.array([texts[i % 64] for i in range(rows)]),
         "token_ids": pa.ListArray.from_arrays(offsets, ids),
         "token_logprobs": pa.ListArray.from_arrays(offsets, lps),
-        "model": pa.array(["smollm2"] * n),
-        "valid": pa.array(rng.random(n) < 0.8),
-        "latency_s": pa.array(rng.random(n)),
+        "model": pa.array(["smollm2"] * rows),
+        "valid": pa.array(rng.random(rows) < 0.8),
+        "latency_s": pa.array(rng.random(rows)),
     })
 
 
@@ -51,28 +51,28 @@ FROM generations WHERE run_id = 'bench' GROUP BY ALL ORDER BY ALL
 def main(rows: int = 1_000_000, root: Path | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
         root = Path(root or tmp)
-        t0 = time.perf_counter()
+        began = time.perf_counter()
         data = synthetic_generations(rows)
-        t_gen = time.perf_counter() - t0
+        t_gen = time.perf_counter() - began
 
-        t0 = time.perf_counter()
+        began = time.perf_counter()
         pq.write_table(data, root / "baseline.parquet", compression="zstd")
-        t_base = time.perf_counter() - t0
+        t_base = time.perf_counter() - began
 
         store = Store(root / "store")
-        t0 = time.perf_counter()
+        began = time.perf_counter()
         for start in range(0, rows, PART_ROWS):
             store.write("generations", data.slice(start, PART_ROWS), "bench", 0)
-        t_write = time.perf_counter() - t0
+        t_write = time.perf_counter() - began
 
-        t0 = time.perf_counter()
+        began = time.perf_counter()
         store.refresh_catalog()
-        t_cat = time.perf_counter() - t0
+        t_cat = time.perf_counter() - began
 
         con = store.connect()
-        t0 = time.perf_counter()
+        began = time.perf_counter()
         res = con.execute(AGG).fetchall()
-        t_agg = time.perf_counter() - t0
+        t_agg = time.perf_counter() - began
         con.close()
         assert sum(r[2] for r in res) == rows, "aggregate lost rows"
 

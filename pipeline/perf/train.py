@@ -108,13 +108,13 @@ def _ragged(i: int, completion_len: int) -> int:
 
 def _batch(tok, batch: int, completion_len: int, group_size: int) -> list[TrainSequence]:
     """Chat-template prompts, one per group of `group_size` consecutive sequences (a GRPO group shares its prompt)."""
-    g = torch.Generator().manual_seed(0)
+    rng = torch.Generator().manual_seed(0)
     seqs = []
     for i in range(batch):
         prompt = tok.apply_chat_template([{"role": "user", "content": f"Write workflow {i // group_size} that solves "
                                            "the task."}], add_generation_prompt=True, tokenize=True,
                                          return_dict=True)["input_ids"]
-        comp = torch.randint(100, tok.vocab_size, (_ragged(i, completion_len),), generator=g).tolist()
+        comp = torch.randint(100, tok.vocab_size, (_ragged(i, completion_len),), generator=rng).tolist()
         seqs.append(TrainSequence(f"s{i}", list(prompt), comp, 1.0 if i % 2 else -1.0, None))
     return seqs
 
@@ -171,21 +171,22 @@ def _trl_trainer(model, tok, out_dir: str, bf16: bool, batch: int, gradient_chec
 
 def _trl_inputs(seqs: list[TrainSequence], old: torch.Tensor, pad_id: int, device: str) -> dict:
     """TRL's layout: left-padded prompts, right-padded completions, [B, Tc] old/ref logprobs."""
-    p = max(len(s.prompt_ids) for s in seqs)
-    c = max(len(s.completion_ids) for s in seqs)
-    pid = torch.full((len(seqs), p), pad_id)
-    pm = torch.zeros((len(seqs), p), dtype=torch.long)
-    cid = torch.full((len(seqs), c), pad_id)
-    cm = torch.zeros((len(seqs), c), dtype=torch.long)
+    prompt_len = max(len(s.prompt_ids) for s in seqs)
+    completion_len = max(len(s.completion_ids) for s in seqs)
+    prompt_ids = torch.full((len(seqs), prompt_len), pad_id)
+    prompt_mask = torch.zeros((len(seqs), prompt_len), dtype=torch.long)
+    completion_ids = torch.full((len(seqs), completion_len), pad_id)
+    completion_mask = torch.zeros((len(seqs), completion_len), dtype=torch.long)
     for b, s in enumerate(seqs):
-        pid[b, p - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
-        pm[b, p - len(s.prompt_ids):] = 1
-        cid[b, : len(s.completion_ids)] = torch.tensor(s.completion_ids)
-        cm[b, : len(s.completion_ids)] = 1
-    adv = torch.tensor([s.advantage for s in seqs])
-    return {k: v.to(device) for k, v in dict(prompt_ids=pid, prompt_mask=pm, completion_ids=cid, completion_mask=cm,
-                                             advantages=adv, old_per_token_logps=old,
-                                             ref_per_token_logps=old).items()}
+        prompt_ids[b, prompt_len - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
+        prompt_mask[b, prompt_len - len(s.prompt_ids):] = 1
+        completion_ids[b, : len(s.completion_ids)] = torch.tensor(s.completion_ids)
+        completion_mask[b, : len(s.completion_ids)] = 1
+    advantages = torch.tensor([s.advantage for s in seqs])
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                  completion_mask=completion_mask, advantages=advantages, old_per_token_logps=old,
+                  ref_per_token_logps=old)
+    return {k: v.to(device) for k, v in inputs.items()}
 
 
 @dataclass
@@ -247,7 +248,7 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
     else:
         seqs = id_batch(base.config.vocab_size, batch, prompt_len, completion_len, group_size)
         batch_kind = f"random prompt ids x{prompt_len}, one per {group_size} sequences + random completions"
-    n, head = matmul_params(base)
+    matmul_weights, head = matmul_params(base)
     frozen = sum(p.numel() for p in base.parameters())
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -256,14 +257,15 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
         inner = model.get_base_model()
         setattr(inner, inner.base_model_prefix, torch.compile(getattr(inner, inner.base_model_prefix)))
     pad_id = tok.pad_token_id or 0
-    b = pass_batch(seqs, pad_id, device, prompt_layout)  # training.prompt_layout: split (two decoder calls) or packed
+    # training.prompt_layout: split (two decoder calls) or packed
+    collated = pass_batch(seqs, pad_id, device, prompt_layout)
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16)
     with torch.no_grad(), autocast:
-        old = completion_logprobs(model, b).float().detach()
+        old = completion_logprobs(model, collated).float().detach()
     # perturb π_old so ratios differ from 1 and clipping / KL are exercised
     old = (old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1)).to(device)) * \
-        b.completion_mask
-    n_tok = int(b.completion_mask.sum())
+        collated.completion_mask
+    n_tok = int(collated.completion_mask.sum())
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
     model.train()
 
@@ -272,8 +274,9 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
     def ours():
         model.zero_grad(set_to_none=True)
         with autocast:
-            logp = completion_logprobs(model, b)
-        terms = grpo_mkl_terms(logp.float(), old, old, b.advantages, b.completion_mask, BETA, EPS, kl_mask=False)
+            logp = completion_logprobs(model, collated)
+        terms = grpo_mkl_terms(logp.float(), old, old, collated.advantages, collated.completion_mask, BETA, EPS,
+                               kl_mask=False)
         terms.loss.backward()
         ours_loss.append(float(terms.loss.detach()))
 
@@ -292,7 +295,7 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
         trl_model.train()
         times = {"ours": [], "trl": []}
         peak = {"ours": 0, "trl": 0}
-        for r in range(reps + 1):  # first round is warm-up; alternate so drift hits both equally
+        for rep in range(reps + 1):  # first round is warm-up; alternate so drift hits both equally
             for name, fn in (("ours", ours), ("trl", trl)):
                 if device == "cuda":
                     model.zero_grad(set_to_none=True)  # the other side's grads are not this side's memory
@@ -300,10 +303,10 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
                 dt = timed(fn, device)
                 if device == "cuda":
                     peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
-                if r:
+                if rep:
                     times[name].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
-    fc = FlopCount(n, head, base.config.num_hidden_layers, base.config.hidden_size)
+    fc = FlopCount(matmul_weights, head, base.config.num_hidden_layers, base.config.hidden_size)
     flops = {"6N": fc.per_step(lengths, n_tok), "4N": fc.per_step(lengths, n_tok, per_param=4),
              "6N+attn": fc.per_step(lengths, n_tok, attention=True)}
     dev_name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
@@ -315,7 +318,8 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
         "params": frozen,
         "lora_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "batch": batch, "batch_kind": batch_kind, "completion_len": completion_len,
-        "completion_tokens": n_tok, "tokens": sum(lengths), "computed_tokens": b.tokens, "group_size": group_size,
+        "completion_tokens": n_tok, "tokens": sum(lengths), "computed_tokens": collated.tokens,
+        "group_size": group_size,
         "reps": reps,
         "gradient_checkpointing": gradient_checkpointing, "prompt_layout": prompt_layout,
         "compiled_decoder": compile_decoder,
@@ -342,38 +346,41 @@ def _si(x: float) -> str:
                 if abs(x) >= d or d == 1)
 
 
-def _print(r: dict, echo) -> None:
-    echo(f"{r['model']}: {_si(r['params'])} frozen + {_si(r['lora_params'])} LoRA params on "
-         f"{r['device']} ({r['precision']}{', gradient checkpointing' if r['gradient_checkpointing'] else ''})")
-    echo(f"batch {r['batch']} sequences ({r['batch_kind']}): {r['completion_tokens']} completion tokens, "
-         f"{r['tokens']} with prompts (TRL computes these), {r['computed_tokens']} with each prompt once (ours); "
-         f"median of {r['reps']} steps after 1 warm-up")
+def _print(result: dict, echo) -> None:
+    checkpointing = ", gradient checkpointing" if result["gradient_checkpointing"] else ""
+    echo(f"{result['model']}: {_si(result['params'])} frozen + {_si(result['lora_params'])} LoRA params on "
+         f"{result['device']} ({result['precision']}{checkpointing})")
+    echo(f"batch {result['batch']} sequences ({result['batch_kind']}): {result['completion_tokens']} completion "
+         f"tokens, {result['tokens']} with prompts (TRL computes these), {result['computed_tokens']} with each prompt "
+         f"once (ours); median of {result['reps']} steps after 1 warm-up")
     for k in ("ours", "trl"):
-        x = r[k]
-        mem = f"  peak {x['peak_memory_gib']:6.2f} GiB" if x["peak_memory_gib"] is not None else ""
-        mfu = ("  MFU " + " | ".join(f"{v:.1%} ({f})" for f, v in x["mfu"].items())) if x["mfu"] else ""
-        echo(f"  {k:5s} {x['ms_per_step']:8.1f} ms/step  {x['completion_tokens_per_s']:9.0f} completion tokens/s"
+        side = result[k]
+        mem = f"  peak {side['peak_memory_gib']:6.2f} GiB" if side["peak_memory_gib"] is not None else ""
+        mfu = ("  MFU " + " | ".join(f"{v:.1%} ({f})" for f, v in side["mfu"].items())) if side["mfu"] else ""
+        echo(f"  {k:5s} {side['ms_per_step']:8.1f} ms/step  {side['completion_tokens_per_s']:9.0f} completion tokens/s"
              f"{mem}{mfu}")
-    echo(f"  ratio ours/TRL tokens/s: {r['ratio_tokens_per_s']:.2f}x  (goal >= 3x on HumanEval-length groups)")
-    echo(f"  loss: ours {r['loss']['ours']:.6f} vs TRL {r['loss']['trl']:.6f} (same formula with kl_mask off)")
-    f = r["flops_per_step"]
+    echo(f"  ratio ours/TRL tokens/s: {result['ratio_tokens_per_s']:.2f}x  (goal >= 3x on HumanEval-length groups)")
+    echo(f"  loss: ours {result['loss']['ours']:.6f} vs TRL {result['loss']['trl']:.6f} (same formula with kl_mask "
+         "off)")
+    f = result["flops_per_step"]
     echo(f"  model FLOPs/step {_si(f['6N'])} (6N: 6/param/token, LM head only where scored), "
          f"{_si(f['4N'])} (4N: LoRA, no frozen-weight grads), {_si(f['6N+attn'])} (6N + PaLM "
-         f"attention 12·L·d·T)" + ("" if r["peak_bf16_flops"] else "; MFU on CUDA with a known peak only"))
+         f"attention 12·L·d·T)" + ("" if result["peak_bf16_flops"] else "; MFU on CUDA with a known peak only"))
 
 
 def _step_seconds(model, seqs: list[TrainSequence], share: bool, reps: int) -> float:
     """Median wall time of our forward + ioGRPO-mKL loss + backward on `seqs`, prompts shared or not."""
-    b = collate(seqs, 0, share_prompts=share)
+    collated = collate(seqs, 0, share_prompts=share)
     with torch.no_grad():
-        old = completion_logprobs(model, b).detach()
+        old = completion_logprobs(model, collated).detach()
     times = []
-    for r in range(reps + 1):
+    for rep in range(reps + 1):
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        terms = grpo_mkl_terms(completion_logprobs(model, b), old, old, b.advantages, b.completion_mask, BETA, EPS)
+        terms = grpo_mkl_terms(completion_logprobs(model, collated), old, old, collated.advantages,
+                               collated.completion_mask, BETA, EPS)
         terms.loss.backward()
-        if r:
+        if rep:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -388,14 +395,14 @@ def sweep(prompt_lens=(128, 512), group_sizes=(2, 4, 8), batch: int = BATCH, com
     model = default_lora(load_causal_lm(MODEL, dtype="float32", device="cpu")).train()
     rows = []
     echo(f"{'prompt':>6} {'group':>5} {'per-seq s':>9} {'shared s':>8} {'saving':>6} {'token ratio':>11}")
-    for p in prompt_lens:
-        for g in group_sizes:
-            seqs = id_batch(model.config.vocab_size, batch, p, completion_len, g)
+    for prompt_len in prompt_lens:
+        for group_size in group_sizes:
+            seqs = id_batch(model.config.vocab_size, batch, prompt_len, completion_len, group_size)
             full, shared = (_step_seconds(model, seqs, s, reps) for s in (False, True))
             ratio = collate(seqs, 0, share_prompts=False).tokens / collate(seqs, 0).tokens
-            rows.append({"prompt_len": p, "group_size": g, "per_sequence_s": full, "shared_s": shared,
+            rows.append({"prompt_len": prompt_len, "group_size": group_size, "per_sequence_s": full, "shared_s": shared,
                          "saving": full / shared, "token_ratio": ratio})
-            echo(f"{p:>6} {g:>5} {full:>9.2f} {shared:>8.2f} {full / shared:>5.2f}x {ratio:>10.2f}x")
+            echo(f"{prompt_len:>6} {group_size:>5} {full:>9.2f} {shared:>8.2f} {full / shared:>5.2f}x {ratio:>10.2f}x")
     return rows
 
 

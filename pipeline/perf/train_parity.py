@@ -55,26 +55,27 @@ def parse_sides(text: str) -> list[Side]:
     return sides
 
 
-def run_side(model: torch.nn.Module, seqs: list, side: Side, steps: int, lr: float) -> dict:
+def run_side(model: torch.nn.Module, seqs: list, side: Side, steps: int, learning_rate: float) -> dict:
     """π_old, `steps` optimiser steps, the log-probs after them; everything returned on the CPU."""
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on CUDA too
-    m = copy.deepcopy(model).to(side.device)
+    side_model = copy.deepcopy(model).to(side.device)
     bf16 = side.precision == "bf16"
     if bf16:
-        frozen_linears_bf16(m)
-    b = collate(seqs, 0, side.device)
+        frozen_linears_bf16(side_model)
+    collated = collate(seqs, 0, side.device)
     autocast = torch.autocast(device_type=side.device, dtype=torch.bfloat16, enabled=bf16)
     with torch.no_grad(), autocast:
-        old = completion_logprobs(m, b).float()
-    params = [p for p in m.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        old = completion_logprobs(side_model, collated).float()
+    params = [p for p in side_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
     out: dict = {"logp0": old.cpu(), "loss": [], "grad_norm": [], "step_s": []}
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         with autocast:
-            logp = completion_logprobs(m, b)
-        terms = grpo_mkl_terms(logp.float(), old, old, b.advantages, b.completion_mask, BETA, EPS, kl_mask=True)
+            logp = completion_logprobs(side_model, collated)
+        terms = grpo_mkl_terms(logp.float(), old, old, collated.advantages, collated.completion_mask, BETA, EPS,
+                               kl_mask=True)
         terms.loss.backward()
         if "grad0" not in out:
             out["grad0"] = torch.cat([p.grad.detach().float().flatten().cpu() for p in params])
@@ -82,13 +83,13 @@ def run_side(model: torch.nn.Module, seqs: list, side: Side, steps: int, lr: flo
         opt.step()
         out["loss"].append(float(terms.loss.detach()))
 
-    m.train()
+    side_model.train()
     for _ in range(steps):
         out["step_s"].append(timed(step, side.device))
-    m.eval()
+    side_model.eval()
     with torch.no_grad(), autocast:
-        out["logp1"] = completion_logprobs(m, b).float().cpu()
-    out["mask"], out["adv"] = b.completion_mask.cpu().bool(), b.advantages.cpu()
+        out["logp1"] = completion_logprobs(side_model, collated).float().cpu()
+    out["mask"], out["adv"] = collated.completion_mask.cpu().bool(), collated.advantages.cpu()
     return out
 
 
@@ -122,19 +123,19 @@ def run(arch: str = "qwen2-0.5b", sides: list[Side] | None = None, batch: int = 
     sides = sides or parse_sides("cpu:fp32,cuda:fp32,cuda:bf16")
     if any(s.device == "cuda" for s in sides) and not torch.cuda.is_available():
         raise ValueError("a cuda side needs a CUDA device; on this machine give e.g. --sides cpu:fp32,cpu:bf16")
-    t0 = time.perf_counter()
+    began = time.perf_counter()
     base = build_arch(arch)
     torch.manual_seed(1)  # the LoRA init, the same for every side (each side copies this model)
     model = default_lora(base)
-    g = torch.Generator().manual_seed(2)
+    rng = torch.Generator().manual_seed(2)
     with torch.no_grad():  # LoRA's B starts at zero; a random B makes the adapter (and its gradient to A) count
         for n, p in model.named_parameters():
             if "lora_B" in n:
-                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+                p.copy_(0.02 * torch.randn(p.shape, generator=rng))
     seqs = id_batch(base.config.vocab_size, batch, prompt_len, completion_len, group_size=max(1, batch // 2))
     echo(f"{arch}: {sum(p.numel() for p in base.parameters()) / 1e6:.0f}M params, batch {batch} x (prompt "
          f"{prompt_len} + completions up to {completion_len}), {steps} AdamW steps at lr {lr} "
-         f"(built in {time.perf_counter() - t0:.0f} s)")
+         f"(built in {time.perf_counter() - began:.0f} s)")
     results = {}
     for side in sides:
         results[side.name] = run_side(model, seqs, side, steps, lr)

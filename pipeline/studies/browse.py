@@ -39,17 +39,17 @@ def workflows(store: Store, run_id: str, round: int, query_id: str | None = None
     """query_id -> one dict per generation of the query (workflows and, for two-level runs, agent plans): its text,
     score, usage, each rep's latest status, and `groups`: [(group_id, kept, advantage)] of the curated groups it is
     in. The whole round (or one query) in three queries, not three per query."""
-    p = {"run": run_id, "round": round, "q": query_id}
+    params = {"run": run_id, "round": round, "q": query_id}
     only = " AND ($q IS NULL OR query_id = $q)"
     gens = store.sql(
         "SELECT g.query_id, g.gen_id, g.kind, g.parent_id, g.slot, g.text, g.valid, g.invalid_reason, g.attempt, "
         "s.score, s.llm_calls, s.tokens_in, s.tokens_out FROM generations g LEFT JOIN generation_scores s USING "
         "(run_id, round, gen_id) WHERE g.run_id = $run AND g.round = $round AND ($q IS NULL OR g.query_id = $q) "
-        "ORDER BY g.kind, g.parent_id NULLS FIRST, g.slot, g.attempt, g.gen_id", p)
+        "ORDER BY g.kind, g.parent_id NULLS FIRST, g.slot, g.attempt, g.gen_id", params)
     runs = store.sql("SELECT gen_id, rep, status, answer, error FROM latest_scores WHERE run_id = $run AND "
-                     "round = $round" + only + " ORDER BY gen_id, rep", p)
+                     "round = $round" + only + " ORDER BY gen_id, rep", params)
     groups = store.sql("SELECT group_id, kept, members, advantages FROM groups WHERE run_id = $run AND "
-                       "round = $round AND coalesce(kind, 'group') = 'group'" + only + " ORDER BY group_id", p)
+                       "round = $round AND coalesce(kind, 'group') = 'group'" + only + " ORDER BY group_id", params)
     member_of: dict[str, list[tuple[str, bool, float | None]]] = {}
     for g in groups.iter_rows(named=True):
         for i, m in enumerate(g["members"] or []):
@@ -117,16 +117,16 @@ def workflow_cards(rows: list[dict], plot_id: str) -> str:
     fig.update_layout(height=300, margin={"t": 20}, yaxis_title="score / advantage", yaxis_range=[lo - .05, hi + .05])
     plot = fig.to_html(full_html=False, include_plotlyjs=False, div_id=plot_id)
     cards = []
-    for r in rows:
-        text = r["text"] or ""
-        code = highlight(extract_code(text)) if r["kind"] == "workflow" else f"<pre>{html.escape(text)}</pre>"
+    for row in rows:
+        text = row["text"] or ""
+        code = highlight(extract_code(text)) if row["kind"] == "workflow" else f"<pre>{html.escape(text)}</pre>"
         runs = "".join(f"<li>rep {x['rep']}: {html.escape(x['status'] or '')}; answer {html.escape(str(x['answer']))}"
                        + (f"; error <code>{html.escape(x['error'])}</code>" if x["error"] else "") + "</li>"
-                       for x in r["runs"])
-        why = f" ({html.escape(r['invalid_reason'])})" if r["invalid_reason"] else ""
-        gid = html.escape(r["gen_id"])
-        cards.append(f"<div class='card' id='{plot_id}-{gid}'><h3>{gid}: score {_fmt(r['score'])}, valid "
-                     f"{_fmt(r['valid'])}{why}</h3>{code}<ul>{runs}</ul></div>")
+                       for x in row["runs"])
+        why = f" ({html.escape(row['invalid_reason'])})" if row["invalid_reason"] else ""
+        gid = html.escape(row["gen_id"])
+        cards.append(f"<div class='card' id='{plot_id}-{gid}'><h3>{gid}: score {_fmt(row['score'])}, valid "
+                     f"{_fmt(row['valid'])}{why}</h3>{code}<ul>{runs}</ul></div>")
     return table + plot + "".join(cards)
 
 
@@ -173,25 +173,25 @@ def index_table(df: pl.DataFrame, links: list[str]) -> str:
 def build_run_pages(store: Store, run_id: str, round: int | None = None, query: str | None = None) -> Path:
     """Pages of the run's queries (one round, one query if given) in <store>/<run_id>/browse/; returns the index
     (or the one query's page)."""
-    df = round_queries(store, run_id, round)
+    queries = round_queries(store, run_id, round)
     if query is not None:
-        df = df.filter(pl.col("query_id") == query)
-    if not df.height:
+        queries = queries.filter(pl.col("query_id") == query)
+    if not queries.height:
         what = f"query {query!r} " if query else ""
         raise FileNotFoundError(f"run {run_id!r} has no scored workflows for {what}"
                                 f"{'any round' if round is None else f'round {round}'} under {store.root}")
     dest = store.run_dir(run_id) / "browse"
-    names = [page_name("r", k, q) for k, q in zip(df["round"], df["query_id"], strict=True)]
+    names = [page_name("r", k, q) for k, q in zip(queries["round"], queries["query_id"], strict=True)]
     with store.output_dir(dest) as out:
         write_plotly(out)
-        per_round = {k: workflows(store, run_id, k, query) for k in set(df["round"].to_list())}
-        for (k, q), name in zip(zip(df["round"], df["query_id"], strict=True), names, strict=True):
+        per_round = {k: workflows(store, run_id, k, query) for k in set(queries["round"].to_list())}
+        for (k, q), name in zip(zip(queries["round"], queries["query_id"], strict=True), names, strict=True):
             body = ("<p><a href='index.html'>all queries</a> · <a href='../report.html'>run report</a></p>"
                     + query_text(store, run_id, k, q) + "<h2>Workflows</h2>"
                     + workflow_cards(per_round[k].get(q, []), "scores"))
             (out / name).write_text(page(f"run {run_id} round {k} query {q}", body))
         if query is None:  # one query's page leaves the index of the others alone
-            (out / "index.html").write_text(page(f"run {run_id}: queries", index_table(df, names)))
+            (out / "index.html").write_text(page(f"run {run_id}: queries", index_table(queries, names)))
     return dest / (names[0] if query is not None else "index.html")
 
 
@@ -208,24 +208,25 @@ def build_experiment_pages(store: Store, exp_dir: Path, query: str | None = None
     gens = {rid: workflows(store, rid, 0, query) for rid in arms.values()}
     with store.output_dir(exp_dir / "browse") as out:
         write_plotly(out)
-        for (seed, k), trained in sorted(arms.items()):
+        for (seed, trained_round), trained in sorted(arms.items()):
             base = arms.get((seed, -1))
-            if k < 0 or base is None:
+            if trained_round < 0 or base is None:
                 continue
-            for q in sorted(set(per_query.filter(pl.col("seed") == seed)["query_id"].to_list())):
-                if query is not None and q != query:
+            for query_id in sorted(set(per_query.filter(pl.col("seed") == seed)["query_id"].to_list())):
+                if query is not None and query_id != query:
                     continue
-                m = {r["round"]: r["mean_at_l"] for r in per_query.filter(
-                    (pl.col("seed") == seed) & (pl.col("query_id") == q)).to_dicts()}
+                means = {r["round"]: r["mean_at_l"] for r in per_query.filter(
+                    (pl.col("seed") == seed) & (pl.col("query_id") == query_id)).to_dicts()}
                 cols = "".join(f"<div><h2>{label}: {html.escape(rid)}</h2>"
-                               f"{workflow_cards(gens[rid].get(q, []), f'scores-{i}')}</div>"
-                               for i, (label, rid) in enumerate(((round_name(BASE), base), (round_name(k), trained))))
-                name = page_name("s", seed, "r", k, q)
+                               f"{workflow_cards(gens[rid].get(query_id, []), f'scores-{i}')}</div>"
+                               for i, (label, rid) in enumerate(((round_name(BASE), base),
+                                                                  (round_name(trained_round), trained))))
+                name = page_name("s", seed, "r", trained_round, query_id)
                 body = ("<p><a href='index.html'>all queries</a> · <a href='../report.html'>experiment report</a></p>"
-                        + query_text(store, trained, 0, q) + f"<div class='cols'>{cols}</div>")
-                (out / name).write_text(page(f"seed {seed}: base vs round {k}, query {q}", body))
-                rows.append({"seed": seed, "round": k, "query_id": q, "base_mean_at_l": m.get(-1),
-                             "trained_mean_at_l": m.get(k)})
+                        + query_text(store, trained, 0, query_id) + f"<div class='cols'>{cols}</div>")
+                (out / name).write_text(page(f"seed {seed}: base vs round {trained_round}, query {query_id}", body))
+                rows.append({"seed": seed, "round": trained_round, "query_id": query_id,
+                             "base_mean_at_l": means.get(-1), "trained_mean_at_l": means.get(trained_round)})
                 names.append(name)
         if query is None:
             (out / "index.html").write_text(page(f"experiment {summary.experiment}: held-out queries",

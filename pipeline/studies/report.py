@@ -127,14 +127,14 @@ def _figures(store: Store, run_id: str, stats: pl.DataFrame) -> list[tuple[str, 
     return figs
 
 
-def _table(df: pl.DataFrame) -> str:
+def _table(rows: pl.DataFrame) -> str:
     def cell(v: object) -> str:
         if v is None:
             return ""
         return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
 
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in df.columns)
-    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in df.iter_rows())
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in rows.columns)
+    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in rows.iter_rows())
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -242,13 +242,14 @@ def design_copies(store: Store, run_id: str) -> pl.DataFrame:
     ).sort("round", "part", "design")
 
 
-def paired_row(p: RoundDiff) -> dict:
+def paired_row(diff: RoundDiff) -> dict:
     """A paired row of the summary as the report's table shows it: the numbers, each interval as "[lo, hi]" text
     (n/a when missing; the seeds-then-queries one, the headline, first), and the bounds themselves for the plot."""
-    return {"round": p.round, "metric": p.metric, "n": p.n, "base": p.base, "trained": p.trained, "mean": p.mean,
-            "level": p.level, "ci_seeds_queries": p.ci_seeds_queries, "ci_pairs": p.ci_pairs,
-            "ci_queries": p.ci_queries, "lo_seeds_queries": p.lo_seeds_queries, "hi_seeds_queries": p.hi_seeds_queries,
-            "lo": p.lo, "hi": p.hi, "lo_by_query": p.lo_by_query, "hi_by_query": p.hi_by_query}
+    return {"round": diff.round, "metric": diff.metric, "n": diff.n, "base": diff.base, "trained": diff.trained,
+            "mean": diff.mean, "level": diff.level, "ci_seeds_queries": diff.ci_seeds_queries,
+            "ci_pairs": diff.ci_pairs, "ci_queries": diff.ci_queries, "lo_seeds_queries": diff.lo_seeds_queries,
+            "hi_seeds_queries": diff.hi_seeds_queries, "lo": diff.lo, "hi": diff.hi, "lo_by_query": diff.lo_by_query,
+            "hi_by_query": diff.hi_by_query}
 
 
 def reference_row(r: ReferenceArm) -> dict:
@@ -269,31 +270,32 @@ def plot_curve(summary: ExperimentSummary, out: Path):
     from matplotlib.figure import Figure
 
     rows = sorted((c for c in summary.curve if c.metric == "mean_at_l"), key=lambda c: c.round)
-    x = [c.round + 1 for c in rows]
+    positions = [c.round + 1 for c in rows]
     fig = Figure(figsize=(7, 4.5))
-    ax = fig.add_subplot()
+    axes = fig.add_subplot()
     for s in sorted({p.seed for c in rows for p in c.per_seed}):
         pts = [(c.round + 1, p.mean) for c in rows for p in c.per_seed if p.seed == s]
-        ax.plot([u for u, _ in pts], [v for _, v in pts], linewidth=0.8, alpha=0.6, marker=".", label=f"seed {s}")
+        axes.plot([u for u, _ in pts], [v for _, v in pts], linewidth=0.8, alpha=0.6, marker=".", label=f"seed {s}")
     level = int(round(100 * rows[0].level)) if rows else 95
-    ax.errorbar(x, [c.mean for c in rows], yerr=[[c.mean - c.lo for c in rows], [c.hi - c.mean for c in rows]],
-                color="black", linewidth=2, marker="o", capsize=0,
-                label=f"mean over seeds, {level}% CI (seeds, then queries)")
+    axes.errorbar(positions, [c.mean for c in rows],
+                  yerr=[[c.mean - c.lo for c in rows], [c.hi - c.mean for c in rows]],
+                  color="black", linewidth=2, marker="o", capsize=0,
+                  label=f"mean over seeds, {level}% CI (seeds, then queries)")
     refs = [r for r in summary.references if r.mean_at_l is not None]
     for i, r in enumerate(refs):
-        ax.axhline(r.mean_at_l, linestyle="--", linewidth=1.2, color=f"C{(i + 3) % 10}",
-                   label=f"{r.name} ({num(r.mean_at_l)})")
-    ax.set_xticks(x, ["base" if k == 0 else str(k) for k in x])
-    ax.set_xlabel("rounds of training (base: the base model)")
-    return _save(fig, ax, summary, out, "small")
+        axes.axhline(r.mean_at_l, linestyle="--", linewidth=1.2, color=f"C{(i + 3) % 10}",
+                     label=f"{r.name} ({num(r.mean_at_l)})")
+    axes.set_xticks(positions, ["base" if k == 0 else str(k) for k in positions])
+    axes.set_xlabel("rounds of training (base: the base model)")
+    return _save(fig, axes, summary, out, "small")
 
 
-def _save(fig, ax, summary: ExperimentSummary, out: Path, legend_size: str):
+def _save(fig, axes, summary: ExperimentSummary, out: Path, legend_size: str):
     """An experiment plot's y label, title and legend, written to `out`; returns the Figure."""
-    ax.set_ylabel(f"held-out Mean@L (L = {summary.eval_l})")
-    ax.set_title(f"experiment {summary.experiment}: {summary.split} split", fontsize="medium")
+    axes.set_ylabel(f"held-out Mean@L (L = {summary.eval_l})")
+    axes.set_title(f"experiment {summary.experiment}: {summary.split} split", fontsize="medium")
     # beside the axes, not on them: the lines and labels cluster where the legend would otherwise go
-    ax.legend(fontsize=legend_size, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    axes.legend(fontsize=legend_size, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     return fig
@@ -313,27 +315,27 @@ def plot_frontier(summary: ExperimentSummary, out: Path):
     if not pts:
         return None
     fig = Figure(figsize=(7, 4.5))
-    ax = fig.add_subplot()
+    axes = fig.add_subplot()
     refs = [p for p in pts if p.kind == "reference"]
     rounds = [p for p in pts if p.kind == "round" and p.seed is None]
     seeds = [p for p in pts if p.seed is not None]
     if refs:
-        ax.scatter([p.exec_tokens_per_query for p in refs], [p.mean_at_l for p in refs], color="C0", zorder=3,
-                   label="fixed workflow (reference)")
+        axes.scatter([p.exec_tokens_per_query for p in refs], [p.mean_at_l for p in refs], color="C0", zorder=3,
+                     label="fixed workflow (reference)")
     for p in refs + rounds:
-        ax.annotate(p.name.removeprefix("program-"), (p.exec_tokens_per_query, p.mean_at_l), fontsize="x-small",
-                    xytext=(4, 3), textcoords="offset points")
+        axes.annotate(p.name.removeprefix("program-"), (p.exec_tokens_per_query, p.mean_at_l), fontsize="x-small",
+                      xytext=(4, 3), textcoords="offset points")
     if seeds:
-        ax.scatter([p.exec_tokens_per_query for p in seeds], [p.mean_at_l for p in seeds], color="grey", s=10,
-                   alpha=0.6, zorder=2, label="one seed's evaluation")
+        axes.scatter([p.exec_tokens_per_query for p in seeds], [p.mean_at_l for p in seeds], color="grey", s=10,
+                     alpha=0.6, zorder=2, label="one seed's evaluation")
     if rounds:
-        ax.plot([p.exec_tokens_per_query for p in rounds], [p.mean_at_l for p in rounds], color="black", marker="o",
-                linewidth=1.5, zorder=4, label="generator: base model, then each round (mean over seeds)")
+        axes.plot([p.exec_tokens_per_query for p in rounds], [p.mean_at_l for p in rounds], color="black", marker="o",
+                  linewidth=1.5, zorder=4, label="generator: base model, then each round (mean over seeds)")
     front = sorted((p for p in refs + rounds if p.pareto), key=lambda p: p.exec_tokens_per_query)
-    ax.plot([p.exec_tokens_per_query for p in front], [p.mean_at_l for p in front], color="C0", linestyle="--",
-            linewidth=1, alpha=0.6, label="Pareto frontier")
-    ax.set_xlabel("executor tokens per query (held out)")
-    return _save(fig, ax, summary, out, "x-small")
+    axes.plot([p.exec_tokens_per_query for p in front], [p.mean_at_l for p in front], color="C0", linestyle="--",
+              linewidth=1, alpha=0.6, label="Pareto frontier")
+    axes.set_xlabel("executor tokens per query (held out)")
+    return _save(fig, axes, summary, out, "x-small")
 
 
 def frontier_section(summary: ExperimentSummary, out_dir: Path) -> str:
@@ -386,13 +388,15 @@ def build_experiment_report(summary: ExperimentSummary, out: Path) -> Path:
     if paired.height:
         fig = go.Figure()
         for metric, name in (("mean_at_l", "Mean@L"), ("best_at_l", "Best@L")):
-            p = paired.filter(pl.col("metric") == metric)
-            lo, hi = (p["lo_seeds_queries"], p["hi_seeds_queries"]) if p["hi_seeds_queries"].null_count() == 0 \
-                else (p["lo"], p["hi"])  # a summary written before the seeds-then-queries interval: over pairs
+            metric_rows = paired.filter(pl.col("metric") == metric)
+            # a summary written before the seeds-then-queries interval: over pairs
+            lower, upper = (metric_rows["lo_seeds_queries"], metric_rows["hi_seeds_queries"]) \
+                if metric_rows["hi_seeds_queries"].null_count() == 0 else (metric_rows["lo"], metric_rows["hi"])
             fig.add_trace(go.Scatter(
-                x=[f"round {r}" for r in p["round"]], y=p["mean"].to_list(), mode="markers", name=name,
-                error_y={"type": "data", "symmetric": False, "array": (hi - p["mean"]).to_list(),
-                         "arrayminus": (p["mean"] - lo).to_list()}))
+                x=[f"round {r}" for r in metric_rows["round"]], y=metric_rows["mean"].to_list(), mode="markers",
+                name=name,
+                error_y={"type": "data", "symmetric": False, "array": (upper - metric_rows["mean"]).to_list(),
+                         "arrayminus": (metric_rows["mean"] - lower).to_list()}))
         fig.add_hline(y=0, line_dash="dot")
         fig.update_layout(yaxis_title="trained − base, per (seed, query)", height=380, margin={"t": 30})
         parts.append("<h2>Paired difference to the base model (bootstrap interval)</h2>"

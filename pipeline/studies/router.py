@@ -80,23 +80,24 @@ def exec_tokens(row: dict) -> float:
     return float((row.get("exec_tokens_in") or 0) + (row.get("exec_tokens_out") or 0))
 
 
-def chances(train: DesignTable, texts: Sequence[str], c: float, analyzer: str) -> np.ndarray:
+def chances(train: DesignTable, texts: Sequence[str], inverse_regularisation: float, analyzer: str) -> np.ndarray:
     """(len(texts), designs): each design's predicted chance of solving each text, from a TF-IDF + logistic
-    regression fitted on train's labels (`solved`); a design that solves all or none of train gets that rate."""
+    regression fitted on train's labels (`solved`), `inverse_regularisation` its C; a design that solves all or none
+    of train gets that rate."""
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
 
     labels = solved(train.scores)
     out = np.zeros((len(texts), len(train.designs)))
-    for i in range(len(train.designs)):
-        if labels[i].all() or not labels[i].any():
-            out[:, i] = float(labels[i].mean())
+    for design in range(len(train.designs)):
+        if labels[design].all() or not labels[design].any():
+            out[:, design] = float(labels[design].mean())
             continue
         model = make_pipeline(TfidfVectorizer(sublinear_tf=True, **ANALYZERS[analyzer]),
-                              LogisticRegression(C=c, max_iter=2000))
-        model.fit(list(train.texts), labels[i])
-        out[:, i] = model.predict_proba(list(texts))[:, 1]
+                              LogisticRegression(C=inverse_regularisation, max_iter=2000))
+        model.fit(list(train.texts), labels[design])
+        out[:, design] = model.predict_proba(list(texts))[:, 1]
     return out
 
 
