@@ -141,14 +141,16 @@ KEPT_SHORT_NAMES = {
     "pipeline/engines/executors.py": ({"n"}, "an executor call's sample count: OpenAI's `n`, which `complete(..., n=)` "
                                       "takes by keyword from the sandbox's llm() calls"),
     "pipeline/engines/cache.py": ({"n"}, "the cached executor's `complete(..., n=)`, the executors' interface"),
+    "pipeline/studies/smc.py": ({"t", "i", "k", "L"}, "BayesFlow's Algorithm 1 in the module doc's symbols: step t, "
+                                "particle i, look-ahead rollout k; run_plain's L workflows a query (Mean@L), the name "
+                                "pipeline.api.sample takes it by"),
 }
 # TEMPORARY, to be emptied: files another change is rewriting, not yet audited for names. Remove a file from
 # this list once its names pass; the test fails on a listed file that has nothing flagged.
 NOT_YET_AUDITED = {
     "pipeline/api.py", "pipeline/cli.py",
     *(f"pipeline/perf/{name}.py" for name in ("curate", "rollout", "sandbox", "store", "train", "train_parity")),
-    *(f"pipeline/studies/{name}.py" for name in ("ablation", "baselines", "browse", "evaluate", "experiment",
-                                                 "headroom", "methods", "report", "router", "smc", "summaries")),
+    *(f"pipeline/studies/{name}.py" for name in ("browse", "report", "router")),
 }
 _NEW_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef,
                ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
