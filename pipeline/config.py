@@ -1086,22 +1086,22 @@ PLAN_ONLY = frozenset(p for p, kind in not_hashed_paths().items() if kind == "pl
 DRAW_ONLY = frozenset(p for p, kind in not_hashed_paths().items() if kind == "draw")
 
 
-def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
+def diff_configs(old: RunConfig, new: RunConfig) -> list[str]:
     """Dotted paths whose values differ, the fields and sections marked `not_hashed` but for `study` left out (used
     to refuse silently resuming a run with another config)."""
     out: list[str] = []
-    free = {path for path, kind in _marks(type(a)) if kind != "study"}  # PLAN_ONLY | DRAW_ONLY for a RunConfig
+    free = {path for path, kind in _marks(type(old)) if kind != "study"}  # PLAN_ONLY | DRAW_ONLY for a RunConfig
 
-    def walk(x: Any, y: Any, prefix: str) -> None:
+    def walk(old_value: Any, new_value: Any, prefix: str) -> None:
         if prefix in free:
             return
-        if isinstance(x, dict) and isinstance(y, dict):
-            for k in sorted(set(x) | set(y)):
-                walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
-        elif x != y:
+        if isinstance(old_value, dict) and isinstance(new_value, dict):
+            for k in sorted(set(old_value) | set(new_value)):
+                walk(old_value.get(k), new_value.get(k), f"{prefix}.{k}" if prefix else k)
+        elif old_value != new_value:
             out.append(prefix)
 
-    walk(json.loads(a.model_dump_json()), json.loads(b.model_dump_json()), "")
+    walk(json.loads(old.model_dump_json()), json.loads(new.model_dump_json()), "")
     return out
 
 
@@ -1213,9 +1213,9 @@ def config_reference() -> str:
 
     def section(model: type[BaseModel], path: str, mark: str | None) -> None:
         leaves, subs = [], []
-        for name, f in model.model_fields.items():
-            sub = _sub_model(f.annotation)
-            (subs if sub else leaves).append((name, f, sub))
+        for name, field in model.model_fields.items():
+            sub = _sub_model(field.annotation)
+            (subs if sub else leaves).append((name, field, sub))
         out.extend([f"## {path or 'Run'}", ""])
         doc = (model.__doc__ or "").strip() if model.__doc__ != BaseModel.__doc__ else ""
         if mark:
@@ -1224,14 +1224,14 @@ def config_reference() -> str:
             out.extend([" ".join(doc.split()), ""])
         if leaves:
             out.extend(["| field | default | help |", "|---|---|---|"])
-            for name, f, _ in leaves:
-                desc = " ".join((f.description or "").split()).replace("|", "\\|")
-                if (kind := _mark(f)) is not None:
+            for name, field, _ in leaves:
+                desc = " ".join((field.description or "").split()).replace("|", "\\|")
+                if (kind := _mark(field)) is not None:
                     desc += f" *Not hashed ({kind}).*"
-                out.append(f"| `{path + '.' if path else ''}{name}` | {_default_text(f)} | {desc} |")
+                out.append(f"| `{path + '.' if path else ''}{name}` | {_default_text(field)} | {desc} |")
             out.append("")
-        for name, f, sub in subs:
-            section(sub, f"{path}.{name}" if path else name, _mark(f))
+        for name, field, sub in subs:
+            section(sub, f"{path}.{name}" if path else name, _mark(field))
 
     section(RunConfig, "", None)
     return "\n".join(out).rstrip("\n") + "\n"

@@ -79,31 +79,33 @@ def run(config: str, sets: list[str], problems: int, concurrency: list[int], sco
         raise ConfigError(f"{config}: executor.serve is not set; this bench starts the executor's server itself")
     program = (program_file or DEFAULT_PROGRAM).read_text()
     prompts = [it.prompt for it in load_benchmark(cfg.benchmark).items()]
-    ex = cfg.executor
-    out: dict = {"config": str(config), "problems": len(prompts), "max_tokens": ex.max_tokens,
-                 "temperature": ex.temperature, "plain": [], "scoring": []}
+    executor = cfg.executor
+    out: dict = {"config": str(config), "problems": len(prompts), "max_tokens": executor.max_tokens,
+                 "temperature": executor.temperature, "plain": [], "scoring": []}
     with tempfile.TemporaryDirectory(prefix="bench-executor-") as tmp, \
             serving(cfg, ["executor"], Path(tmp) / "logs") as served:
         url, model = served.executor.base_url, served.executor.model
-        echo(f"server up at {url}; {len(prompts)} development problems, max_tokens {ex.max_tokens}, "
-             f"temperature {ex.temperature}")
+        echo(f"server up at {url}; {len(prompts)} development problems, max_tokens {executor.max_tokens}, "
+             f"temperature {executor.temperature}")
         # warm-up: the first requests pay for graph capture and caches
-        asyncio.run(plain_tokens_per_s(url, model, prompts[:2], 2, 16, ex.temperature))
-        for c in concurrency:
-            r = asyncio.run(plain_tokens_per_s(url, model, prompts, c, ex.max_tokens, ex.temperature))
-            out["plain"].append(r)
-            echo(f"plain client, {c:>3} at once: {r['tokens_per_s']:7.1f} tokens/s ({r['tokens']} tokens, "
-                 f"{r['wall_s']} s)")
-        for c in scoring:
-            r = scoring_tokens_per_s(config, sets, bench, str(Path(tmp) / "store"), url, program, c)
-            out["scoring"].append(r)
-            echo(f"score stage, {c:>3} at once: {r['tokens_per_s']:7.1f} tokens/s ({r['tokens']} tokens, "
-                 f"{r['llm_calls']} calls, {r['wall_s']} s, mean score {r['mean_score']})")
+        asyncio.run(plain_tokens_per_s(url, model, prompts[:2], 2, 16, executor.temperature))
+        for at_once in concurrency:
+            result = asyncio.run(plain_tokens_per_s(url, model, prompts, at_once, executor.max_tokens,
+                                                    executor.temperature))
+            out["plain"].append(result)
+            echo(f"plain client, {at_once:>3} at once: {result['tokens_per_s']:7.1f} tokens/s "
+                 f"({result['tokens']} tokens, {result['wall_s']} s)")
+        for at_once in scoring:
+            result = scoring_tokens_per_s(config, sets, bench, str(Path(tmp) / "store"), url, program, at_once)
+            out["scoring"].append(result)
+            echo(f"score stage, {at_once:>3} at once: {result['tokens_per_s']:7.1f} tokens/s "
+                 f"({result['tokens']} tokens, {result['llm_calls']} calls, {result['wall_s']} s, "
+                 f"mean score {result['mean_score']})")
     best = max(out["plain"], key=lambda r: r["tokens_per_s"])
     out["best_plain"] = best
-    for r in out["scoring"]:
-        r["ratio_to_best_plain"] = round(r["tokens_per_s"] / best["tokens_per_s"], 3)
-        echo(f"scoring at {r['concurrency']}: {r['ratio_to_best_plain']:.2f} of the server's best "
+    for result in out["scoring"]:
+        result["ratio_to_best_plain"] = round(result["tokens_per_s"] / best["tokens_per_s"], 3)
+        echo(f"scoring at {result['concurrency']}: {result['ratio_to_best_plain']:.2f} of the server's best "
              f"({best['tokens_per_s']} tokens/s at {best['concurrency']})")
     return out
 

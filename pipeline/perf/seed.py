@@ -131,14 +131,14 @@ def run_seed_bench(config: str | Path, out: str | Path, call, variants: list[str
     variants = variants or ["before", "after"]
     if "before" not in variants:
         raise ValueError("bench seed: the variants must hold `before`, the baseline of every ratio")
-    for v in variants:  # every name checked before anything runs
-        variant_changes(v, out)
-    for v in variants:
-        log.info("bench seed: variant %s (%s)", v, ", ".join(as_sets(VARIANTS[v])) or "the defaults")
-        run_experiment(config, call, seeds=1, sets=variant_sets(variant_changes(v, out), after=sets))
+    for variant in variants:  # every name checked before anything runs
+        variant_changes(variant, out)
+    for variant in variants:
+        log.info("bench seed: variant %s (%s)", variant, ", ".join(as_sets(VARIANTS[variant])) or "the defaults")
+        run_experiment(config, call, seeds=1, sets=variant_sets(variant_changes(variant, out), after=sets))
     parts, machines = [], {}
-    for v in variants:
-        got, machines[v] = variant_parts(config, v, out, sets)
+    for variant in variants:
+        got, machines[variant] = variant_parts(config, variant, out, sets)
         parts += got
     bench = SeedBench(str(config), str(out), variants, parts, machines)
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -57,16 +57,16 @@ def call_stage(call: StageCall, stage: str, run_id: str, round: int, store_root:
     (each skips or resumes by its own manifest), then the stage manifest once all are complete; the result is
     run_stage's for the whole stage (wall time from the first shard to the manifest), with the shards' results.
     `wait`: the manifest's writer waits for another holder of the stage's lease (the calls wait as `call` says)."""
-    kw = {"stage": stage, "run_id": run_id, "round": round, "store_root": store_root, "sets": sets}
-    kw |= {"only_failed": True} if only_failed else {}
+    stage_args = {"stage": stage, "run_id": run_id, "round": round, "store_root": store_root, "sets": sets}
+    stage_args |= {"only_failed": True} if only_failed else {}
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     if shards == 1 or not get_stage(stage).shardable:
-        return call(**kw)
+        return call(**stage_args)
     if not only_failed and stage_done(stage, run_id, round, store_root, sets):
-        return call(**kw)  # a finished stage is one skip, not one per shard
+        return call(**stage_args)  # a finished stage is one skip, not one per shard
     t0 = time.perf_counter()
-    parts = fan_out(call, [{**kw, "shard": (i, shards)} for i in range(shards)])
+    parts = fan_out(call, [{**stage_args, "shard": (i, shards)} for i in range(shards)])
     res = finish_shards(stage, run_id, round, store_root, shards, sets, only_failed, wait)
     res = dataclasses.replace(res, wall_s=round_s(time.perf_counter() - t0), shards=tuple(parts))
     record_timing(store_root, run_id, res)

@@ -103,8 +103,8 @@ class RetryPolicy:
 
         return {"retries": self.retries, "retry_delay_seconds": self.delay_s, "retry_condition_fn": condition}
 
-    def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
-        """fn(*args, **kwargs), retried on transient errors; the last error is raised as is."""
+    def call(self, function: Callable[..., Any], /, *args, **kwargs) -> Any:
+        """function(*args, **kwargs), retried on transient errors; the last error is raised as is."""
         import tenacity
 
         def warn(rs: tenacity.RetryCallState) -> None:
@@ -114,7 +114,7 @@ class RetryPolicy:
         retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(self.retries + 1),
                                      wait=tenacity.wait_fixed(self.delay_s),
                                      retry=tenacity.retry_if_exception(is_transient), before_sleep=warn, reraise=True)
-        return retrying(fn, *args, **kwargs)
+        return retrying(function, *args, **kwargs)
 
 
 def as_shard(shard: Shard | tuple[int, int] | list[int] | str | None) -> Shard | None:
@@ -244,22 +244,22 @@ def run_stage(stage: str, run_id: str, round: int, store_root: str, sets: list[s
     `StageError` naming it, before any work; with `wait`, this call blocks until it is gone. Failures raise
     `StageError`.
     """
-    st = get_stage(stage)
+    spec = get_stage(stage)
     sets = list(sets or [])
-    sh = as_shard(shard)
-    options = _options(st, only_failed, sh)
-    t0 = time.perf_counter()
+    this_shard = as_shard(shard)
+    options = _options(spec, only_failed, this_shard)
+    started = time.perf_counter()
     ctx = _open(stage, run_id, round, sets, store_root)
-    if (skip := _skip(ctx, st, sh, only_failed)) is not None:  # a finished stage is only read: no lease
+    if (skip := _skip(ctx, spec, this_shard, only_failed)) is not None:  # a finished stage is only read: no lease
         return skip
-    with stage_lease(ctx, st, sh, wait) as lease:
-        if (skip := _skip(ctx, st, sh, only_failed)) is not None:  # finished by the holder this call waited for
+    with stage_lease(ctx, spec, this_shard, wait) as lease:
+        if (skip := _skip(ctx, spec, this_shard, only_failed)) is not None:  # finished by the holder it waited for
             return skip
-        if st.isolated if isolate is None else isolate:
-            counts = _run_child(stage, run_id, round, str(ctx.store.root), sets, only_failed, sh, lease.fds)
+        if spec.isolated if isolate is None else isolate:
+            counts = _run_child(stage, run_id, round, str(ctx.store.root), sets, only_failed, this_shard, lease.fds)
         else:
-            counts = execute(ctx, st, **options)
-    return _result(stage, round, sh, False, time.perf_counter() - t0, counts)
+            counts = execute(ctx, spec, **options)
+    return _result(stage, round, this_shard, False, time.perf_counter() - started, counts)
 
 
 def _skip(ctx: RunContext, st: Stage, sh: Shard | None, only_failed: bool) -> StageResult | None:
@@ -271,7 +271,7 @@ def _skip(ctx: RunContext, st: Stage, sh: Shard | None, only_failed: bool) -> St
 
 
 @contextlib.contextmanager
-def stage_lease(ctx: RunContext, st: Stage, shard: Shard | None, wait: bool):
+def stage_lease(ctx: RunContext, spec: Stage, shard: Shard | None, wait: bool):
     """Hold the lease of one stage call of a round (pipeline/store/lease.py), from before its work until after its
     manifest; yields the lease whose `fds` a child process must keep open.
 
@@ -279,17 +279,17 @@ def stage_lease(ctx: RunContext, st: Stage, shard: Shard | None, wait: bool):
     whole-stage call of the same stage (which writes the same rows); an s3:// store has no shared lease, so there a
     whole-stage call and a sharded one of the same round are not kept apart (shards from each other are).
     Held elsewhere: a permanent StageError naming the holder (a retry cannot help while it runs; `wait` waits)."""
-    name, what = f"round-{ctx.round}.{st.name}", f"run {ctx.run_id!r} round {ctx.round} {_name(st.name, shard)}"
+    name, what = f"round-{ctx.round}.{spec.name}", f"run {ctx.run_id!r} round {ctx.round} {_name(spec.name, shard)}"
     try:
         with contextlib.ExitStack() as held:
             if shard is not None and not ctx.store.remote:
                 held.enter_context(ctx.store.lease(ctx.run_id, name, what, shared=True, wait=wait))
-            own = name if shard is None else f"round-{ctx.round}.{shard.manifest(st.name)}"
+            own = name if shard is None else f"round-{ctx.round}.{shard.manifest(spec.name)}"
             lease = held.enter_context(ctx.store.lease(ctx.run_id, own, what, wait=wait))
             yield lease
             lease.check()  # an S3 lease taken over mid-stage: say so rather than report a clean success
     except (LeaseHeld, LeaseLost) as e:
-        raise StageError(_name(st.name, shard), ctx.round, str(e), transient=False) from e
+        raise StageError(_name(spec.name, shard), ctx.round, str(e), transient=False) from e
 
 
 def finish_shards(stage: str, run_id: str, round: int, store_root: str, shards: int, sets: list[str] | None = None,
@@ -297,20 +297,20 @@ def finish_shards(stage: str, run_id: str, round: int, store_root: str, shards: 
     """Write a sharded stage's manifest once all `shards` shards have theirs (the stage's merge function, here: it
     only reads the store, under the stage's lease); a missing shard is work left (transient: re-running resumes
     it)."""
-    st = get_stage(stage)
-    t0 = time.perf_counter()
+    spec = get_stage(stage)
+    started = time.perf_counter()
     ctx = _open(stage, run_id, round, list(sets or []), store_root)
-    if (skip := _skip(ctx, st, None, only_failed)) is not None:
+    if (skip := _skip(ctx, spec, None, only_failed)) is not None:
         return skip
-    missing = [str(sh) for i in range(shards) if not st.done(ctx, sh := Shard(i, shards))]
+    missing = [str(sh) for i in range(shards) if not spec.done(ctx, sh := Shard(i, shards))]
     if missing:
         raise StageError(stage, round, f"work left, no manifest written: shard(s) {', '.join(missing)} not complete; "
                                        "re-running resumes them", transient=True)
-    with stage_lease(ctx, st, None, wait):
-        if (skip := _skip(ctx, st, None, only_failed)) is not None:
+    with stage_lease(ctx, spec, None, wait):
+        if (skip := _skip(ctx, spec, None, only_failed)) is not None:
             return skip
-        counts = execute(ctx, st, merge=True, **_options(st, only_failed))
-    return _result(stage, round, None, False, time.perf_counter() - t0, counts)
+        counts = execute(ctx, spec, merge=True, **_options(spec, only_failed))
+    return _result(stage, round, None, False, time.perf_counter() - started, counts)
 
 
 def stage_done(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None) -> bool:
@@ -364,16 +364,16 @@ def record_timing(store_root: str | Path, run_id: str, result: StageResult) -> N
 
 def child_main(argv: list[str] | None = None) -> int:
     """`python -m pipeline.stages STAGE --run-id R --round K --store ROOT --result FILE`: the child side."""
-    ap = argparse.ArgumentParser(prog="python -m pipeline.stages", description="Run one stage in this process.")
-    ap.add_argument("stage")
-    ap.add_argument("--run-id", required=True)
-    ap.add_argument("--round", type=int, required=True)
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--result", required=True, help="Where to write the JSON result.")
-    ap.add_argument("--only-failed", action="store_true")
-    ap.add_argument("--shard", help="INDEX/COUNT: this shard of the stage's queries only (shardable stages).")
-    ap.add_argument("--set", dest="sets", action="append", default=[])
-    a = ap.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m pipeline.stages", description="Run one stage in this process.")
+    parser.add_argument("stage")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--round", type=int, required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--result", required=True, help="Where to write the JSON result.")
+    parser.add_argument("--only-failed", action="store_true")
+    parser.add_argument("--shard", help="INDEX/COUNT: this shard of the stage's queries only (shardable stages).")
+    parser.add_argument("--set", dest="sets", action="append", default=[])
+    args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
         # the stage's own INFO lines (the dtype chosen and why, an adapter merged) reach the parent's log; only
         # pipeline's loggers, so libraries' per-request INFO lines stay out
@@ -384,18 +384,18 @@ def child_main(argv: list[str] | None = None) -> int:
         root.addHandler(handler)
     rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # as a launcher sets them
     try:
-        st = get_stage(a.stage)
-        if n > 1 and st.name != "train":
-            raise ValueError(f"stage {st.name!r} runs as one process; only train runs data-parallel "
-                             f"(unset PIPELINE_LAUNCHER_{st.name.upper()} or launch 1 process)")
-        ctx = open_run(None, a.run_id, a.round, a.sets, a.store)
+        spec = get_stage(args.stage)
+        if n > 1 and spec.name != "train":
+            raise ValueError(f"stage {spec.name!r} runs as one process; only train runs data-parallel "
+                             f"(unset PIPELINE_LAUNCHER_{spec.name.upper()} or launch 1 process)")
+        ctx = open_run(None, args.run_id, args.round, args.sets, args.store)
         if rank > 0:  # one writer: rank 0 discards what an unfinished attempt left; the others train
-            st = dataclasses.replace(st, discard=(), checkpoint=False)
-        body: dict[str, Any] = {"counts": execute(ctx, st, **_options(st, a.only_failed, as_shard(a.shard)))}
+            spec = dataclasses.replace(spec, discard=(), checkpoint=False)
+        body: dict[str, Any] = {"counts": execute(ctx, spec, **_options(spec, args.only_failed, as_shard(args.shard)))}
     except StageError as e:
         body = {"error": e.reason, "transient": e.transient}
     except Exception as e:  # config errors and the like: permanent, reported to the parent
         body = {"error": f"{type(e).__name__}: {e}", "transient": is_transient(e)}
     if rank == 0 or "error" in body:  # rank 0 reports; another rank only its own failure
-        Path(a.result if rank == 0 else f"{a.result}.rank{rank}").write_text(json.dumps(body, default=str))
+        Path(args.result if rank == 0 else f"{args.result}.rank{rank}").write_text(json.dumps(body, default=str))
     return 0 if "counts" in body else 1

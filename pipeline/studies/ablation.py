@@ -55,15 +55,15 @@ def ablation_dir(store: Store, run_id: str) -> Path:
 def summarise(store: Store, cfg, objectives: list[str], seeds: list[int], round: int) -> AblationSummary:
     """Per arm: its evaluations' means; per arm and metric: paired differences to the base model and to the
     reference arm (`objectives[0]`)."""
-    split, ex = cfg.experiment.eval_split, cfg.experiment
+    split, experiment = cfg.experiment.eval_split, cfg.experiment
     per_query: dict[tuple[int, str], dict[str, dict]] = {}  # (seed, arm) -> query -> row; arm "base" or objective
-    for s in seeds:
-        src = plan(cfg, [s])[0].run_id
+    for seed in seeds:
+        src = plan(cfg, [seed])[0].run_id
         runs = {BASE_ARM: eval_run_id(src, BASE, split)} | {
             o: eval_run_id(arm_run_id(src, o, objectives[0]), round, split) for o in objectives}
         for arm, eid in runs.items():
             if (store.run_dir(eid) / "config.yaml").is_file():
-                per_query[(s, arm)] = {q["query_id"]: q for q in eval_summary(store, eid).per_query}
+                per_query[(seed, arm)] = {q["query_id"]: q for q in eval_summary(store, eid).per_query}
     arms, paired = [], []
     for arm in [BASE_ARM, *objectives]:
         rows = [q for (s, a), qs in per_query.items() if a == arm for q in qs.values()]
@@ -78,17 +78,17 @@ def summarise(store: Store, cfg, objectives: list[str], seeds: list[int], round:
                 continue
             for metric in compared_metrics(cfg):
                 pairs = []
-                for s in seeds:
-                    mine, theirs = per_query.get((s, arm)), per_query.get((s, against))
+                for seed in seeds:
+                    mine, theirs = per_query.get((seed, arm)), per_query.get((seed, against))
                     if mine and theirs:
                         a = {q: r[metric] for q, r in mine.items() if r.get(metric) is not None}
                         b = {q: r[metric] for q, r in theirs.items() if r.get(metric) is not None}
-                        pairs += [(s, q, d) for q, d in paired_differences(a, b).items()]
+                        pairs += [(seed, q, d) for q, d in paired_differences(a, b).items()]
                 if pairs:
                     paired.append(ArmDiff(arm=arm, against=against, metric=metric,
-                                          **paired_interval(pairs, seeds, ex)))
+                                          **paired_interval(pairs, seeds, experiment)))
     return AblationSummary(experiment=cfg.run_id, round=round, objectives=objectives, seeds=seeds, split=split,
-                           eval_queries=ex.eval_queries, eval_l=ex.eval_l, arms=arms, paired=paired)
+                           eval_queries=experiment.eval_queries, eval_l=experiment.eval_l, arms=arms, paired=paired)
 
 
 def write_results(store: Store, summary: AblationSummary, extra: dict) -> Path:
@@ -107,39 +107,39 @@ def run_ablation(config: str | Path, call, objectives: list[str] | None = None, 
     path, sets, cfg = study_config(config, sets, run_id)
     ref = cfg.training.objective
     objectives = [ref] + [o for o in (objectives or OBJECTIVES) if o != ref]  # the reference arm first
-    for o in objectives:
-        get_objective(o)  # an unknown name fails before any work
+    for objective in objectives:
+        get_objective(objective)  # an unknown name fails before any work
     if len(set(objectives)) != len(objectives):
         raise ValueError(f"objectives repeat: {objectives}")
     if round < 0:
         raise ValueError(f"--round must be >= 0, got {round}")
     store, split = store_for(cfg.store), cfg.experiment.eval_split
-    t0, done, walls = time.perf_counter(), [], {}
-    for sp in plan(cfg, list(range(seeds)) if seeds is not None else None):
+    started, done, walls = time.perf_counter(), [], {}
+    for seed_plan in plan(cfg, list(range(seeds)) if seeds is not None else None):
         t_seed = time.perf_counter()
-        src = sp.run_id
-        src_sets = variant_sets(sp.changes, before=sets)
+        src = seed_plan.run_id
+        src_sets = variant_sets(seed_plan.changes, before=sets)
         open_run(path, src, 0, src_sets)  # freeze the source run
         for k in range(round + 1):  # round `round` trained with CONFIG's objective: the reference arm
             for stage in ROUND_STAGES:
                 call(stage=stage, run_id=src, round=k, store_root=str(store.root), sets=src_sets)
-        log.info("seed %d: evaluating the base model and %s on %s", sp.seed, ref, split)
+        log.info("seed %d: evaluating the base model and %s on %s", seed_plan.seed, ref, split)
         evaluation = eval_changes(cfg)
         evaluate_tracked(str(store.root), src, BASE, split, call=call, changes=evaluation)
         evaluate_tracked(str(store.root), src, round, split, call=call, changes=evaluation)
-        for o in objectives[1:]:
-            arm = arm_run_id(src, o, ref)
-            arm_all = variant_sets(sp.changes | arm_changes(src, o), before=sets)
+        for objective in objectives[1:]:
+            arm = arm_run_id(src, objective, ref)
+            arm_all = variant_sets(seed_plan.changes | arm_changes(src, objective), before=sets)
             open_run(path, arm, round, arm_all)  # freeze the arm: CONFIG + seed + objective + data_run
-            log.info("seed %d: training %s on %s's round %d", sp.seed, o, src, round)
+            log.info("seed %d: training %s on %s's round %d", seed_plan.seed, objective, src, round)
             call(stage="train", run_id=arm, round=round, store_root=str(store.root), sets=arm_all)
             evaluate_tracked(str(store.root), arm, round, split, call=call, changes=evaluation)
-        walls[sp.seed] = round_s(time.perf_counter() - t_seed)
-        done.append(sp.seed)
+        walls[seed_plan.seed] = round_s(time.perf_counter() - t_seed)
+        done.append(seed_plan.seed)
         summary = summarise(store, cfg, objectives, done, round)
         out = write_results(store, summary, {"command": command, "seed_wall_s": walls, "config": str(path),
-                                             "sets": sets, "wall_s": round_s(time.perf_counter() - t0)})
-        log.info("after seed %d:\n%s", sp.seed, summary.table())
+                                             "sets": sets, "wall_s": round_s(time.perf_counter() - started)})
+        log.info("after seed %d:\n%s", seed_plan.seed, summary.table())
     summary.results = str(out)
-    summary.wall_s = round_s(time.perf_counter() - t0)
+    summary.wall_s = round_s(time.perf_counter() - started)
     return summary

@@ -272,13 +272,14 @@ def candidate_programs(store: Store, runs: list[str], limit: int) -> list[tuple[
             raise ConfigError(f"--candidates: run {run!r} not found under {store.root}")
     if not runs or limit <= 0:
         return out
-    df = store.sql("SELECT s.run_id, s.gen_id, s.query_id, s.score, g.text FROM generation_scores s JOIN "
-                   "(SELECT run_id, round, gen_id, any_value(text) AS text FROM generations GROUP BY ALL) g "
-                   "USING (run_id, round, gen_id) WHERE s.run_id IN (SELECT unnest($runs)) AND s.round = 0 "
-                   "AND s.kind = 'workflow' AND s.valid AND s.score > 0 ORDER BY s.score DESC, s.run_id, s.gen_id",
-                   {"runs": runs})
+    scored = store.sql(
+        "SELECT s.run_id, s.gen_id, s.query_id, s.score, g.text FROM generation_scores s JOIN "
+        "(SELECT run_id, round, gen_id, any_value(text) AS text FROM generations GROUP BY ALL) g "
+        "USING (run_id, round, gen_id) WHERE s.run_id IN (SELECT unnest($runs)) AND s.round = 0 "
+        "AND s.kind = 'workflow' AND s.valid AND s.score > 0 ORDER BY s.score DESC, s.run_id, s.gen_id",
+        {"runs": runs})
     added = 0
-    for run, gid, qid, score, text in df.iter_rows():
+    for run, gid, qid, score, text in scored.iter_rows():
         code = extract_code(text or "")
         key = program_key(code)
         if added >= limit or key in seen:
@@ -293,16 +294,17 @@ def select_per_task(rows: list[dict]) -> dict[str, dict]:
     """`rows`: one per (candidate run on a selection query): task, label, order (the candidate's index), score,
     exec_tokens. Per task the candidate with the best mean score; ties: fewer mean executor tokens, then the lower
     order. Returns task -> {label, order, mean_score, exec_tokens, queries}."""
-    by: dict[tuple[str, str], dict] = {}
-    for r in rows:
-        b = by.setdefault((r["task"], r["label"]), {"label": r["label"], "order": r["order"], "scores": [],
-                                                     "tokens": []})
-        b["scores"].append(r["score"])
-        b["tokens"].append(r["exec_tokens"])
+    by_candidate: dict[tuple[str, str], dict] = {}
+    for row in rows:
+        tally = by_candidate.setdefault((row["task"], row["label"]), {"label": row["label"], "order": row["order"],
+                                                                      "scores": [], "tokens": []})
+        tally["scores"].append(row["score"])
+        tally["tokens"].append(row["exec_tokens"])
     best: dict[str, dict] = {}
-    for (task, _), b in by.items():
-        cand = {"label": b["label"], "order": b["order"], "mean_score": sum(b["scores"]) / len(b["scores"]),
-                "exec_tokens": sum(b["tokens"]) / len(b["tokens"]), "queries": len(b["scores"])}
+    for (task, _), tally in by_candidate.items():
+        cand = {"label": tally["label"], "order": tally["order"],
+                "mean_score": sum(tally["scores"]) / len(tally["scores"]),
+                "exec_tokens": sum(tally["tokens"]) / len(tally["tokens"]), "queries": len(tally["scores"])}
         rank = (-cand["mean_score"], cand["exec_tokens"], cand["order"])
         if task not in best or rank < (-best[task]["mean_score"], best[task]["exec_tokens"], best[task]["order"]):
             best[task] = cand
@@ -312,13 +314,14 @@ def select_per_task(rows: list[dict]) -> dict[str, dict]:
 def _selection_rows(store: Store, run_id: str, tasks: dict[str, str]) -> list[dict]:
     """The selection run's scores as `select_per_task` rows, without a candidate's run on its own query (tokens as
     floats: DuckDB sums them as decimals, which JSON would write as strings)."""
-    df = store.sql("SELECT s.query_id, s.slot, s.score, coalesce(s.tokens_in, 0) + coalesce(s.tokens_out, 0) AS tok, "
-                   "g.model, g.sampling FROM generation_scores s JOIN (SELECT run_id, round, gen_id, any_value(model) "
-                   "AS model, any_value(sampling) AS sampling FROM generations GROUP BY ALL) g "
-                   "USING (run_id, round, gen_id) WHERE s.run_id = $run AND s.round = 0 AND s.kind = 'workflow'",
-                   {"run": run_id})
+    scored = store.sql(
+        "SELECT s.query_id, s.slot, s.score, coalesce(s.tokens_in, 0) + coalesce(s.tokens_out, 0) AS tok, "
+        "g.model, g.sampling FROM generation_scores s JOIN (SELECT run_id, round, gen_id, any_value(model) "
+        "AS model, any_value(sampling) AS sampling FROM generations GROUP BY ALL) g "
+        "USING (run_id, round, gen_id) WHERE s.run_id = $run AND s.round = 0 AND s.kind = 'workflow'",
+        {"run": run_id})
     return [{"task": tasks[q], "label": m, "order": slot, "score": 0.0 if s is None else s, "exec_tokens": float(tok)}
-            for q, slot, s, tok, m, prov in df.iter_rows() if json.loads(prov or "{}").get("query_id") != q]
+            for q, slot, s, tok, m, prov in scored.iter_rows() if json.loads(prov or "{}").get("query_id") != q]
 
 
 def selection_split(cfg) -> str:
@@ -342,7 +345,7 @@ def run_task_best(config: str, call, run_id: str | None = None, split: str = "te
     chosen = select_per_task(_selection_rows(sel.store, sel.run_id, {q["query_id"]: q["task"] for q in sel_queries}))
     by_label = {label: (code, extra) for label, code, extra in progs}
     ctx = open_baseline_run(config, TASK_BEST, run_id, split, sets)
-    L, queries = ctx.cfg.rollout.m, write_queries(ctx)
+    samples, queries = ctx.cfg.rollout.m, write_queries(ctx)
     missing = sorted({q["task"] for q in queries} - set(chosen))
     if missing:
         raise ConfigError(f"task_best: no selection query of task(s) {missing}; raise benchmark.max_queries")
@@ -351,7 +354,7 @@ def run_task_best(config: str, call, run_id: str | None = None, split: str = "te
         win = chosen[q["task"]]
         code, extra = by_label[win["label"]]
         prov = {"method": TASK_BEST, "selected_on": sel.run_id, "selection_mean": win["mean_score"], **extra}
-        per_query[q["query_id"]] = [(win["label"], code, prov)] * L
+        per_query[q["query_id"]] = [(win["label"], code, prov)] * samples
     write_programs(ctx, per_query)
     _score(ctx, call, sets)
     summary = eval_summary(ctx.store, ctx.run_id)

@@ -82,16 +82,16 @@ def eval_changes(cfg: RunConfig) -> dict[str, Any]:
     temperature when it is not the rollout's (explore while training, sample as chosen on dev when evaluating; the
     design step too: an exploring choice_temperature would credit the policy with the exploration's choices) and
     common random numbers for the executor (`experiment.common_random_numbers`)."""
-    ex = cfg.experiment
+    experiment = cfg.experiment
     changes = held_out_queries(cfg)
-    if ex.eval_temperature is not None:
-        changes["generator.temperature"] = ex.eval_temperature
+    if experiment.eval_temperature is not None:
+        changes["generator.temperature"] = experiment.eval_temperature
     if cfg.rollout.choice_step and cfg.rollout.choice_temperature is not None:
         changes["rollout.choice_temperature"] = None  # the design at the policy's own odds, not the exploration's
     if get_mode(cfg.rollout.mode).evaluated_as == "flat":  # L samples per query (refine runs are evaluated flat)
-        changes["rollout.m"] = ex.eval_l
+        changes["rollout.m"] = experiment.eval_l
     # the arms an experiment pairs share the executor's noise: the same call on the same query and slot, one sample
-    return changes | {"executor.common_random_numbers": ex.common_random_numbers}
+    return changes | {"executor.common_random_numbers": experiment.common_random_numbers}
 
 
 def _evaluated_as(mode: str) -> dict[str, Any]:
@@ -256,14 +256,14 @@ def usage_summary(usage: list[dict]) -> dict:
         return {"gen_tokens_per_query": None, "exec_tokens_per_query": None, "exec_computed_tokens_per_query": None,
                 "exec_calls_per_query": None, "cost_usd_per_query": None, "cache_hit_rate": None,
                 "truncated_share": None}
-    n, calls = len(usage), sum(u["exec_calls"] for u in usage)
+    queries, calls = len(usage), sum(u["exec_calls"] for u in usage)
     known = sum(u.get("exec_known_calls") or 0 for u in usage)
-    return {"gen_tokens_per_query": sum(u["gen_tokens_in"] + u["gen_tokens_out"] for u in usage) / n,
-            "exec_tokens_per_query": sum(u["exec_tokens_in"] + u["exec_tokens_out"] for u in usage) / n,
+    return {"gen_tokens_per_query": sum(u["gen_tokens_in"] + u["gen_tokens_out"] for u in usage) / queries,
+            "exec_tokens_per_query": sum(u["exec_tokens_in"] + u["exec_tokens_out"] for u in usage) / queries,
             "exec_computed_tokens_per_query":
-                sum(u["exec_computed_tokens_in"] + u["exec_computed_tokens_out"] for u in usage) / n,
-            "exec_calls_per_query": calls / n,
-            "cost_usd_per_query": sum(u["gen_cost_usd"] + u["exec_cost_usd"] for u in usage) / n,
+                sum(u["exec_computed_tokens_in"] + u["exec_computed_tokens_out"] for u in usage) / queries,
+            "exec_calls_per_query": calls / queries,
+            "cost_usd_per_query": sum(u["gen_cost_usd"] + u["exec_cost_usd"] for u in usage) / queries,
             "cache_hit_rate": sum(u["exec_cached_calls"] for u in usage) / calls if calls else None,
             "truncated_share": sum(u.get("exec_truncated_calls") or 0 for u in usage) / known if known else None}
 

@@ -177,13 +177,13 @@ def pair_rows(cfg: RunConfig, seeds: list[int], per_query: list[dict], rounds: l
     pooled over seeds (`paired_interval`), with both arms' means; `reference`: the arm `base_of` reads, if not the
     base model."""
     rows = []
-    for k in rounds:
+    for round_number in rounds:
         for metric in metrics:
             base = {s: base_of(s, metric) for s in seeds}
-            arm = {s: query_values(per_query, s, k, metric) for s in seeds}
+            arm = {s: query_values(per_query, s, round_number, metric) for s in seeds}
             pairs = [(s, q, d) for s in seeds for q, d in paired_differences(arm[s], base[s]).items()]
             if pairs:
-                rows.append(RoundDiff(reference=reference, round=k, metric=metric,
+                rows.append(RoundDiff(reference=reference, round=round_number, metric=metric,
                                       base=mean_or_none([v for b in base.values() for v in b.values()]),
                                       trained=mean_or_none([v for x in arm.values() for v in x.values()]),
                                       **paired_interval(pairs, seeds, cfg.experiment)))
@@ -193,14 +193,14 @@ def pair_rows(cfg: RunConfig, seeds: list[int], per_query: list[dict], rounds: l
 def curve(cfg: RunConfig, seeds: list[int], per_query: list[dict]) -> list[CurvePoint]:
     """Per evaluated round and metric: the mean over (seed, query) with its seeds-then-queries interval, and each
     seed's own mean (the report's held-out curve)."""
-    ex, rows = cfg.experiment, []
-    for k in eval_rounds(cfg):
+    experiment, rows = cfg.experiment, []
+    for round_number in eval_rounds(cfg):
         for metric in compared_metrics(cfg):
-            by_seed = {s: v for s in seeds if (v := query_values(per_query, s, k, metric))}
+            by_seed = {s: v for s in seeds if (v := query_values(per_query, s, round_number, metric))}
             if by_seed:
-                ci = hierarchical_ci([(s, q, x) for s, v in by_seed.items() for q, x in v.items()], ex.bootstrap,
-                                     ex.ci_level, seed=0)
-                rows.append(CurvePoint(round=k, metric=metric, **asdict(ci),
+                ci = hierarchical_ci([(s, q, x) for s, v in by_seed.items() for q, x in v.items()],
+                                     experiment.bootstrap, experiment.ci_level, seed=0)
+                rows.append(CurvePoint(round=round_number, metric=metric, **asdict(ci),
                                        per_seed=[SeedMean(seed=s, mean=mean_or_none(list(v.values())))
                                                  for s, v in by_seed.items()]))
     return rows
@@ -232,10 +232,10 @@ def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[
     experiment's CONFIG would make the same baseline runs (pipeline.studies.baselines.baseline_changes): a
     ConfigError naming the run and the fields otherwise, or a missing run with the command that makes it. The same
     for its runs on `select_split` that exist (a missing one is listed by `selection`, never chosen)."""
-    ex = cfg.experiment
-    checks = [(ex.eval_split, sets, True)]
-    if ex.select_split is not None:
-        checks.append((ex.select_split, variant_sets(select_changes(cfg), before=sets), False))
+    experiment = cfg.experiment
+    checks = [(experiment.eval_split, sets, True)]
+    if experiment.select_split is not None:
+        checks.append((experiment.select_split, variant_sets(select_changes(cfg), before=sets), False))
     for split, extra, required in checks:
         mine = load_config(config, extra)
         wanted = load_config(config, variant_sets(derived_run_changes(split, mine) | eval_changes(mine), after=extra))
@@ -244,7 +244,7 @@ def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[
                 if not required:
                     continue
                 raise ConfigError(f"reference run {rid} not found under {store.root}: make it with `pipeline "
-                                  f"baseline CONFIG --run-id {ex.references_from} --method {m}`")
+                                  f"baseline CONFIG --run-id {experiment.references_from} --method {m}`")
             # this experiment's plan (seeds, rounds evaluated) is its own; L and the queries are in rollout and
             # benchmark
             changed = [p for p in baseline_changes(load_config(store.run_dir(rid) / "config.yaml"), wanted)
@@ -281,19 +281,19 @@ def router_designs(cfg: RunConfig) -> list[str]:
 def routers(store: Store, cfg: RunConfig, held_out: list[ReferenceArm]) -> list[ReferenceArm]:
     """`experiment.router`'s arms on the held-out queries (pipeline.studies.router), once every design has finished
     its runs on the fit split, dev and the held-out split; none before (logged)."""
-    rc = cfg.experiment.router
-    if rc is None:
+    router = cfg.experiment.router
+    if router is None:
         return []
     from pipeline.studies.router import router_arms
 
     labels = [method_tag(d) for d in router_designs(cfg)]
-    fit_on, dev = references(store, cfg, rc.fit_split), references(store, cfg, cfg.experiment.select_split)
+    fit_on, dev = references(store, cfg, router.fit_split), references(store, cfg, cfg.experiment.select_split)
     if any(not [a for a in arms if a.label == lab and not a.pending] for arms in (fit_on, dev, held_out)
            for lab in labels):
-        log.info("router: the designs' runs on %s, %s and the held-out split are not all finished yet", rc.fit_split,
-                 cfg.experiment.select_split)
+        log.info("router: the designs' runs on %s, %s and the held-out split are not all finished yet",
+                 router.fit_split, cfg.experiment.select_split)
         return []
-    arms, _ = router_arms(store, labels, fit_on, dev, held_out, rc.c_grid, rc.analyzers)
+    arms, _ = router_arms(store, labels, fit_on, dev, held_out, router.c_grid, router.analyzers)
     return arms
 
 
@@ -321,15 +321,16 @@ def best_fixed(chosen_on: list[ReferenceArm], held_out: list[ReferenceArm], budg
 def selection(store: Store, cfg: RunConfig, arms: list[ExperimentArm], refs: list[ReferenceArm]) -> Selection | None:
     """`best_fixed` on `experiment.select_split`, the budget the last evaluated round's executor tokens per query
     (mean over seeds); the references not run there yet listed as `missing`. None without a select_split."""
-    ex = cfg.experiment
-    if ex.select_split is None:
+    experiment = cfg.experiment
+    if experiment.select_split is None:
         return None
     last = max(eval_rounds(cfg))
     spent = [a.exec_tokens_per_query for a in arms if a.round == last and a.exec_tokens_per_query is not None]
-    chosen_on = references(store, cfg, ex.select_split)
+    chosen_on = references(store, cfg, experiment.select_split)
     done = {r.method for r in chosen_on}
-    return replace(best_fixed(chosen_on, refs, mean_or_none(spent), ex.budget_slack), split=ex.select_split,
-                   last_round=last, missing=[method_tag(m) for m in ex.references if m not in done])
+    return replace(best_fixed(chosen_on, refs, mean_or_none(spent), experiment.budget_slack),
+                   split=experiment.select_split, last_round=last,
+                   missing=[method_tag(m) for m in experiment.references if m not in done])
 
 
 def evaluated(store: Store, cfg: RunConfig, seed: int, seeds: list[int]) -> bool:
@@ -338,21 +339,23 @@ def evaluated(store: Store, cfg: RunConfig, seed: int, seeds: list[int]) -> bool
                is not None for k in seed_rounds(cfg, seed, seeds))
 
 
-def set_aside_evaluations(store: Store, cfg: RunConfig, sp: SeedPlan, seeds: list[int], lost: int | None) -> list[str]:
-    """The evaluation runs of seed `sp`'s checkpoints from round `lost` on, when its rounds are about to train
+def set_aside_evaluations(store: Store, cfg: RunConfig, seed_plan: SeedPlan, seeds: list[int],
+                          lost: int | None) -> list[str]:
+    """The evaluation runs of seed `seed_plan`'s checkpoints from round `lost` on, when its rounds are about to train
     them again (`lost`: pipeline.stages.rounds.lost_weights, a checkpoint gone after its train stage finished):
     moved intact under the seed run's `stale/` folder (Store.set_aside), where no view reads them, so that they
     sample again with the new weights instead of being reused. Returns their ids."""
     if lost is None:
         return []
     split = cfg.experiment.eval_split
-    stale = [eid for k in seed_rounds(cfg, sp.seed, seeds)
-             if k >= lost and store.run_dir(eid := eval_run_id(sp.run_id, k, split)).exists()]
+    stale = [eid for k in seed_rounds(cfg, seed_plan.seed, seeds)
+             if k >= lost and store.run_dir(eid := eval_run_id(seed_plan.run_id, k, split)).exists()]
     if stale:
-        why = f"run {sp.run_id}: round {lost}'s checkpoint is gone and trains again, so evaluations {stale} are stale"
-        where = store.set_aside(sp.run_id, [store.run_dir(e) for e in stale], why)
+        why = (f"run {seed_plan.run_id}: round {lost}'s checkpoint is gone and trains again, so evaluations {stale} "
+               "are stale")
+        where = store.set_aside(seed_plan.run_id, [store.run_dir(e) for e in stale], why)
         log.warning("seed %d: round %d's checkpoint is gone and trains again; the evaluations of its checkpoints "
-                    "from round %d on (%s) are moved, intact, to %s, and run again", sp.seed, lost, lost,
+                    "from round %d on (%s) are moved, intact, to %s, and run again", seed_plan.seed, lost, lost,
                     ", ".join(stale), where)
     return stale
 
@@ -362,17 +365,17 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
     difference to the base model with its bootstrap interval (the first seed's base for every seed when
     `shared_base`); the curve over rounds; each reference's summary and every round's paired difference to it (the
     reference's per-query value is the base of every seed)."""
-    split, ex = cfg.experiment.eval_split, cfg.experiment
+    split, experiment = cfg.experiment.eval_split, cfg.experiment
     arms, per_query = [], []
-    for s in seeds:
-        for k in seed_rounds(cfg, s, seeds):
-            eid = eval_run_id(seed_run_id(cfg.run_id, s), k, split)
+    for seed in seeds:
+        for round_number in seed_rounds(cfg, seed, seeds):
+            eid = eval_run_id(seed_run_id(cfg.run_id, seed), round_number, split)
             if not (store.run_dir(eid) / "config.yaml").is_file():
                 continue
             summ = eval_summary(store, eid)
-            arms.append(ExperimentArm.of(s, k, summ))
-            per_query += [{"seed": s, "round": k, **q} for q in summ.per_query]
-    base_seed = (lambda s: seeds[0]) if ex.shared_base else (lambda s: s)
+            arms.append(ExperimentArm.of(seed, round_number, summ))
+            per_query += [{"seed": seed, "round": round_number, **q} for q in summ.per_query]
+    base_seed = (lambda s: seeds[0]) if experiment.shared_base else (lambda s: s)
     paired = pair_rows(cfg, seeds, per_query, [k for k in eval_rounds(cfg) if k != BASE], compared_metrics(cfg),
                        lambda s, m: query_values(per_query, base_seed(s), BASE, m))
     refs = references(store, cfg)
@@ -383,7 +386,8 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
     # training runs' rewarded samples whose code touched the harness's surface (docs/sandbox.md, scores.flags)
     flagged = {seed_run_id(cfg.run_id, s): flagged_rewarded(store, seed_run_id(cfg.run_id, s)) for s in seeds}
     return ExperimentSummary(experiment=cfg.run_id, seeds=seeds, rounds=cfg.rounds, split=split,
-                             eval_queries=ex.eval_queries, eval_l=ex.eval_l, shared_base=ex.shared_base, arms=arms,
+                             eval_queries=experiment.eval_queries, eval_l=experiment.eval_l,
+                             shared_base=experiment.shared_base, arms=arms,
                              paired=paired, curve=curve(cfg, seeds, per_query), references=refs,
                              paired_references=against, selection=selection(store, cfg, arms, refs),
                              per_query=per_query, flagged_rewarded=flagged,
@@ -416,21 +420,21 @@ def keep_adapter(store: Store, cfg: RunConfig, seed: int, round: int | None = No
     already kept; None without a complete checkpoint (a store cloned from git) or on object storage, or for an
     earlier round."""
     run_id, last = kept_round(cfg, seed)
-    k = last if round is None else round
+    round_number = last if round is None else round
     if store.remote:  # never committed to git: its checkpoints stay in the bucket, where any machine can read them
-        log.info("seed %d: the s3:// store keeps its adapter as round %d's checkpoint only", seed, k)
+        log.info("seed %d: the s3:// store keeps its adapter as round %d's checkpoint only", seed, round_number)
         return None
-    ckpt = store.checkpoint_dir(run_id, k)
+    ckpt = store.checkpoint_dir(run_id, round_number)
     if not adapter_complete(ckpt):
         return None
-    notes: dict[str, str | bytes] = {"README.md": adapter_readme(cfg, seed, store, k),
+    notes: dict[str, str | bytes] = {"README.md": adapter_readme(cfg, seed, store, round_number),
                                      KEPT_SOURCE: weights_sha256(ckpt) + "\n"}
     try:
         notes[ADAPTER_WEIGHTS] = half_weights((ckpt / ADAPTER_WEIGHTS).read_bytes())  # half the bytes for git
     except ValueError as e:  # kept as trained: the evaluations read the same file and will say what is wrong
         log.warning("seed %d: %s: %s; kept as it is", seed, ckpt / ADAPTER_WEIGHTS, e)
-    store.keep_adapter(run_id, k, notes)
-    if k != last:
+    store.keep_adapter(run_id, round_number, notes)
+    if round_number != last:
         return None
     kept = kept_adapter(store, cfg, seed)
     log.info("%s, under %s", kept.line(), store.root)
@@ -456,21 +460,22 @@ def drop_resume_copies(store: Store, cfg: RunConfig, seed: int) -> None:
             shutil.rmtree(folder)
 
 
-def adapter_readme(cfg: RunConfig, seed: int, store: Store, k: int | None = None) -> str:
+def adapter_readme(cfg: RunConfig, seed: int, store: Store, round_number: int | None = None) -> str:
     """A kept adapter's README.md: what it is and the commands that evaluate, load and serve it, with the base and the
     folder as the config names them (an embedded or hub id; a store kept in git: a path relative to the repository's
     root)."""
     (run_id, last), base = kept_round(cfg, seed), cfg.generator.model
-    k = last if k is None else k
-    folder = PurePosixPath(cfg.store.root) / store.adapter_dir(run_id, k).relative_to(store.root).as_posix()
+    round_number = last if round_number is None else round_number
+    folder = PurePosixPath(cfg.store.root) / store.adapter_dir(run_id, round_number).relative_to(store.root).as_posix()
     base_dir = f"the folder `pipeline prepare-model {base}` prints" if base.startswith("embedded:") else f"`{base}`"
     rank = 1 << max(3, (cfg.training.lora_r - 1).bit_length())  # vLLM takes powers of two from 8 up
-    which, resume = ("the last", "") if k == last else ("not the last", (
+    which, resume = ("the last", "") if round_number == last else ("not the last", (
         "\nIt is kept only while the seed runs, so that a fresh clone of the store resumes the run instead of training "
         "this round again,\nand goes once the seed is evaluated.\n"))
+    trained = f"round {round_number}, {which} of {cfg.rounds}"
     return f"""# {folder.name}
 
-The LoRA adapter (peft: adapter_config.json, adapter_model.safetensors) that round {k}, {which} of {cfg.rounds},
+The LoRA adapter (peft: adapter_config.json, adapter_model.safetensors) that {trained},
 of run `{run_id}` trained: seed {seed} of the experiment `{cfg.run_id}`. Its base model is `{base}`
 (adapter_config.json names it too); config.yaml is the run's frozen config. Its weights are the checkpoint's,
 rounded to float16 for size; loaders cast them to the model's dtype.
@@ -495,7 +500,7 @@ def status(store: Store, cfg: RunConfig, seeds: list[int]) -> list[dict]:
     """Where the experiment stands, read from the store (nothing runs): per stage of every run of the plan (the
     seeds' rounds, their evaluations, the references on the held-out split and on `select_split`), whether it is
     done (its manifest), its wall seconds (the last run that did work, `stage_timings`) and its workflows."""
-    split, ex = cfg.experiment.eval_split, cfg.experiment
+    split, experiment = cfg.experiment.eval_split, cfg.experiment
     held_out = planned_workflows(cfg, "evaluate")
     runs: list[PlannedRun] = []
     for s in seeds:
@@ -503,9 +508,9 @@ def status(store: Store, cfg: RunConfig, seeds: list[int]) -> list[dict]:
         runs += [("evaluate", eval_run_id(seed_run_id(cfg.run_id, s), k, split), 1, EVAL_STAGES, held_out)
                  for k in seed_rounds(cfg, s, seeds)]
     runs += [("reference", rid, 1, EVAL_STAGES, held_out) for rid in reference_runs(cfg).values()]
-    if ex.select_split is not None:
-        runs += [(f"reference on {ex.select_split}", rid, 1, EVAL_STAGES, planned_workflows(cfg, "select"))
-                 for rid in reference_runs(cfg, ex.select_split).values()]
+    if experiment.select_split is not None:
+        runs += [(f"reference on {experiment.select_split}", rid, 1, EVAL_STAGES, planned_workflows(cfg, "select"))
+                 for rid in reference_runs(cfg, experiment.select_split).values()]
     return stage_rows(store, runs)
 
 
@@ -568,27 +573,27 @@ def time_left(rows: list[dict], machine: str | None = None) -> tuple[float, int,
     its programs in the command, not as a timed stage."""
     walls: dict[tuple, list[float]] = {}
     rates: dict[tuple, list[float]] = {}  # key -> [seconds, workflows] of the done stages counted
-    for r in rows:
-        if r["done"]:
-            mine = machine is not None and r.get("machine") == machine
-            for key in ((r["part"], r["stage"]), (r["stage"],)):
+    for row in rows:
+        if row["done"]:
+            mine = machine is not None and row.get("machine") == machine
+            for key in ((row["part"], row["stage"]), (row["stage"],)):
                 for k in ((*key, machine), key) if mine else (key,):
-                    walls.setdefault(k, []).append(r["wall_s"] or 0.0)
-                    if r.get("workflows"):
+                    walls.setdefault(k, []).append(row["wall_s"] or 0.0)
+                    if row.get("workflows"):
                         acc = rates.setdefault(k, [0.0, 0])
-                        acc[0] += r["wall_s"] or 0.0
-                        acc[1] += r["workflows"]
+                        acc[0] += row["wall_s"] or 0.0
+                        acc[1] += row["workflows"]
     known, unknown, elsewhere = 0.0, 0, 0
-    for r in (r for r in rows if not r["done"]):
-        kinds = ((r["part"], r["stage"]), (r["stage"],))
+    for row in (r for r in rows if not r["done"]):
+        kinds = ((row["part"], row["stage"]), (row["stage"],))
         order = [(*k, machine) for k in kinds] + list(kinds) if machine is not None else list(kinds)
         key = next((k for k in order if k in walls), None)
         if key is None:
             unknown += 1
             continue
         elsewhere += machine is not None and key[-1] != machine
-        if r.get("workflows") and key in rates:
-            known += rates[key][0] / rates[key][1] * r["workflows"]
+        if row.get("workflows") and key in rates:
+            known += rates[key][0] / rates[key][1] * row["workflows"]
         else:
             known += mean_or_none(walls[key])
     return known, unknown, elsewhere
@@ -603,15 +608,15 @@ def status_table(rows: list[dict]) -> pl.DataFrame:
                  minutes=(pl.col("wall_s").filter(pl.col("done")).sum() / 60).round(1)))
 
 
-def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], ex) -> dict:
+def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], experiment) -> dict:
     """(seed, query, arm - base) differences -> their mean with the seeds-then-queries interval (the headline),
     the intervals over pairs and over queries, and each seed's own mean and interval (in `seeds` order): the fields
     of a PairedDiff, for the paired row (RoundDiff, ArmDiff) that holds them."""
     diffs = [d for _, _, d in pairs]
-    ci = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0)
-    by_query = bootstrap_ci(diffs, ex.bootstrap, ex.ci_level, seed=0, clusters=[q for _, q, _ in pairs])
-    hier = hierarchical_ci(pairs, ex.bootstrap, ex.ci_level, seed=0)
-    mine = seed_intervals(pairs, ex.bootstrap, ex.ci_level, seed=0)
+    ci = bootstrap_ci(diffs, experiment.bootstrap, experiment.ci_level, seed=0)
+    by_query = bootstrap_ci(diffs, experiment.bootstrap, experiment.ci_level, seed=0, clusters=[q for _, q, _ in pairs])
+    hier = hierarchical_ci(pairs, experiment.bootstrap, experiment.ci_level, seed=0)
+    mine = seed_intervals(pairs, experiment.bootstrap, experiment.ci_level, seed=0)
     per_seed = [SeedDiff(seed=s, n=c.n, mean=c.mean, lo=c.lo, hi=c.hi) for s in seeds if (c := mine.get(s)) is not None]
     return {**asdict(ci), "lo_seeds_queries": hier.lo, "hi_seeds_queries": hier.hi, "lo_by_query": by_query.lo,
             "hi_by_query": by_query.hi, "per_seed": per_seed}
@@ -658,7 +663,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     store = store_for(cfg.store)
     if cfg.experiment.references_from:
         check_borrowed(store, cfg, path, sets)
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     extra: dict = {"command": command, "seed_wall_s": {}, "config": str(path), "sets": sets}
     done: list[int] = []
     out: Path | None = None
@@ -677,7 +682,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     def publish(when: str) -> tuple[ExperimentSummary, Path]:
         ready = [s for s in order if s in done or evaluated(store, cfg, s, order)]  # in plan order: shared_base
         summary = summarise(store, cfg, ready)
-        out = write_results(store, summary, extra | {"wall_s": round(time.perf_counter() - t0, 1)})
+        out = write_results(store, summary, extra | {"wall_s": round(time.perf_counter() - started, 1)})
         for line in summary.headline():
             log.info("%s: %s", when, line)
         if after_seed is not None:
@@ -690,31 +695,33 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     if only_seeds is not None:
         logs = logs / ("seed-" + "-".join(map(str, sorted(only_seeds))))
     with sharing(cfg, logs):
-        for sp in mine:
-            if evaluated(store, cfg, sp.seed, order):
+        for seed_plan in mine:
+            if evaluated(store, cfg, seed_plan.seed, order):
                 # finished (`publish` counts it): its checkpoints may be pruned (data/README.md keeps stores without
                 # them in git), and re-entering its rounds would then train them again
-                log.info("seed %d: every evaluation is in the store; not re-entered", sp.seed)
-                keep_adapter(store, cfg, sp.seed)  # where its weights are still here
+                log.info("seed %d: every evaluation is in the store; not re-entered", seed_plan.seed)
+                keep_adapter(store, cfg, seed_plan.seed)  # where its weights are still here
                 continue
             t_seed = time.perf_counter()
-            log.info("seed %d: training run %s (%d rounds)", sp.seed, sp.run_id, cfg.rounds)
-            restore_kept_checkpoints(store, sp.run_id)  # a fresh clone of a store cut off mid-seed
-            since = settled_round(store, sp.run_id, cfg.rounds, run_config(store, sp.run_id).config_hash()) \
-                if store.read_config(sp.run_id) is not None else 0  # as run_rounds will see it
-            set_aside_evaluations(store, cfg, sp, order, lost_weights(store, sp.run_id, since))
-            run_rounds(path, cfg.rounds, sp.run_id, call, keeping(store, cfg, sp.seed, after_round),
-                       sets=variant_sets(sp.changes, before=sets), observer=TRACKERS)
-            for k in seed_rounds(cfg, sp.seed, order):
-                log.info("seed %d: evaluating %s on %s", sp.seed, "the base model" if k < 0 else f"round {k}",
+            log.info("seed %d: training run %s (%d rounds)", seed_plan.seed, seed_plan.run_id, cfg.rounds)
+            restore_kept_checkpoints(store, seed_plan.run_id)  # a fresh clone of a store cut off mid-seed
+            since = 0  # as run_rounds will see it: settled_round once the run is frozen
+            if store.read_config(seed_plan.run_id) is not None:
+                since = settled_round(store, seed_plan.run_id, cfg.rounds,
+                                      run_config(store, seed_plan.run_id).config_hash())
+            set_aside_evaluations(store, cfg, seed_plan, order, lost_weights(store, seed_plan.run_id, since))
+            run_rounds(path, cfg.rounds, seed_plan.run_id, call, keeping(store, cfg, seed_plan.seed, after_round),
+                       sets=variant_sets(seed_plan.changes, before=sets), observer=TRACKERS)
+            for k in seed_rounds(cfg, seed_plan.seed, order):
+                log.info("seed %d: evaluating %s on %s", seed_plan.seed, "the base model" if k < 0 else f"round {k}",
                          cfg.experiment.eval_split)
-                evaluate_tracked(str(store.root), sp.run_id, k, cfg.experiment.eval_split, call=call,
+                evaluate_tracked(str(store.root), seed_plan.run_id, k, cfg.experiment.eval_split, call=call,
                                  changes=eval_changes(cfg))
-            keep_adapter(store, cfg, sp.seed)
-            drop_resume_copies(store, cfg, sp.seed)
-            extra["seed_wall_s"][sp.seed] = round(time.perf_counter() - t_seed, 1)
-            done.append(sp.seed)
-            summary, out = publish(f"after seed {sp.seed}")
+            keep_adapter(store, cfg, seed_plan.seed)
+            drop_resume_copies(store, cfg, seed_plan.seed)
+            extra["seed_wall_s"][seed_plan.seed] = round(time.perf_counter() - t_seed, 1)
+            done.append(seed_plan.seed)
+            summary, out = publish(f"after seed {seed_plan.seed}")
         # derived runs on the same split, queries and L, resumed like the rest; not in a process of some seeds, which
         # may run beside others
         if only_seeds is None and cfg.experiment.references:
@@ -737,5 +744,5 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
     if out is None:  # every seed of the plan was finished already, and no reference to run
         summary, out = publish("from the store")
     summary.results = str(out)
-    summary.wall_s = round(time.perf_counter() - t0, 1)
+    summary.wall_s = round(time.perf_counter() - started, 1)
     return summary

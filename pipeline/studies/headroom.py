@@ -109,10 +109,10 @@ def build_runs(frames: dict[str, pl.DataFrame], reps: int) -> tuple[Runs, list[s
     """`Runs` over the queries every design ran `reps` times to a final score, their parts, and the queries left out
     (fewer runs or a run not final in some design)."""
     full: dict[str, set[str]] = {}
-    for d, df in frames.items():
+    for design, df in frames.items():
         done = df.filter(pl.col("score").is_not_null() & (pl.col("slot") < reps))
         counts = done.group_by("query_id").len()
-        full[d] = set(counts.filter(pl.col("len") == reps)["query_id"].to_list())
+        full[design] = set(counts.filter(pl.col("len") == reps)["query_id"].to_list())
     every = set.union(*(set(df["query_id"].to_list()) for df in frames.values()))
     kept = sorted(set.intersection(*full.values()))
     if not kept:
@@ -123,9 +123,9 @@ def build_runs(frames: dict[str, pl.DataFrame], reps: int) -> tuple[Runs, list[s
     tokens = np.zeros_like(scores)
     parts: dict[str, str] = {}
     index = {q: i for i, q in enumerate(kept)}
-    for i, d in enumerate(designs):
-        for q, slot, score, tok, part in frames[d].filter(pl.col("query_id").is_in(kept) & (pl.col("slot") < reps)
-                                                          ).iter_rows():
+    for i, design in enumerate(designs):
+        ran = frames[design].filter(pl.col("query_id").is_in(kept) & (pl.col("slot") < reps))
+        for q, slot, score, tok, part in ran.iter_rows():
             scores[i, index[q], slot], tokens[i, index[q], slot] = score, tok
             parts[q] = part
     return Runs(designs, tuple(kept), scores, tokens), [parts[q] for q in kept], sorted(every - set(kept))
@@ -233,26 +233,26 @@ def plot_frontier(summary: HeadroomSummary, out: Path):
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5))
-    ax = fig.add_subplot()
+    axes = fig.add_subplot()
     pts = summary.designs
-    ax.scatter([p.tokens for p in pts], [p.score for p in pts], color="C0", zorder=3, label="design (fixed)")
+    axes.scatter([p.tokens for p in pts], [p.score for p in pts], color="C0", zorder=3, label="design (fixed)")
     for p in pts:
-        ax.annotate(p.name.removeprefix("program-"), (p.tokens, p.score), fontsize="x-small",
-                    xytext=(4, 3), textcoords="offset points")
+        axes.annotate(p.name.removeprefix("program-"), (p.tokens, p.score), fontsize="x-small",
+                      xytext=(4, 3), textcoords="offset points")
     front = sorted((p for p in pts if p.pareto), key=lambda p: p.tokens)
-    ax.plot([p.tokens for p in front], [p.score for p in front], color="C0", linewidth=1, alpha=0.6)
+    axes.plot([p.tokens for p in front], [p.score for p in front], color="C0", linewidth=1, alpha=0.6)
     orc = sorted(summary.frontier, key=lambda o: o.budget)
-    ax.plot([o.budget for o in orc], [o.score for o in orc], color="C3", marker="x", linestyle="--",
-            label=f"per-query oracle at each design's budget (cross-fitted, {summary.rule})")
+    axes.plot([o.budget for o in orc], [o.score for o in orc], color="C3", marker="x", linestyle="--",
+              label=f"per-query oracle at each design's budget (cross-fitted, {summary.rule})")
     o = summary.oracle
-    ax.scatter([o.tokens], [o.score], color="C3", marker="*", s=140, zorder=4,
-               label=f"oracle at the best design's budget: {o.score:.3f} (best {summary.best.score:.3f})")
-    ax.set_xlabel("executor tokens per run (mean over queries and runs)")
-    ax.set_ylabel(f"score (mean over {summary.queries} {summary.split} queries x {summary.reps} runs)")
-    ax.set_title(f"headroom {summary.run_id}: gain {summary.gain:+.3f}, gate {summary.gate:.2f} "
+    axes.scatter([o.tokens], [o.score], color="C3", marker="*", s=140, zorder=4,
+                 label=f"oracle at the best design's budget: {o.score:.3f} (best {summary.best.score:.3f})")
+    axes.set_xlabel("executor tokens per run (mean over queries and runs)")
+    axes.set_ylabel(f"score (mean over {summary.queries} {summary.split} queries x {summary.reps} runs)")
+    axes.set_title(f"headroom {summary.run_id}: gain {summary.gain:+.3f}, gate {summary.gate:.2f} "
                  f"{'passed' if summary.passes else 'not passed'}", fontsize="medium")
     # beside the axes: inside, it hides the designs' labels
-    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    axes.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     return fig
@@ -271,7 +271,7 @@ def markdown(summary: HeadroomSummary) -> list[str]:
              + (f" {span(*interval)} (95%, queries resampled)" if interval is not None else "")
              + f"; gate {summary.gate:.2f} on the point estimate: "
              + ("PASSES: go on to training" if summary.passes else "does not pass: no training run")]
-    at = {point.anchor: point for point in summary.frontier}
+    oracle_at = {point.anchor: point for point in summary.frontier}
     if summary.frontier[0].gain is not None:  # summaries written before the column have none
         top = max(summary.frontier, key=lambda point: point.gain)
         lines.append(f"largest gain along the frontier: {top.gain:+.3f} at {top.anchor}'s budget "
@@ -279,7 +279,7 @@ def markdown(summary: HeadroomSummary) -> list[str]:
     lines += ["", "| design | score | executor tokens / run | Pareto | executor calls cut at the cap | oracle at its "
               "budget | oracle - the best design within that budget |", "|---|---|---|---|---|---|---|"]
     for row in summary.designs:
-        anchored = at.get(row.name)
+        anchored = oracle_at.get(row.name)
         lines.append(f"| {row.name} | {row.score:.3f} | {row.tokens:.0f} | {'yes' if row.pareto else ''} | "
                      f"{num(row.truncated_share)} | {num(anchored and anchored.score)} | "
                      f"{signed(anchored and anchored.gain)} |")

@@ -135,19 +135,19 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register_method(m: Method) -> Method:
-    if m.name in METHODS:
-        raise ValueError(f"method {m.name!r} is already registered")
-    if m.name == BASE_ARM or "/" in m.name:
-        raise ValueError(f"method name {m.name!r} is reserved or not a run id part")
-    bad = [e for e in m.evaluations if e not in EVALUATIONS]
-    if bad or not m.evaluations:
-        raise ValueError(f"method {m.name!r}: evaluations must be some of {EVALUATIONS}, got {m.evaluations}")
-    if m.trained != all(e in (SAMPLE, REFINED) for e in m.evaluations):
-        raise ValueError(f"method {m.name!r}: trained methods are evaluated by sample/refined, references by smc/"
+def register_method(method: Method) -> Method:
+    if method.name in METHODS:
+        raise ValueError(f"method {method.name!r} is already registered")
+    if method.name == BASE_ARM or "/" in method.name:
+        raise ValueError(f"method name {method.name!r} is reserved or not a run id part")
+    bad = [e for e in method.evaluations if e not in EVALUATIONS]
+    if bad or not method.evaluations:
+        raise ValueError(f"method {method.name!r}: evaluations must be some of {EVALUATIONS}, got {method.evaluations}")
+    if method.trained != all(e in (SAMPLE, REFINED) for e in method.evaluations):
+        raise ValueError(f"method {method.name!r}: trained methods are evaluated by sample/refined, references by smc/"
                          "task_best")
-    METHODS[m.name] = m
-    return m
+    METHODS[method.name] = method
+    return method
 
 
 def get_method(name: str) -> Method:
@@ -232,23 +232,26 @@ def sweep_run_id(run_id: str, method: str, lr: float, seed: int) -> str:
     return f"{run_id}-{method}-lr{lr:g}-s{seed}"
 
 
-def seed_base(path: Path, cfg: RunConfig, sets: list[str], sp: SeedPlan) -> tuple[RunConfig, bool, str]:
+def seed_base(path: Path, cfg: RunConfig, sets: list[str], seed_plan: SeedPlan) -> tuple[RunConfig, bool, str]:
     """(the seed's config, whether it is `pipeline experiment`'s seed run, the run its base evaluation hangs off).
     The experiment's run of the seed is CONFIG's own method: its base evaluation and training are the comparison's
     too when scoring by the metric alone changes nothing (config hash), so neither command computes them twice."""
-    seed_cfg = load_config(path, variant_sets(sp.changes, before=sets))
-    same_base = same_hash(seed_cfg, load_config(path, variant_sets(sp.changes | METRIC_ONLY, before=sets)))
-    return seed_cfg, same_base, seed_run_id(cfg.run_id, sp.seed) if same_base else base_run_id(cfg.run_id, sp.seed)
+    seed_cfg = load_config(path, variant_sets(seed_plan.changes, before=sets))
+    same_base = same_hash(seed_cfg, load_config(path, variant_sets(seed_plan.changes | METRIC_ONLY, before=sets)))
+    base = seed_run_id(cfg.run_id, seed_plan.seed) if same_base else base_run_id(cfg.run_id, seed_plan.seed)
+    return seed_cfg, same_base, base
 
 
-def arm_run(path: Path, cfg: RunConfig, m: Method, sets: list[str], sp: SeedPlan, lr: float | None,
+def arm_run(path: Path, cfg: RunConfig, method: Method, sets: list[str], seed_plan: SeedPlan, lr: float | None,
             extra: list[str], seed_cfg: RunConfig, same_base: bool) -> tuple[list[str], RunConfig, str]:
-    """(overrides, config, training run) of trained method `m` on seed `sp`: the experiment's seed run where `m`
-    is CONFIG's own method, else `method_run_id`."""
-    own = method_sets(m, sets, sp.changes, lr, extra)
+    """(overrides, config, training run) of trained method `method` on seed `seed_plan`: the experiment's seed run
+    where `method` is CONFIG's own method, else `method_run_id`."""
+    own = method_sets(method, sets, seed_plan.changes, lr, extra)
     arm_cfg = load_config(path, own)
     same = same_base and same_hash(arm_cfg, seed_cfg)
-    return own, arm_cfg, seed_run_id(cfg.run_id, sp.seed) if same else method_run_id(cfg.run_id, m.name, sp.seed)
+    train_run = seed_run_id(cfg.run_id, seed_plan.seed) if same else method_run_id(cfg.run_id, method.name,
+                                                                                    seed_plan.seed)
+    return own, arm_cfg, train_run
 
 
 def methods_dir(store: Store, run_id: str) -> Path:
@@ -354,22 +357,24 @@ def frozen_config(store: Store, run_id: str) -> Path:
     return store.run_dir(run_id) / "config.yaml"
 
 
-def run_reference(m: Method, evaluation: str, store: Store, cfg: RunConfig, sp: SeedPlan, extra: list[str],
+def run_reference(method: Method, evaluation: str, store: Store, cfg: RunConfig, seed_plan: SeedPlan, extra: list[str],
                   call, base: str) -> dict:
     """A training-free reference's held-out run from the config of the seed's base run `base`; returns
     {eval_run_id[, selected]}."""
     split, config = cfg.experiment.eval_split, frozen_config(store, base)
     if evaluation == SMC:
-        own = variant_sets({"smc.seed": sp.seed, "smc.N": cfg.experiment.eval_l} | METRIC_ONLY | m.changes, after=extra)
-        return {"eval_run_id": run_smc(config, call, seed_run_id(cfg.run_id, sp.seed), split, own).eval_run_id}
-    s = run_baseline(config, TASK_BEST, call, cfg.run_id, split, variant_sets(METRIC_ONLY | m.changes, after=extra))
+        own = variant_sets({"smc.seed": seed_plan.seed, "smc.N": cfg.experiment.eval_l} | METRIC_ONLY | method.changes,
+                           after=extra)
+        return {"eval_run_id": run_smc(config, call, seed_run_id(cfg.run_id, seed_plan.seed), split, own).eval_run_id}
+    s = run_baseline(config, TASK_BEST, call, cfg.run_id, split,
+                     variant_sets(METRIC_ONLY | method.changes, after=extra))
     return {"eval_run_id": s.eval_run_id, "selected": s.selected}
 
 
 def sweep_lr(path: Path, cfg: RunConfig, chosen: list[Method], sets: list[str], arm_sets: dict[str, list[str]],
-             lrs: list[float], sp: SeedPlan, call) -> dict[str, LrSweep]:
-    """One round per (trained method, learning rate) on seed `sp`, each evaluated on dev; per method the runs and
-    the chosen lr (the best dev Mean@L, ties: the first listed)."""
+             lrs: list[float], seed_plan: SeedPlan, call) -> dict[str, LrSweep]:
+    """One round per (trained method, learning rate) on seed `seed_plan`, each evaluated on dev; per method the runs
+    and the chosen lr (the best dev Mean@L, ties: the first listed)."""
     from pipeline.stages.rounds import run_rounds
 
     b = cfg.benchmark
@@ -378,22 +383,23 @@ def sweep_lr(path: Path, cfg: RunConfig, chosen: list[Method], sets: list[str], 
                           f"(benchmark.train_split=train, benchmark.dev_share > 0); got train_split {b.train_split}, "
                           f"dev_share {b.dev_share}")
     store, out = store_for(cfg.store), {}
-    for m in [m for m in chosen if m.trained]:
+    for method in [m for m in chosen if m.trained]:
         rows = []
-        for lr in lrs:
-            rid = sweep_run_id(cfg.run_id, m.name, lr, sp.seed)
-            own = variant_sets({"rounds": 1, "training.lr": lr},
-                               before=method_sets(m, sets, sp.changes, None, arm_sets.get(m.name)))
-            log.info("lr sweep: %s at lr %g (%s)", m.name, lr, rid)
+        for learning_rate in lrs:
+            rid = sweep_run_id(cfg.run_id, method.name, learning_rate, seed_plan.seed)
+            own = variant_sets({"rounds": 1, "training.lr": learning_rate},
+                               before=method_sets(method, sets, seed_plan.changes, None, arm_sets.get(method.name)))
+            log.info("lr sweep: %s at lr %g (%s)", method.name, learning_rate, rid)
             run_rounds(path, 1, rid, call, sets=own, observer=TRACKERS)
             summ = evaluate_tracked(str(store.root), rid, 0, "dev", call=call,
                                     changes=arm_eval_changes(load_config(path, own)))
-            rows.append(SweepRun(lr=lr, run_id=rid, eval_run_id=summ.eval_run_id, queries=summ.queries,
+            rows.append(SweepRun(lr=learning_rate, run_id=rid, eval_run_id=summ.eval_run_id, queries=summ.queries,
                                  mean_at_l=summ.mean_at_l, best_at_l=summ.best_at_l,
                                  train_wall_s=run_wall_s(store, rid)))
         scored = [r for r in rows if r.mean_at_l is not None]
         best = max(scored, key=lambda r: r.mean_at_l) if scored else None  # max keeps the first of equal ones
-        out[m.name] = LrSweep(split="dev", seed=sp.seed, runs=rows, chosen=None if best is None else best.lr)
+        out[method.name] = LrSweep(split="dev", seed=seed_plan.seed, runs=rows,
+                                   chosen=None if best is None else best.lr)
     return out
 
 
@@ -414,18 +420,18 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
     if stray:
         raise ValueError(f"--arm-set names methods not compared: {stray}")
     plans = plan(cfg, list(range(seeds)) if seeds is not None else None)
-    for m in chosen:  # every arm's config validates before any work
-        m_cfg = load_config(path, method_sets(m, sets, plans[0].changes, None, arm_sets.get(m.name)))
-        if REFINED in m.evaluations and m_cfg.rollout.mode != "refine":
-            raise ConfigError(f"method {m.name}: the refined evaluation needs rollout.mode refine")
-        if REFINED in m.evaluations and splits_overlap(selection_split(m_cfg), cfg.experiment.eval_split):
-            raise ConfigError(f"method {m.name}: the refined evaluation chooses on {selection_split(m_cfg)}, which "
-                              f"shares queries with the held-out {cfg.experiment.eval_split}")
+    for method in chosen:  # every arm's config validates before any work
+        method_cfg = load_config(path, method_sets(method, sets, plans[0].changes, None, arm_sets.get(method.name)))
+        if REFINED in method.evaluations and method_cfg.rollout.mode != "refine":
+            raise ConfigError(f"method {method.name}: the refined evaluation needs rollout.mode refine")
+        if REFINED in method.evaluations and splits_overlap(selection_split(method_cfg), cfg.experiment.eval_split):
+            raise ConfigError(f"method {method.name}: the refined evaluation chooses on {selection_split(method_cfg)}, "
+                              f"which shares queries with the held-out {cfg.experiment.eval_split}")
     store, split = store_for(cfg.store), cfg.experiment.eval_split
     root = str(store.root)
     # one executor server for every stage of every arm, seed and evaluation (pipeline.engines.servers)
     with sharing(cfg, methods_dir(store, cfg.run_id) / "server-logs"):
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         sweep = sweep_lr(path, cfg, chosen, sets, arm_sets, list(lr_sweep), plans[0], call) if lr_sweep else {}
         lrs = {name: s.chosen for name, s in sweep.items()}
         records: list[ArmRun] = []
@@ -435,56 +441,59 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
         shared: dict[tuple[str, str], dict] = {}  # references' runs by (method, evaluation); unseeded: the one run
         walls: dict[int, float] = {}
         done: list[int] = []
-        for sp in plans:
+        for seed_plan in plans:
             t_seed = time.perf_counter()
-            seed_cfg, same_base, base = seed_base(path, cfg, sets, sp)
+            seed_cfg, same_base, base = seed_base(path, cfg, sets, seed_plan)
             # frozen, never trained: the base model's evaluation run's parent
-            open_run(path, base, 0, variant_sets(sp.changes, before=sets))
-            log.info("seed %d: evaluating the base model on %s", sp.seed, split)
+            open_run(path, base, 0, variant_sets(seed_plan.changes, before=sets))
+            log.info("seed %d: evaluating the base model on %s", seed_plan.seed, split)
             b = evaluate_tracked(root, base, BASE, split, call=call, changes=arm_eval_changes(cfg))
-            records.append(ArmRun(arm=BASE_ARM, method=BASE_ARM, evaluation=SAMPLE, seed=sp.seed, train_run_id=None,
-                                  eval_run_id=b.eval_run_id))
-            for m in chosen:
-                extra = arm_sets.get(m.name, [])
-                if not m.trained:
-                    for ev in m.evaluations:
-                        if m.seeded or (m.name, ev) not in shared:
-                            log.info("seed %d: reference %s", sp.seed, m.name)
-                            shared[(m.name, ev)] = run_reference(m, ev, store, cfg, sp, extra, call, base)
-                        records.append(ArmRun(arm=m.arm(ev), method=m.name, evaluation=ev, seed=sp.seed,
-                                              train_run_id=None, **shared[(m.name, ev)]))
+            records.append(ArmRun(arm=BASE_ARM, method=BASE_ARM, evaluation=SAMPLE, seed=seed_plan.seed,
+                                  train_run_id=None, eval_run_id=b.eval_run_id))
+            for method in chosen:
+                extra = arm_sets.get(method.name, [])
+                if not method.trained:
+                    for evaluation in method.evaluations:
+                        if method.seeded or (method.name, evaluation) not in shared:
+                            log.info("seed %d: reference %s", seed_plan.seed, method.name)
+                            shared[(method.name, evaluation)] = run_reference(method, evaluation, store, cfg,
+                                                                              seed_plan, extra, call, base)
+                        records.append(ArmRun(arm=method.arm(evaluation), method=method.name, evaluation=evaluation,
+                                              seed=seed_plan.seed, train_run_id=None,
+                                              **shared[(method.name, evaluation)]))
                     continue
-                own, arm_cfg, arm = arm_run(path, cfg, m, sets, sp, lrs.get(m.name), extra, seed_cfg, same_base)
-                log.info("seed %d: training %s (%s, %d rounds)", sp.seed, m.name, arm, cfg.rounds)
+                own, arm_cfg, arm = arm_run(path, cfg, method, sets, seed_plan, lrs.get(method.name), extra, seed_cfg,
+                                            same_base)
+                log.info("seed %d: training %s (%s, %d rounds)", seed_plan.seed, method.name, arm, cfg.rounds)
                 # the arm's adapters kept as the experiment keeps its seeds' (`keep_adapter` names seed s's run
                 # `seed_run_id(cfg.run_id, s)`): each round's while it runs, so a fresh clone resumes it, and the last
                 # round's after its evaluations; the experiment's own seed run keeps its adapters itself
-                kept = None if arm == seed_run_id(cfg.run_id, sp.seed) else \
-                    arm_cfg.model_copy(update={"run_id": method_study_id(cfg.run_id, m.name)})
-                run_rounds(path, cfg.rounds, arm, call, keeping(store, kept, sp.seed) if kept else None, sets=own,
-                           observer=TRACKERS)
+                kept = None if arm == seed_run_id(cfg.run_id, seed_plan.seed) else \
+                    arm_cfg.model_copy(update={"run_id": method_study_id(cfg.run_id, method.name)})
+                run_rounds(path, cfg.rounds, arm, call, keeping(store, kept, seed_plan.seed) if kept else None,
+                           sets=own, observer=TRACKERS)
                 last = cfg.rounds - 1
-                for ev in m.evaluations:
-                    log.info("seed %d: evaluating %s (%s) on %s", sp.seed, m.name, ev, split)
-                    if ev == SAMPLE:
+                for evaluation in method.evaluations:
+                    log.info("seed %d: evaluating %s (%s) on %s", seed_plan.seed, method.name, evaluation, split)
+                    if evaluation == SAMPLE:
                         got = {"eval_run_id": evaluate_tracked(root, arm, last, split, call=call,
                                                                changes=arm_eval_changes(arm_cfg)).eval_run_id}
                     else:
                         got = evaluate_refined(store, arm, last, arm_cfg, split, call)
-                    records.append(ArmRun(arm=m.arm(ev), method=m.name, evaluation=ev, seed=sp.seed,
-                                          train_run_id=arm, **got))
+                    records.append(ArmRun(arm=method.arm(evaluation), method=method.name, evaluation=evaluation,
+                                          seed=seed_plan.seed, train_run_id=arm, **got))
                 if kept is not None:
-                    keep_adapter(store, kept, sp.seed)  # the last round's, with the command that evaluates it
-                    drop_resume_copies(store, kept, sp.seed)
-            walls[sp.seed] = round_s(time.perf_counter() - t_seed)
-            done.append(sp.seed)
+                    keep_adapter(store, kept, seed_plan.seed)  # the last round's, with the command that evaluates it
+                    drop_resume_copies(store, kept, seed_plan.seed)
+            walls[seed_plan.seed] = round_s(time.perf_counter() - t_seed)
+            done.append(seed_plan.seed)
             # the registry's order: a run of fewer methods writes the tables in the order of a run of them all
             names = [n for n in METHODS if n in {m.name for m in chosen} | {r.method for r in earlier}]
             ahead = sorted(set(held) - set(done))
-            if ahead and sp is not plans[-1]:
+            if ahead and seed_plan is not plans[-1]:
                 # a resumed run passes its finished seeds first: their summary must not replace a fuller one
                 log.info("after seed %d: the summary on disk holds seeds %s this run has not reached; it is kept "
-                         "until this run's last seed", sp.seed, ahead)
+                         "until this run's last seed", seed_plan.seed, ahead)
                 continue
             if ahead:
                 log.warning("this run's summary of seeds %s replaces one that also held seeds %s", done, ahead)
@@ -492,12 +501,12 @@ def run_methods(config: str | Path, call, methods: list[str] | None = None, seed
             summary.lr_sweep, summary.lr = earlier_sweep | sweep, earlier_lr | lrs
             out = write_results(store, summary, {"command": command, "config": str(path), "sets": sets,
                                                  "arm_sets": arm_sets, "seed_wall_s": walls,
-                                                 "wall_s": round_s(time.perf_counter() - t0)})
-            log.info("after seed %d:\n%s", sp.seed, summary.table())
+                                                 "wall_s": round_s(time.perf_counter() - started)})
+            log.info("after seed %d:\n%s", seed_plan.seed, summary.table())
             if after_seed is not None:
                 after_seed(summary, out)
         summary.results = str(out)
-        summary.wall_s = round_s(time.perf_counter() - t0)
+        summary.wall_s = round_s(time.perf_counter() - started)
         return summary
 
 
@@ -580,20 +589,21 @@ def status(config: str | Path, methods: list[str] | None = None, seeds: int | No
     runs: list[PlannedRun] = []
     if lr_sweep:
         first_cfg, first_same, _ = seed_base(path, cfg, sets, plans[0])
-    for m in [m for m in chosen if m.trained] if lr_sweep else []:
+    for method in [m for m in chosen if m.trained] if lr_sweep else []:
         for lr in lr_sweep:
-            rid = sweep_run_id(cfg.run_id, m.name, lr, plans[0].seed)
-            _, arm_cfg, _ = arm_run(path, cfg, m, sets, plans[0], lr, arm_sets.get(m.name, []), first_cfg, first_same)
+            rid = sweep_run_id(cfg.run_id, method.name, lr, plans[0].seed)
+            _, arm_cfg, _ = arm_run(path, cfg, method, sets, plans[0], lr, arm_sets.get(method.name, []), first_cfg,
+                                    first_same)
             runs += [("lr sweep", rid, 1, ROUND_STAGES, planned_workflows(arm_cfg, "train")),
                      ("lr sweep", eval_run_id(rid, 0, "dev"), 1, EVAL_STAGES, held_out)]
     shared: set[str] = set()
-    for sp in plans:
-        seed_cfg, same_base, base = seed_base(path, cfg, sets, sp)
+    for seed_plan in plans:
+        seed_cfg, same_base, base = seed_base(path, cfg, sets, seed_plan)
         runs.append(("evaluate", eval_run_id(base, BASE, split), 1, EVAL_STAGES, held_out))
-        for m in chosen:
-            if not m.trained:  # SMC's particles and look-aheads, task_best's candidates: counts not known ahead
-                if SMC in m.evaluations:
-                    refs = [(smc_run_id(seed_run_id(cfg.run_id, sp.seed), split), None)]
+        for method in chosen:
+            if not method.trained:  # SMC's particles and look-aheads, task_best's candidates: counts not known ahead
+                if SMC in method.evaluations:
+                    refs = [(smc_run_id(seed_run_id(cfg.run_id, seed_plan.seed), split), None)]
                 else:  # the selection of each task's program on the selection split, then the winner held out
                     refs = [(baseline_run_id(cfg.run_id, SELECT, selection_split(cfg)), None),
                             (baseline_run_id(cfg.run_id, TASK_BEST, split), held_out)]
@@ -602,9 +612,10 @@ def status(config: str | Path, methods: list[str] | None = None, seeds: int | No
                         shared.add(rid)
                         runs.append(("reference", rid, 1, EVAL_STAGES, workflows))
                 continue
-            _, arm_cfg, arm = arm_run(path, cfg, m, sets, sp, None, arm_sets.get(m.name, []), seed_cfg, same_base)
+            _, arm_cfg, arm = arm_run(path, cfg, method, sets, seed_plan, None, arm_sets.get(method.name, []), seed_cfg,
+                                      same_base)
             runs.append(("train", arm, cfg.rounds, ROUND_STAGES, planned_workflows(arm_cfg, "train")))
-            for ev in m.evaluations:
+            for ev in method.evaluations:
                 if ev == SAMPLE:
                     runs.append(("evaluate", eval_run_id(arm, last, split), 1, EVAL_STAGES, held_out))
                 else:  # W4S: the refinement on the validation part, then the chosen workflow held out
@@ -718,29 +729,29 @@ def arm_means(arm: str, rows: list[dict], mine: list[MethodSeedRow]) -> MethodAr
                      select_wall_s=mean_or_none([p.select_wall_s for p in mine if p.select_wall_s is not None]))
 
 
-def paired_arms(arms: list[MethodArm], per_query: list[dict], seeds: list[int], ex) -> list[ArmDiff]:
+def paired_arms(arms: list[MethodArm], per_query: list[dict], seeds: list[int], experiment) -> list[ArmDiff]:
     """Per arm, other arm (base, spogw, task_best: the best fixed workflow chosen on dev) and metric the arm has: the
     pooled paired difference per (seed, query); Sel@L against the other arm's Mean@L where it has no Sel@L."""
     has = {a.arm: {m for m in ALL_METRICS if getattr(a, m) is not None} for a in arms}
     paired = []
-    for a in arms:
+    for row in arms:
         for against in (BASE_ARM, REFERENCE_ARM, BEST_FIXED_ARM):
-            if against == a.arm or against not in has or a.arm == BASE_ARM:
+            if against == row.arm or against not in has or row.arm == BASE_ARM:
                 continue
-            for metric in [m for m in ALL_METRICS if m in has[a.arm]]:
+            for metric in [m for m in ALL_METRICS if m in has[row.arm]]:
                 theirs = metric if metric in has[against] else "mean_at_l" if metric == "select_at_l" else None
                 if theirs is None:
                     continue
                 pairs = []
                 for s in seeds:
                     mine = {q["query_id"]: q[metric] for q in per_query
-                            if q["arm"] == a.arm and q["seed"] == s and q[metric] is not None}
+                            if q["arm"] == row.arm and q["seed"] == s and q[metric] is not None}
                     other = {q["query_id"]: q[theirs] for q in per_query
                              if q["arm"] == against and q["seed"] == s and q[theirs] is not None}
                     pairs += [(s, q, d) for q, d in paired_differences(mine, other).items()]
                 if pairs:
-                    paired.append(ArmDiff(arm=a.arm, against=against, metric=metric, against_metric=theirs,
-                                          **paired_interval(pairs, seeds, ex)))
+                    paired.append(ArmDiff(arm=row.arm, against=against, metric=metric, against_metric=theirs,
+                                          **paired_interval(pairs, seeds, experiment)))
     return paired
 
 

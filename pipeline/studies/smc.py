@@ -135,19 +135,20 @@ class SMC:
         self.checks: list[dict] = []
         self.gen_of: dict[tuple[str, str], str] = {}  # (query, workflow text) -> the first rollout row with it
 
-    def _record(self, q: Query, prompt: str, comps: list, t: int, i: int, k0: int, prefix: str) -> list[str]:
-        g = self.ctx.cfg.generator
+    def _record(self, query: Query, prompt: str, comps: list, t: int, i: int, k0: int, prefix: str) -> list[str]:
+        gen_cfg = self.ctx.cfg.generator
         texts = []
-        for k, c in enumerate(comps, start=k0):
-            text = prefix + c.text
+        for k, completion in enumerate(comps, start=k0):
+            text = prefix + completion.text
             reason = check_workflow(extract_code(text), self.ctx.cfg.rollout.max_workflow_chars)
-            gid = f"smc-{q.item.id}-t{t}-p{i}-k{k}"
-            self.gen_of.setdefault((q.item.id, text), gid)
+            gid = f"smc-{query.item.id}-t{t}-p{i}-k{k}"
+            self.gen_of.setdefault((query.item.id, text), gid)
             self.rows.append(dict(
-                gen_id=gid, kind="smc", query_id=q.item.id, slot=i, prompt_text=prompt,
-                text=text, prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids, token_logprobs=c.token_logprobs,
-                model=g.model, backend=g.backend, finish_reason=c.finish_reason, valid=reason is None,
-                invalid_reason=reason, retokenized=c.retokenized, attempt=0,
+                gen_id=gid, kind="smc", query_id=query.item.id, slot=i, prompt_text=prompt,
+                text=text, prompt_token_ids=completion.prompt_token_ids, token_ids=completion.token_ids,
+                token_logprobs=completion.token_logprobs, model=gen_cfg.model, backend=gen_cfg.backend,
+                finish_reason=completion.finish_reason, valid=reason is None, invalid_reason=reason,
+                retokenized=completion.retokenized, attempt=0,
                 sampling=json.dumps({"method": "smc", "t": t, "particle": i, "k": k, "prefix_chars": len(prefix)})))
             texts.append(text)
         return texts
@@ -156,48 +157,49 @@ class SMC:
         """Step 1 (extend) and the rest of step 2's sampling (K - 1 more rollouts per unfinished particle)."""
         todo = [(q, i, p) for q in queries for i, p in enumerate(q.particles) if not p.complete]
         outs = self.sample([q.prompt + p.prefix for q, _, p in todo], 1, f"extend:{t}")
-        for (q, i, p), comps in zip(todo, outs, strict=True):
-            (full,) = self._record(q, q.prompt + p.prefix, comps, t, i, 0, p.prefix)
+        for (query, i, particle), comps in zip(todo, outs, strict=True):
+            (full,) = self._record(query, query.prompt + particle.prefix, comps, t, i, 0, particle.prefix)
             s, done = cut_step(full, t)
-            q.particles[i] = Particle(s, done, [full])
+            query.particles[i] = Particle(s, done, [full])
         more = [(q, i, q.particles[i]) for q, i, _ in todo if not q.particles[i].complete]
         if self.cfg.K > 1 and more:
             outs = self.sample([q.prompt + p.prefix for q, _, p in more], self.cfg.K - 1, f"lookahead:{t}")
-            for (q, i, p), comps in zip(more, outs, strict=True):
-                p.rollouts += self._record(q, q.prompt + p.prefix, comps, t, i, 1, p.prefix)
-        for q in queries:
-            for p in q.particles:
-                if p.complete:
-                    p.rollouts = [p.prefix]
+            for (query, i, particle), comps in zip(more, outs, strict=True):
+                particle.rollouts += self._record(query, query.prompt + particle.prefix, comps, t, i, 1,
+                                                  particle.prefix)
+        for query in queries:
+            for particle in query.particles:
+                if particle.complete:
+                    particle.rollouts = [particle.prefix]
 
     def score(self, queries: list[Query], t: int) -> None:
         """Run every rollout not run yet, then weight (step 2) and resample (step 3) each query's particles."""
         jobs, seen = [], set()
-        for q in queries:
-            for p in q.particles:
+        for query in queries:
+            for p in query.particles:
                 for text in p.rollouts:
-                    if text not in q.ran and (q.item.id, text) not in seen:
-                        seen.add((q.item.id, text))
-                        jobs.append((q, text))
+                    if text not in query.ran and (query.item.id, text) not in seen:
+                        seen.add((query.item.id, text))
+                        jobs.append((query, text))
         rows = self.run([CheckJob(self.gen_of.get((q.item.id, text), f"smc-{q.item.id}-t{t}-run{j}"),
                                   extract_code(text), q.item) for j, (q, text) in enumerate(jobs)])
-        for (q, text), row in zip(jobs, rows, strict=True):
-            q.ran[text] = row
+        for (query, text), row in zip(jobs, rows, strict=True):
+            query.ran[text] = row
             self.checks.append(row)
-        for q in queries:
-            self._resample(q, t)
+        for query in queries:
+            self._resample(query, t)
 
-    def _resample(self, q: Query, t: int) -> None:
-        flat = [(i, q.ran[text]) for i, p in enumerate(q.particles) for text in p.rollouts]
-        rewards = self.reward(q.item, [row for _, row in flat])
+    def _resample(self, query: Query, t: int) -> None:
+        flat = [(i, query.ran[text]) for i, p in enumerate(query.particles) for text in p.rollouts]
+        rewards = self.reward(query.item, [row for _, row in flat])
         for (_, row), r in zip(flat, rewards, strict=True):
             row["reward"] = r  # the latest R of a run (a complete workflow's R is re-read every step)
         w = [lookahead_weight([r for (j, _), r in zip(flat, rewards, strict=True) if j == i], self.cfg.beta)
-             for i in range(len(q.particles))]
-        a = resample(w, q.rng.random(len(q.particles)))
-        q.steps.append({"t": t, "weights": w, "ancestors": a})
-        q.particles = [Particle(q.particles[i].prefix, q.particles[i].complete, list(q.particles[i].rollouts))
-                       for i in a]
+             for i in range(len(query.particles))]
+        a = resample(w, query.rng.random(len(query.particles)))
+        query.steps.append({"t": t, "weights": w, "ancestors": a})
+        query.particles = [Particle(query.particles[i].prefix, query.particles[i].complete,
+                                    list(query.particles[i].rollouts)) for i in a]
 
     def draw(self, queries: list[Query]) -> None:
         """Plain sampling from the same prompt (and workflow_prefix): N complete workflows per query, no steps, no
@@ -253,14 +255,15 @@ def _sampler(ctx: RunContext, gen, chunk: str) -> Sampler:
     from pipeline.engines.generation import Sampling
     from pipeline.stages.sampling import stops
 
-    g = ctx.cfg.generator
+    gen_cfg = ctx.cfg.generator
 
     def sample(prompts: list[str], n: int, key: str) -> list[list[object]]:
         out: list[list[object]] = []
-        for i in range(0, len(prompts), g.batch_size):
-            s = Sampling(n=n, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
-                         seed=derived_seed(g.seed, "smc", chunk, key, i), stop=stops(g, "workflow"))
-            out += gen.generate(prompts[i:i + g.batch_size], s, None)
+        for i in range(0, len(prompts), gen_cfg.batch_size):
+            s = Sampling(n=n, temperature=gen_cfg.temperature, top_p=gen_cfg.top_p,
+                         max_new_tokens=gen_cfg.max_new_tokens, seed=derived_seed(gen_cfg.seed, "smc", chunk, key, i),
+                         stop=stops(gen_cfg, "workflow"))
+            out += gen.generate(prompts[i:i + gen_cfg.batch_size], s, None)
         return out
 
     return sample
@@ -273,19 +276,19 @@ def final_rows(ctx: RunContext, queries: list[Query]) -> list[dict]:
     from pipeline.engines.prompting import menu_code
     from pipeline.stages.sampling import gen_id
 
-    g, rows = ctx.cfg.generator, []
+    gen_cfg, rows = ctx.cfg.generator, []
     menu = menu_code(ctx.cfg.rollout.example_menu)
-    for q in queries:
-        for n, p in enumerate(q.particles):
+    for query in queries:
+        for slot, p in enumerate(query.particles):
             text = p.rollouts[0]
             reason = check_workflow(extract_code(text), ctx.cfg.rollout.max_workflow_chars)
             prov = {"method": "smc" if ctx.cfg.smc.resample else "smc prompt, plain sampling", "N": ctx.cfg.smc.N,
                     "K": ctx.cfg.smc.K, "T": ctx.cfg.smc.T,
-                    "beta": ctx.cfg.smc.beta, "reward": ctx.cfg.smc.reward, "steps": q.steps}
-            rows.append(dict(gen_id=gen_id(0, q.item.id, "workflow", n), kind="workflow", query_id=q.item.id, slot=n,
-                             text=text, model=g.model, backend=g.backend, sampling=json.dumps(prov),
-                             prompt_token_ids=[], token_ids=[], valid=reason is None, invalid_reason=reason,
-                             attempt=0, cost_usd=0.0,
+                    "beta": ctx.cfg.smc.beta, "reward": ctx.cfg.smc.reward, "steps": query.steps}
+            rows.append(dict(gen_id=gen_id(0, query.item.id, "workflow", slot), kind="workflow",
+                             query_id=query.item.id, slot=slot, text=text, model=gen_cfg.model,
+                             backend=gen_cfg.backend, sampling=json.dumps(prov), prompt_token_ids=[], token_ids=[],
+                             valid=reason is None, invalid_reason=reason, attempt=0, cost_usd=0.0,
                              design=nearest_design(extract_code(text), menu)[0] if menu else None))
     return rows
 
@@ -307,16 +310,17 @@ def sample_smc(ctx: RunContext) -> dict:
     bench = load_benchmark(ctx.cfg.benchmark)
     write_queries(ctx)
     tok = load_tokenizer(ctx.cfg.generator.model)
-    s, ro = ctx.cfg.smc, ctx.cfg.rollout
-    pd, menu = ro.prompt_dir, [load_design(p) for p in ro.example_menu]
+    smc_cfg, rollout = ctx.cfg.smc, ctx.cfg.rollout
+    prompt_dir, menu = rollout.prompt_dir, [load_design(p) for p in rollout.example_menu]
     queries = []
-    for it in bench.items():
+    for item in bench.items():
         # with an example menu, a query's particles share one prompt: the menu, and as its example the design the
         # rollout's first slot of the query draws (the same for the base model and every round)
-        d = drawn_design(ro, menu, it.id, 0)
-        prompt = workflow_prompt(it.prompt, bench.family, prompt_dir=pd, design=d, menu=menu) + STEP_HINT
-        queries.append(Query(it, render(tok, prompt, prompt_dir=pd), [Particle(opening(ro, d)) for _ in range(s.N)],
-                             np.random.default_rng(derived_seed(s.seed, "resample", it.id))))
+        d = drawn_design(rollout, menu, item.id, 0)
+        prompt = workflow_prompt(item.prompt, bench.family, prompt_dir=prompt_dir, design=d, menu=menu) + STEP_HINT
+        queries.append(Query(item, render(tok, prompt, prompt_dir=prompt_dir),
+                             [Particle(opening(rollout, d)) for _ in range(smc_cfg.N)],
+                             np.random.default_rng(derived_seed(smc_cfg.seed, "resample", item.id))))
     chunks = [queries[i:i + CHUNK] for i in range(0, len(queries), CHUNK)]
     todo = [(i, c) for i, c in enumerate(chunks) if c[0].item.id not in done]
     if len(todo) < len(chunks):
@@ -328,15 +332,16 @@ def sample_smc(ctx: RunContext) -> dict:
         try:
             run = partial(run_checks, cfg, purpose="smc", cache_dir=ctx.store.cache_dir())
             reward = _reward_fn(ctx, bench)
-            for i, chunk in tqdm(todo, desc="smc", unit="chunk", postfix={"queries": CHUNK}):
-                t0 = time.perf_counter()
+            for number, chunk in tqdm(todo, desc="smc", unit="chunk", postfix={"queries": CHUNK}):
+                started = time.perf_counter()
                 smc = SMC(ctx, _sampler(ctx, gen, chunk[0].item.id), run, reward)
-                smc.sweep(chunk) if s.resample else smc.draw(chunk)
+                smc.sweep(chunk) if smc_cfg.resample else smc.draw(chunk)
                 ctx.store.write("generations", smc.rows, ctx.run_id, 0)
                 ctx.store.write("checks", smc.checks, ctx.run_id, 0)
                 ctx.store.write("generations", final_rows(ctx, chunk), ctx.run_id, 0)  # last: the chunk is whole
                 record_timing(ctx.store.root, ctx.run_id, StageResult(
-                    "rollout", 0, False, round_s(time.perf_counter() - t0), {}, shard=f"chunk {i + 1}/{len(chunks)}"))
+                    "rollout", 0, False, round_s(time.perf_counter() - started), {},
+                    shard=f"chunk {number + 1}/{len(chunks)}"))
         finally:
             gen.close()
     gens = ctx.store.read("generations", ctx.run_id, 0)

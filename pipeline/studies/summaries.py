@@ -407,14 +407,14 @@ class ExperimentSummary(Record):
         for a in self.arms:
             if a.mean_at_l is not None and a.exec_tokens_per_query is not None:
                 by_round.setdefault(a.round, []).append(a)
-        for k, arms in sorted(by_round.items()):
+        for round_number, arms in sorted(by_round.items()):
             gen = [a.gen_tokens_per_query for a in arms if a.gen_tokens_per_query is not None]
-            pts.append(FrontierPoint(kind="round", name=round_name(k), round=k, seed=None,
+            pts.append(FrontierPoint(kind="round", name=round_name(round_number), round=round_number, seed=None,
                                      mean_at_l=sum(a.mean_at_l for a in arms) / len(arms),
                                      exec_tokens_per_query=sum(a.exec_tokens_per_query for a in arms) / len(arms),
                                      gen_tokens_per_query=sum(gen) / len(gen) if gen else None, pareto=None))
-            seeds += [FrontierPoint(kind="round", name=f"{round_name(k)}, seed {a.seed}", round=k, seed=a.seed,
-                                    mean_at_l=a.mean_at_l, exec_tokens_per_query=a.exec_tokens_per_query,
+            seeds += [FrontierPoint(kind="round", name=f"{round_name(round_number)}, seed {a.seed}", round=round_number,
+                                    seed=a.seed, mean_at_l=a.mean_at_l, exec_tokens_per_query=a.exec_tokens_per_query,
                                     gen_tokens_per_query=a.gen_tokens_per_query, pareto=None)
                       for a in sorted(arms, key=lambda a: a.seed)]
         fronts = pareto([Point(p.name, p.mean_at_l, p.exec_tokens_per_query) for p in pts])
@@ -480,14 +480,14 @@ class AblationSummary(Record):
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         from pipeline.core.objectives import get_objective  # here: the registry imports torch (seconds a process)
 
-        for a in self.arms:
-            cells = [a.arm + ("" if a.arm == BASE_ARM else f" ({get_objective(a.arm).kind} rows)")]
-            cells += [num(getattr(a, m)) for m in metrics]
+        for row in self.arms:
+            cells = [row.arm + ("" if row.arm == BASE_ARM else f" ({get_objective(row.arm).kind} rows)")]
+            cells += [num(getattr(row, m)) for m in metrics]
             for m in metrics:
                 for who in (BASE_ARM, ref):
-                    p = find_diff(self.paired, a.arm, who, m)
+                    p = find_diff(self.paired, row.arm, who, m)
                     cells.append("" if p is None else f"{signed(p.mean)} {p.ci_pairs}")
-            cells.append(num(a.valid_share, 2))
+            cells.append(num(row.valid_share, 2))
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
