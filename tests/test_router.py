@@ -128,5 +128,6 @@ def test_tempered_draws_flatten_the_policys_odds_over_the_labels():
     assert {i for i, _ in at_one} == {0, 1, 2}
     for index, logprob in at_one:
         assert math.exp(logprob) == pytest.approx([0.75, 0.1875, 0.0625][index], abs=1e-9)
+    assert tempered_draws(logprobs, 0.0, 3, seed=0) == [(0, 0.0)] * 3  # greedy: the likeliest, with probability 1
     with pytest.raises(ValueError, match="temperature > 0"):
-        tempered_draws(logprobs, 0.0, 1, seed=0)
+        tempered_draws(logprobs, -1.0, 1, seed=0)

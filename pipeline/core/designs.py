@@ -46,9 +46,12 @@ def tempered_log_probs(logprobs: Sequence[float], temperature: float) -> list[fl
 
 def tempered_draws(logprobs: Sequence[float], temperature: float, draws: int, seed: int) -> list[tuple[int, float]]:
     """`draws` candidates drawn with replacement from `tempered_log_probs`, each as (index, its log-probability
-    there: the probability the sample was drawn with); seeded, so a rollout draws the same designs again."""
+    there: the probability the sample was drawn with); seeded, so a rollout draws the same designs again.
+    Temperature 0 is greedy, as a sampler's: the likeliest candidate every time, with probability 1."""
     if draws < 1:
         raise ValueError(f"need draws >= 1, got {draws}")
+    if temperature == 0 and logprobs:
+        return [(max(range(len(logprobs)), key=lambda i: logprobs[i]), 0.0)] * draws
     log_probs = tempered_log_probs(logprobs, temperature)
     picks = random.Random(seed).choices(range(len(log_probs)), weights=[math.exp(lp) for lp in log_probs], k=draws)
     return [(i, log_probs[i]) for i in picks]

@@ -101,7 +101,8 @@ class TransformersGenerator(Generator):
         self._use_adapter(adapter)
         enc = self.encode(prompts)
         pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding: positions count real tokens only
-        last = self.model(**enc, position_ids=pos).logits[:, -1, :].float()
+        # logits of the last position only: the whole prompt's would be prompts x length x vocabulary floats
+        last = self.model(**enc, position_ids=pos, logits_to_keep=1).logits[:, -1, :].float()
         return torch.log_softmax(last, dim=-1)[:, list(token_ids)].cpu().tolist()
 
     def _prefilled(self, enc: dict, samples: int) -> dict:
