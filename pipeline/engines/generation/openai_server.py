@@ -185,7 +185,7 @@ class OpenAIGenerator(Generator):
     def _generate(self, prompts: list[str], sampling: Sampling, adapter: str | None,
                   progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
         model = self._adapter_model(adapter)
-        workers = max(1, min(self.concurrency * len(self.endpoints), len(prompts)))
+        workers = self._workers(len(prompts))
 
         def one(index: int, prompt: str) -> list[Completion]:
             completions = self._one(model, prompt, sampling, index)
@@ -195,6 +195,10 @@ class OpenAIGenerator(Generator):
 
         with ThreadPoolExecutor(workers) as pool:
             return list(pool.map(lambda ip: one(*ip), enumerate(prompts)))
+
+    def _workers(self, prompts: int) -> int:
+        """Threads for a call of `prompts` requests: `concurrency` per server, and no more than there are requests."""
+        return max(1, min(self.concurrency * len(self.endpoints), prompts))
 
     def request(self, model: str, prompt: str, sampling: Sampling, index: int) -> tuple[list[int], dict[str, Any]]:
         """Prompt ids and the completions request for prompt `index` of a call (seeded like the vllm backend:
@@ -238,7 +242,7 @@ class OpenAIGenerator(Generator):
                 raise GenerationError(f"{self.urls[0]} returned no log-probability for some of tokens "
                                       f"{list(token_ids)} (a vLLM server with logprob_token_ids is needed)") from None
 
-        with ThreadPoolExecutor(max(1, min(self.concurrency * len(self.endpoints), len(prompts)))) as pool:
+        with ThreadPoolExecutor(self._workers(len(prompts))) as pool:
             return list(pool.map(one, prompts))
 
     def _create(self, kwargs: dict[str, Any]) -> Any:
