@@ -76,16 +76,17 @@ def test_store_write_when_fsync_fails_leaves_no_visible_part(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_chaos_suite_short(tmp_path):
-    """The CI cut of scripts/chaos.py: a 100-run executor soak. Its kill trial inside scoring is the same check as
+    """The CI cut of scripts/chaos.py: a 50-run executor soak (its re-scoring passes, not its runs, take the time: 43 s
+    against 54 s for 100 runs). Its kill trial inside scoring is the same check as
     tests/test_flows.py::test_kill_9_during_scoring_then_resume_loses_and_duplicates_nothing, so CI runs that once."""
     out = tmp_path / "chaos"
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--out", str(out), "--trials", "0",
-                        "--stages", "score", "--soak", "100", "--seed", "1"], capture_output=True, text=True,
+                        "--stages", "score", "--soak", "50", "--seed", "1"], capture_output=True, text=True,
                        timeout=1200, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     report = json.loads((out / "chaos.json").read_text())
     assert r.returncode == 0 and report["failures"] == [], r.stdout[-3000:] + r.stderr[-3000:]
     assert report["trials"] == []
     soak = report["soak"]
-    assert soak["passes"][-1]["latest_by_status"] == {"ok": 100}  # every transient fault re-scored away
+    assert soak["passes"][-1]["latest_by_status"] == {"ok": 50}  # every transient fault re-scored away
     assert soak["passes"][0]["latest_by_status"].get("executor_error", 0) > 0, "the first pass met no fault"
     assert sum(v for k, v in soak["faults_injected"].items() if k != "ok") > 0, "no fault was injected"

@@ -422,6 +422,59 @@ def test_only_references_runs_the_references_and_no_seed(tmp_path, fake_stages):
         run_experiment(bare, direct_call(RetryPolicy(delay_s=0)), only_references=True)
 
 
+def test_experiment_fits_the_routers_on_train_sets_them_on_dev_and_pairs_the_trained_arms_with_them(tmp_path,
+                                                                                                     fake_stages):
+    """`experiment.router` end to end on fake stages: io solves every chain sum and no product, cot the other way
+    round, on every split. The designs run on test, dev and train (the fit split); the learned router (query text
+    only), the per-part router and the oracle each send every query to the design that solves it (1.0 on test, where
+    io and cot score their parts' shares), and every evaluated round is paired with each router."""
+    from pipeline.studies.experiment import experiment_dir, run_experiment
+
+    rollout, score = stages.STAGES["rollout"].fn, stages.STAGES["score"].fn
+
+    def write_queries(ctx, only_failed=False):  # the real rollout's `queries` rows: the routers read text and part
+        items = load_benchmark(ctx.cfg.benchmark).items()
+        ctx.store.write("queries", [dict(split=ctx.cfg.benchmark.train_split, query_id=it.id, benchmark="procedural",
+                                         prompt=it.prompt, reference="{}", meta=json.dumps(it.meta))
+                                    for it in items], ctx.run_id, ctx.round)
+        return rollout(ctx)
+
+    def by_part(ctx, only_failed=False):
+        out = score(ctx)
+        if ctx.run_id.endswith(("-io", "-cot")):  # the designs: rewrite the fake's constant score per query
+            solves = "chain_sum" if ctx.run_id.endswith("-io") else "products"
+            rows = ctx.store.read("scores", ctx.run_id, ctx.round).to_dicts()
+            ctx.store.write("scores", [{"gen_id": r["gen_id"], "query_id": r["query_id"], "rep": 0, "attempt": 1,
+                                        "status": "ok", "score": float(r["query_id"].startswith(solves)),
+                                        "answer": "1"} for r in rows], ctx.run_id, ctx.round)
+        return out
+
+    for name, fn in (("rollout", write_queries), ("score", by_part)):
+        stages.STAGES[name] = dataclasses.replace(stages.STAGES[name], fn=fn)
+    path = _experiment_config(tmp_path, "q", {"seeds": [0], "references": ["io", "cot"], "select_split": "dev",
+                                              "eval_queries": 6, "router": {"designs": ["io", "cot"]}}, rounds=1)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["benchmark"] |= {"tasks": ["chain_sum", "products"], "size": 40, "train_split": "train", "test_share": 0.3,
+                         "dev_share": 0.4}
+    path.write_text(yaml.safe_dump(cfg))
+    out = run_experiment(path, direct_call(RetryPolicy(delay_s=0)))
+    assert {"q-baseline-train-io", "q-baseline-train-cot", "q-baseline-dev-io", "q-baseline-io"} <= \
+        {r for r, _ in fake_stages}
+    refs = {r.label: r for r in out.references}
+    assert {k: refs[k].mean_at_l for k in ("learned_router", "part_router", "oracle")} == \
+        {"learned_router": 1.0, "part_router": 1.0, "oracle": 1.0}
+    chain = sum(q["query_id"].startswith("chain_sum") for q in refs["io"].per_query) / refs["io"].queries
+    assert 0 < chain < 1 and (refs["io"].mean_at_l, refs["cot"].mean_at_l) == pytest.approx((chain, 1 - chain))
+    assert all(q["design"] == ("io" if q["query_id"].startswith("chain_sum") else "cot")
+               for q in refs["learned_router"].per_query)
+    assert refs["oracle"].eval_run_id == "oracle: composed from q-baseline-io, q-baseline-cot"
+    against = {(p.reference, p.round): p.mean for p in out.paired_references if p.metric == "mean_at_l"}
+    assert against[("learned_router", 0)] == pytest.approx(0.0)  # the trained arm's fake 1.0 against the router's
+    assert against[("io", 0)] == pytest.approx(1 - chain)
+    body = json.loads((experiment_dir(Store(tmp_path / "runs"), "q") / "experiment.json").read_text())
+    assert "learned_router" in {r["label"] for r in body["references"]}
+
+
 def test_an_unknown_reference_fails_before_any_training(tmp_path):
     from pipeline.studies.experiment import plan
 
