@@ -77,7 +77,8 @@ def test_store_write_when_fsync_fails_leaves_no_visible_part(tmp_path, monkeypat
 @pytest.mark.slow
 def test_chaos_suite_short(tmp_path):
     """The CI cut of scripts/chaos.py: a 50-run executor soak (its re-scoring passes, not its runs, take the time: 43 s
-    against 54 s for 100 runs). Its kill trial inside scoring is the same check as
+    against 54 s for 100 runs on an AMD EPYC, AVX2 only, beside a running experiment). Its kill trial inside scoring
+    is the same check as
     tests/test_flows.py::test_kill_9_during_scoring_then_resume_loses_and_duplicates_nothing, so CI runs that once."""
     out = tmp_path / "chaos"
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--out", str(out), "--trials", "0",

@@ -423,20 +423,19 @@ def test_only_references_runs_the_references_and_no_seed(tmp_path, fake_stages):
 
 
 def test_experiment_fits_the_routers_on_train_sets_them_on_dev_and_pairs_the_trained_arms_with_them(tmp_path,
-                                                                                                     fake_stages):
+                                                                                                     fake_stages,
+                                                                                                     monkeypatch):
     """`experiment.router` end to end on fake stages: io solves every chain sum and no product, cot the other way
     round, on every split. The designs run on test, dev and train (the fit split); the learned router (query text
     only), the per-part router and the oracle each send every query to the design that solves it (1.0 on test, where
     io and cot score their parts' shares), and every evaluated round is paired with each router."""
+    from pipeline.stages.rollout import write_queries
     from pipeline.studies.experiment import experiment_dir, run_experiment
 
     rollout, score = stages.STAGES["rollout"].fn, stages.STAGES["score"].fn
 
-    def write_queries(ctx, only_failed=False):  # the real rollout's `queries` rows: the routers read text and part
-        items = load_benchmark(ctx.cfg.benchmark).items()
-        ctx.store.write("queries", [dict(split=ctx.cfg.benchmark.train_split, query_id=it.id, benchmark="procedural",
-                                         prompt=it.prompt, reference="{}", meta=json.dumps(it.meta))
-                                    for it in items], ctx.run_id, ctx.round)
+    def with_queries(ctx, only_failed=False):  # the real rollout's `queries` rows: the routers read text and part
+        write_queries(ctx, load_benchmark(ctx.cfg.benchmark).items())
         return rollout(ctx)
 
     def by_part(ctx, only_failed=False):
@@ -449,8 +448,8 @@ def test_experiment_fits_the_routers_on_train_sets_them_on_dev_and_pairs_the_tra
                                         "answer": "1"} for r in rows], ctx.run_id, ctx.round)
         return out
 
-    for name, fn in (("rollout", write_queries), ("score", by_part)):
-        stages.STAGES[name] = dataclasses.replace(stages.STAGES[name], fn=fn)
+    for name, fn in (("rollout", with_queries), ("score", by_part)):
+        monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(stages.STAGES[name], fn=fn))
     path = _experiment_config(tmp_path, "q", {"seeds": [0], "references": ["io", "cot"], "select_split": "dev",
                                               "eval_queries": 6, "router": {"designs": ["io", "cot"]}}, rounds=1)
     cfg = yaml.safe_load(path.read_text())
