@@ -422,6 +422,23 @@ def test_only_references_runs_the_references_and_no_seed(tmp_path, fake_stages):
         run_experiment(bare, direct_call(RetryPolicy(delay_s=0)), only_references=True)
 
 
+def test_the_routers_designs_run_on_every_split_before_the_other_references(tmp_path):
+    """The order the experiment runs its references in: the router's designs on test, dev and train first (the
+    routers and the dev choice need only those), then the other references (cot_sc: dear) on test and dev."""
+    from pipeline.studies.experiment import reference_plan
+
+    path = _experiment_config(tmp_path, "p", {"references": ["io", "cot_sc", "cot"], "select_split": "dev",
+                                              "select_queries": 5, "router": {"designs": ["io", "cot"],
+                                                                              "fit_queries": 7}})
+    plan = [(m, split, changes) for m, split, changes, _ in reference_plan(load_config(path))]
+    dev, train = {"experiment.eval_queries": 5}, {"experiment.eval_queries": 7}
+    assert plan == [("io", "test", {}), ("cot", "test", {}), ("io", "dev", dev), ("cot", "dev", dev),
+                    ("io", "train", train), ("cot", "train", train), ("cot_sc", "test", {}), ("cot_sc", "dev", dev)]
+    without = load_config(path, ["experiment.router=null", "experiment.select_split=null"])
+    assert [(m, split) for m, split, _, _ in reference_plan(without)] == \
+        [("io", "test"), ("cot_sc", "test"), ("cot", "test")]
+
+
 def test_experiment_fits_the_routers_on_train_sets_them_on_dev_and_pairs_the_trained_arms_with_them(tmp_path,
                                                                                                      fake_stages,
                                                                                                      monkeypatch):

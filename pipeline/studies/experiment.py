@@ -278,6 +278,21 @@ def router_designs(cfg: RunConfig) -> list[str]:
     return designs
 
 
+def reference_plan(cfg: RunConfig) -> list[tuple[str, str, dict, str]]:
+    """The references' runs in the order the experiment makes them: (method, split, config changes, why). The
+    router's designs go first on every split (held out, `select_split`, `router.fit_split`), so the routers and the
+    choice among the designs can be read while the other references (CoT-SC samples at a temperature and replays
+    nothing from the cache: an order of magnitude dearer a run) still run; then the others, held out and on
+    `select_split`."""
+    e, designs = cfg.experiment, router_designs(cfg)
+    splits = [(e.eval_split, {}, "")]
+    if e.select_split:
+        splits.append((e.select_split, select_changes(cfg), " (the best fixed workflow is chosen there)"))
+    fit = [(e.router.fit_split, fit_changes(cfg), " (the routers are fitted there)")] if e.router else []
+    first = [(m, *split) for split in splits + fit for m in designs]
+    return first + [(m, *split) for split in splits for m in e.references if m not in designs]
+
+
 def routers(store: Store, cfg: RunConfig, held_out: list[ReferenceArm]) -> list[ReferenceArm]:
     """`experiment.router`'s arms on the held-out queries (pipeline.studies.router), once every design has finished
     its runs on the fit split, dev and the held-out split; none before (logged)."""
@@ -726,19 +741,9 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
         # may run beside others
         if only_seeds is None and cfg.experiment.references:
             t_refs = time.perf_counter()
-            for method in [] if cfg.experiment.references_from else cfg.experiment.references:
-                log.info("reference %s on %s", method, cfg.experiment.eval_split)
-                run_baseline(str(path), method, call, cfg.run_id, cfg.experiment.eval_split, sets)
-            if (chooser := cfg.experiment.select_split) and not cfg.experiment.references_from:
-                for method in cfg.experiment.references:
-                    log.info("reference %s on %s (the best fixed workflow is chosen there)", method, chooser)
-                    run_baseline(str(path), method, call, cfg.run_id, chooser,
-                                 variant_sets(select_changes(cfg), before=sets))
-            if (rc := cfg.experiment.router) is not None and not cfg.experiment.references_from:
-                for method in router_designs(cfg):
-                    log.info("router design %s on %s (the routers are fitted there)", method, rc.fit_split)
-                    run_baseline(str(path), method, call, cfg.run_id, rc.fit_split,
-                                 variant_sets(fit_changes(cfg), before=sets))
+            for method, split, changes, why in [] if cfg.experiment.references_from else reference_plan(cfg):
+                log.info("reference %s on %s%s", method, split, why)
+                run_baseline(str(path), method, call, cfg.run_id, split, variant_sets(changes, before=sets))
             extra["references_wall_s"] = round(time.perf_counter() - t_refs, 1)
             summary, out = publish("after the references")
     if out is None:  # every seed of the plan was finished already, and no reference to run
