@@ -284,13 +284,13 @@ def reference_plan(cfg: RunConfig) -> list[tuple[str, str, dict, str]]:
     choice among the designs can be read while the other references (CoT-SC samples at a temperature and replays
     nothing from the cache: an order of magnitude dearer a run) still run; then the others, held out and on
     `select_split`."""
-    e, designs = cfg.experiment, router_designs(cfg)
-    splits = [(e.eval_split, {}, "")]
-    if e.select_split:
-        splits.append((e.select_split, select_changes(cfg), " (the best fixed workflow is chosen there)"))
-    fit = [(e.router.fit_split, fit_changes(cfg), " (the routers are fitted there)")] if e.router else []
+    setup, designs = cfg.experiment, router_designs(cfg)
+    splits = [(setup.eval_split, {}, "")]
+    if setup.select_split:
+        splits.append((setup.select_split, select_changes(cfg), " (the best fixed workflow is chosen there)"))
+    fit = [(setup.router.fit_split, fit_changes(cfg), " (the routers are fitted there)")] if setup.router else []
     first = [(m, *split) for split in splits + fit for m in designs]
-    return first + [(m, *split) for split in splits for m in e.references if m not in designs]
+    return first + [(m, *split) for split in splits for m in setup.references if m not in designs]
 
 
 def routers(store: Store, cfg: RunConfig, held_out: list[ReferenceArm]) -> list[ReferenceArm]:
