@@ -424,8 +424,9 @@ def test_only_references_runs_the_references_and_no_seed(tmp_path, fake_stages):
 
 def test_the_routers_designs_run_on_every_split_before_the_other_references(tmp_path):
     """The order the experiment runs its references in: the router's designs on test, dev and train first (the
-    routers and the dev choice need only those), then the other references (cot_sc: dear) on test and dev."""
-    from pipeline.studies.experiment import reference_plan
+    routers and the dev choice need only those), then the other references (cot_sc: dear) on test and dev; `--status`
+    lists them so."""
+    from pipeline.studies.experiment import reference_plan, reference_rows
 
     path = _experiment_config(tmp_path, "p", {"references": ["io", "cot_sc", "cot"], "select_split": "dev",
                                               "select_queries": 5, "router": {"designs": ["io", "cot"],
@@ -437,6 +438,14 @@ def test_the_routers_designs_run_on_every_split_before_the_other_references(tmp_
     without = load_config(path, ["experiment.router=null", "experiment.select_split=null"])
     assert [(m, split) for m, split, _, _ in reference_plan(without)] == \
         [("io", "test"), ("cot_sc", "test"), ("cot", "test")]
+    # `--status` lists the same runs in the same order, the fit runs on train among them, each with its planned
+    # workflows (queries x L = 2; test's 2 queries by the config)
+    rows = [(part, rid, planned) for part, rid, _, _, planned in reference_rows(load_config(path))]
+    assert rows == [("reference", "p-baseline-io", 4), ("reference", "p-baseline-cot", 4),
+                    ("reference on dev", "p-baseline-dev-io", 10), ("reference on dev", "p-baseline-dev-cot", 10),
+                    ("reference on train", "p-baseline-train-io", 14),
+                    ("reference on train", "p-baseline-train-cot", 14),
+                    ("reference", "p-baseline-cot_sc", 4), ("reference on dev", "p-baseline-dev-cot_sc", 10)]
 
 
 def test_experiment_fits_the_routers_on_train_sets_them_on_dev_and_pairs_the_trained_arms_with_them(tmp_path,

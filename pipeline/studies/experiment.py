@@ -513,20 +513,30 @@ Serve it with vLLM (its OpenAI-compatible server; requests name the model `{fold
 
 def status(store: Store, cfg: RunConfig, seeds: list[int]) -> list[dict]:
     """Where the experiment stands, read from the store (nothing runs): per stage of every run of the plan (the
-    seeds' rounds, their evaluations, the references on the held-out split and on `select_split`), whether it is
+    seeds' rounds, their evaluations, the references on every split they run on: `reference_rows`), whether it is
     done (its manifest), its wall seconds (the last run that did work, `stage_timings`) and its workflows."""
-    split, experiment = cfg.experiment.eval_split, cfg.experiment
+    split = cfg.experiment.eval_split
     held_out = planned_workflows(cfg, "evaluate")
     runs: list[PlannedRun] = []
     for s in seeds:
         runs.append(("train", seed_run_id(cfg.run_id, s), cfg.rounds, ROUND_STAGES, planned_workflows(cfg, "train")))
         runs += [("evaluate", eval_run_id(seed_run_id(cfg.run_id, s), k, split), 1, EVAL_STAGES, held_out)
                  for k in seed_rounds(cfg, s, seeds)]
-    runs += [("reference", rid, 1, EVAL_STAGES, held_out) for rid in reference_runs(cfg).values()]
-    if experiment.select_split is not None:
-        runs += [(f"reference on {experiment.select_split}", rid, 1, EVAL_STAGES, planned_workflows(cfg, "select"))
-                 for rid in reference_runs(cfg, experiment.select_split).values()]
-    return stage_rows(store, runs)
+    return stage_rows(store, runs + reference_rows(cfg))
+
+
+def reference_rows(cfg: RunConfig) -> list[PlannedRun]:
+    """The references' runs as `status` lists them: in the order the experiment makes them (`reference_plan`: the
+    router's fit runs on `router.fit_split` among them), or, borrowed (`references_from`), the owner's runs on the
+    held-out split and `select_split`."""
+    ex = cfg.experiment
+    plan = ([(m, s) for s in (ex.eval_split, ex.select_split) if s for m in ex.references] if ex.references_from
+            else [(m, s) for m, s, _, _ in reference_plan(cfg)])
+    planned = {ex.eval_split: planned_workflows(cfg, "evaluate"), ex.select_split: planned_workflows(cfg, "select")}
+    if ex.router is not None and ex.router.fit_queries is not None:
+        planned.setdefault(ex.router.fit_split, ex.router.fit_queries * ex.eval_l)
+    return [("reference" if s == ex.eval_split else f"reference on {s}", reference_runs(cfg, s)[m], 1, EVAL_STAGES,
+             planned.get(s)) for m, s in plan]
 
 
 def planned_workflows(cfg: RunConfig, kind: str) -> int | None:
