@@ -529,13 +529,14 @@ def reference_rows(cfg: RunConfig) -> list[PlannedRun]:
     """The references' runs as `status` lists them: in the order the experiment makes them (`reference_plan`: the
     router's fit runs on `router.fit_split` among them), or, borrowed (`references_from`), the owner's runs on the
     held-out split and `select_split`."""
-    ex = cfg.experiment
-    plan = ([(m, s) for s in (ex.eval_split, ex.select_split) if s for m in ex.references] if ex.references_from
+    setup = cfg.experiment
+    splits = (setup.eval_split, setup.select_split)
+    plan = ([(m, s) for s in splits if s for m in setup.references] if setup.references_from
             else [(m, s) for m, s, _, _ in reference_plan(cfg)])
-    planned = {ex.eval_split: planned_workflows(cfg, "evaluate"), ex.select_split: planned_workflows(cfg, "select")}
-    if ex.router is not None and ex.router.fit_queries is not None:
-        planned.setdefault(ex.router.fit_split, ex.router.fit_queries * ex.eval_l)
-    return [("reference" if s == ex.eval_split else f"reference on {s}", reference_runs(cfg, s)[m], 1, EVAL_STAGES,
+    planned = dict(zip(splits, (planned_workflows(cfg, "evaluate"), planned_workflows(cfg, "select")), strict=True))
+    if setup.router is not None and setup.router.fit_queries is not None:
+        planned.setdefault(setup.router.fit_split, setup.router.fit_queries * setup.eval_l)
+    return [("reference" if s == setup.eval_split else f"reference on {s}", reference_runs(cfg, s)[m], 1, EVAL_STAGES,
              planned.get(s)) for m, s in plan]
 
 
