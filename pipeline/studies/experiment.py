@@ -534,8 +534,8 @@ def reference_rows(cfg: RunConfig) -> list[PlannedRun]:
     plan = ([(m, s) for s in splits if s for m in setup.references] if setup.references_from
             else [(m, s) for m, s, _, _ in reference_plan(cfg)])
     planned = dict(zip(splits, (planned_workflows(cfg, "evaluate"), planned_workflows(cfg, "select")), strict=True))
-    if setup.router is not None and setup.router.fit_queries is not None:
-        planned.setdefault(setup.router.fit_split, setup.router.fit_queries * setup.eval_l)
+    if setup.router is not None:
+        planned.setdefault(setup.router.fit_split, planned_workflows(cfg, "fit"))
     return [("reference" if s == setup.eval_split else f"reference on {s}", reference_runs(cfg, s)[m], 1, EVAL_STAGES,
              planned.get(s)) for m, s in plan]
 
@@ -543,16 +543,18 @@ def reference_rows(cfg: RunConfig) -> list[PlannedRun]:
 def planned_workflows(cfg: RunConfig, kind: str) -> int | None:
     """The workflows a round of a run is planned to hold, the unit `time_left` scales by: a training round's queries
     x workflows a query (flat: m; two-level: N_A x N_W), an evaluation's or a reference's held-out queries x L
-    (`select`: on the selection split); None where it is not known in advance (all queries of a split, W4S's
-    refinement)."""
-    ex, ro = cfg.experiment, cfg.rollout
+    (`select`: on the selection split; `fit`: a router design's on `router.fit_split`); None where it is not known in
+    advance (all queries of a split, W4S's refinement)."""
+    setup, ro = cfg.experiment, cfg.rollout
     if kind == "train":
         per_query = {"flat": ro.m, "two_level": ro.n_agents * ro.n_workflows}.get(ro.mode)
         queries = cfg.benchmark.max_queries
-    elif kind in ("evaluate", "select"):
-        per_query, queries = ex.eval_l, ex.eval_queries if kind == "evaluate" else ex.select_queries
+    elif kind in ("evaluate", "select", "fit"):
+        per_query = setup.eval_l
+        queries = {"evaluate": setup.eval_queries, "select": setup.select_queries,
+                   "fit": setup.router.fit_queries if setup.router else None}[kind]
     else:
-        raise ValueError(f"planned_workflows: kind {kind!r} (train, evaluate or select)")
+        raise ValueError(f"planned_workflows: kind {kind!r} (train, evaluate, select or fit)")
     return None if per_query is None or queries is None else queries * per_query
 
 
