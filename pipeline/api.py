@@ -43,6 +43,14 @@ def open_store(root: str | Path | None = None) -> Store:
     return Store(root or DEFAULT_STORE)
 
 
+def import_rollouts(path: str | Path, run_id: str, store: str | Path | None = None, round: int = 0) -> int:
+    """Rollouts logged elsewhere (JSONL, pipeline.stages.logged.IMPORT_FIELDS) into the store as run `run_id`, for a
+    config's `rollout.logged`; every bad line is reported in one ValueError and nothing is written."""
+    from pipeline.stages.logged import import_file
+
+    return import_file(open_store(store), run_id, str(path), round)
+
+
 def table(store: Store, name: str, run_id: str | None = None, round: int | None = None) -> pl.DataFrame:
     """A table (`generations`, `scores`, `groups`, ...) or view (`latest_scores`, `generation_scores`,
     `query_usage`) as a polars frame, through the store's DuckDB views; `run_id` / `round` keep those rows."""

@@ -208,6 +208,23 @@ def train(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0
     _stage("train", config, run_id, round, sets, store, wait=wait)
 
 
+@app.command("import", rich_help_panel=SETUP)
+def import_(
+    path: Annotated[Path, typer.Argument(help="JSONL of rollouts: query_id, text, prompt_token_ids, token_ids, "
+                                         "token_logprobs, score (docs/offline.md).")],
+    run_id: Annotated[str, typer.Option("--run-id", help="The new run that holds them.")],
+    store: StoreOpt = None,
+) -> None:
+    """Import rollouts logged elsewhere as a run of the store; a config trains on them via rollout.logged."""
+    from pipeline import api
+
+    try:
+        count = api.import_rollouts(path, run_id, store)
+    except (OSError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(f"imported {count} rows as run {run_id}; train on them with rollout.logged: [{{run: {run_id}}}]")
+
+
 @app.command(rich_help_panel=INSPECT)
 def sql(
     query: Annotated[str | None, typer.Argument(help="SQL to run; none: an interactive shell.")] = None,

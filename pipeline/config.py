@@ -423,11 +423,19 @@ class RefineConfig(_Strict):
     )
 
 
+class LoggedRun(_Strict):
+    """A run of the store whose scored rows a round takes as logged (off-policy) data (`rollout.logged`)."""
+
+    run: str = Field(description="The run id (in this store).")
+    round: int = Field(0, ge=0, description="Its round.")
+
+
 class RolloutConfig(_Strict):
     mode: Literal["flat", "two_level", "refine"] = Field(
         "flat", description="flat (SPOGW), two_level (agent/workflow) or refine (W4S's multi-turn refinement).",
     )
-    m: int = Field(16, gt=0, description="flat: workflows sampled per query.")
+    m: int = Field(16, ge=0, description="flat: workflows sampled per query (0: none, the round trains on its "
+                   "`logged` rows alone).")
     n_agents: int = Field(4, gt=0, description="two_level: agent plans per query (N_A).")
     n_workflows: int = Field(4, gt=0, description="two_level: workflows per agent plan (N_W).")
     tau_agent: float = Field(1.0, gt=0, description="Softmax temperature of agent exemplar buckets.")
@@ -474,6 +482,20 @@ class RolloutConfig(_Strict):
         "labels, renormalised and raised to 1/temperature (above 1 it explores the designs more, still by the "
         "policy's own odds; drawn by the rollout, so above vLLM's cap of 2 too); null: generator.temperature.",
     )
+    route_or_write: bool = Field(
+        False, description="choice_step: the design label is a commitment. A menu label runs that design's program "
+        "(the workflow is the design's code; the completion trained on is the label token alone) and the label "
+        "`own` lets the generator write its own workflow after it (label plus code trained). `generations.source` "
+        "says which: route or write.",
+    )
+    own_label: str = Field("own", description="route_or_write: the label that writes a workflow of its own.")
+    logged: list[LoggedRun] = Field(
+        default_factory=list, description="Scored runs of the store whose rows on this round's queries join the "
+        "round as logged rows (`generations.source` logged, their scores copied, trained under training.off_policy): "
+        "a fixed design's runs (with route_or_write: the label of that design, behaviour probability 1/K over the K "
+        "designs logged for the query), or sampled rows with their log-probs (an earlier round, another seed, "
+        "`pipeline import`). A row that cannot be used is refused by name.",
+    )
     menu_seed: int = Field(0, description="menu_choice drawn: seed of the draws (not the generator's: every seed of "
                            "an experiment draws alike).")
     menu_prefix_lines: int | None = Field(
@@ -509,6 +531,15 @@ class RolloutConfig(_Strict):
         if self.choice_step and (self.menu_choice != "policy" or not self.example_menu or self.mode != "flat"):
             raise ValueError("rollout.choice_step samples the policy's design from rollout.example_menu: it needs "
                              "menu_choice policy, a menu, and mode flat")
+        return self
+
+    @model_validator(mode="after")
+    def _route_or_write_needs_the_choice_step(self) -> RolloutConfig:
+        if self.route_or_write and not self.choice_step:
+            raise ValueError("rollout.route_or_write commits the design token: it needs rollout.choice_step")
+        if self.m == 0 and not self.logged and self.mode == "flat":
+            raise ValueError("rollout.m is 0: the round samples nothing; name the runs it takes rows from in "
+                             "rollout.logged, or set m > 0")
         return self
 
     @model_validator(mode="after")
@@ -594,6 +625,11 @@ class CurationConfig(_Strict):
         "proportional to (s_w - s_l)^pair_gap_power over the round's pairs with s_w > s_l (ScoreFlow).",
     )
     pair_gap_power: float = Field(3.0, gt=0, description="ScoreFlow's d(x) = x^p of a pair's score gap; its p is 3.")
+    choice_credit: bool = Field(
+        False, description="rollout.route_or_write: one group per query; the label token's advantage compares the "
+        "designs (each design's mean score against the group's), the code tokens' compares rows of the same design; "
+        "each term averaged over its own rows (pipeline.core.grpo.choice_credit).",
+    )
     best_above: float = Field(
         0.0, ge=0, description="`best` rows (sft_best): a query's best workflow is kept when its score is above this "
         "(rejection sampling; 0: any workflow that scored).",
@@ -675,6 +711,12 @@ class TrainingConfig(_Strict):
         "logged as logp_mismatch; needs generator.temperature 1 and top_p 1, where they are the model's own); auto: "
         "the rollout's where a local generator sampled in fp32 and training runs in fp32, else recompute.",
     )
+    off_policy: Literal["is_clip", "luffy", "expected"] = Field(
+        "is_clip", description="Logged rows (rollout.logged): is_clip = PPO's clipped ratio against the behaviour "
+        "probability; luffy = LUFFY's p/(p + γ), unclipped; expected = the unclipped ratio, which over a complete "
+        "design sweep is the exact expected gradient of the label (pipeline.core.grpo.OFF_POLICY_RULES).",
+    )
+    luffy_gamma: float = Field(0.1, gt=0, description="off_policy luffy: γ of p/(p + γ) (LUFFY: 0.1).")
     loss_norm: Literal["sequence", "token"] = Field(
         "sequence", description="Mean per sequence then over sequences, or over all tokens of the batch."
     )
@@ -880,6 +922,19 @@ class ComputeConfig(_Strict):
             raise ValueError("rollout.choice_step draws the design token from a restricted distribution, whose "
                              "log-prob the rollout stores; π_old must be the policy's: set training.old_logprobs: "
                              "recompute")
+        if (self.rollout.logged or self.rollout.m == 0) and self.training.old_logprobs != "recompute":
+            raise ValueError("rollout.logged rows carry the behaviour policy's log-probs, not π_old's: set "
+                             "training.old_logprobs: recompute")
+        return self
+
+    @model_validator(mode="after")
+    def _choice_credit_needs_route_or_write(self) -> ComputeConfig:
+        if self.curation.choice_credit and not self.rollout.route_or_write:
+            raise ValueError("curation.choice_credit splits the label's credit from the code's: it needs "
+                             "rollout.route_or_write (the label is then a commitment to what runs)")
+        if self.curation.choice_credit and self.training.objective not in ("iogrpo_mkl", "grpo"):
+            raise ValueError(f"curation.choice_credit writes group rows of two levels (choice, code), which "
+                             f"training.objective {self.training.objective!r} does not read; use iogrpo_mkl or grpo")
         return self
 
 

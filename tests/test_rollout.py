@@ -583,6 +583,70 @@ def test_choice_step_draws_the_design_token_from_the_labels_then_writes_after_it
         make_ctx(tmp_path, rollout={"example_menu": menu, "choice_step": True}, training={"old_logprobs": "auto"})
 
 
+def test_route_or_write_runs_a_routed_designs_program_and_writes_only_under_own(tmp_path, fake, monkeypatch):
+    """rollout.route_or_write: a drawn menu label is the whole completion and its design's program is what runs (the
+    stored text); the label `own` writes a workflow after it. Then curation.choice_credit's groups: the label's
+    between-design advantage on every row, the code's within `own` (hand-computed below)."""
+    from pipeline.stages.curate import choice_credit_rows, load_round
+    from pipeline.stages.train.data import load_sequences
+
+    menu = []
+    for name, body in (("mixed_direct", "return (await llm(problem))[0]"), ("mixed_steps", "return 'steps'")):
+        path = tmp_path / f"{name}.py"
+        path.write_text(f"# design: {name}\nasync def solve(problem):\n    {body}\n")
+        menu.append(str(path))
+    gens = fake()
+    tok = rollout.load_tokenizer("embedded:smollm2-135m-instruct")
+    prefix = "```python\nasync def solve(problem):\n    # design:"
+    label = {n: tok(prefix + " " + w, add_special_tokens=False).input_ids[-1]
+             for n, w in (("mixed_direct", "direct"), ("mixed_steps", "steps"), ("own", "own"))}
+    monkeypatch.setattr(FakeGen, "next_token_logprobs", lambda self, prompts, ids, adapter=None: [
+        [math.log(1 / 3)] * len(ids) for _ in prompts])
+    monkeypatch.setattr(FakeGen, "_generate", lambda self, prompts, smp, adapter: self.calls.append(prompts) or [
+        [Completion("\n    return 'mine'\n```", [5], [11, 12], [-0.1, -0.2], "stop")] for _ in prompts])
+    ctx = make_ctx(tmp_path, rollout={"m": 6, "example_menu": menu, "workflow_prefix": prefix, "choice_step": True,
+                                      "choice_temperature": 1.0, "route_or_write": True},
+                   curation={"choice_credit": True}, training={"old_logprobs": "recompute"})
+    run_rollout(ctx)
+    df = ctx.store.read("generations", "t", 0).sort("gen_id")
+    by_token = {v: k for k, v in label.items()}
+    for row in df.iter_rows(named=True):
+        chosen = by_token[row["token_ids"][0]]
+        assert row["choice"] == chosen
+        if chosen == "own":
+            assert row["source"] == "write" and row["token_ids"][1:] == [11, 12] and "'mine'" in row["text"]
+        else:
+            assert row["source"] == "route" and row["token_ids"] == [label[chosen]]  # the label alone is trained
+            assert row["text"] == "```python\n" + rollout.load_design(menu[chosen == "mixed_steps"]).code + "\n```"
+    written = sum(len(c) for c in gens[0].calls)
+    assert written == int((df["source"] == "write").sum()) and 0 < written < 12  # routed labels write nothing
+    # one query's scores, hand-made: pick q0's rows and give direct 1, steps 0, own 1 then 0
+    q0 = df.filter(pl.col("query_id") == "q0")
+    want = {"mixed_direct": 1.0, "mixed_steps": 0.0}
+    own_seen = iter([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    scores = {g: want[c] if c in want else next(own_seen) for g, c in zip(q0["gen_id"], q0["choice"], strict=True)}
+    ctx.store.write("scores", [dict(gen_id=g, query_id="q0", rep=0, attempt=0, status="ok", score=v)
+                               for g, v in scores.items()], "t", 0)
+    rows, _ = choice_credit_rows(ctx, load_round(ctx).filter(pl.col("query_id") == "q0"))
+    (choice,) = [r for r in rows if r["level"] == "choice"]
+    member_scores = [scores[g] for g in choice["members"]]
+    mean = sum(member_scores) / len(member_scores)
+    std = (sum((x - mean) ** 2 for x in member_scores) / len(member_scores)) ** 0.5
+    choices = dict(zip(q0["gen_id"], q0["choice"], strict=True))
+    for g, a in zip(choice["members"], choice["advantages"], strict=True):
+        same = [scores[h] for h in choice["members"] if choices[h] == choices[g]]
+        assert a == pytest.approx((sum(same) / len(same) - mean) / std, abs=1e-4)  # the design's mean vs the group's
+    codes = [r for r in rows if r["level"] == "code"]
+    if len([c for c in choices.values() if c == "own"]) >= 2 and len({scores[g] for g in choices
+                                                                       if choices[g] == "own"}) > 1:
+        (code,) = codes
+        assert {choices[g] for g in code["members"]} == {"own"}
+    ctx.store.write("groups", rows, "t", 0)
+    seqs, _ = load_sequences(ctx)
+    assert {len(q.completion_ids) for q in seqs if q.level == "choice"} == {1}  # the label token alone
+    assert all(q.gen_id.endswith("/code") and q.completion_ids == [11, 12] for q in seqs if q.level == "code")
+
+
 def test_example_menu_file_missing_writes_nothing(tmp_path, fake):
     fake()
     ctx = make_ctx(tmp_path, rollout={"example_menu": [str(tmp_path / "nope.py")]})

@@ -102,6 +102,10 @@ def grpo_mkl_terms(
     *,
     norm: Literal["sequence", "token"] = "sequence",
     seq_weights: torch.Tensor | None = None,
+    behaviour_logp: torch.Tensor | None = None,
+    off_policy: torch.Tensor | None = None,
+    off_rule: str = "is_clip",
+    off_gamma: float = 0.1,
 ) -> LossTerms:
     """ioGRPO-mKL (SPOGW eq. 3.6). Per token: min(ρA, clip(ρ, 1-ε, 1+ε)A) - β·m·k3 with
     ρ = exp(logp - old_logp), k3 = exp(ref - logp) - (ref - logp) - 1, m = 1[A > 0] (or 1).
@@ -109,7 +113,9 @@ def grpo_mkl_terms(
     `"token"`: mean over all completion tokens of the batch. Loss = minus that objective.
     `ref_logp=None` means no reference (no KL term). `kl_mask` may be a [B] bool tensor: the mask per sequence
     (two-level: one switch per level). `seq_weights` [B]: the loss is -Σ_b c_b Σ_t instead of `norm`'s mean
-    (c_b from `level_weights`; the logged `kl` stays the plain mean)."""
+    (c_b from `level_weights`; the logged `kl` stays the plain mean).
+    `off_policy` [B] bool marks logged rows: their tokens take `off_policy_surrogate(off_rule, ...)` against
+    `behaviour_logp` [B, T] instead of the ratio to π_old; the KL term is the same for every row."""
     if logp.shape != old_logp.shape or logp.shape != completion_mask.shape:
         raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and completion_mask "
                          f"{tuple(completion_mask.shape)} must have the same [B, T] shape")
@@ -120,6 +126,15 @@ def grpo_mkl_terms(
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     pg_tok = torch.minimum(ratio * adv, clipped * adv)
+    active = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
+    if off_policy is not None and bool(off_policy.any()):
+        if behaviour_logp is None or behaviour_logp.shape != logp.shape:
+            raise ValueError("logged rows need behaviour_logp of the [B, T] shape of logp")
+        off_tok, off_active = off_policy_surrogate(off_rule, logp, behaviour_logp.to(logp.dtype), adv, clip_eps,
+                                                   off_gamma)
+        rows = off_policy.reshape(-1, 1).to(torch.bool)
+        pg_tok = torch.where(rows, off_tok, pg_tok)
+        active = torch.where(rows, off_active, active)
     # the loss's KL(π_θ‖π_ref) as GRPO writes it, as if the tokens were π_θ's samples
     kl_tok = torch.zeros_like(logp) if ref_logp is None else k3(logp, ref_logp)
     m = _kl_weights(adv, kl_mask).to(logp.dtype)
@@ -127,7 +142,6 @@ def grpo_mkl_terms(
     loss = -reduce_tokens(pg_tok - beta * m * kl_tok, mask, norm, w)
     with torch.no_grad():
         # the clipped branch wins (and the gradient vanishes) above 1+ε for A > 0 and below 1-ε for A < 0
-        active = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
         clip_frac = (active.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0)
         pg_loss = -reduce_tokens(pg_tok, mask, norm, w)
         kl = reduce_tokens(kl_tok, mask, norm)
@@ -153,3 +167,73 @@ def grpo_mkl_loss(
     Public API: the loss alone, for callers outside the trainer (notebooks, tests)."""
     return grpo_mkl_terms(logp, old_logp, ref_logp, advantages, completion_mask, beta, clip_eps, kl_mask,
                           norm=norm, seq_weights=seq_weights).loss
+
+
+# ---- logged (off-policy) rows ---------------------------------------------------------------------------------------
+# A logged row was sampled by a behaviour policy μ that is not π_old (a fixed program's run, another seed, an earlier
+# round, rollouts logged elsewhere): its per-token surrogate replaces the on-policy ρ = π_θ/π_old by a rule chosen by
+# name (`training.off_policy`). Each takes log π_θ, log μ (the behaviour log-probs the row was logged with) and the
+# advantage, [B, T] / [B, 1], and returns the per-token objective (maximised), with its clipped-branch mask.
+
+
+def _is_ratio(logp: torch.Tensor, behaviour_logp: torch.Tensor) -> torch.Tensor:
+    return torch.exp(logp - behaviour_logp)
+
+
+def off_is_clip(logp, behaviour_logp, adv, clip_eps: float, gamma: float):
+    """PPO's clipped surrogate with the behaviour policy in the ratio: min(ρA, clip(ρ, 1-ε, 1+ε)A), ρ = π_θ/μ
+    (importance sampling against the logging policy, truncated as PPO truncates ρ = π_θ/π_old)."""
+    ratio = _is_ratio(logp, behaviour_logp)
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    active = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
+    return torch.minimum(ratio * adv, clipped * adv), active
+
+
+def off_luffy(logp, behaviour_logp, adv, clip_eps: float, gamma: float):
+    """LUFFY's regularised importance weight (arXiv 2504.14945, eq. 6, with μ taken as 1 on the off-policy tokens):
+    f(π_θ)·A, f(p) = p/(p + γ), no clipping. Its gradient γ/(p + γ)²·∇p keeps a low-probability token's gradient
+    large where ρ = p would vanish it; the behaviour log-probs are not used."""
+    p = torch.exp(logp)
+    return p / (p + gamma) * adv, torch.zeros_like(p, dtype=torch.bool)
+
+
+def off_expected(logp, behaviour_logp, adv, clip_eps: float, gamma: float):
+    """The exact expected gradient over every logged option: ρA with ρ = π_θ/μ and no clipping. Where μ is the
+    uniform sweep's 1/K (each of K designs run once on the query, the route-or-write import), the mean over a query's
+    K label rows of ρ_d A_d is Σ_d π_θ(d) A_d, whose gradient Σ_d π_θ(d) A_d ∇log π_θ(d) is the policy gradient of
+    the label's expected advantage computed exactly, not sampled (HGPO's and Thinkless's all-modes credit)."""
+    return _is_ratio(logp, behaviour_logp) * adv, torch.zeros_like(logp, dtype=torch.bool)
+
+
+OFF_POLICY_RULES = {"is_clip": off_is_clip, "luffy": off_luffy, "expected": off_expected}
+
+
+def off_policy_surrogate(rule: str, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
+                         clip_eps: float, gamma: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token objective, clipped-branch mask) of logged tokens under the rule named `rule` (OFF_POLICY_RULES)."""
+    try:
+        fn = OFF_POLICY_RULES[rule]
+    except KeyError:
+        raise ValueError(f"unknown off-policy rule {rule!r}; registered: {', '.join(OFF_POLICY_RULES)}") from None
+    return fn(logp, behaviour_logp, adv, clip_eps, gamma)
+
+
+def choice_credit(scores: Sequence[float], designs: Sequence[str], eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """The choice's credit apart from the code's, for one query's group of rows that each chose a design (HGPO's
+    between- and within-mode advantages, arXiv 2505.14631): (label advantages, code advantages).
+    - label: (R_d(i) - mean(s)) / (std(s) + eps), R_d the mean score of the rows that chose design d, mean and
+      population std over all the group's rows: every row of a design gets its design's credit, whatever its luck;
+    - code: (s_i - R_d(i)) / (std_d + eps) within the rows of the same design (0 for a design chosen once): the code
+      is compared only with code written under the same choice."""
+    values = np.asarray(scores, dtype=float)
+    if len(designs) != values.size:
+        raise ValueError(f"choice_credit: {values.size} scores but {len(designs)} designs")
+    label, code = np.zeros_like(values), np.zeros_like(values)
+    if values.size == 0:
+        return label, code
+    mean, std = values.mean(), values.std()
+    for d in dict.fromkeys(designs):
+        idx = np.array([i for i, x in enumerate(designs) if x == d])
+        label[idx] = (values[idx].mean() - mean) / (std + eps)
+        code[idx] = (values[idx] - values[idx].mean()) / (values[idx].std() + eps)
+    return label, code

@@ -40,6 +40,8 @@ class LossInput:
     scores: torch.Tensor | None = None  # [B] member scores (score_dpo: chosen at even, rejected at odd positions)
     kl_mask: bool | torch.Tensor = True  # iogrpo_mkl: the advantage mask, one switch or one per sequence
     seq_weights: torch.Tensor | None = None  # [B] two-level level weights (pipeline.core.grpo.level_weights)
+    behaviour_logp: torch.Tensor | None = None  # [B, T] the log-probs logged rows were sampled with (μ)
+    off_policy: torch.Tensor | None = None  # [B] bool: a logged row (its ratio is training.off_policy's rule)
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,8 @@ def _clipped(inp: LossInput, training, kl_mask: bool | torch.Tensor) -> LossTerm
     """The clipped-ratio surrogate with β·k3 where `kl_mask` allows it (pipeline.core.grpo.grpo_mkl_terms)."""
     return grpo_mkl_terms(inp.logp, inp.old_logp, inp.ref_logp, inp.coef, inp.mask,
                           training.beta if inp.ref_logp is not None else 0.0, training.clip_eps, kl_mask,
-                          norm=training.loss_norm, seq_weights=inp.seq_weights)
+                          norm=training.loss_norm, seq_weights=inp.seq_weights, behaviour_logp=inp.behaviour_logp,
+                          off_policy=inp.off_policy, off_rule=training.off_policy, off_gamma=training.luffy_gamma)
 
 
 @register_objective("iogrpo_mkl", "group", needs_old=True, uses_ref=True)

@@ -16,6 +16,7 @@ from pipeline.core.curation import (
     objective_rows,
     two_level_advantages,
 )
+from pipeline.core.grpo import choice_credit
 from pipeline.run import derived_seed
 from pipeline.stages.modes import get_mode
 from pipeline.store.schema import transient_statuses
@@ -34,6 +35,8 @@ def load_round(ctx) -> pl.DataFrame:
 
 def flat_rows(ctx, generation_scores: pl.DataFrame) -> tuple[list[dict], dict]:
     curation = ctx.cfg.curation
+    if curation.choice_credit:
+        return choice_credit_rows(ctx, generation_scores)
     workflows = generation_scores.filter(pl.col("kind") == "workflow")
     scores, gen_ids, rows = {}, {}, []
     left_out = 0
@@ -79,6 +82,43 @@ def flat_rows(ctx, generation_scores: pl.DataFrame) -> tuple[list[dict], dict]:
     more, more_counts = objective_rows(scores, gen_ids, curation, np.random.default_rng(
         derived_seed(curation.seed, "pairs", ctx.round)))
     return rows + more, counts | more_counts
+
+
+def choice_credit_rows(ctx, generation_scores: pl.DataFrame) -> tuple[list[dict], dict]:
+    """curation.choice_credit (rollout.route_or_write): one group per query of all its rows, sampled and logged; two
+    `groups` rows of it: level `choice` (every member, the label token's between-design advantage) and level `code`
+    (the rows that wrote their own workflow, the within-design advantage of their code), pipeline.core.grpo.
+    choice_credit. No C(m, n) subsets and no screening: the comparison between designs needs the whole group."""
+    curation = ctx.cfg.curation
+    choices = (ctx.store.read("generations", ctx.run_id, ctx.round).unique("gen_id", keep="first")
+               .select("gen_id", "choice", "source"))
+    workflows = generation_scores.filter(pl.col("kind") == "workflow").join(choices, on="gen_id", how="left")
+    rows, counts = [], {"queries": 0, "queries_left_out": 0, "queries_filtered": 0, "groups_kept": 0, "sequences": 0}
+    for (qid,), query_rows in workflows.group_by("query_id", maintain_order=True):
+        counts["queries"] += 1
+        ids, scores = query_rows["gen_id"].to_list(), query_rows["score"].to_list()
+        reason = left_out_reason(query_rows["state"].to_list())
+        if reason:
+            counts["queries_left_out"] += 1
+            rows.append(group_row(qid, f"{qid}/left-out", "choice", ids, [None] * len(ids), kept=False, reason=reason))
+            continue
+        if len(ids) < 2 or len(set(scores)) == 1:
+            counts["queries_filtered"] += 1
+            rows.append(group_row(qid, f"{qid}/filtered", "choice", ids, scores, kept=False,
+                                  reason=f"filtered: {len(ids)} rows, all scores equal ({scores[0]:g})"))
+            continue
+        designs = [c or "own" for c in query_rows["choice"].to_list()]
+        label, code = choice_credit(scores, designs, curation.eps_adv)
+        rows.append(group_row(qid, f"{qid}/choice", "choice", ids, scores, kept=True, advantages=label))
+        counts["groups_kept"] += 1
+        counts["sequences"] += len(ids)
+        own = [i for i, src in enumerate(query_rows["source"].to_list()) if src == "write"]
+        if len(own) >= 2 and len({scores[i] for i in own}) > 1:
+            rows.append(group_row(qid, f"{qid}/code", "code", [ids[i] for i in own], [scores[i] for i in own],
+                                  kept=True, advantages=[code[i] for i in own]))
+            counts["groups_kept"] += 1
+            counts["sequences"] += len(own)
+    return rows, counts | distinct_counts(rows)
 
 
 def two_level_rows(ctx, generation_scores: pl.DataFrame) -> tuple[list[dict], dict]:

@@ -13,6 +13,7 @@ or round 0's generator.adapter, whose path is in `sampling`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.core.designs import declared_choice, nearest_design, tempered_draws, tempered_log_probs
+from pipeline.core.designs import OWN, declared_choice, nearest_design, tempered_draws, tempered_log_probs
 from pipeline.engines.benchmarks.base import Benchmark, Item, load_benchmark
 from pipeline.engines.executors import cost_usd
 from pipeline.engines.generation import BACKENDS, Completion, Generator, Sampling, make_generator
@@ -44,6 +45,7 @@ from pipeline.engines.prompting import (
 from pipeline.engines.workflow import check_workflow, extract_code
 from pipeline.run import RunContext, derived_seed
 from pipeline.stages.exemplars import Pools, load_pools, pick_exemplars, tau_at
+from pipeline.stages.logged import import_logged
 from pipeline.stages.modes import get_mode
 from pipeline.stages.repair import self_repair
 from pipeline.stages.sampling import Request, batches, draw_design, gen_id, opening, seeded_rng, stops
@@ -110,8 +112,11 @@ class Sampler:
         self.menu_names = [d.name for d in self.menu]
         self.menu_labels = menu_labels(self.menu) if self.menu else {}
         # rollout.choice_step: the token each design's label starts with after workflow_prefix
-        self.choice_tokens = choice_tokens(tokenizer, self.cfg.rollout.workflow_prefix, self.menu_labels) \
+        # with route_or_write, `own` is one more label: the one under which the generator writes its own workflow
+        labels = self.menu_labels | ({OWN: self.cfg.rollout.own_label} if self.cfg.rollout.route_or_write else {})
+        self.choice_tokens = choice_tokens(tokenizer, self.cfg.rollout.workflow_prefix, labels) \
             if self.cfg.rollout.choice_step else {}
+        self.routes = {d.name: d for d in self.menu} if self.cfg.rollout.route_or_write else {}
         self.tau_a = tau_at(self.cfg.rollout.tau_agent, self.cfg.rollout.tau_decay, prompt_round)
         self.tau_w = tau_at(self.cfg.rollout.tau_workflow, self.cfg.rollout.tau_decay, prompt_round)
 
@@ -154,6 +159,10 @@ class Sampler:
                        slots, render(self.tokenizer, user, agent_system(self.cfg.rollout.prompt_dir) if kind == "agent"
                                      else None, self.cfg.rollout.prompt_dir) + prefix,
                        [s.gen_id for s in shown], max_tokens, prefix, None if design is None else design.name)
+
+    def workflow_request(self, item: Item) -> Request:
+        """The flat workflow prompt this round renders for `item` (one slot): what a logged row is trained under."""
+        return self._prompt("workflow", item, [0], None)
 
     def _workflow_exemplars(self, item: Item, parent: dict | None, rng: random.Random) -> tuple[list, str | None]:
         """Flat: the query's pool. Two-level: D_W of the stored agent the plan was conditioned on, and that
@@ -200,7 +209,7 @@ class Sampler:
         (renormalised over them, at choice_temperature: any temperature, not only what an engine's sampler takes),
         then the workflow sampled after it (one prompt a slot); each completion is the two steps' tokens joined, the
         design token's log-prob the one it was drawn with (π_old is recomputed). `progress`: told of each workflow."""
-        ids = list(self.choice_tokens.values())
+        ids, names = list(self.choice_tokens.values()), list(self.choice_tokens)
         temperature = self.cfg.rollout.choice_temperature or sampling.temperature
         odds = gen.next_token_logprobs([r.prompt_text for r in batch], ids, self.sample_adapter)
         picks = []
@@ -210,24 +219,34 @@ class Sampler:
                    for name, logprob in zip(self.choice_tokens, tempered_log_probs(label_logprobs, 1.0), strict=True)}
             seed = derived_seed(sampling.seed, "design", request.gen_ids[0])
             for index, logprob in tempered_draws(label_logprobs, temperature, sampling.n, seed):
+                # route_or_write: a design's label is the whole completion, and its program is what runs
+                route = {"route": names[index]} if names[index] in self.routes else {}
                 picks.append(Completion(self.tokenizer.decode([ids[index]]), prompt_ids, [ids[index]], [logprob],
-                                        "length", extra={"choice_odds": own}))
+                                        "stop" if route else "length", extra={"choice_odds": own} | route))
         then = replace(sampling, n=1, max_new_tokens=max(1, sampling.max_new_tokens - 1),
                        seed=derived_seed(sampling.seed, "after the choice"))
-        prompts = [batch[k // sampling.n].prompt_text + c.text for k, c in enumerate(picks)]
-        written = [comps[0] for comps in gen.generate(prompts, then, self.sample_adapter, progress=progress)]
-        joined = [Completion(c.text + w.text, c.prompt_token_ids, c.token_ids + w.token_ids,
-                             None if w.token_logprobs is None else c.token_logprobs + w.token_logprobs,
-                             w.finish_reason, retokenized=w.prompt_token_ids != c.prompt_token_ids + c.token_ids,
-                             extra=c.extra)
-                  for c, w in zip(picks, written, strict=True)]
+        to_write = [k for k, c in enumerate(picks) if "route" not in c.extra]
+        if progress is not None and len(to_write) < len(picks):
+            progress(len(picks) - len(to_write))
+        prompts = [batch[k // sampling.n].prompt_text + picks[k].text for k in to_write]
+        written = [comps[0] for comps in gen.generate(prompts, then, self.sample_adapter, progress=progress)] \
+            if prompts else []
+        joined = list(picks)
+        for k, w in zip(to_write, written, strict=True):
+            c = picks[k]
+            joined[k] = Completion(c.text + w.text, c.prompt_token_ids, c.token_ids + w.token_ids,
+                                   None if w.token_logprobs is None else c.token_logprobs + w.token_logprobs,
+                                   w.finish_reason, retokenized=w.prompt_token_ids != c.prompt_token_ids + c.token_ids,
+                                   extra=c.extra)
         return [joined[i * sampling.n:(i + 1) * sampling.n] for i in range(len(batch))]
 
     def rows(self, req: Request, comps: list[Completion], sampling: Sampling, latency: float) -> list[dict]:
         generator = self.cfg.generator
         rows, menu_workflow = [], bool(self.menu) and req.kind == "workflow"
         for gid, slot, completion in zip(req.gen_ids, req.slots, comps, strict=True):
-            text = req.prefix + completion.text
+            route = completion.extra.get("route") if completion.extra else None
+            # a routed label runs its design's program: the stored text is that program, whose code the score runs
+            text = routed_text(self.routes[route]) if route else req.prefix + completion.text
             reason = _validate(req.kind, text, self.cfg.rollout.max_workflow_chars)
             rows.append(dict(
                 gen_id=gid, kind=req.kind, parent_id=req.parent_id, query_id=req.query_id, slot=slot,
@@ -242,7 +261,8 @@ class Sampler:
                                   len(completion.token_ids or [])),
                 example=req.example,
                 design=nearest_design(extract_code(text), self.menu_code)[0] if menu_workflow else None,
-                choice=declared_choice(text, self.menu_names, self.menu_labels) if menu_workflow else None,
+                choice=route or (declared_choice(text, self.menu_names, self.menu_labels) if menu_workflow else None),
+                source=("route" if route else "write") if self.routes and req.kind == "workflow" else None,
             ))
         return rows
 
@@ -262,6 +282,11 @@ class Sampler:
         return written
 
 
+def routed_text(design: Design) -> str:
+    """The stored text of a routed label (rollout.route_or_write): the design's program in a fence, as it runs."""
+    return f"```python\n{design.code}\n```"
+
+
 def choice_tokens(tokenizer, prefix: str, labels: dict[str, str]) -> dict[str, int]:
     """design name -> the token its label starts with right after `prefix` (a space before the label unless the
     prefix ends in one); a RolloutError when two labels start with the same token or the prefix's own tokens change."""
@@ -278,6 +303,13 @@ def choice_tokens(tokenizer, prefix: str, labels: dict[str, str]) -> dict[str, i
         raise RolloutError(f"rollout.choice_step: labels {sorted(labels.values())} do not differ in their first "
                            "token; name the menu's programs so that they do")
     return out
+
+
+def training_split_ids(bench: Benchmark) -> set[str]:
+    """Every query id of the training split, not only the round's (benchmark.max_queries)."""
+    whole = copy.copy(bench)
+    whole.cfg = bench.cfg.model_copy(update={"max_queries": None})
+    return {it.id for it in whole.items()}
 
 
 def write_queries(ctx: RunContext, items: list[Item]) -> int:
@@ -366,6 +398,7 @@ def sample_round(ctx: RunContext, sampler: Sampler, bench: Benchmark) -> dict:
     with contextlib.ExitStack() as stack:
         gen = start_generator(ctx, sampler, stack) if todo else None
         write_queries(ctx, items)  # after the engine started: a backend that cannot start writes nothing
+        imported = import_logged(ctx, sampler, training_split_ids(bench)) if cfg.rollout.logged else 0
         if gen is not None:
             stack.callback(gen.close)
             sampled = _sample_all(ctx, sampler, gen, todo)
@@ -379,7 +412,7 @@ def sample_round(ctx: RunContext, sampler: Sampler, bench: Benchmark) -> dict:
                 return gen
 
             repaired = {"repair": self_repair(ctx, sampler, engine)}
-    counts = rollout_counts(ctx, sampled)
+    counts = rollout_counts(ctx, sampled) | ({"logged_imported": imported} if cfg.rollout.logged else {})
     ctx.finish("rollout", queries=len(items), **counts, **repaired)
     log.info("rollout round %d: %s", ctx.round, counts | repaired)
     return {"queries": len(items), **counts, **repaired}

@@ -93,6 +93,12 @@ TABLES: dict[str, pa.Schema] = {
             # added later (null: no menu, or written before): the design the workflow's `# design:` line declares
             # (rollout.menu_choice policy; pipeline.core.designs.declared_choice: a menu name, `combined` or `own`)
             ("choice", pa.string()),
+            # added later (null: sampled, as before): `route` (rollout.route_or_write: a menu label that ran its
+            # design's program, the completion is the label token), `write` (the `own` label, the generator's code
+            # after it), `logged` (a row from another scored run, rollout.logged: its log-probs are the behaviour
+            # policy's), `imported` (`pipeline import`)
+            ("source", pa.string()),
+            ("logged_from", pa.string()),  # logged rows: `<run>/<round>/<gen_id>` of the row it was taken from
         ]
     ),
     "scores": pa.schema(

@@ -26,6 +26,19 @@ class TrainSequence:
     level: str = "flat"  # its group's level: flat | agent | workflow
     score: float | None = None  # its score in the row (score_dpo's s_w / s_l)
     group_id: str | None = None
+    off_policy: bool = False  # a logged row (rollout.logged): `gen_logprobs` are the behaviour policy's, μ
+
+
+def split_level(level: str, gen_id: str, prompt: list[int], completion: list[int],
+                logprobs: list[float] | None) -> tuple[str, list[int], list[int], list[float] | None]:
+    """curation.choice_credit's levels of one generation: `choice` trains the label token alone (the completion's
+    first token), `code` the tokens after it (the label joins the prompt). Each is a sequence of its own, keyed
+    `<gen_id>/choice` or `<gen_id>/code`, so its π_old and reference log-probs are its own; other levels as they are."""
+    if level == "choice":
+        return f"{gen_id}/choice", prompt, completion[:1], logprobs[:1] if logprobs else logprobs
+    if level == "code":
+        return f"{gen_id}/code", prompt + completion[:1], completion[1:], logprobs[1:] if logprobs else logprobs
+    return gen_id, prompt, completion, logprobs
 
 
 def load_sequences(ctx: RunContext, kind: str = "group") -> tuple[list[TrainSequence], dict[str, int]]:
@@ -47,30 +60,34 @@ def load_sequences(ctx: RunContext, kind: str = "group") -> tuple[list[TrainSequ
     members = (groups.select("group_id", "level", "members", pl.col(coef).alias("coef"), "member_scores")
                .explode("members", "coef", "member_scores").rename({"members": "gen_id", "member_scores": "score"}))
     gens = (ctx.store.scan("generations", data_run, ctx.round)
-            .select("gen_id", "query_id", "prompt_token_ids", "token_ids", "token_logprobs")
+            .select("gen_id", "query_id", "prompt_token_ids", "token_ids", "token_logprobs", "source")
             .unique("gen_id", keep="first").collect())
     rows = members.join(gens, on="gen_id", how="left", maintain_order="left")
     seqs, bad_groups = [], set()
     for row in rows.iter_rows(named=True):
-        prompt, comp = row["prompt_token_ids"], row["token_ids"]
+        key, prompt, comp, glp = split_level(row["level"], row["gen_id"], list(row["prompt_token_ids"] or []),
+                                             list(row["token_ids"] or []), row["token_logprobs"])
         if not prompt or not comp or len(prompt) >= max_len:
             info["sequences_dropped"] += 1  # no generation row, no tokens, or a prompt longer than the cap
             bad_groups.add(row["group_id"])
             continue
-        glp = row["token_logprobs"]
         if len(prompt) + len(comp) > max_len:
             info["sequences_truncated"] += 1
             comp = comp[: max_len - len(prompt)]
             glp = glp[: len(comp)] if glp else glp
-        seqs.append(TrainSequence(row["gen_id"], list(prompt), list(comp), float(row["coef"]),
+        logged = row["source"] == "logged"
+        if logged and not (glp and len(glp) == len(comp)):  # refused at import; a row edited since is refused here
+            raise ValueError(f"logged row {row['gen_id']} has no behaviour log-probs for its {len(comp)} tokens")
+        seqs.append(TrainSequence(key, prompt, comp, float(row["coef"]),
                                   list(glp) if glp and len(glp) == len(comp) else None, row["level"],
-                                  None if row["score"] is None else float(row["score"]), row["group_id"]))
+                                  None if row["score"] is None else float(row["score"]), row["group_id"], logged))
     if kind == "pair" and bad_groups:
         seqs = [s for s in seqs if s.group_id not in bad_groups]
     if info["sequences_dropped"]:
         log.warning("%d group members skipped (missing generation, empty completion or prompt >= max_seq_len)",
                     info["sequences_dropped"])
-    trained = rows.filter(pl.col("gen_id").is_in(list({s.gen_id for s in seqs})))
+    generations = {s.gen_id.removesuffix("/choice").removesuffix("/code") for s in seqs}  # a level's key is its own
+    trained = rows.filter(pl.col("gen_id").is_in(list(generations)))
     info["distinct_workflows"] = trained["gen_id"].n_unique()
     info["distinct_queries"] = trained["query_id"].n_unique()
     log.info("training on %d sequences (%s rows): %d distinct workflows from %d queries", len(seqs), kind,

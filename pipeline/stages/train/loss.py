@@ -27,7 +27,9 @@ def step_weights(seqs: list[TrainSequence], rows: list[int], train_cfg: Training
     step's loss is the mean over its rows, or its completion tokens under loss_norm=token, as SPOGW)."""
     if all(seqs[i].level == "flat" for i in rows):
         return None
-    w = {"agent": train_cfg.two_level.agent_weight, "workflow": train_cfg.two_level.workflow_weight}
+    # curation.choice_credit's levels: the label's term and the code's, each averaged over its own rows
+    w = {"agent": train_cfg.two_level.agent_weight, "workflow": train_cfg.two_level.workflow_weight,
+         "choice": 1.0, "code": 1.0}
     c = level_weights([seqs[i].level for i in rows], [len(seqs[i].completion_ids) for i in rows], w,
                       train_cfg.loss_norm)
     return dict(zip(rows, c.tolist(), strict=True))
@@ -39,7 +41,7 @@ def kl_masks(seqs: list[TrainSequence], train_cfg: TrainingConfig) -> bool | tor
     if all(s.level == "flat" for s in seqs):
         return train_cfg.kl_mask
     switch = {"flat": train_cfg.kl_mask, "agent": train_cfg.two_level.agent_kl_mask,
-              "workflow": train_cfg.two_level.workflow_kl_mask}
+              "workflow": train_cfg.two_level.workflow_kl_mask, "choice": train_cfg.kl_mask, "code": train_cfg.kl_mask}
     return torch.tensor([switch[s.level] for s in seqs])
 
 
@@ -75,9 +77,14 @@ def pass_loss_input(seqs: list[TrainSequence], pass_: Pass, logp: torch.Tensor, 
     take = torch.tensor(pass_.take, device=logp.device)
     width = logp.shape[1]
     gens = lambda lps: _pad_rows([lps[s.gen_id] for s in rows], width, device)  # noqa: E731
+    off = [s.off_policy for s in rows]
+    behaviour = None if not any(off) else _pad_rows(
+        [torch.tensor(s.gen_logprobs if s.off_policy else [0.0] * len(s.completion_ids)) for s in rows], width,
+        device)
     return LossInput(
         logp=logp.float().index_select(0, take), mask=batch.completion_mask.index_select(0, take),
         coef=torch.tensor([s.advantage for s in rows], dtype=torch.float32, device=device),
         old_logp=None if old is None else gens(old), ref_logp=None if ref is None else gens(ref),
         scores=_seq_tensor(seqs, pass_.rows, "score", device), kl_mask=kl_masks(rows, train_cfg),
-        seq_weights=None if weights is None else torch.tensor([weights[r] for r in pass_.rows], device=device))
+        seq_weights=None if weights is None else torch.tensor([weights[r] for r in pass_.rows], device=device),
+        behaviour_logp=behaviour, off_policy=None if behaviour is None else torch.tensor(off, device=device))

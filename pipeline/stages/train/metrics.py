@@ -66,7 +66,7 @@ class StepSums:
 
     def add_mismatch(self, uniq: list[TrainSequence], old: dict[str, torch.Tensor] | None) -> None:
         for s in uniq:
-            if s.gen_logprobs is not None and old is not None:
+            if s.gen_logprobs is not None and old is not None and not s.off_policy:  # μ is not the sampler's π
                 self.mismatch += float((torch.tensor(s.gen_logprobs) - old[s.gen_id]).abs().sum())
                 self.mismatch_tokens += len(s.gen_logprobs)
 
