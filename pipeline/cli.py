@@ -76,9 +76,10 @@ def _main(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug l
 def validate(config: Path, sets: SetOpt = None) -> None:
     """Check a config and its task before any compute: the rows, split sizes and label mix, then every row's
     reference answer scored by the task's scorer (anything below 1.0 is a scorer or mapping bug, named with its
-    row). No model is loaded. Exits non-zero on any problem."""
+    row; identical errors grouped with a count; a scorer failing the same way on its first
+    benchmark.scorer_stop_after calls is called no more). No model is loaded. Exits non-zero on any problem."""
     from pipeline.engines.benchmarks import BenchmarkError, load_benchmark
-    from pipeline.engines.benchmarks.tasks import check_task
+    from pipeline.engines.benchmarks.tasks import check_task, problem_lines
     from pipeline.engines.servers import ServeError, check_served
 
     try:
@@ -97,10 +98,11 @@ def validate(config: Path, sets: SetOpt = None) -> None:
     if check.note:
         typer.echo(check.note)
     if check.problems:
-        typer.secho(f"{len(check.problems)} of {check.checked} reference answers do not score 1.0 with the scorer:",
+        skipped = f"; {check.not_scored} not scored" if check.not_scored else ""
+        typer.secho(f"{check.failed} of {check.checked} reference answers do not score 1.0 with the scorer{skipped}:",
                     fg=typer.colors.RED, err=True)
-        for prob in check.problems:
-            typer.secho(f"  {prob.where} (id {prob.item_id}): {prob.message}", fg=typer.colors.RED, err=True)
+        for line in problem_lines(check.problems):  # identical messages grouped, with a count and the first rows
+            typer.secho(f"  {line}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
     typer.echo(f"references: {check.checked} of {check.checked} score 1.0" if check.checked else
                "references: none scored")

@@ -363,6 +363,10 @@ class BenchmarkConfig(_Strict):
         10.0, gt=0, description="file: a call of your own scorer running longer is killed and its row gets status "
         "`error`.",
     )
+    scorer_stop_after: int = Field(
+        3, ge=0, description="file: when the first N calls of your own scorer all fail the same way (a timeout, one "
+        "error message), it is called no more: the other rows get status `error`, not scored; 0: never stop.",
+    )
     family: Literal["code", "math", "qa", "procedural"] | None = Field(
         None, description="file: the prompt family (its example workflow and contract); null: code for the "
         "unit_tests scorer, math for math, else procedural.",

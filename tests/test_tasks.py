@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.config import BenchmarkConfig, ConfigError, config_from_dict, task_entry_points
 from pipeline.engines.benchmarks import BenchmarkError, load_benchmark
-from pipeline.engines.benchmarks.base import Item, ScorerError
+from pipeline.engines.benchmarks.base import Item, ScorerError, ScorerStopped
 from pipeline.engines.benchmarks.metrics import choice_letter
 from pipeline.engines.benchmarks.tasks import FileTask, ScorerWorker, check_task, list_tasks, regex_candidate
 from pipeline.engines.benchmarks.user_scorer import checked_score
@@ -90,18 +90,48 @@ def test_without_an_id_column_the_row_index_names_the_item(tmp_path):
     assert items[0].reference["metadata"] == {"id": "q1", "kind": "mass", "unit": "grams"}
 
 
-def test_bad_rows_are_all_named_with_file_line_and_field(tmp_path):
+def test_bad_rows_are_all_named_with_file_line_and_field_in_one_pass(tmp_path):
     rows = [ROWS[0], {"id": "q2", "answer": "180", "kind": "time"},  # no question
             {**ROWS[2], "answer": "  "},  # an empty answer
             {**ROWS[1], "id": "q1"}]  # the id of line 1 again
-    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    path = tmp_path / "bad.jsonl"
+    lines = [json.dumps(r) for r in rows]
+    # line 2 is not JSON: the other lines are still read and checked (they were hidden behind it)
+    path.write_text("\n".join([lines[0], '{"id": "q9" "question": "a comma left out"}', *lines[1:]]) + "\n")
     with pytest.raises(BenchmarkError) as err:
         task(path).load()
     msg = str(err.value)
-    assert "3 bad row(s)" in msg
-    assert f"{path}:2: missing column 'question' (benchmark.columns.query); the row has: answer, id, kind" in msg
-    assert f"{path}:3: field 'answer' (benchmark.columns.answer) is empty" in msg
-    assert f"{path}:4: field 'id' (benchmark.columns.id): duplicate id 'q1' (first at {path}:1)" in msg
+    assert "4 bad row(s)" in msg
+    assert f"{path}:2: invalid JSON (Expecting ',' delimiter)" in msg
+    assert f"{path}:3: missing column 'question' (benchmark.columns.query); the row has: answer, id, kind" in msg
+    assert f"{path}:4: field 'answer' (benchmark.columns.answer) is empty" in msg
+    assert f"{path}:5: field 'id' (benchmark.columns.id): duplicate id 'q1' (first at {path}:1)" in msg
+    assert msg.index(f"{path}:2:") < msg.index(f"{path}:3:")  # in file order
+
+
+def test_unreadable_lines_are_all_named_and_do_not_shift_the_row_index(tmp_path):
+    from pipeline.engines.benchmarks.files import read_rows
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"a": 1}\n[1, 2]\n{"a": 2}\n{oops\n')
+    with pytest.raises(BenchmarkError) as err:  # a shipped benchmark's read: every unreadable line at once
+        read_rows(path)
+    assert str(err.value) == (f"2 unreadable lines in {path}:\n  {path}:2: expected a JSON object per line\n  "
+                              f"{path}:4: invalid JSON (Expecting property name enclosed in double quotes)")
+    rows = read_rows(path, keep_bad=True)
+    assert [(r.where, r.problem) for r in rows if r.problem] == [
+        (f"{path}:2", "expected a JSON object per line"),
+        (f"{path}:4", "invalid JSON (Expecting property name enclosed in double quotes)")]
+    assert [(r.data, r.index) for r in rows if not r.problem] == [({"a": 1}, 0), ({"a": 2}, 1)]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.json").write_text('{"a": 1}')
+    (folder / "b.json").write_text('{"a": \n')
+    (folder / "c.json").write_text("[]")
+    rows = read_rows(folder, keep_bad=True)
+    assert [(Path(r.where).name, r.problem) for r in rows] == [
+        ("a.json", None), ("b.json:2", "invalid JSON (Expecting value)"),
+        ("c.json", "expected one JSON object per file")]
 
 
 def test_csv_errors_name_the_line(tmp_path):
@@ -215,7 +245,7 @@ def test_checked_score_by_hand():
 def test_user_scorer_failures_are_row_errors_and_a_hang_is_killed(tmp_path):
     scorer = tmp_path / "scorer.py"
     scorer.write_text(BROKEN)
-    worker = ScorerWorker(f"{scorer}:score", timeout_s=3)
+    worker = ScorerWorker(f"{scorer}:score", timeout_s=1)
     try:
         ok = worker("42", "42", {"unit": "m"})
         assert ok.score == 1.0 and ok.details == {"seen": {"unit": "m"}}
@@ -226,7 +256,7 @@ def test_user_scorer_failures_are_row_errors_and_a_hang_is_killed(tmp_path):
         with pytest.raises(ScorerError, match=r"returned 1.5, outside \[0, 1\]"):
             worker("42", "42", {"mode": "range"})
         pid = worker._proc.pid
-        with pytest.raises(ScorerError, match=r"ran past its timeout of 3 s \(benchmark.scorer_timeout_s\) and was "
+        with pytest.raises(ScorerError, match=r"ran past its timeout of 1 s \(benchmark.scorer_timeout_s\) and was "
                                               "killed"):
             worker("42", "42", {"mode": "hang"})
         assert worker._proc is None and not Path(f"/proc/{pid}").exists()  # killed and reaped, not waited on
@@ -245,6 +275,101 @@ def test_a_scorer_that_cannot_load_says_so(tmp_path):
         task(write_jsonl(tmp_path / "d.jsonl", ROWS), scorer=str(tmp_path / "missing.py") + ":score")
     with pytest.raises(BenchmarkError, match="no module 'no_such_module_here' on the path"):
         task(write_jsonl(tmp_path / "d.jsonl", ROWS), scorer="no_such_module_here:score")
+
+
+def counting_scorer(folder: Path, body: str) -> tuple[str, Path]:
+    """A scorer file whose every call first appends a line to a counter file, then runs `body`: (its spec, the
+    counter)."""
+    counter = folder / "calls.txt"
+    (folder / "counted.py").write_text(
+        "import time\n\n\ndef score(answer, reference, **metadata):\n"
+        f"    with open({str(counter)!r}, 'a') as fh:\n        fh.write('call\\n')\n    {body}\n")
+    return f"{folder / 'counted.py'}:score", counter
+
+
+def calls(counter: Path) -> int:
+    return len(counter.read_text().splitlines()) if counter.exists() else 0
+
+
+def test_a_hanging_scorer_is_called_on_its_first_rows_only(tmp_path):
+    spec, counter = counting_scorer(tmp_path, "time.sleep(3600)")
+    data = write_jsonl(tmp_path / "d.jsonl", [{**ROWS[i % 3], "id": f"r{i}"} for i in range(6)])
+    bench = task(data, scorer=spec, scorer_timeout_s=0.2, scorer_stop_after=2)
+    check = check_task(bench)
+    assert calls(counter) == 2  # rows 1-2 timed out; rows 3-6 were never sent to it
+    assert (check.checked, check.failed, check.not_scored) == (2, 2, 4)
+    timeout = f"ScorerError: scorer {spec}: ran past its timeout of 0.2 s (benchmark.scorer_timeout_s) and was killed"
+    assert [p.message for p in check.problems[:2]] == [timeout] * 2
+    stopped = check.problems[2:]
+    assert [p.item_id for p in stopped] == ["r2", "r3", "r4", "r5"] and not any(p.scored for p in stopped)
+    assert stopped[0].message == ("not scored: the scorer failed the same way on its first 2 calls, so it is called "
+                                  f"no more (benchmark.scorer_stop_after): {timeout.removeprefix('ScorerError: ')}")
+    # a new task (as the next `pipeline validate` or `pipeline score --only-failed` makes) calls the fixed scorer again
+    (tmp_path / "counted.py").write_text(FIXED)
+    again = task(data, scorer=spec, scorer_timeout_s=0.2, scorer_stop_after=2)
+    assert again.score(again.load()[3], "2000").score == 1.0  # r3: q1's answer
+
+
+def test_the_scorer_is_stopped_only_when_its_first_calls_fail_the_same_way(tmp_path):
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text(BROKEN)
+    mixed = ScorerWorker(f"{scorer}:score", timeout_s=3, stop_after=3)
+    modes = ["raise", "nan", "raise", "raise", "raise", "raise"]  # calls 1-3 fail in two ways: row-dependent
+    for mode in modes:
+        with pytest.raises(ScorerError) as err:
+            mixed("42", "42", {"mode": mode})
+        assert not isinstance(err.value, ScorerStopped)
+    one_ok = ScorerWorker(f"{scorer}:score", timeout_s=3, stop_after=3)
+    assert one_ok("42", "42", {}).score == 1.0  # one of the first calls scored: never stopped
+    for _ in range(4):
+        with pytest.raises(ScorerError, match="returned nan") as err:
+            one_ok("42", "42", {"mode": "nan"})
+        assert not isinstance(err.value, ScorerStopped)
+    same = ScorerWorker(f"{scorer}:score", timeout_s=3, stop_after=2)
+    for _ in range(3):  # one input thrice counts once: it says nothing of the other answers
+        with pytest.raises(ScorerError, match="returned nan") as err:
+            same("junk", "42", {"mode": "nan"})
+        assert not isinstance(err.value, ScorerStopped)
+    with pytest.raises(ScorerError, match="returned nan"):
+        same("other junk", "42", {"mode": "nan"})  # the second input failing the same way: stopped
+    with pytest.raises(ScorerStopped, match="not scored: the scorer failed the same way on its first 2 calls"):
+        same("42", "42", {})  # not called (it would have scored 1.0)
+    never = ScorerWorker(f"{scorer}:score", timeout_s=3, stop_after=0)
+    for _ in range(4):
+        with pytest.raises(ScorerError, match="returned nan") as err:
+            never("42", "42", {"mode": "nan"})
+        assert not isinstance(err.value, ScorerStopped)
+    for worker in (mixed, one_ok, same, never):
+        worker.stop()
+
+
+def test_validate_groups_identical_errors_with_their_count_and_first_rows(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    spec, counter = counting_scorer(tmp_path, "return float('nan')")
+    data = write_jsonl(tmp_path / "q.jsonl", [{**ROWS[i % 3], "id": f"r{i}"} for i in range(5)])
+    base = ["validate", "examples/unit-conversion/config.yaml", "--set", f"benchmark.path={data}",
+            "--set", f"benchmark.scorer={spec}"]
+    nan = f"ScorerError: scorer {spec}: ValueError: returned nan, outside [0, 1]"
+    r = runner.invoke(app, [*base, "--set", "benchmark.scorer_stop_after=0"])  # never stopped: called on every row
+    assert r.exit_code == 1 and calls(counter) == 5
+    assert "5 of 5 reference answers do not score 1.0 with the scorer:" in r.output
+    assert f"  5 rows: {nan}\n    at {data}:1 (id r0), {data}:2 (id r1), {data}:3 (id r2) and 2 more\n" in r.output
+    assert r.output.count("returned nan") == 1  # one entry, not five
+    counter.unlink()
+    r = runner.invoke(app, base)  # the default: stopped after its first 3 calls
+    assert r.exit_code == 1 and calls(counter) == 3
+    assert "3 of 3 reference answers do not score 1.0 with the scorer; 2 not scored:" in r.output
+    assert f"  3 rows: {nan}\n    at {data}:1 (id r0), {data}:2 (id r1), {data}:3 (id r2)\n" in r.output
+    assert (f"  2 rows: not scored: the scorer failed the same way on its first 3 calls, so it is called no more "
+            f"(benchmark.scorer_stop_after): {nan.removeprefix('ScorerError: ')}\n    at {data}:4 (id r3), "
+            f"{data}:5 (id r4)\n") in r.output
+
+
+def test_group_errors_keeps_the_order_count_and_first_rows():
+    from pipeline.engines.benchmarks.base import ErrorGroup, group_errors
+
+    pairs = [("a", "x"), ("b", "y"), ("c", "x"), ("d", "x"), ("e", "x")]
+    assert group_errors(pairs, shown=2) == [ErrorGroup("x", 4, ("a", "c")), ErrorGroup("y", 1, ("b",))]
 
 
 # ---- the score stage with a failing scorer: status error, the stage goes on, --only-failed re-scores ---------------
@@ -291,7 +416,7 @@ def test_score_stage_stores_scorer_failures_as_errors_and_only_failed_rescores_t
             {"id": "wrong", "question": "Say 41.", "answer": "41"}]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     bench = {"name": "file", "path": str(data), "columns": {"id": "id"}, "scorer": f"{scorer}:score",
-             "scorer_timeout_s": 3}
+             "scorer_timeout_s": 1}
     path, root = _stored_round(tmp_path, ANSWER_42, bench)
     out = run_score(open_run(path, "t", 0))
     # every row has its final status: the stage finished (manifest written) with the scorer's failures in it
@@ -302,7 +427,7 @@ def test_score_stage_stores_scorer_failures_as_errors_and_only_failed_rescores_t
     assert sorted(by_query) == ["hangs", "nan", "raises", "text"]
     assert by_query["raises"].endswith("ValueError: no unit in 42")
     assert "returned nan, outside [0, 1]" in by_query["nan"] and "returned str 'yes'" in by_query["text"]
-    assert "ran past its timeout of 3 s (benchmark.scorer_timeout_s) and was killed" in by_query["hangs"]
+    assert "ran past its timeout of 1 s (benchmark.scorer_timeout_s) and was killed" in by_query["hangs"]
     assert errors["answer"].to_list() == ["42"] * 4  # the workflow's answer is kept with the error
     ok = st.sql("SELECT query_id, metric FROM latest_scores WHERE status = 'ok' ORDER BY query_id")
     assert dict(zip(ok["query_id"], ok["metric"], strict=True)) == {"ok": 1.0, "wrong": 0.0}
@@ -319,6 +444,34 @@ def test_score_stage_stores_scorer_failures_as_errors_and_only_failed_rescores_t
     assert latest.rows() == [("hangs", 1, 1.0), ("nan", 1, 1.0), ("ok", 0, 1.0), ("raises", 1, 1.0),
                              ("text", 1, 1.0), ("wrong", 0, 0.0)]
     assert st.sql("SELECT count(*) AS n FROM scores")["n"][0] == 10  # the failed attempts are kept
+
+
+@pytest.mark.usefixtures("shared_sandbox")
+def test_score_stage_stops_a_hanging_scorer(tmp_path, caplog):
+    """The stage's rows of a stopped scorer are status `error` like any scorer failure, which --only-failed re-scores
+    (test_score_stage_stores_scorer_failures_as_errors_and_only_failed_rescores_them)."""
+    from pipeline.run import open_run
+    from pipeline.stages.score import run_score
+    from pipeline.store import Store
+
+    spec, counter = counting_scorer(tmp_path, "time.sleep(3600)")
+    # three references: three different inputs to the scorer (the workflow answers 42 to each)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"r{i}", "question": "Say 42.", "answer": f"4{i}"}
+                                              for i in range(3)])
+    bench = {"name": "file", "path": str(data), "columns": {"id": "id"}, "scorer": spec, "scorer_timeout_s": 0.2,
+             "scorer_stop_after": 2}
+    path, root = _stored_round(tmp_path, ANSWER_42, bench)
+    with caplog.at_level("WARNING", logger="pipeline.stages.score"):
+        out = run_score(open_run(path, "t", 0))
+    assert out["done"] is True and out["by_status"] == {"error": 3}
+    assert calls(counter) == 2  # 2 timeouts, then no more calls
+    errors = Store(root).sql("SELECT error FROM latest_scores")["error"].to_list()
+    assert sum("ran past its timeout of 0.2 s" in e and "not scored" not in e for e in errors) == 2
+    assert sum(e.startswith("metric failed: ScorerStopped: not scored: the scorer failed the same way on its first 2 "
+                            "calls") for e in errors) == 1
+    # one log line per distinct error, with its count
+    grouped = sorted(r.getMessage().split(": ")[1] for r in caplog.records if "with status error" in r.getMessage())
+    assert grouped == ["1 run(s) with status error", "2 run(s) with status error"]
 
 
 # ---- the registry: names, plugins ----------------------------------------------------------------------------------
@@ -455,9 +608,12 @@ def test_validate_names_each_row_whose_reference_does_not_score_one(tmp_path, mo
     broken.write_text("def score(answer, reference, **metadata):\n    return float(answer) / 0\n")
     r = runner.invoke(app, ["validate", "examples/unit-conversion/config.yaml",
                             "--set", f"benchmark.scorer={broken}:score"])
-    assert r.exit_code == 1 and "100 of 100 reference answers do not score 1.0" in r.output
-    assert "examples/unit-conversion/questions.jsonl:1 (id length-000): ScorerError: scorer" in r.output
-    assert "ZeroDivisionError: float division by zero" in r.output
+    # failing the same way on its first 3 rows, it is called on no other: 97 rows not scored
+    assert r.exit_code == 1 and "3 of 3 reference answers do not score 1.0 with the scorer; 97 not scored" in r.output
+    assert "  3 rows: ScorerError: scorer" in r.output and "ZeroDivisionError: float division by zero" in r.output
+    assert ("    at examples/unit-conversion/questions.jsonl:1 (id length-000), examples/unit-conversion/questions."
+            "jsonl:2 (id length-001), examples/unit-conversion/questions.jsonl:3 (id length-002)\n") in r.output
+    assert "  97 rows: not scored: the scorer failed the same way on its first 3 calls" in r.output
 
 
 def test_validate_refuses_bad_rows_before_scoring(tmp_path, monkeypatch):

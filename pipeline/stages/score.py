@@ -27,7 +27,7 @@ import polars as pl
 
 from pipeline.core.reward import diversity_terms, reward
 from pipeline.core.tamper import flags
-from pipeline.engines.benchmarks.base import Benchmark, Item, ScorerError, load_benchmark
+from pipeline.engines.benchmarks.base import Benchmark, Item, ScorerError, group_errors, load_benchmark
 from pipeline.engines.meter import ProgressMeter, relay_path
 from pipeline.engines.sandbox import Limits, SandboxResult, default_sandbox, run_workflow
 from pipeline.engines.workflow import check_workflow, extract_code
@@ -226,11 +226,14 @@ async def _run(ctx: RunContext, scorer: _Scorer, jobs: list[Job], desc: str) -> 
     if any(scorer.needs_executor(j) for j in jobs):
         await scorer.executor.start()
     tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+    scorer_errors: list[tuple[str, str]] = []  # (gen_id, error) of the runs whose task scorer failed
     try:
         with ProgressMeter(len(jobs), desc, "run", relay=relay_path(ctx.run_id, ctx.round, "score")) as bar:
             for fut in asyncio.as_completed(tasks):
                 row = await fut
                 counts[row["status"]] = counts.get(row["status"], 0) + 1
+                if row["status"] == "error":
+                    scorer_errors.append((row["gen_id"], row["error"]))
                 buf.append(row)
                 if len(buf) >= cfg.batch_size:
                     flush()
@@ -239,6 +242,10 @@ async def _run(ctx: RunContext, scorer: _Scorer, jobs: list[Job], desc: str) -> 
         for t in tasks:
             t.cancel()
         flush()
+    for group in group_errors(sorted(scorer_errors)):  # one line per message, not one per run
+        more = f" and {group.count - len(group.rows)} more" if group.count > len(group.rows) else ""
+        log.warning("%s: %d run(s) with status error: %s (%s%s); once the scorer is fixed, `pipeline score "
+                    "--only-failed` scores them again", desc, group.count, group.message, ", ".join(group.rows), more)
     return counts
 
 

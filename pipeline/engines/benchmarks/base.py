@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from pipeline.config import task_entry_points, unknown_task_message
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from pipeline.config import BenchmarkConfig
 
 
@@ -21,6 +23,35 @@ class BenchmarkError(ValueError):
 class ScorerError(RuntimeError):
     """A user's scorer failed on one answer (it raised, hung past its timeout, or returned no score in [0, 1]): the
     score stage gives that run status `error` with this message and goes on."""
+
+
+class ScorerStopped(ScorerError):
+    """A row the user's scorer was not called on: its first calls all failed the same way
+    (`benchmark.scorer_stop_after`), so the rest of the rows are not sent to it. The score stage stores it as any
+    ScorerError (status `error`, re-scored by --only-failed once the scorer is fixed); `pipeline validate` counts
+    the row as not scored."""
+
+
+@dataclass(frozen=True)
+class ErrorGroup:
+    """One error message and the rows that got it: `count` rows, the first few of them (in order) in `rows`."""
+
+    message: str
+    count: int
+    rows: tuple[str, ...]
+
+
+def group_errors(errors: Iterable[tuple[str, str]], shown: int = 3) -> list[ErrorGroup]:
+    """(row, message) pairs grouped by identical message, in the order each message first came, each with its
+    count and its first `shown` rows: a scorer failing the same way on 10,000 rows is one line, not 10,000."""
+    rows: dict[str, list[str]] = {}
+    counts: dict[str, int] = {}
+    for row, message in errors:
+        counts[message] = counts.get(message, 0) + 1
+        first = rows.setdefault(message, [])
+        if len(first) < shown:
+            first.append(row)
+    return [ErrorGroup(message, counts[message], tuple(first)) for message, first in rows.items()]
 
 
 @dataclass(frozen=True)

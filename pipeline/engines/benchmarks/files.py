@@ -24,6 +24,7 @@ class Row:
     where: str  # "file.jsonl:12" (line), "file.parquet row 12", "folder/a/1.json": for error messages
     index: int  # position in the source, the fallback item id
     key: str | None = None  # a folder's file path without suffix ("algebra/1"), a stable id for MATH
+    problem: str | None = None  # why the line or file could not be read (read_rows' keep_bad); data is then empty
 
     def get(self, field: str, kind: type | tuple[type, ...] = str, default: Any = _MISSING) -> Any:
         """The field's value, checked against `kind`; a clear error names the row and the field."""
@@ -41,25 +42,44 @@ class Row:
         return BenchmarkError(f"{self.where}: {msg}")
 
 
-def read_rows(path: str | Path) -> list[Row]:
-    """All rows of a .jsonl/.json/.parquet file, or of every *.json file under a folder (sorted)."""
-    source = Path(path)
+def read_rows(path: str | Path, keep_bad: bool = False) -> list[Row]:
+    """All rows of a .jsonl/.json/.parquet file, or of every *.json file under a folder (sorted). A JSONL line or a
+    folder's file that is not a JSON object does not stop the reading: with `keep_bad` it is a Row whose `problem`
+    says why, in its place (so a caller reports it with the other rows' problems, in one pass); without, every such
+    line is named in one BenchmarkError."""
+    rows = _read_rows(Path(path))
+    bad = [r for r in rows if r.problem is not None]
+    if bad and not keep_bad:
+        if len(bad) == 1:
+            raise BenchmarkError(f"{bad[0].where}: {bad[0].problem}")
+        raise BenchmarkError(f"{len(bad)} unreadable lines in {path}:\n  "
+                             + "\n  ".join(f"{r.where}: {r.problem}" for r in bad))
+    return rows
+
+
+def _read_rows(source: Path) -> list[Row]:
     if source.is_dir() and any((source / marker).is_file() for marker in ("state.json", "dataset_dict.json")):
         return _read_saved_dataset(source)
     if source.is_dir():
         files = sorted(source.rglob("*.json"))
         if not files:
             raise BenchmarkError(f"{source}: folder holds no *.json files")
-        rows = []
-        for i, f in enumerate(files):
-            obj = _load_json(f)
+        rows, good = [], 0
+        for file in files:
+            try:
+                obj = json.loads(file.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                rows.append(_bad_row(f"{file}:{e.lineno}", f"invalid JSON ({e.msg})"))
+                continue
             if not isinstance(obj, dict):
-                raise BenchmarkError(f"{f}: expected one JSON object per file")
-            rows.append(Row(obj, str(f), i, f.relative_to(source).with_suffix("").as_posix()))
+                rows.append(_bad_row(str(file), "expected one JSON object per file"))
+                continue
+            rows.append(Row(obj, str(file), good, file.relative_to(source).with_suffix("").as_posix()))
+            good += 1
         return rows
     suffix = source.suffix.lower()
     if suffix == ".jsonl":
-        rows = []
+        rows, good = [], 0
         with source.open(encoding="utf-8") as handle:
             for lineno, line in enumerate(handle, 1):
                 if not line.strip():
@@ -67,10 +87,13 @@ def read_rows(path: str | Path) -> list[Row]:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise BenchmarkError(f"{source}:{lineno}: invalid JSON ({e.msg})") from None
+                    rows.append(_bad_row(f"{source}:{lineno}", f"invalid JSON ({e.msg})"))
+                    continue
                 if not isinstance(obj, dict):
-                    raise BenchmarkError(f"{source}:{lineno}: expected a JSON object per line")
-                rows.append(Row(obj, f"{source}:{lineno}", len(rows)))
+                    rows.append(_bad_row(f"{source}:{lineno}", "expected a JSON object per line"))
+                    continue
+                rows.append(Row(obj, f"{source}:{lineno}", good))
+                good += 1
         return rows
     if suffix == ".json":
         obj = _load_json(source)
@@ -98,6 +121,10 @@ def read_rows(path: str | Path) -> list[Row]:
         return rows
     raise BenchmarkError(f"{source}: unsupported file type {suffix!r}; use .jsonl, .json, .csv, .parquet, a folder of "
                          ".json or a folder saved by `datasets` (save_to_disk)")
+
+
+def _bad_row(where: str, problem: str) -> Row:
+    return Row({}, where, -1, problem=problem)
 
 
 def _read_saved_dataset(folder: Path) -> list[Row]:

@@ -9,7 +9,9 @@ The scorer is a built-in (SCORER_BUILTINS: the shipped metrics) or the user's fu
 A user's function is untrusted for the run's sake: it runs in a worker process of its own (ScorerWorker), one call at
 a time under `benchmark.scorer_timeout_s`; a call that raises, returns no number in [0, 1] (NaN included) or runs past
 its timeout (the worker is killed and restarted) raises ScorerError, which the score stage stores as status `error`
-with the message, and goes on.
+with the message, and goes on. When its first `benchmark.scorer_stop_after` calls all fail the same way, it is called
+no more (ScorerStopped: the other rows are `error`, not scored), so a scorer that hangs costs a few timeouts, not one
+per row.
 
 A plugin package registers a task as an entry point of the group `workflow_grpo.tasks` (a Benchmark class, or a
 function of the BenchmarkConfig returning one): `file_task(cfg, path=..., scorer=...)` makes a file task whose
@@ -32,7 +34,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import SCORER_BUILTINS, BenchmarkConfig, task_entry_points
-from pipeline.engines.benchmarks.base import Benchmark, BenchmarkError, Item, MetricResult, ScorerError, split_items
+from pipeline.engines.benchmarks.base import (
+    Benchmark,
+    BenchmarkError,
+    Item,
+    MetricResult,
+    ScorerError,
+    ScorerStopped,
+    group_errors,
+    split_items,
+)
 from pipeline.engines.benchmarks.code import CodeBenchmark, Suite
 from pipeline.engines.benchmarks.files import Row, read_rows
 from pipeline.engines.benchmarks.metrics import (
@@ -87,13 +98,23 @@ def resolve_scorer_spec(spec: str) -> str:
 
 class ScorerWorker:
     """The user's scorer in a child Python process (plain subprocess: it never re-imports the caller's __main__),
-    one call at a time. A call past `timeout_s` kills the child, which restarts at the next call."""
+    one call at a time. A call past `timeout_s` kills the child, which restarts at the next call.
 
-    def __init__(self, spec: str, timeout_s: float):
-        self.spec, self.timeout_s = spec, timeout_s
+    When its first `stop_after` calls on different inputs all fail with the same message (a hang, a NaN, the same
+    exception), the scorer is called no more: every later call raises ScorerStopped with that reason at once, so a
+    scorer that hangs costs `stop_after` timeouts, not one per row (0: never stop). Only the first calls decide: a
+    scorer that has scored one of them, or failed them in different ways, is row-dependent and keeps being called. A
+    call on an input seen before does not count (three workflows giving the same junk answer that the scorer
+    cannot read say nothing of the other answers)."""
+
+    def __init__(self, spec: str, timeout_s: float, stop_after: int = 0):
+        self.spec, self.timeout_s, self.stop_after = spec, timeout_s, stop_after
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._load_error: str | None = None
+        self._first: list[str | None] = []  # the first `stop_after` calls' errors (None: it scored)
+        self._first_inputs: set[str] = set()  # and their inputs
+        self.stopped: str | None = None  # why the scorer is called no more
         _workers.add(self)
 
     def _start(self) -> None:
@@ -116,23 +137,48 @@ class ScorerWorker:
 
     def __call__(self, answer: str, reference: Any, metadata: dict[str, Any]) -> MetricResult:
         with self._lock:
-            if self._load_error is None and (self._proc is None or self._proc.poll() is not None):
-                self.stop()
-                self._start()
-            if self._load_error is not None:
-                raise ScorerError(f"scorer {self.spec}: {self._load_error}")
+            if self.stopped is not None:
+                raise ScorerStopped(self.stopped)
+            key = json.dumps([answer, reference, metadata], sort_keys=True, default=str)
             try:
-                self._proc.stdin.write(json.dumps([answer, reference, metadata], default=str) + "\n")
-                self._proc.stdin.flush()
-                reply = self._read(self.timeout_s)
-            except OSError as e:  # broken pipe: the worker died (e.g. the scorer called os._exit)
-                reply, died = None, f"its worker died ({e})"
-            else:
-                died = "its worker died" if reply is None and self._proc.poll() is not None else None
-            if reply is None:
-                self.stop()
-                raise ScorerError(f"scorer {self.spec}: " + (died or f"ran past its timeout of {self.timeout_s:g} s "
-                                                              "(benchmark.scorer_timeout_s) and was killed"))
+                result = self._call(answer, reference, metadata)
+            except ScorerError as e:
+                self._note(key, str(e))
+                raise
+            self._note(key, None)
+            return result
+
+    def _note(self, key: str, error: str | None) -> None:
+        """Count one of the first `stop_after` calls on different inputs; stop the scorer when they all failed with
+        one message."""
+        if len(self._first) >= self.stop_after or key in self._first_inputs:
+            return
+        self._first_inputs.add(key)
+        self._first.append(error)
+        if len(self._first) == self.stop_after and error is not None and set(self._first) == {error}:
+            self.stopped = (f"not scored: the scorer failed the same way on its first {self.stop_after} calls, so it "
+                            f"is called no more (benchmark.scorer_stop_after): {error}")
+            self.stop()
+
+    def _call(self, answer: str, reference: Any, metadata: dict[str, Any]) -> MetricResult:
+        """One call of the scorer (the lock held)."""
+        if self._load_error is None and (self._proc is None or self._proc.poll() is not None):
+            self.stop()
+            self._start()
+        if self._load_error is not None:
+            raise ScorerError(f"scorer {self.spec}: {self._load_error}")
+        try:
+            self._proc.stdin.write(json.dumps([answer, reference, metadata], default=str) + "\n")
+            self._proc.stdin.flush()
+            reply = self._read(self.timeout_s)
+        except OSError as e:  # broken pipe: the worker died (e.g. the scorer called os._exit)
+            reply, died = None, f"its worker died ({e})"
+        else:
+            died = "its worker died" if reply is None and self._proc.poll() is not None else None
+        if reply is None:
+            self.stop()
+            raise ScorerError(f"scorer {self.spec}: " + (died or f"ran past its timeout of {self.timeout_s:g} s "
+                                                          "(benchmark.scorer_timeout_s) and was killed"))
         if "error" in reply:
             raise ScorerError(f"scorer {self.spec}: {reply['error']}")
         return MetricResult(float(reply["score"]), reply.get("details") or {})
@@ -224,7 +270,7 @@ class FileTask(Benchmark):
         if not path.exists():
             raise BenchmarkError(f"task {self.name!r}: benchmark.path {path} not found (relative paths start at the "
                                  f"working directory, {Path.cwd()})")
-        rows = read_rows(path)
+        rows = read_rows(path, keep_bad=True)  # a malformed line is one bad row among the others, not the end
         if not rows:
             raise BenchmarkError(f"task {self.name!r}: {path} holds no rows")
         errors: list[str] = []
@@ -232,6 +278,9 @@ class FileTask(Benchmark):
         first_at: dict[str, str] = {}
         mapped = {c for c in (cols.query, cols.answer, cols.id, cols.label) if c}
         for row in rows:
+            if row.problem is not None:
+                errors.append(f"{row.where}: {row.problem}")
+                continue
             try:
                 item = self._item(row, path, mapped)
             except BenchmarkError as e:
@@ -290,7 +339,7 @@ class FileTask(Benchmark):
         if self.cfg.scorer in SCORER_BUILTINS:
             return builtin_score(self.cfg, text, reference)
         if self._worker is None:
-            self._worker = ScorerWorker(self.scorer_spec, self.cfg.scorer_timeout_s)
+            self._worker = ScorerWorker(self.scorer_spec, self.cfg.scorer_timeout_s, self.cfg.scorer_stop_after)
         return self._worker(text, reference, metadata)
 
     def close(self) -> None:
@@ -332,12 +381,14 @@ def _plain(value: Any) -> Any:
 
 @dataclass
 class RowProblem:
-    """A row whose reference answer does not score 1.0 with the task's scorer (a scorer or mapping bug)."""
+    """A row whose reference answer does not score 1.0 with the task's scorer (a scorer or mapping bug), or was not
+    scored (the scorer was stopped: ScorerStopped)."""
 
     where: str
     item_id: str
-    score: float | None  # None: the scorer failed on it
+    score: float | None  # None: the scorer failed on it, or was not called
     message: str
+    scored: bool = True  # False: not sent to the scorer, which had failed the same way on its first calls
 
 
 @dataclass
@@ -350,13 +401,23 @@ class TaskCheck:
     rows: int
     splits: dict[str, int]
     labels: dict[str, int]  # label -> rows; empty without a label column
-    checked: int  # references scored
+    checked: int  # references scored (the scorer called)
     problems: list[RowProblem] = field(default_factory=list)
     note: str = ""  # why references were not scored, where they were not
 
+    @property
+    def failed(self) -> int:
+        """References the scorer was called on that do not score 1.0."""
+        return sum(p.scored for p in self.problems)
+
+    @property
+    def not_scored(self) -> int:
+        return sum(not p.scored for p in self.problems)
+
 
 def check_task(bench: Benchmark, progress: Callable[[int, int], None] | None = None) -> TaskCheck:
-    """Load the task and score every row's reference answer with its scorer (no model, no executor)."""
+    """Load the task and score every row's reference answer with its scorer (no model, no executor); a scorer that
+    fails the same way on its first calls is not called on the other rows (ScorerWorker), which are not scored."""
     items = bench.load()
     cfg = bench.cfg
     splits = {k: len(v) for k, v in split_items(items, cfg.split_seed, cfg.test_share, cfg.dev_share).items()}
@@ -369,19 +430,37 @@ def check_task(bench: Benchmark, progress: Callable[[int, int], None] | None = N
                       "is its tests" + ("; a `solution` column gives validate one to run them against)"
                                          if isinstance(bench, FileCodeTask) else ")"))
     for done, (item, answer) in enumerate(pairs, 1):
+        location = where.get(item.id, item.id)
         try:
             res = bench.score(item, answer)
-            if res.score < 1.0:
-                check.problems.append(RowProblem(where.get(item.id, item.id), item.id, res.score,
-                                                 f"its reference answer {answer!r:.80} scores {res.score:g}"))
+        except ScorerStopped as e:  # not called: the scorer failed the same way on its first calls
+            check.problems.append(RowProblem(location, item.id, None, str(e), scored=False))
         except Exception as e:  # noqa: BLE001 - a scorer failing on a reference is what validate is for
-            check.problems.append(RowProblem(where.get(item.id, item.id), item.id, None, f"{type(e).__name__}: {e}"))
-        check.checked += 1
+            check.problems.append(RowProblem(location, item.id, None, f"{type(e).__name__}: {e}"))
+            check.checked += 1
+        else:
+            check.checked += 1
+            if res.score < 1.0:
+                check.problems.append(RowProblem(location, item.id, res.score,
+                                                 f"its reference answer {answer!r:.80} scores {res.score:g}"))
         if progress is not None:
             progress(done, len(pairs))
     if isinstance(bench, FileTask):
         bench.close()
     return check
+
+
+def problem_lines(problems: list[RowProblem], shown: int = 3) -> list[str]:
+    """`pipeline validate`'s lines for the problems: identical messages grouped, with their count and first `shown`
+    rows (a scorer returning NaN on 120 rows is one group, not 120 lines); a message of one row as `row: message`."""
+    out = []
+    for group in group_errors(((f"{p.where} (id {p.item_id})", p.message) for p in problems), shown):
+        if group.count == 1:
+            out.append(f"{group.rows[0]}: {group.message}")
+            continue
+        more = f" and {group.count - len(group.rows)} more" if group.count > len(group.rows) else ""
+        out += [f"{group.count} rows: {group.message}", f"  at {', '.join(group.rows)}{more}"]
+    return out
 
 
 @dataclass(frozen=True)
