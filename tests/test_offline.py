@@ -4,6 +4,7 @@ credit (curation.choice_credit): the pure maths against hand-computed values, an
 import math
 from types import SimpleNamespace
 
+import polars as pl
 import pytest
 import torch
 
@@ -181,3 +182,58 @@ def test_pipeline_import_reports_every_bad_line_then_writes_rows_a_round_can_tak
     assert import_logged(ctx, sampler, {"q1"}) == 1
     row = store.read("generations", "arm-b", 0).row(0, named=True)
     assert row["token_ids"] == [5] and row["token_logprobs"] == [-0.5] and row["source"] == "logged"
+
+
+def test_one_update_moves_the_label_by_the_designs_credit_and_the_code_within_own(tmp_path, tiny_model):
+    """A route-or-write round, trained end to end (curate -> train, a tiny random model): scores 1 (routed to direct),
+    0 (logged steps run, μ = 1/2), 1 and 0 (two workflows of its own). Label credit: direct +1, steps -1, own 0;
+    code credit within own: +1, -1. One step up-weights the direct label against the steps label (its logged row
+    under `expected`), and the winning own code against the losing one."""
+    from test_curate import _ctx
+
+    from pipeline.stages.curate import run_curate
+    from pipeline.stages.train import run_train
+    from pipeline.stages.train.data import TrainSequence
+    from pipeline.stages.train.batch import collate
+    from pipeline.stages.train.logprobs import completion_logprobs
+
+    menu = "[configs/programs/mixed_direct.py,configs/programs/mixed_steps.py,configs/programs/mixed_pot.py]"
+    ctx = _ctx(tmp_path, [f"generator.model={tiny_model}", f"rollout.example_menu={menu}", "rollout.menu_choice=policy",
+                          "rollout.choice_step=true", "rollout.route_or_write=true", "curation.choice_credit=true",
+                          "training.old_logprobs=recompute", "training.off_policy=expected", "training.lr=0.05",
+                          "training.micro_batch_size=8", "training.beta=0"])
+    rows = [("direct", [10], None, "route", "mixed_direct", 1.0), ("steps", [20], [math.log(0.5)], "logged",
+                                                                    "mixed_steps", 0.0),
+            ("win", [30, 40, 41], None, "write", "own", 1.0), ("lose", [30, 42, 43], None, "write", "own", 0.0)]
+    ctx.store.write("generations", [dict(gen_id=g, query_id="q", slot=i, kind="workflow", valid=True,
+                                         prompt_token_ids=[1, 2], token_ids=t, token_logprobs=lp, source=src,
+                                         choice=c) for i, (g, t, lp, src, c, _) in enumerate(rows)], ctx.run_id, 0)
+    ctx.store.write("scores", [dict(gen_id=g, query_id="q", rep=0, attempt=0, status="ok", score=s)
+                               for g, *_, s in rows], ctx.run_id, 0)
+    run_curate(ctx)
+    groups = ctx.store.read("groups", ctx.run_id, 0).filter(pl.col("kept"))
+    label = groups.filter(pl.col("level") == "choice").row(0, named=True)
+    assert dict(zip(label["members"], label["advantages"], strict=True)) == pytest.approx(
+        {"direct": 1, "steps": -1, "win": 0, "lose": 0}, abs=1e-5)
+    code = groups.filter(pl.col("level") == "code").row(0, named=True)
+    assert dict(zip(code["members"], code["advantages"], strict=True)) == pytest.approx({"win": 1, "lose": -1},
+                                                                                          abs=1e-5)
+    probe = [TrainSequence("d", [1, 2], [10], 0, None), TrainSequence("s", [1, 2], [20], 0, None),
+             TrainSequence("w", [1, 2, 30], [40, 41], 0, None), TrainSequence("l", [1, 2, 30], [42, 43], 0, None)]
+
+    def logps(model) -> list[float]:
+        with torch.no_grad():
+            lp = completion_logprobs(model, collate(probe, pad_id=0))
+        return [float(lp[b, : len(s.completion_ids)].sum()) for b, s in enumerate(probe)]
+
+    from pipeline.engines.models import load_causal_lm
+
+    before = logps(load_causal_lm(tiny_model, dtype="float32").eval())
+    run_train(ctx)
+    from peft import PeftModel
+
+    after = logps(PeftModel.from_pretrained(load_causal_lm(tiny_model, dtype="float32"),
+                                            str(ctx.store.checkpoint_dir(ctx.run_id, 0))).eval())
+    moved = [a - b for a, b in zip(after, before, strict=True)]
+    assert moved[0] - moved[1] > 0  # direct's label against steps'
+    assert moved[2] - moved[3] > 0  # the winning own code against the losing one
