@@ -193,8 +193,8 @@ def test_one_update_moves_the_label_by_the_designs_credit_and_the_code_within_ow
 
     from pipeline.stages.curate import run_curate
     from pipeline.stages.train import run_train
-    from pipeline.stages.train.data import TrainSequence
     from pipeline.stages.train.batch import collate
+    from pipeline.stages.train.data import TrainSequence
     from pipeline.stages.train.logprobs import completion_logprobs
 
     menu = "[configs/programs/mixed_direct.py,configs/programs/mixed_steps.py,configs/programs/mixed_pot.py]"
