@@ -335,6 +335,11 @@ class BenchmarkConfig(_Strict):
     size: int = Field(100, gt=0, description="procedural: items generated in total.")
     levels: list[int] = Field(default_factory=list, description="math: keep only these levels (e.g. [5]).")
     split_seed: int = Field(0, description="Seed of the deterministic splits (a hash of seed and item id).")
+    test_seed: int | None = Field(
+        None, description="A test split no run has read: the test split of the same task loaded at this seed (a "
+        "generator draws new items), less every item whose normalised text is any item of this split_seed's; train "
+        "and dev, and the runs made on them, stay as they are. Null: the test split of split_seed.",
+    )
     test_share: float = Field(0.8, gt=0, lt=1, description="Share of items held out as `test` (0.8: 1:4).")
     dev_share: float = Field(
         0.0, ge=0, lt=1, description="Share of the non-test items (`validate`) held out as `dev`; the rest is `train`.",

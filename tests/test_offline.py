@@ -237,3 +237,18 @@ def test_one_update_moves_the_label_by_the_designs_credit_and_the_code_within_ow
     moved = [a - b for a, b in zip(after, before, strict=True)]
     assert moved[0] - moved[1] > 0  # direct's label against steps'
     assert moved[2] - moved[3] > 0  # the winning own code against the losing one
+
+
+def test_a_round_that_comes_scored_starts_no_executor_server(tmp_path):
+    from test_curate import _ctx, _gen, _score
+
+    from pipeline.stages.score import nothing_to_score
+
+    ctx = _ctx(tmp_path, ["scoring.reps=2"])
+    ctx.store.write("generations", [_gen("a", "q", 0), _gen("b", "q", 1)], ctx.run_id, 0)
+    ctx.store.write("scores", [_score("a"), _score("a", rep=1), _score("b")], ctx.run_id, 0)
+    assert not nothing_to_score(ctx)  # b's second rep is missing
+    ctx.store.write("scores", [_score("b", "executor_error", None, rep=1)], ctx.run_id, 0)
+    assert not nothing_to_score(ctx)  # a transient failure is retried
+    ctx.store.write("scores", [_score("b", rep=1, attempt=1)], ctx.run_id, 0)
+    assert nothing_to_score(ctx)

@@ -73,6 +73,8 @@ class Stage:
     # are complete (the fn takes `shard=`); None: the stage runs whole
     serves: tuple[str, ...] = ()  # config sections whose model it calls: with `serve:` set, the stage runs the
     # server itself (pipeline.engines.servers; `served_sections` says which are needed for a config)
+    idle: str | None = None  # "module:function" (ctx, **options) -> True when the stage has nothing for its models
+    # to do now (e.g. a round that comes scored): its servers are not started
 
     @property
     def shardable(self) -> bool:
@@ -107,7 +109,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("rollout", "pipeline.stages.rollout:run_rollout", isolated=True, serves=("generator", "executor")),
     # scoring with the local executor loads a model too
     Stage("score", "pipeline.stages.score:run_score", isolated=True, options=("only_failed",), serves=("executor",),
-          merge="pipeline.stages.score:finish_score",
+          merge="pipeline.stages.score:finish_score", idle="pipeline.stages.score:nothing_to_score",
           left_hint="executor errors: once it is back, score/rescore (or `pipeline score --only-failed`) re-runs them"),
     Stage("curate", "pipeline.stages.curate:run_curate", discard=("groups",)),
     Stage("train", "pipeline.stages.train:run_train", isolated=True, discard=("train_metrics", "checkpoints"),

@@ -118,7 +118,7 @@ def choice_credit_rows(ctx, generation_scores: pl.DataFrame) -> tuple[list[dict]
                                   kept=True, advantages=[code[i] for i in own]))
             counts["groups_kept"] += 1
             counts["sequences"] += len(own)
-    return rows, counts | distinct_counts(rows)
+    return rows, counts | distinct_counts(rows) | {"level": "choice_credit"}
 
 
 def two_level_rows(ctx, generation_scores: pl.DataFrame) -> tuple[list[dict], dict]:

@@ -42,7 +42,7 @@ from pipeline.engines.hardware import machine
 from pipeline.engines.neighbours import JOB_ENV, job
 from pipeline.engines.servers import server_log_dir, serving
 from pipeline.run import RunContext, open_run
-from pipeline.stages import Shard, Stage, get_stage, served_sections
+from pipeline.stages import Shard, Stage, get_stage, resolve, served_sections
 from pipeline.store import LeaseHeld, LeaseLost, Store
 
 log = logging.getLogger("pipeline.stages")
@@ -146,7 +146,9 @@ def execute(ctx: RunContext, stage: Stage, merge: bool = False, **options: Any) 
         if stage.discard or stage.checkpoint:
             ctx.store.discard_unfinished(ctx.run_id, ctx.round, stage.discard, stage.checkpoint)
         # served sections: their servers run for this call only (a merge reads the store and calls no model)
-        with serving(ctx.cfg, [] if merge else served_sections(stage, ctx.cfg), server_logs(ctx, stage, shard)) as cfg:
+        idle = stage.idle is not None and not merge and shard is None and resolve(stage.idle)(ctx, **options)
+        served = [] if merge or idle else served_sections(stage, ctx.cfg)
+        with serving(ctx.cfg, served, server_logs(ctx, stage, shard)) as cfg:
             counts = (stage.merge_function() if merge else stage.function())(dataclasses.replace(ctx, cfg=cfg),
                                                                              **options)
     except StageError:

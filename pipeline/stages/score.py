@@ -378,6 +378,22 @@ def score_workflows(ctx: RunContext, only_failed: bool = False, shard: Shard | N
     return {"ran": ran, "ran_by_status": counts, **_tally(ctx, set(texts), manifest)}
 
 
+def nothing_to_score(ctx: RunContext, only_failed: bool = False) -> bool:
+    """Whether the stage has no run to do (a round of logged rows, rollout.logged, comes scored): then no executor
+    server is started for it, which costs minutes. Flat and two-level rounds; other modes always score."""
+    if get_mode(ctx.cfg.rollout.mode).name not in ("flat", "two_level"):
+        return False
+    gens = ctx.store.read("generations", ctx.run_id, ctx.round).filter(pl.col("kind") == "workflow")
+    if gens.height == 0:
+        return False
+    transient = transient_statuses(ctx.cfg.scoring.retry_timeouts)
+    rerun = transient | set(RESCORED_STATUSES) if only_failed else transient
+    latest = latest_attempts(ctx.store, ctx.run_id, ctx.round)
+    pairs = list(zip(gens["gen_id"], gens["query_id"], strict=True))
+    return not any(plan(pairs, latest, ctx.cfg.scoring.reps, retry, rerun) for retry in ([True] if only_failed
+                                                                                            else [False, True]))
+
+
 def finish_score(ctx: RunContext, only_failed: bool = False) -> dict:
     """The merge of a sharded score stage: the round's counts from the store, and the `score` manifest if every run
     is final. Runs nothing (the shards did); the runner calls it once every shard has its manifest."""

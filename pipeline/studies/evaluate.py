@@ -88,6 +88,8 @@ def eval_changes(cfg: RunConfig) -> dict[str, Any]:
         changes["generator.temperature"] = experiment.eval_temperature
     if cfg.rollout.choice_step and cfg.rollout.choice_temperature is not None:
         changes["rollout.choice_temperature"] = None  # the design at the policy's own odds, not the exploration's
+    if cfg.rollout.logged:  # an evaluation samples the policy alone: the training rounds' logged rows stay there
+        changes["rollout.logged"] = []
     if get_mode(cfg.rollout.mode).evaluated_as == "flat":  # L samples per query (refine runs are evaluated flat)
         changes["rollout.m"] = experiment.eval_l
     # the arms an experiment pairs share the executor's noise: the same call on the same query and slot, one sample

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import string
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -105,12 +107,29 @@ class Benchmark(ABC):
     def items(self, split: str | None = None) -> list[Item]:
         """The items of `split` (default: the config's train split), capped by max_queries."""
         split = split or self.cfg.train_split
+        if split == "test" and self.cfg.test_seed is not None:
+            return self._fresh_test()
         items = split_items(self.load(), self.cfg.split_seed, self.cfg.test_share, self.cfg.dev_share)[split]
         if not items and split in ("train", "dev"):  # a share too small for the benchmark's size
             raise BenchmarkError(f"benchmark {self.name!r}: split {split!r} is empty (benchmark.test_share "
                                  f"{self.cfg.test_share}, benchmark.dev_share {self.cfg.dev_share}); raise dev_share "
                                  f"or the benchmark's size")
         return items[: self.cfg.max_queries] if self.cfg.max_queries else items
+
+
+    def _fresh_test(self) -> list[Item]:
+        """benchmark.test_seed: the test split of this task loaded at test_seed, without any item whose normalised
+        text is an item of split_seed's (whichever split: the old test split has been read), capped by max_queries."""
+        fresh = copy.copy(self)
+        fresh.cfg = self.cfg.model_copy(update={"split_seed": self.cfg.test_seed, "test_seed": None,
+                                                "max_queries": None})
+        seen = {_text_key(it.prompt) for it in self.load()}
+        items = [it for it in fresh.items("test") if _text_key(it.prompt) not in seen]
+        return items[: self.cfg.max_queries] if self.cfg.max_queries else items
+
+
+def _text_key(text: str) -> str:
+    return " ".join(text.lower().split()).strip(string.punctuation + " ")
 
 
 def split_items(items: list[Item], seed: int, test_share: float = 0.8, dev_share: float = 0.0) -> dict[str, list[Item]]:
