@@ -735,6 +735,54 @@ class RouterConfig(_Strict):
     )
 
 
+CRITERION_RULES = ("above", "not_below", "share")  # pipeline.studies.verdict reads them
+
+
+def criterion_test(text: str) -> str:
+    """`<name>: <reference> <rule>` as written in experiment.criterion, else a ValueError naming what is wrong:
+    `reference` a reference's label or best_fixed, `rule` above, not_below or share:<arm>:<fraction>."""
+    name, sep, rest = text.partition(":")
+    words = rest.split()
+    rule = words[-1] if len(words) == 2 else ""
+    kind, *args = rule.split(":")
+    ok = sep and name.strip() and len(words) == 2 and kind in CRITERION_RULES and (
+        not args if kind != "share" else len(args) == 2 and args[0] != "" and _fraction(args[1]))
+    if not ok:
+        raise ValueError(f"experiment.criterion {text!r}: write `<name>: <reference> <rule>`, the reference a "
+                         "reference's label or best_fixed, the rule above (the interval's lower end above 0), "
+                         "not_below (its upper end at or above 0) or share:<arm>:<fraction> (the mean difference at "
+                         "least that fraction of <arm>'s mean minus the reference's), e.g. `a: best_fixed above`")
+    return text
+
+
+def _fraction(text: str) -> bool:
+    try:
+        return 0 < float(text) <= 1
+    except ValueError:
+        return False
+
+
+class CriterionConfig(_Strict):
+    """`experiment.criterion`: the success criterion, written before the held-out numbers exist; the summary reads the
+    verdict from the paired differences (pipeline.studies.verdict)."""
+
+    round: int | None = Field(None, ge=0, description="The trained round compared; null: the last.")
+    metric: Literal["mean_at_l", "best_at_l"] = Field("mean_at_l", description="The held-out metric compared.")
+    require: list[str] = Field(
+        default_factory=list, description="Every one must hold: `<name>: <reference> <rule>`; reference a "
+        "reference's label (program-<stem>, cot_sc, learned_router, part_router, oracle) or best_fixed "
+        "(selection.same_budget, else any_budget); rule above (interval's lower end > 0), not_below (upper end "
+        ">= 0) or share:<arm>:<fraction>.",
+    )
+    stretch: list[str] = Field(default_factory=list, description="The stretch goal: one of these holding, written "
+                               "as in require.")
+
+    @field_validator("require", "stretch")
+    @classmethod
+    def _tests(cls, tests: list[str]) -> list[str]:
+        return [criterion_test(t) for t in tests]
+
+
 class ExperimentConfig(_Strict):
     """`pipeline experiment`: S seeds x R rounds, every checkpoint and the base model on a held-out split."""
 
@@ -787,6 +835,11 @@ class ExperimentConfig(_Strict):
     common_random_numbers: bool = Field(
         True, description="Evaluation and reference runs seed their executor calls (executor.common_random_numbers), "
         "so paired arms share the executor's noise; false: unseeded, to measure what that buys.",
+        json_schema_extra=not_hashed("plan"),
+    )
+    criterion: CriterionConfig | None = Field(
+        None, description="The success criterion the summary's verdict reads (round, metric, the comparisons that "
+        "must hold and the stretch goal); null: no verdict.",
         json_schema_extra=not_hashed("plan"),
     )
     router: RouterConfig | None = Field(
