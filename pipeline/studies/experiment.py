@@ -239,7 +239,8 @@ def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[
         checks.append((experiment.select_split, variant_sets(select_changes(cfg), before=sets), False))
     for split, extra, required in checks:
         mine = load_config(config, extra)
-        wanted = load_config(config, variant_sets(derived_run_changes(split, mine) | eval_changes(mine), after=extra))
+        wanted = load_config(config, variant_sets(derived_run_changes(split, mine) | eval_changes(mine, policy=False),
+                                                  after=extra))
         for m, rid in reference_runs(cfg, split).items():
             if not (store.run_dir(rid) / "config.yaml").is_file():
                 if not required:
