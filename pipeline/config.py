@@ -341,6 +341,12 @@ class BenchmarkConfig(_Strict):
     )
     train_split: Split = Field("validate", description="Split the rounds optimise on (validate = train + dev).")
     max_queries: int | None = Field(None, gt=0, description="Use only the first N queries of the split.")
+    one_split_per_text: bool = Field(
+        True, description="Queries whose text is the same once normalised (lowercase, whitespace collapsed, "
+        "punctuation at the ends stripped) all go to the split of the first of them in the seeded ranking, so no "
+        "held-out query is word for word a training or dev one; false: each item by its id alone, as splits were "
+        "made before (a saved config without the field reads as false).",
+    )
     exact_number: bool | None = Field(
         None, description="procedural: score 1 only when the answer's last number equals the gold number (GSM8K's "
         "rule); null: for gsm_symbolic only (its own check gives near misses partial credit).",
@@ -1172,6 +1178,8 @@ def upgrade_saved(model: type[BaseModel], data: Any) -> Any:
     - `rollout.menu_choice` did not exist while every menu sample's design was drawn by a hash: a saved config (it
       spells `menu_seed` out) or one opening with the drawn design's lines (`menu_prefix_lines`) with a menu and
       no `menu_choice` is `drawn`.
+    - `benchmark.one_split_per_text` did not exist while every item was split by its id alone: a saved benchmark
+      section (it spells out every field of then, `SAVED_BENCHMARK_FIELDS`) without it reads as false.
 
     Hashing (`RunConfig.config_hash` through `_legacy_hash_form`):
     - `_FORMER_DEFAULTS`: fields whose default changed after runs were frozen are hashed against their former
@@ -1191,6 +1199,8 @@ def upgrade_saved(model: type[BaseModel], data: Any) -> Any:
             raise ValueError(f"validate_fraction {former} and test_share {data['test_share']} disagree; "
                              "give test_share only")
         data.setdefault("test_share", 1 - former)
+    if name == "BenchmarkConfig" and "one_split_per_text" not in data and set(data) >= SAVED_BENCHMARK_FIELDS:
+        data = {**data, "one_split_per_text": False}  # a section saved before the field: split by item id alone
     if name == "RolloutConfig" and isinstance(data.get("exemplars"), bool):
         data = {**data, "exemplars": "buckets" if data["exemplars"] else "none"}
     if name == "RolloutConfig" and "menu_choice" not in data and data.get("example_menu") and (
@@ -1201,7 +1211,14 @@ def upgrade_saved(model: type[BaseModel], data: Any) -> Any:
 
 # Fields whose default changed after runs were frozen, with the default they had: hashed against it, so the
 # finished stages of those runs stay finished (a saved config holds every field, the old default included).
-_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05, ("executor", "concurrency"): 8, ("scoring", "concurrency"): 2,
+# The fields a saved benchmark section has spelt out since the first frozen config (to_yaml writes every field), and a
+# config a person writes does not (the hub id and the levels of a procedural task): such a section without
+# `one_split_per_text` was saved before it existed.
+SAVED_BENCHMARK_FIELDS = frozenset({"name", "path", "hub_id", "tasks", "size", "levels", "split_seed", "train_split",
+                                    "max_queries"})
+
+_FORMER_DEFAULTS = {("benchmark", "one_split_per_text"): False,
+                    ("training", "lora_dropout"): 0.05, ("executor", "concurrency"): 8, ("scoring", "concurrency"): 2,
                     ("generator", "dtype"): "float32", ("training", "bf16"): False,
                     ("generator", "serve", "dtype"): "bfloat16", ("executor", "serve", "dtype"): "bfloat16"}
 
