@@ -167,6 +167,20 @@ def study_status(study: str, config: str | Path, run_id: str | None = None, sets
     raise ValueError(f"unknown study {study!r}; studies with a status: experiment, headroom, methods")
 
 
+def experiment_summary(config: str | Path, run_id: str | None = None, sets: Sequence[str] = (),
+                       rewrite: bool = False) -> ExperimentSummary | None:
+    """An experiment's summary: as last written (None before any), or with `rewrite` recomputed from the runs in the
+    store and written again, nothing run (pipeline.studies.experiment.summarise_stored)."""
+    from pipeline.stages.rounds import study_config
+    from pipeline.store import store_for
+    from pipeline.studies.experiment import read_summary, summarise_stored
+
+    if rewrite:
+        return summarise_stored(config, list(sets), run_id)
+    cfg = study_config(config, list(sets), run_id)[2]
+    return read_summary(store_for(cfg.store), cfg.run_id)
+
+
 def headroom(config: str | Path, split: str = "dev", reps: int | None = None, run_id: str | None = None,
              sets: Sequence[str] = (), retries: int = 2) -> HeadroomSummary:
     """The headroom study (pipeline.studies.headroom.run_headroom): every design of the menu as a fixed program on

@@ -578,6 +578,9 @@ def experiment(
                                   "experiment.select_split); the report holds the seeds already in the store.")
     ] = False,
     show_status: StatusOpt = False,
+    show_report: Annotated[bool, typer.Option(
+        "--report", help="Run nothing: rewrite the summary from the runs in the store (no model, no executor: the "
+                         "references, the routers' picks, the verdict) and print the results page's tables.")] = False,
 ) -> None:
     """Train S seeds x R rounds, evaluate the base model and every checkpoint on held-out queries, and print
     the paired difference with its bootstrap interval (results under <store>/experiments/<run_id>/)."""
@@ -588,9 +591,22 @@ def experiment(
     if show_status:
         try:
             rows = api.study_status("experiment", config, run_id, sets or [], seeds=seeds)
+            stored = api.experiment_summary(config, run_id, sets or [])
         except (ConfigError, ValueError) as e:
             _fail(str(e))
         _echo_status(rows)
+        if stored is not None:  # what the summary last written holds: references, routers' picks, verdict
+            typer.echo("summary as last written:")
+            for line in stored.results_lines():
+                typer.echo(line)
+        return
+    if show_report:
+        try:
+            stored = api.experiment_summary(config, run_id, sets or [], rewrite=True)
+        except (ConfigError, ValueError) as e:
+            _fail(str(e))
+        typer.echo(stored.markdown())
+        typer.echo(f"results: {stored.results}")
         return
     try:
         summary = api.run_study("experiment", config, retries, seeds=seeds, run_id=run_id, sets=sets or [],

@@ -346,6 +346,12 @@ class BenchmarkConfig(_Strict):
     )
     train_split: Split = Field("validate", description="Split the rounds optimise on (validate = train + dev).")
     max_queries: int | None = Field(None, gt=0, description="Use only the first N queries of the split.")
+    one_split_per_text: bool = Field(
+        True, description="Queries whose text is the same once normalised (lowercase, whitespace collapsed, "
+        "punctuation at the ends stripped) all go to the split of the first of them in the seeded ranking, so no "
+        "held-out query is word for word a training or dev one; false: each item by its id alone, as splits were "
+        "made before (a saved config without the field reads as false).",
+    )
     exact_number: bool | None = Field(
         None, description="procedural: score 1 only when the answer's last number equals the gold number (GSM8K's "
         "rule); null: for gsm_symbolic only (its own check gives near misses partial credit).",
@@ -786,6 +792,54 @@ class RouterConfig(_Strict):
     )
 
 
+CRITERION_RULES = ("above", "not_below", "share")  # pipeline.studies.verdict reads them
+
+
+def criterion_test(text: str) -> str:
+    """`<name>: <reference> <rule>` as written in experiment.criterion, else a ValueError naming what is wrong:
+    `reference` a reference's label or best_fixed, `rule` above, not_below or share:<arm>:<fraction>."""
+    name, sep, rest = text.partition(":")
+    words = rest.split()
+    rule = words[-1] if len(words) == 2 else ""
+    kind, *args = rule.split(":")
+    ok = sep and name.strip() and len(words) == 2 and kind in CRITERION_RULES and (
+        not args if kind != "share" else len(args) == 2 and args[0] != "" and _fraction(args[1]))
+    if not ok:
+        raise ValueError(f"experiment.criterion {text!r}: write `<name>: <reference> <rule>`, the reference a "
+                         "reference's label or best_fixed, the rule above (the interval's lower end above 0), "
+                         "not_below (its upper end at or above 0) or share:<arm>:<fraction> (the mean difference at "
+                         "least that fraction of <arm>'s mean minus the reference's), e.g. `a: best_fixed above`")
+    return text
+
+
+def _fraction(text: str) -> bool:
+    try:
+        return 0 < float(text) <= 1
+    except ValueError:
+        return False
+
+
+class CriterionConfig(_Strict):
+    """`experiment.criterion`: the success criterion, written before the held-out numbers exist; the summary reads the
+    verdict from the paired differences (pipeline.studies.verdict)."""
+
+    round: int | None = Field(None, ge=0, description="The trained round compared; null: the last.")
+    metric: Literal["mean_at_l", "best_at_l"] = Field("mean_at_l", description="The held-out metric compared.")
+    require: list[str] = Field(
+        default_factory=list, description="Every one must hold: `<name>: <reference> <rule>`; reference a "
+        "reference's label (program-<stem>, cot_sc, learned_router, part_router, oracle) or best_fixed "
+        "(selection.same_budget, else any_budget); rule above (interval's lower end > 0), not_below (upper end "
+        ">= 0) or share:<arm>:<fraction>.",
+    )
+    stretch: list[str] = Field(default_factory=list, description="The stretch goal: one of these holding, written "
+                               "as in require.")
+
+    @field_validator("require", "stretch")
+    @classmethod
+    def _tests(cls, tests: list[str]) -> list[str]:
+        return [criterion_test(t) for t in tests]
+
+
 class ExperimentConfig(_Strict):
     """`pipeline experiment`: S seeds x R rounds, every checkpoint and the base model on a held-out split."""
 
@@ -838,6 +892,11 @@ class ExperimentConfig(_Strict):
     common_random_numbers: bool = Field(
         True, description="Evaluation and reference runs seed their executor calls (executor.common_random_numbers), "
         "so paired arms share the executor's noise; false: unseeded, to measure what that buys.",
+        json_schema_extra=not_hashed("plan"),
+    )
+    criterion: CriterionConfig | None = Field(
+        None, description="The success criterion the summary's verdict reads (round, metric, the comparisons that "
+        "must hold and the stretch goal); null: no verdict.",
         json_schema_extra=not_hashed("plan"),
     )
     router: RouterConfig | None = Field(
@@ -1183,6 +1242,8 @@ def upgrade_saved(model: type[BaseModel], data: Any) -> Any:
     - `rollout.menu_choice` did not exist while every menu sample's design was drawn by a hash: a saved config (it
       spells `menu_seed` out) or one opening with the drawn design's lines (`menu_prefix_lines`) with a menu and
       no `menu_choice` is `drawn`.
+    - `benchmark.one_split_per_text` did not exist while every item was split by its id alone: a saved benchmark
+      section (it spells out every field of then, `SAVED_BENCHMARK_FIELDS`) without it reads as false.
 
     Hashing (`RunConfig.config_hash` through `_legacy_hash_form`):
     - `_FORMER_DEFAULTS`: fields whose default changed after runs were frozen are hashed against their former
@@ -1202,6 +1263,8 @@ def upgrade_saved(model: type[BaseModel], data: Any) -> Any:
             raise ValueError(f"validate_fraction {former} and test_share {data['test_share']} disagree; "
                              "give test_share only")
         data.setdefault("test_share", 1 - former)
+    if name == "BenchmarkConfig" and "one_split_per_text" not in data and set(data) >= SAVED_BENCHMARK_FIELDS:
+        data = {**data, "one_split_per_text": False}  # a section saved before the field: split by item id alone
     if name == "RolloutConfig" and isinstance(data.get("exemplars"), bool):
         data = {**data, "exemplars": "buckets" if data["exemplars"] else "none"}
     if name == "RolloutConfig" and "menu_choice" not in data and data.get("example_menu") and (
@@ -1212,7 +1275,14 @@ def upgrade_saved(model: type[BaseModel], data: Any) -> Any:
 
 # Fields whose default changed after runs were frozen, with the default they had: hashed against it, so the
 # finished stages of those runs stay finished (a saved config holds every field, the old default included).
-_FORMER_DEFAULTS = {("training", "lora_dropout"): 0.05, ("executor", "concurrency"): 8, ("scoring", "concurrency"): 2,
+# The fields a saved benchmark section has spelt out since the first frozen config (to_yaml writes every field), and a
+# config a person writes does not (the hub id and the levels of a procedural task): such a section without
+# `one_split_per_text` was saved before it existed.
+SAVED_BENCHMARK_FIELDS = frozenset({"name", "path", "hub_id", "tasks", "size", "levels", "split_seed", "train_split",
+                                    "max_queries"})
+
+_FORMER_DEFAULTS = {("benchmark", "one_split_per_text"): False,
+                    ("training", "lora_dropout"): 0.05, ("executor", "concurrency"): 8, ("scoring", "concurrency"): 2,
                     ("generator", "dtype"): "float32", ("training", "bf16"): False,
                     ("generator", "serve", "dtype"): "bfloat16", ("executor", "serve", "dtype"): "bfloat16"}
 

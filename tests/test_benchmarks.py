@@ -440,6 +440,63 @@ def test_default_split_keeps_the_former_validate_items():
     assert [it.id for it in split_items(_items(10), 0, 0.8, 0.5)["dev"]] == ["q6"]  # the later of the two by hash
 
 
+def test_a_query_text_goes_to_one_split_only_when_asked():
+    # at seed 0 the ranking of q0..q9 opens with q4 (train), then q6 (dev, with dev_share 0.5), the eight others test
+    # (test_default_split_keeps_the_former_validate_items); q2 (test) is q6's text once normalised, q8 and q9 (both
+    # test) share one text
+    items = _items(10)
+    texts = {"q6": "Is 2101 a leap year?", "q2": "  IS 2101 a leap   year ", "q8": "What is 3 + 4?",
+             "q9": "what is 3 + 4"}
+    items = [Item(it.id, texts.get(it.id, it.prompt), it.reference) for it in items]
+    by_id = split_items(items, 0, 0.8, 0.5)
+    assert ([it.id for it in by_id["dev"]], "q2" in _ids(by_id["test"])) == (["q6"], True)  # as before the flag
+    one = split_items(items, 0, 0.8, 0.5, one_split_per_text=True)
+    assert [it.id for it in one["train"]] == ["q4"]
+    assert [it.id for it in one["dev"]] == ["q2", "q6"]  # q2 follows q6, the first of the two in the ranking
+    assert [it.id for it in one["test"]] == ["q0", "q1", "q3", "q5", "q7", "q8", "q9"]  # q8, q9: one split already
+    assert [it.id for it in one["validate"]] == ["q2", "q4", "q6"]
+
+
+def test_normalised_text_ignores_case_spacing_and_end_punctuation():
+    from pipeline.engines.benchmarks.base import normalised_text
+
+    assert normalised_text("  Is 2101 a\tLeap  year?! ") == "is 2101 a leap year"
+    assert normalised_text("(x + y) = 3.") == "x + y) = 3"  # only the ends: the inner ")" stays
+    assert normalised_text("3 - 4") != normalised_text("3 + 4")
+
+
+def test_one_split_per_text_is_on_for_new_configs_and_off_for_saved_ones():
+    from pipeline.config import RunConfig, config_from_dict
+
+    assert RunConfig().benchmark.one_split_per_text is True
+    assert config_from_dict({"benchmark": {"tasks": ["chain_sum"], "size": 40}}).benchmark.one_split_per_text is True
+    saved = RunConfig().model_dump(mode="json")
+    del saved["benchmark"]["one_split_per_text"]  # a run frozen before the field: every other field spelt out
+    frozen = config_from_dict(saved)
+    assert frozen.benchmark.one_split_per_text is False
+    # its hash is the one it had: the field at its former default is left out, as if it did not exist
+    assert frozen.config_hash() == config_from_dict({"benchmark": {"one_split_per_text": False}}).config_hash()
+    assert frozen.config_hash() != RunConfig().config_hash()
+
+
+def test_a_benchmark_splits_by_its_configs_flag():
+    from pipeline.config import BenchmarkConfig
+    from pipeline.engines.benchmarks.base import Benchmark
+
+    class Listed(Benchmark):
+        name, family = "listed", "procedural"
+
+        def load(self):
+            return [Item(it.id, "Same?" if it.id in ("q2", "q6") else it.prompt, it.reference) for it in _items(10)]
+
+        def score(self, item, answer):
+            raise NotImplementedError
+
+    for flag, dev in ((True, ["q2", "q6"]), (False, ["q6"])):
+        cfg = BenchmarkConfig(test_share=0.8, dev_share=0.5, one_split_per_text=flag)
+        assert [it.id for it in Listed(cfg).items("dev")] == dev
+
+
 def _ids(split):
     return {it.id for it in split}
 

@@ -72,7 +72,8 @@ def test_exemplars_names_and_legacy_booleans(tmp_path):
     # weights, no bf16 autocast) keeps its config hash: sha256 of its one non-default field, as before
     legacy = hashlib.sha256(json.dumps({"rollout": {"exemplars": False}}, sort_keys=True).encode()).hexdigest()[:16]
     frozen = {"rollout": {"exemplars": False}, "training": {"lora_dropout": 0.05, "bf16": False},
-              "executor": {"concurrency": 8}, "generator": {"dtype": "float32"}}
+              "executor": {"concurrency": 8}, "generator": {"dtype": "float32"},
+              "benchmark": {"one_split_per_text": False}}
     assert RunConfig.model_validate(frozen).config_hash() == legacy
 
 
@@ -83,8 +84,9 @@ def test_config_hash_of_runs_frozen_before_the_lora_dropout_default_changed():
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     # a frozen config holds every field: executor.concurrency at its default of then, 8 (moved to 32 later), fp32
-    # weights and no bf16 autocast (both `auto` later)
-    then = {"executor": {"concurrency": 8}, "generator": {"dtype": "float32"}}
+    # weights and no bf16 autocast (both `auto` later), splits by item id alone (one_split_per_text, true later)
+    then = {"executor": {"concurrency": 8}, "generator": {"dtype": "float32"},
+            "benchmark": {"one_split_per_text": False}}
     assert RunConfig.model_validate({"training": {"lora_dropout": 0.05, "bf16": False},
                                      **then}).config_hash() == sha({})
     assert RunConfig.model_validate({"training": {"lora_dropout": 0.0, "bf16": False}, **then}).config_hash() == sha(
@@ -94,7 +96,7 @@ def test_config_hash_of_runs_frozen_before_the_lora_dropout_default_changed():
     # a served executor frozen at the then default bf16 hashes without it; `auto`, now the default, is a change
     served = {"kind": "openai", "model": "m", "concurrency": 8}
     old = {"training": {"lora_dropout": 0.05, "bf16": False}, "generator": {"dtype": "float32"},
-           "scoring": {"concurrency": 2}}
+           "scoring": {"concurrency": 2}, "benchmark": {"one_split_per_text": False}}
     assert RunConfig.model_validate({**old, "executor": {**served, "serve": {"dtype": "bfloat16"}}}).config_hash() \
         == sha({"executor": {"kind": "openai", "model": "m", "serve": {}}})
     assert RunConfig.model_validate({**old, "executor": {**served, "serve": {"dtype": "auto"}}}).config_hash() \
@@ -274,7 +276,7 @@ def test_concurrency_defaults_follow_the_executor_and_keep_the_hash_of_runs_save
     # autocast before `auto`): its hash, by the code of commit c668463, must not move, or every finished stage of
     # that run would run again
     old = {"executor": {"concurrency": 8}, "scoring": {"concurrency": 2}, "generator": {"dtype": "float32"},
-           "training": {"bf16": False}}
+           "training": {"bf16": False}, "benchmark": {"one_split_per_text": False}}
     assert config_from_dict(old).config_hash() == "3f5ee1602261f17c"
     assert config_from_dict({**old, "executor": {**served, **old["executor"]}}).config_hash() == "e269505f6e2a1030"
 

@@ -61,17 +61,18 @@ def _leaves(d: dict, prefix: str = "") -> set[str]:
 def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     """The marks give the paths the hand-written lists gave before: the hash's `exclude` (experiment, tracking,
     headroom, training.save_steps and the draw fields) and the resume check's PLAN_ONLY and DRAW_ONLY; the routers
-    (experiment.router) came later and are a plan of references like the others."""
+    (experiment.router) came later and are a plan of references like the others, and so is the success criterion
+    (experiment.criterion: it reads the results, it computes none)."""
     assert not_hashed_paths() == {
         "executor.common_random_numbers": "draw", "executor.seed": "draw", "executor.cache": "draw",
         "scoring.cache_verdicts": "draw", "training.save_steps": "plan", "experiment": "study",
         "experiment.references": "plan", "experiment.references_from": "plan", "experiment.select_split": "plan",
         "experiment.select_queries": "plan", "experiment.budget_slack": "plan", "experiment.shared_base": "plan",
-        "experiment.common_random_numbers": "plan", "experiment.router": "plan", "headroom": "plan",
-        "tracking": "study"}
+        "experiment.common_random_numbers": "plan", "experiment.criterion": "plan", "experiment.router": "plan",
+        "headroom": "plan", "tracking": "study"}
     leaves = _leaves(RunConfig().model_dump(mode="json"))
     under = {s: {p for p in leaves if p.startswith(s + ".")} for s in ("experiment", "headroom")}
-    assert len(under["experiment"]) == 16 and len(under["headroom"]) == 5
+    assert len(under["experiment"]) == 17 and len(under["headroom"]) == 5
 
     def covered(paths: set[str] | frozenset[str]) -> set[str]:
         return {p for p in leaves if any(p == q or p.startswith(q + ".") for q in paths)}
@@ -79,7 +80,8 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     draw_then = {"executor.common_random_numbers", "executor.seed", "executor.cache", "scoring.cache_verdicts"}
     plan_then = {"experiment.references", "experiment.references_from", "experiment.shared_base",
                  "experiment.select_split", "experiment.select_queries", "experiment.budget_slack",
-                 "experiment.common_random_numbers", "experiment.router", "training.save_steps", "headroom.designs",
+                 "experiment.common_random_numbers", "experiment.criterion", "experiment.router", "training.save_steps",
+                 "headroom.designs",
                  "headroom.queries", "headroom.reps", "headroom.gate", "headroom.budget_rule"}
     assert covered(DRAW_ONLY) == draw_then and covered(PLAN_ONLY) == plan_then
     assert covered(set(not_hashed_paths())) == (under["experiment"] | under["headroom"]

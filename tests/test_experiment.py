@@ -33,11 +33,21 @@ def test_evaluations_sample_at_the_eval_temperature_when_one_is_set():
     assert cooler == {"benchmark.max_queries": 12, "generator.temperature": 0.7, "rollout.m": 3} | crn
     assert as_sets(cooler) == ["benchmark.max_queries=12", "generator.temperature=0.7", "rollout.m=3",
                                "executor.common_random_numbers=true"]  # the text the evaluation's stages get
-    # an exploring design step (rollout.choice_step at choice_temperature 4) is evaluated at the policy's own odds
+    # an exploring design step (rollout.choice_step at choice_temperature 4) is evaluated at the policy's own odds:
+    # temperature 1.0, not the exploration's 4 nor the generator's evaluation temperature 0.7
     menu = {"rollout": {"example_menu": ["configs/programs/mixed_direct.py", "configs/programs/mixed_pot.py"],
                         "choice_step": True, "choice_temperature": 4.0}, "training": {"old_logprobs": "recompute"}}
     exploring = config_from_dict({**menu, "experiment": {"eval_queries": 12, "eval_l": 3, "eval_temperature": 0.7}})
     assert eval_changes(exploring) == {"benchmark.max_queries": 12, "generator.temperature": 0.7,
-                                       "rollout.choice_temperature": None, "rollout.m": 3} | crn
+                                       "rollout.choice_temperature": 1.0, "rollout.m": 3} | crn
+    # a design step left at null (which falls back to the generator's temperature) is set to 1.0 too
+    unset = config_from_dict({**menu, "rollout": {**menu["rollout"], "choice_temperature": None},
+                              "experiment": {"eval_temperature": 0.7}})
+    assert eval_changes(unset)["rollout.choice_temperature"] == 1.0
     mixed = load_config("configs/mixed-choice.yaml")
-    assert with_changes(mixed, eval_changes(mixed)).rollout.choice_temperature is None
+    assert with_changes(mixed, eval_changes(mixed)).rollout.choice_temperature == 1.0
+    # a reference (a fixed program) samples no design: its runs keep the unset temperature they were frozen with
+    assert eval_changes(exploring, policy=False)["rollout.choice_temperature"] is None
+    assert "rollout.choice_temperature" not in eval_changes(unset, policy=False)
+    assert load_config("data/stores/mixed-choice/mixed-choice-baseline-cot_sc/config.yaml").rollout.choice_temperature \
+        is None  # what policy=False gives, so CoT-SC's unfinished run resumes under the same hash

@@ -95,3 +95,25 @@ def test_a_menu_config_of_before_the_choice_still_draws_and_hashes_as_it_did():
     assert config_from_dict({}).config_hash() == config_from_dict({"rollout": {"menu_choice": "drawn"}}).config_hash()
     with pytest.raises(ValueError, match="chooses for the policy"):
         config_from_dict({"rollout": {"example_menu": menu, "menu_prefix_lines": 1, "menu_choice": "policy"}})
+
+
+def test_its_split_was_made_by_item_id_alone_and_one_query_text_is_in_test_and_dev(cfg, splits):
+    """The store was split before benchmark.one_split_per_text, and the config keeps that (its runs' hashes): one
+    test query is word for word a dev query. With the flag on, that query's test copy goes to dev, where the first of
+    the two in the seeded ranking is, and no text is in two splits."""
+    from pipeline.engines.benchmarks.base import normalised_text
+
+    assert cfg.benchmark.one_split_per_text is False
+
+    def shared(split_of):
+        texts = {s: {normalised_text(it.prompt) for it in items} for s, items in split_of.items()}
+        return sorted(t for t in texts["test"] if t in texts["dev"] | texts["train"]) + sorted(
+            t for t in texts["dev"] if t in texts["train"])
+
+    assert shared(splits) == ["is 2101 a leap year? answer with yes or no"]
+    bench = load_benchmark(cfg.benchmark.model_copy(update={"max_queries": None, "one_split_per_text": True}))
+    distinct = {s: bench.items(s) for s in ("train", "dev", "test")}
+    assert shared(distinct) == []
+    moved = [it.prompt for it in splits["test"] if it not in distinct["test"]]
+    assert moved == ["Is 2101 a leap year? Answer with Yes or No."]
+    assert [len(distinct[s]) for s in ("train", "dev", "test")] == [216, 145, 119]

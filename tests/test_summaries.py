@@ -26,7 +26,7 @@ from pipeline.studies.summaries import (
 REPO = Path(__file__).resolve().parents[1]
 KINDS = {"experiment": ExperimentSummary, "ablation": AblationSummary, "methods": MethodsSummary}
 # what a study stores beside its summary: the run's facts (run_experiment, run_ablation, run_methods)
-RUN_FACTS = {"command", "config", "sets", "arm_sets", "seed_wall_s", "references_wall_s"}
+RUN_FACTS = {"command", "config", "sets", "arm_sets", "seed_wall_s", "references_wall_s", "resummarised"}
 
 
 def _committed() -> list[Path]:

@@ -180,7 +180,7 @@ def open_baseline_run(config: str, method: str, run_id: str | None = None, split
 
     sets = list(sets or [])
     cfg = load_config(config, sets)
-    derived = derived_run_changes(split, cfg) | (eval_changes(cfg) if held_out else {})
+    derived = derived_run_changes(split, cfg) | (eval_changes(cfg, policy=False) if held_out else {})
     bid = baseline_run_id(run_id or cfg.run_id, method, split)
     store = store_for(cfg.store)
     if store.read_config(bid) is None:

@@ -77,17 +77,27 @@ def held_out_queries(cfg: RunConfig) -> dict[str, Any]:
     return {"benchmark.max_queries": cfg.experiment.eval_queries}
 
 
-def eval_changes(cfg: RunConfig) -> dict[str, Any]:
+# The temperature of the design step (rollout.choice_step) in a generator's evaluations: 1.0 draws the design at the
+# policy's own odds over the menu's labels. Not the training rollout's exploring temperature (it would credit the
+# policy with the exploration's choices), and not the generator's evaluation temperature either (0.7 sharpens the
+# odds toward the likeliest design); the committed mixed-choice evaluations, made before this, drew at 0.7.
+POLICY_ODDS = 1.0
+
+
+def eval_changes(cfg: RunConfig, policy: bool = True) -> dict[str, Any]:
     """Changes of an evaluation run: the held-out query count, L (flat: L samples per query), the sampling
-    temperature when it is not the rollout's (explore while training, sample as chosen on dev when evaluating; the
-    design step too: an exploring choice_temperature would credit the policy with the exploration's choices) and
-    common random numbers for the executor (`experiment.common_random_numbers`)."""
+    temperature when it is not the rollout's (explore while training, sample as chosen on dev when evaluating), the
+    design step at the policy's own odds (`POLICY_ODDS`) and common random numbers for the executor
+    (`experiment.common_random_numbers`). `policy` False: a reference's run (a fixed program, no design step), whose
+    design-step temperature is unset as it always was (its frozen config keeps its hash)."""
     experiment = cfg.experiment
     changes = held_out_queries(cfg)
     if experiment.eval_temperature is not None:
         changes["generator.temperature"] = experiment.eval_temperature
-    if cfg.rollout.choice_step and cfg.rollout.choice_temperature is not None:
-        changes["rollout.choice_temperature"] = None  # the design at the policy's own odds, not the exploration's
+    if cfg.rollout.choice_step and policy:
+        changes["rollout.choice_temperature"] = POLICY_ODDS
+    elif cfg.rollout.choice_step and cfg.rollout.choice_temperature is not None:
+        changes["rollout.choice_temperature"] = None  # a reference samples no design: as its runs were frozen
     if cfg.rollout.logged:  # an evaluation samples the policy alone: the training rounds' logged rows stay there
         changes["rollout.logged"] = []
     if get_mode(cfg.rollout.mode).evaluated_as == "flat":  # L samples per query (refine runs are evaluated flat)

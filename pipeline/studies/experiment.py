@@ -97,6 +97,7 @@ from pipeline.studies.summaries import (
     Selection,
 )
 from pipeline.studies.tracking import TRACKERS, evaluate_tracked
+from pipeline.studies.verdict import verdict
 
 log = logging.getLogger("pipeline.studies.experiment")
 
@@ -238,7 +239,8 @@ def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[
         checks.append((experiment.select_split, variant_sets(select_changes(cfg), before=sets), False))
     for split, extra, required in checks:
         mine = load_config(config, extra)
-        wanted = load_config(config, variant_sets(derived_run_changes(split, mine) | eval_changes(mine), after=extra))
+        wanted = load_config(config, variant_sets(derived_run_changes(split, mine) | eval_changes(mine, policy=False),
+                                                  after=extra))
         for m, rid in reference_runs(cfg, split).items():
             if not (store.run_dir(rid) / "config.yaml").is_file():
                 if not required:
@@ -400,13 +402,33 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
         lambda s, m, r=r: {q["query_id"]: q[m] for q in r.per_query if q.get(m) is not None}, r.label)]
     # training runs' rewarded samples whose code touched the harness's surface (docs/sandbox.md, scores.flags)
     flagged = {seed_run_id(cfg.run_id, s): flagged_rewarded(store, seed_run_id(cfg.run_id, s)) for s in seeds}
+    chosen = selection(store, cfg, arms, refs)
     return ExperimentSummary(experiment=cfg.run_id, seeds=seeds, rounds=cfg.rounds, split=split,
                              eval_queries=experiment.eval_queries, eval_l=experiment.eval_l,
                              shared_base=experiment.shared_base, arms=arms,
                              paired=paired, curve=curve(cfg, seeds, per_query), references=refs,
-                             paired_references=against, selection=selection(store, cfg, arms, refs),
+                             paired_references=against, selection=chosen,
                              per_query=per_query, flagged_rewarded=flagged,
-                             adapters=[a for s in seeds if (a := kept_adapter(store, cfg, s)) is not None])
+                             adapters=[a for s in seeds if (a := kept_adapter(store, cfg, s)) is not None],
+                             verdict=verdict(experiment.criterion, max(eval_rounds(cfg)), experiment.ci_level, against,
+                                             refs, chosen),
+                             query_parts=query_parts(store, [a.eval_run_id for a in arms] + [
+                                 r.eval_run_id for r in refs if r.method in experiment.references]))
+
+
+def query_parts(store: Store, runs: list[str]) -> dict[str, str]:
+    """Held-out query -> its part (a procedural task; else the benchmark), from the queries of `runs` (the first
+    that holds a query names it): the per-part tables of `ExperimentSummary.markdown` read them."""
+    out: dict[str, str] = {}
+    for rid in runs:
+        rows = store.sql(QUERY_PARTS_SQL, {"run": rid})
+        for row in rows.iter_rows(named=True):
+            out.setdefault(row["query_id"], row["part"] or "")
+    return dict(sorted(out.items()))
+
+
+QUERY_PARTS_SQL = ("SELECT query_id, coalesce(json_extract_string(any_value(meta), '$.task'), any_value(benchmark)) "
+                   "AS part FROM queries WHERE run_id = $run GROUP BY query_id")
 
 
 def kept_round(cfg: RunConfig, seed: int) -> tuple[str, int]:
@@ -667,6 +689,30 @@ def write_results(store: Store, summary: ExperimentSummary, extra: dict | None =
             pl.DataFrame(summary.per_query).write_csv(out / "per_query.csv")
         build_experiment_report(summary, out / "report.html")
     return dest
+
+
+def summarise_stored(config: str | Path, sets: list[str] | None = None, run_id: str | None = None) -> ExperimentSummary:
+    """The summary rewritten from the runs in the store, nothing run (no model, no executor): every seed whose
+    evaluations are all scored, the references and routers that exist, the verdict; written as `run_experiment`
+    writes it (the run facts of the summary it replaces kept, `resummarised` added). Returns it."""
+    from pipeline.stages.rounds import study_config
+
+    path, sets, cfg = study_config(config, sets, run_id)
+    store = store_for(cfg.store)
+    order = [p.seed for p in plan(cfg)]
+    summary = summarise(store, cfg, [s for s in order if evaluated(store, cfg, s, order)])
+    stored = read_summary(store, cfg.run_id)
+    known = set(ExperimentSummary.names())
+    facts = {k: v for k, v in (stored.extra.items() if stored is not None else ()) if k not in known}
+    summary.results = str(write_results(store, summary, facts | {
+        "resummarised": {"config": str(path), "sets": sets, "note": "rewritten from the store, nothing run"}}))
+    return summary
+
+
+def read_summary(store: Store, run_id: str) -> ExperimentSummary | None:
+    """The experiment's experiment.json as last written, or None before any."""
+    file = experiment_dir(store, run_id) / "experiment.json"
+    return ExperimentSummary.read(file) if file.is_file() else None
 
 
 def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: str | None = None,

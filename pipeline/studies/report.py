@@ -252,12 +252,13 @@ def paired_row(diff: RoundDiff) -> dict:
             "hi_by_query": diff.hi_by_query}
 
 
-def reference_row(r: ReferenceArm) -> dict:
+def reference_row(arm: ReferenceArm) -> dict:
     """A reference arm as the report's table shows it."""
-    return {"label": r.label, "eval_run_id": r.eval_run_id, "queries": r.queries, "mean_at_l": r.mean_at_l,
-            "best_at_l": r.best_at_l, "majority_at_l": r.majority_at_l, "valid_share": r.valid_share,
-            "gen_tokens_per_query": r.gen_tokens_per_query, "exec_tokens_per_query": r.exec_tokens_per_query,
-            "exec_calls_per_query": r.exec_calls_per_query, "truncated_share": r.truncated_share}
+    return {"label": arm.label, "eval_run_id": arm.eval_run_id, "queries": arm.queries, "mean_at_l": arm.mean_at_l,
+            "best_at_l": arm.best_at_l, "majority_at_l": arm.majority_at_l, "valid_share": arm.valid_share,
+            "gen_tokens_per_query": arm.gen_tokens_per_query, "exec_tokens_per_query": arm.exec_tokens_per_query,
+            "exec_calls_per_query": arm.exec_calls_per_query, "truncated_share": arm.truncated_share,
+            "picks": arm.picks()}  # a router's designs over the held-out queries; empty for a fixed workflow
 
 
 CURVE_PNG = "curve.png"  # the held-out curve over rounds, next to an experiment's report.html
@@ -368,7 +369,17 @@ def reference_tables(summary: ExperimentSummary) -> str:
     return (f"<h2>References</h2><p>baselines on the same held-out queries and L (experiment.references)</p>"
             f"{_table(pl.DataFrame(refs))}<h2>Paired differences to the references</h2><p>round (-1: the base "
             f"model) − reference per (seed, query), the reference's value the base of every seed; base: the "
-            f"reference's mean</p>{_table(pl.DataFrame(pairs)) if pairs else ''}{chosen}")
+            f"reference's mean</p>{_table(pl.DataFrame(pairs)) if pairs else ''}{chosen}{verdict_section(summary)}")
+
+
+def verdict_section(summary: ExperimentSummary) -> str:
+    """HTML of the verdict against experiment.criterion (pipeline.studies.verdict), its lines as the summary gives
+    them; empty without a criterion."""
+    if summary.verdict is None:
+        return ""
+    head, *rest = summary.verdict.lines()
+    return (f"<h2>Verdict</h2><p><b>{html.escape(head)}</b></p><ul>"
+            + "".join(f"<li>{html.escape(line.strip())}</li>" for line in rest) + "</ul>")
 
 
 def build_experiment_report(summary: ExperimentSummary, out: Path) -> Path:

@@ -143,7 +143,8 @@ def compose(method: str, label: str, table: DesignTable, choice: np.ndarray, not
         "method": method, "label": label,
         "eval_run_id": f"{label}: composed from " + ", ".join(table.runs[d] for d in table.designs if picked[d]),
         **split_summary(metrics), **usage_summary(per_query), "status": {}, "per_query": per_query,
-        "router": {"note": note, "picked": dict(sorted(picked.items()))}})
+        "router": {"note": note, "picked": dict(sorted(picked.items())),
+                   "choices": {r["query_id"]: r["design"] for r in per_query}}})
 
 
 def router_arms(store: Store, designs: Sequence[str], train_arms: Sequence[ReferenceArm],
@@ -168,6 +169,7 @@ def router_arms(store: Store, designs: Sequence[str], train_arms: Sequence[Refer
         compose("router:oracle", "oracle", test, oracle_choice(test.scores, test.tokens),
                 "per query the design that scored best on it (the ceiling; chosen on the scores it is judged on)"),
     ]
+    arms[0].extra["router"]["fit"] = fit.to_dict()  # the setting chosen on dev, and every one tried
     log.info("router: %s chosen on dev (%.3f); learned router picks %s", fit.chosen.to_dict(), fit.chosen.dev_mean,
              arms[0].extra["router"]["picked"])
     return arms, fit

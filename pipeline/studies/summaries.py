@@ -139,7 +139,14 @@ class ReferenceArm(EvalSummary):
         return (f"reference {self.name} ({self.eval_run_id}): held-out "
                 f"{metrics_phrase(self.mean_at_l, self.best_at_l, self.majority_at_l)}, "
                 f"{tokens_phrase(self.gen_tokens_per_query, self.exec_tokens_per_query)}"
-                f"{', ' + more if more else ''}, executor calls cut at the token cap {num(self.truncated_share)}")
+                f"{', ' + more if more else ''}, executor calls cut at the token cap {num(self.truncated_share)}"
+                + (f"; picks {picks}" if (picks := self.picks()) else ""))
+
+    def picks(self) -> str:
+        """A router's choices on the held-out queries, counted (its per-query choice is each row's `design` and the
+        summary's `router.choices`); empty for a fixed workflow."""
+        picked = (self.extra.get("router") or {}).get("picked") or {}
+        return ", ".join(f"{name} {n}" for name, n in picked.items())
 
 
 # ---- paired differences ----------------------------------------------------------------------------------------------
@@ -318,6 +325,62 @@ class Selection(Record):
 
 
 @dataclass(kw_only=True)
+class CriterionCheck(Record):
+    """One comparison of the success criterion (experiment.criterion, pipeline.studies.verdict): the trained round
+    minus `against` (the reference read; None: not in the summary yet), the mean paired difference and its
+    seeds-then-queries interval over `n` (seed, query) pairs, what `rule` requires of them (`threshold`: a share
+    rule's bound on the mean) and whether it holds (None: not readable yet)."""
+
+    name: str
+    text: str
+    against: str | None
+    rule: str
+    mean: float | None = None
+    lo: float | None = None
+    hi: float | None = None
+    n: int = 0
+    threshold: float | None = None
+    met: bool | None = None
+    note: str = ""
+
+    def requirement(self) -> str:
+        return {"above": "interval above 0", "not_below": "upper end at or above 0"}.get(
+            self.rule, f"mean at least {signed(self.threshold)}")
+
+    def line(self) -> str:
+        verdict = {True: "met", False: "not met", None: "not readable yet"}[self.met]
+        return (f"({self.name}) minus {self.against or 'n/a'}: {signed(self.mean)} {span(self.lo, self.hi)} over "
+                f"{self.n} pairs; required: {self.requirement()}: {verdict}" + (f" ({self.note})" if self.note else ""))
+
+
+@dataclass(kw_only=True)
+class Verdict(Record):
+    """The success criterion read from the summary's paired differences: round `round` on `metric`, intervals at
+    `level` resampling seeds then queries; `met`: every required comparison holds (None: one is not readable yet);
+    `stretch_met`: one of the stretch's holds (None without a stretch goal, or none readable)."""
+
+    round: int
+    metric: str
+    level: float
+    checks: list[CriterionCheck] = field(default_factory=list)
+    stretch: list[CriterionCheck] = field(default_factory=list)
+    met: bool | None = None
+    stretch_met: bool | None = None
+    NESTED = {"checks": CriterionCheck, "stretch": CriterionCheck}
+
+    def lines(self) -> list[str]:
+        word = {True: "met", False: "not met (negative)", None: "not readable yet"}[self.met]
+        out = [f"verdict ({round_name(self.round)}, held-out {metric_name(self.metric)}, "
+               f"{int(round(100 * self.level))}% intervals resampling seeds, then queries): criterion {word}"]
+        out += ["  " + c.line() for c in self.checks]
+        if self.stretch:
+            out.append("  stretch (one of): " + {True: "met", False: "not met", None: "not readable yet"}[
+                self.stretch_met])
+            out += ["    " + c.line() for c in self.stretch]
+        return out
+
+
+@dataclass(kw_only=True)
 class KeptAdapter(Record):
     """A seed's last-round adapter kept in the store for git (pipeline.studies.experiment.keep_adapter): its folder
     relative to the store's root (the same on every clone), the run and round it is the checkpoint of, its size."""
@@ -370,11 +433,13 @@ class ExperimentSummary(Record):
     per_query: list[dict] = field(default_factory=list)  # per (seed, round, query): the evaluations' rows
     flagged_rewarded: dict[str, int] | None = None
     adapters: list[KeptAdapter] = field(default_factory=list)  # each seed's last-round adapter, where kept
+    verdict: Verdict | None = None  # experiment.criterion read from `paired_references` (pipeline.studies.verdict)
+    query_parts: dict[str, str] = field(default_factory=dict)  # held-out query -> its part (a procedural task)
     results: str | None = None  # the folder written; returned, not stored
     wall_s: float | None = None  # stored with the run's facts
     NESTED = {"arms": ExperimentArm, "paired": RoundDiff, "curve": CurvePoint, "references": ReferenceArm,
-              "paired_references": RoundDiff, "selection": Selection, "adapters": KeptAdapter}
-    OPTIONAL = ("adapters", "results", "wall_s")
+              "paired_references": RoundDiff, "selection": Selection, "adapters": KeptAdapter, "verdict": Verdict}
+    OPTIONAL = ("adapters", "verdict", "query_parts", "results", "wall_s")
 
     def headline(self) -> list[str]:
         """Lines a person reads first: per evaluated round and metric, held-out base -> trained with the paired
@@ -390,6 +455,8 @@ class ExperimentSummary(Record):
         lines += [p.versus_reference() for p in self.paired_references if p.metric == "mean_at_l"]
         if self.selection is not None:
             lines += self.selection.lines()
+        if self.verdict is not None:
+            lines += self.verdict.lines()
         if self.flagged_rewarded is not None:  # older summaries lack it
             lines.append(f"flagged rewarded training runs (scores.flags): {self.flagged_rewarded}")
         return lines + [a.line() for a in self.adapters]
@@ -421,6 +488,104 @@ class ExperimentSummary(Record):
         for p, front in zip(pts, fronts, strict=True):
             p.pareto = front
         return pts + seeds
+
+    def compared_round(self) -> int | None:
+        """The round the verdict reads (the criterion's), else the last evaluated one; None before any."""
+        if self.verdict is not None:
+            return self.verdict.round
+        return max((a.round for a in self.arms), default=None)
+
+    def results_lines(self) -> list[str]:
+        """What `--status` prints of the summary: every reference's held-out line (a router's with its picks), the
+        compared round minus each, the best fixed workflow and the verdict."""
+        k = self.compared_round()
+        lines = [r.line() for r in self.references]
+        lines += [p.versus_reference() for p in self.paired_references if p.metric == "mean_at_l" and p.round == k]
+        if self.selection is not None:
+            lines += self.selection.lines()
+        return lines + (self.verdict.lines() if self.verdict is not None else [])
+
+    def part_means(self, rows: list[dict], metric: str = "mean_at_l") -> dict[str, tuple[float, int]]:
+        """Part -> (mean of `metric` over `rows`' queries of that part, queries); rows of no known part left out."""
+        by_part: dict[str, list[float]] = {}
+        queries: dict[str, set[str]] = {}
+        for r in rows:
+            if r.get(metric) is not None and (part := self.query_parts.get(r["query_id"])) is not None:
+                by_part.setdefault(part, []).append(r[metric])
+                queries.setdefault(part, set()).add(r["query_id"])
+        return {p: (sum(v) / len(v), len(queries[p])) for p, v in sorted(by_part.items())}
+
+    def markdown(self) -> str:
+        """The results page's tables, read from the summary: each seed's base model and compared round with the
+        paired difference; every reference (fixed designs, routers with their picks) per part with the compared round
+        minus it; the verdict against experiment.criterion."""
+        k = self.compared_round()
+        if k is None:
+            return "No evaluation in this summary yet."
+        return "\n".join([*self._seeds_markdown(k), "", *self._references_markdown(k), "", *self._verdict_markdown()])
+
+    def _seeds_markdown(self, compared: int) -> list[str]:
+        arm = {(a.seed, a.round): a for a in self.arms}
+        diff = next((p for p in self.paired if p.round == compared and p.metric == "mean_at_l"), None)
+        own = {x.seed: x for x in diff.per_seed} if diff is not None else {}
+        lines = [f"| held out, Mean@{self.eval_l} | base model | {round_name(compared)} | paired difference "
+                 f"({self.eval_queries} queries a seed) | executor tokens a query: base -> {round_name(compared)} |",
+                 "|---|---|---|---|---|"]
+        for seed in self.seeds:
+            base, trained = arm.get((seed, BASE)), arm.get((seed, compared))
+            x = own.get(seed)
+            lines.append(f"| seed {seed} | {num(base and base.mean_at_l)} | {num(trained and trained.mean_at_l)} | "
+                         + ("n/a" if x is None else f"{signed(x.mean)} {span(x.lo, x.hi)}")
+                         + f" | {num(base and base.exec_tokens_per_query, 0)} -> "
+                         f"{num(trained and trained.exec_tokens_per_query, 0)} |")
+        if diff is not None:
+            def tokens(r: int) -> float | None:
+                vals = [a.exec_tokens_per_query for a in self.arms if a.round == r and a.exec_tokens_per_query
+                        is not None]
+                return sum(vals) / len(vals) if vals else None
+            lines.append(f"| {len(self.seeds)} seeds (seeds, then queries) | {num(diff.base)} | {num(diff.trained)} | "
+                         f"**{diff.phrase()}** | {num(tokens(BASE), 0)} -> {num(tokens(compared), 0)} |")
+        return lines
+
+    def _references_markdown(self, compared: int) -> list[str]:
+        trained_rows = [q for q in self.per_query if q.get("round") == compared]
+        parts = list(self.part_means(trained_rows)) or sorted(set(self.query_parts.values()))
+        diffs = {p.reference: p for p in self.paired_references if p.round == compared and p.metric == "mean_at_l"}
+        lines = [f"| held out, Mean@{self.eval_l} | " + " | ".join(parts) + f" | all | executor tokens a query | "
+                 f"{round_name(compared)} minus it ({len(self.seeds)} seeds) | picks |",
+                 "|---" * (len(parts) + 5) + "|"]
+        for arm in self.references:
+            means = self.part_means(arm.per_query)
+            d = diffs.get(arm.name)
+            lines.append(f"| {arm.name} | " + " | ".join(
+                f"{num(means[p][0])} ({means[p][1]})" if p in means else "n/a" for p in parts)
+                + f" | {num(arm.mean_at_l)} ({arm.queries}) | {num(arm.exec_tokens_per_query, 0)} | "
+                + ("n/a" if d is None else f"{d.phrase()} ({d.n} pairs)") + f" | {arm.picks()} |")
+        if trained_rows:
+            means = self.part_means(trained_rows)
+            point = next((c for c in self.curve if c.round == compared and c.metric == "mean_at_l"), None)
+            tokens = [a.exec_tokens_per_query for a in self.arms if a.round == compared and a.exec_tokens_per_query
+                      is not None]
+            lines.append(f"| trained generator, {round_name(compared)} (mean of the seeds) | " + " | ".join(
+                f"{num(means[p][0])}" if p in means else "n/a" for p in parts)
+                + f" | {num(point and point.mean)} | {num(sum(tokens) / len(tokens) if tokens else None, 0)} | | |")
+        return [*lines, "", "Parts: mean over the part's queries (queries in brackets); picks: a router's design per "
+                "held-out query, counted."]
+
+    def _verdict_markdown(self) -> list[str]:
+        verdict = self.verdict
+        if verdict is None:
+            return ["No experiment.criterion: no verdict."]
+        word = {True: "yes", False: "no", None: "not yet"}
+        lines = [f"| | reference | {round_name(verdict.round)} minus it | required | met |", "|---|---|---|---|---|"]
+        lines += [f"| ({c.name}) | {c.against or 'n/a'}" + (f" ({c.note})" if c.note else "") + f" | {signed(c.mean)} "
+                  f"{span(c.lo, c.hi)} | {c.requirement()} | **{word[c.met]}** |" for c in verdict.checks]
+        lines += [f"| stretch ({c.name}) | {c.against or 'n/a'} | {signed(c.mean)} {span(c.lo, c.hi)} | "
+                  f"{c.requirement()} | {word[c.met]} |" for c in verdict.stretch]
+        said = {True: "met", False: "not met", None: "not readable yet"}[verdict.met]
+        return [*lines, "", f"Verdict: criterion {said}"
+                + ("" if verdict.stretch_met is None else f"; stretch {'met' if verdict.stretch_met else 'not met'}")
+                + "."]
 
     def truncation(self) -> str | None:
         """Executor calls with a reply cut at the token cap, held out, per round (mean over seeds); None where no

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import string
 import json
+import string
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -109,7 +109,8 @@ class Benchmark(ABC):
         split = split or self.cfg.train_split
         if split == "test" and self.cfg.test_seed is not None:
             return self._fresh_test()
-        items = split_items(self.load(), self.cfg.split_seed, self.cfg.test_share, self.cfg.dev_share)[split]
+        items = split_items(self.load(), self.cfg.split_seed, self.cfg.test_share, self.cfg.dev_share,
+                            self.cfg.one_split_per_text)[split]
         if not items and split in ("train", "dev"):  # a share too small for the benchmark's size
             raise BenchmarkError(f"benchmark {self.name!r}: split {split!r} is empty (benchmark.test_share "
                                  f"{self.cfg.test_share}, benchmark.dev_share {self.cfg.dev_share}); raise dev_share "
@@ -123,21 +124,20 @@ class Benchmark(ABC):
         fresh = copy.copy(self)
         fresh.cfg = self.cfg.model_copy(update={"split_seed": self.cfg.test_seed, "test_seed": None,
                                                 "max_queries": None})
-        seen = {_text_key(it.prompt) for it in self.load()}
-        items = [it for it in fresh.items("test") if _text_key(it.prompt) not in seen]
+        seen = {normalised_text(it.prompt) for it in self.load()}
+        items = [it for it in fresh.items("test") if normalised_text(it.prompt) not in seen]
         return items[: self.cfg.max_queries] if self.cfg.max_queries else items
 
 
-def _text_key(text: str) -> str:
-    return " ".join(text.lower().split()).strip(string.punctuation + " ")
-
-
-def split_items(items: list[Item], seed: int, test_share: float = 0.8, dev_share: float = 0.0) -> dict[str, list[Item]]:
+def split_items(items: list[Item], seed: int, test_share: float = 0.8, dev_share: float = 0.0,
+                one_split_per_text: bool = False) -> dict[str, list[Item]]:
     """Deterministic splits: rank items by a seeded hash of their id (so membership depends on the ids and the seed,
     never on the file's row order or on other items); the first round(n (1 − test_share)) are `validate`, the rest
     `test`. Within `validate`, the last round(|validate| dev_share) of the ranking are `dev` and the others `train`:
     `test` does not move when dev_share changes, and a larger dev_share moves items from train to dev only.
-    Each split keeps the items' original order."""
+    `one_split_per_text` (benchmark.one_split_per_text): items whose prompts are the same `normalised_text` all go to
+    the split of the first of them in the ranking, so that a held-out query is never word for word a training one
+    (the split sizes then move by the duplicates moved). Each split keeps the items' original order."""
     def key(it: Item) -> str:
         return hashlib.sha256(f"{seed}:{it.id}".encode()).hexdigest()
 
@@ -145,12 +145,22 @@ def split_items(items: list[Item], seed: int, test_share: float = 0.8, dev_share
     k = round(len(items) * (1 - test_share))  # rounding the validate count, as the former validate_fraction did
     n_train = k - round(k * dev_share)
     member = {it.id: "train" if i < n_train else "dev" if i < k else "test" for i, it in enumerate(ranked)}
+    if one_split_per_text:
+        first: dict[str, str] = {}  # normalised text -> the split of its first item in the ranking
+        for item in ranked:
+            member[item.id] = first.setdefault(normalised_text(item.prompt), member[item.id])
     out: dict[str, list[Item]] = {"validate": [], "train": [], "dev": [], "test": []}
     for it in items:
         out[member[it.id]].append(it)
         if member[it.id] != "test":
             out["validate"].append(it)
     return out
+
+
+def normalised_text(text: str) -> str:
+    """A query's text as `split_items` compares it: lowercase, whitespace runs as one space, punctuation and spaces at
+    both ends stripped ("Is 2101 a leap year?" and " is 2101 a  leap year" are one text)."""
+    return " ".join(text.lower().split()).strip(string.punctuation + " ")
 
 
 def load_benchmark(cfg: BenchmarkConfig) -> Benchmark:

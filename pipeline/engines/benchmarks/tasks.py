@@ -420,7 +420,8 @@ def check_task(bench: Benchmark, progress: Callable[[int, int], None] | None = N
     fails the same way on its first calls is not called on the other rows (ScorerWorker), which are not scored."""
     items = bench.load()
     cfg = bench.cfg
-    splits = {k: len(v) for k, v in split_items(items, cfg.split_seed, cfg.test_share, cfg.dev_share).items()}
+    splits = {k: len(v) for k, v in split_items(items, cfg.split_seed, cfg.test_share, cfg.dev_share,
+                                                cfg.one_split_per_text).items()}
     labels = dict(Counter(it.meta.get("label") for it in items if "label" in it.meta).most_common())
     where = getattr(bench, "where", {})
     check = TaskCheck(bench.name, getattr(bench, "scorer_name", "its own"), len(items), splits, labels, 0)

@@ -1,0 +1,115 @@
+"""The verdict of an experiment's success criterion (pipeline.studies.verdict), read from the summary's paired
+differences, and the committed mixed-choice summary that holds it (docs/results/mixed-choice.md)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, CriterionConfig, config_from_dict
+from pipeline.studies.summaries import ExperimentSummary, ReferenceArm, RoundDiff, Selection
+from pipeline.studies.verdict import verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def diff(reference, mean, lo, hi, round=1, metric="mean_at_l"):
+    return RoundDiff(reference=reference, round=round, metric=metric, base=None, trained=None, n=270, mean=mean,
+                     lo=lo, hi=hi, level=0.95, lo_seeds_queries=lo, hi_seeds_queries=hi)
+
+
+def ref(label, mean):
+    return ReferenceArm(method=label, label=label, eval_run_id=f"run-{label}", queries=90, mean_at_l=mean)
+
+
+def selection(same=None, any_budget="pot"):
+    return Selection(split="dev", last_round=1, budget_exec_tokens_per_query=40.0, slack=0.25, same_budget=same,
+                     any_budget=any_budget, candidates=[], unfinished=[])
+
+
+CRITERION = CriterionConfig(round=1, require=["a: best_fixed above", "b: router not_below"],
+                            stretch=["b: router above", "a: best_fixed share:oracle:0.5"])
+REFS = [ref("pot", 0.45), ref("router", 0.50), ref("oracle", 0.65)]
+
+
+def test_each_rule_reads_the_interval_or_the_mean_it_names():
+    diffs = [diff("pot", 0.02, 0.001, 0.04), diff("router", -0.03, -0.07, 0.0), diff("direct", 0.3, 0.2, 0.4)]
+    v = verdict(CRITERION, 1, 0.95, diffs, REFS, selection(same="pot"))
+    a, b = v.checks
+    assert (a.against, a.met, b.against, b.met) == ("pot", True, "router", True)  # lo 0.001 > 0; hi 0.0 >= 0
+    assert v.met is True
+    upper, share = v.stretch
+    assert upper.met is False  # lo -0.07 is not above 0
+    # share: 0.5 x (oracle 0.65 - pot 0.45) = 0.100; the mean +0.02 is below it
+    assert share.threshold == pytest.approx(0.100) and share.met is False
+    assert v.stretch_met is False
+
+
+def test_a_gain_of_half_the_oracles_meets_the_stretch():
+    diffs = [diff("pot", 0.11, 0.05, 0.17), diff("router", 0.06, -0.01, 0.12)]
+    v = verdict(CRITERION, 1, 0.95, diffs, REFS, selection(same="pot"))
+    assert [c.met for c in v.stretch] == [False, True]  # +0.11 >= 0.5 x 0.20 = +0.10
+    assert v.met is True and v.stretch_met is True
+
+
+def test_best_fixed_falls_back_to_any_budget_and_says_so():
+    diffs = [diff("pot", -0.043, -0.092, 0.006), diff("router", -0.102, -0.158, -0.045)]
+    v = verdict(CRITERION, 1, 0.95, diffs, REFS, selection(same=None, any_budget="pot"))
+    a, b = v.checks
+    assert a.against == "pot" and "executor budget (50 executor tokens a query)" in a.note  # 1.25 x 40
+    assert (a.met, b.met, v.met) == (False, False, False)  # lo -0.092 <= 0; hi -0.045 < 0
+    assert "criterion not met (negative)" in v.lines()[0]
+
+
+def test_a_reference_not_yet_paired_leaves_the_verdict_unread():
+    v = verdict(CRITERION, 1, 0.95, [diff("pot", 0.02, 0.01, 0.04)], REFS, selection(same="pot"))
+    assert v.checks[1].met is None and "no paired difference to router" in v.checks[1].note
+    assert v.met is None
+    # another round's or metric's difference is not the one the criterion reads
+    assert verdict(CRITERION, 1, 0.95, [diff("pot", 0.02, 0.01, 0.04, round=0)], REFS,
+                   selection(same="pot")).checks[0].met is None
+    assert verdict(None, 1, 0.95, [], REFS, None) is None
+
+
+@pytest.mark.parametrize("text", ["best_fixed above", "a: best_fixed", "a: best_fixed over", "a: x share:oracle",
+                                  "a: x share:oracle:1.5", "a: x above extra"])
+def test_a_criterion_written_wrong_is_refused_naming_it(text):
+    with pytest.raises(ConfigError, match="experiment.criterion"):
+        config_from_dict({"experiment": {"criterion": {"require": [text]}}})
+
+
+def test_the_criterion_is_a_plan_the_hash_leaves_out():
+    base = config_from_dict({})
+    judged = config_from_dict({"experiment": {"criterion": {"require": ["a: best_fixed above"]}}})
+    assert base.config_hash() == judged.config_hash()
+
+
+def test_the_committed_mixed_choice_summary_holds_the_pages_numbers():
+    """docs/results/mixed-choice.md reads its references, routers and verdict from this summary (`pipeline
+    experiment configs/mixed-choice.yaml --report`): learned router 0.501, per-part router 0.514, oracle 0.650,
+    program of thought 0.443; round 1 minus program of thought -0.043 [-0.092, +0.006], minus the learned router
+    -0.102 [-0.158, -0.045]."""
+    path = ROOT / "data/stores/mixed-choice/experiments/mixed-choice/experiment.json"
+    summary = ExperimentSummary.from_dict(json.loads(path.read_text()))
+    means = {r.label: r.mean_at_l for r in summary.references}
+    for label, page in (("learned_router", 0.501), ("part_router", 0.514), ("oracle", 0.650),
+                        ("program-mixed_pot", 0.443)):
+        assert means[label] == pytest.approx(page, abs=0.002)
+    learned = next(r for r in summary.references if r.label == "learned_router")
+    choices = learned.extra["router"]["choices"]
+    assert len(choices) == 90 and {r["query_id"]: r["design"] for r in learned.per_query} == choices
+    a, b = summary.verdict.checks
+    for check, page in ((a, (-0.043, -0.092, 0.006)), (b, (-0.102, -0.158, -0.045))):
+        assert (check.mean, check.lo, check.hi) == pytest.approx(page, abs=0.002)
+    assert (a.against, b.against, a.met, b.met, summary.verdict.met) == (
+        "program-mixed_pot", "learned_router", False, False, False)
+    assert set(summary.query_parts.values()) == {"calendar_arithmetic", "gsm_symbolic", "products"}
+    # the page's tables and --status's lines are printed from it
+    page = summary.markdown()
+    assert "| (b) | learned_router | -0.102 [-0.158, -0.045] | upper end at or above 0 | **no** |" in page
+    assert ("| learned_router | 0.238 (34) | 0.240 (25) | 1.000 (31) | 0.501 (90) | 354 | -0.102 [-0.158, -0.045] "
+            "(270 pairs) | program-mixed_direct 23, program-mixed_pot 40, program-mixed_steps 27 |") in page
+    assert "| 3 seeds (seeds, then queries) | 0.194 | 0.399 | **+0.205 [+0.143, +0.271]** | 169 -> 41 |" in page
+    lines = summary.results_lines()
+    assert any(line.startswith("reference oracle") and "picks program-mixed_direct 38" in line for line in lines)
+    assert any(line.startswith("verdict (round 1") and "criterion not met (negative)" in line for line in lines)
