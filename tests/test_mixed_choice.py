@@ -117,3 +117,18 @@ def test_its_split_was_made_by_item_id_alone_and_one_query_text_is_in_test_and_d
     moved = [it.prompt for it in splits["test"] if it not in distinct["test"]]
     assert moved == ["Is 2101 a leap year? Answer with Yes or No."]
     assert [len(distinct[s]) for s in ("train", "dev", "test")] == [216, 145, 119]
+
+
+def test_the_second_verdicts_test_split_is_fresh_and_its_train_and_dev_are_mixed_choices(splits):
+    """configs/mixed-route.yaml (benchmark.test_seed): the test split drawn at another seed holds no query text of any
+    committed store, nor of mixed-choice's 480 items; train and dev are mixed-choice's, so its designs' runs there
+    serve as logged rows and references."""
+    route = load_config(ROOT / "configs" / "mixed-route.yaml")
+    bench = load_benchmark(route.benchmark.model_copy(update={"max_queries": None}))
+    fresh = bench.items("test")
+    assert [it.id for it in bench.items("train")] == [it.id for it in splits["train"]]
+    assert [it.id for it in bench.items("dev")] == [it.id for it in splits["dev"]]
+    old = {it.prompt for s in splits.values() for it in s}
+    assert len(fresh) == 120 and not [it.id for it in fresh if it.prompt in old]
+    assert not [it.id for it in fresh if it.prompt in committed_prompts()]
+    assert min(Counter(it.meta["task"] for it in fresh[: route.experiment.eval_queries]).values()) >= 25
