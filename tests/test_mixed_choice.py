@@ -4,6 +4,7 @@ per part, the policy's choice (nothing drawn, nothing forced), and the routers a
 from __future__ import annotations
 
 from collections import Counter
+from functools import cache
 from pathlib import Path
 
 import duckdb
@@ -29,6 +30,7 @@ def splits(cfg):
     return {s: bench.items(s) for s in ("train", "dev", "test")}
 
 
+@cache  # one scan of every committed store's queries for the module's tests
 def committed_prompts(split: str | None = None) -> set[str]:
     """Every query text of the stores committed under data/ (of `split`, or of any split), this task's own aside."""
     parts = [str(p) for p in (ROOT / "data").rglob("queries/*.parquet") if "mixed-choice" not in p.parts]
