@@ -932,7 +932,8 @@ class SMCConfig(_Strict):
 
 class HeadroomConfig(_Strict):
     """`pipeline headroom`: every design of the menu as a fixed program on dev, the best single design against the
-    cross-fitted per-query oracle over designs at its executor budget (pipeline.studies.headroom)."""
+    cross-fitted per-query oracle over designs at its executor budget and against a router fitted on other queries
+    (the learnable room, which the gate reads: pipeline.studies.headroom)."""
 
     designs: list[str] = Field(
         default_factory=list, description="The designs: baseline methods (io, cot, ..., program:<file>); empty: "
@@ -941,8 +942,11 @@ class HeadroomConfig(_Strict):
     queries: int | None = Field(None, gt=0, description="The first N queries of the split; null: all of them.")
     reps: int = Field(2, ge=2, description="Runs of every design on every query (the oracle is chosen on one run and "
                       "scored on another, so at least 2).")
-    gate: float = Field(0.05, ge=0, description="A task goes on to training only where the cross-fitted oracle "
-                        "beats the best single design by at least this much at its budget.")
+    gate: float = Field(0.05, ge=0, description="A task goes on to training only where the learned router, fitted "
+                        "on other query folds, beats the best single design chosen on them by at least this much.")
+    folds: int = Field(5, ge=2, description="Query folds of the learnable room: the router is fitted on all but one "
+                       "and scored on that one (fewer where there are fewer queries); its setting is chosen among "
+                       "experiment.router's c_grid and analyzers inside the fit folds.")
     budget_rule: str = Field(
         "greedy", description="How the oracle keeps to the best design's executor budget "
         "(pipeline.core.headroom.BUDGET_RULES): greedy (the best per-query picks, then the cheapest trades until "

@@ -72,7 +72,7 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
         "headroom": "plan", "tracking": "study"}
     leaves = _leaves(RunConfig().model_dump(mode="json"))
     under = {s: {p for p in leaves if p.startswith(s + ".")} for s in ("experiment", "headroom")}
-    assert len(under["experiment"]) == 17 and len(under["headroom"]) == 5
+    assert len(under["experiment"]) == 17 and len(under["headroom"]) == 6
 
     def covered(paths: set[str] | frozenset[str]) -> set[str]:
         return {p for p in leaves if any(p == q or p.startswith(q + ".") for q in paths)}
@@ -81,8 +81,8 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     plan_then = {"experiment.references", "experiment.references_from", "experiment.shared_base",
                  "experiment.select_split", "experiment.select_queries", "experiment.budget_slack",
                  "experiment.common_random_numbers", "experiment.criterion", "experiment.router", "training.save_steps",
-                 "headroom.designs",
-                 "headroom.queries", "headroom.reps", "headroom.gate", "headroom.budget_rule"}
+                 "headroom.designs", "headroom.queries", "headroom.reps", "headroom.gate", "headroom.budget_rule",
+                 "headroom.folds"}
     assert covered(DRAW_ONLY) == draw_then and covered(PLAN_ONLY) == plan_then
     assert covered(set(not_hashed_paths())) == (under["experiment"] | under["headroom"]
                                                 | {"tracking", "training.save_steps"} | draw_then)

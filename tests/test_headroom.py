@@ -23,13 +23,18 @@ from pipeline.core.headroom import (
     Runs,
     best_design,
     cross_fit,
+    fold_labels,
     frontier,
     gain_per_query,
     gain_within,
     greedy,
+    in_sample_only,
+    learnable_room,
     pareto,
+    part_room,
     part_router,
     per_query,
+    replays,
 )
 from pipeline.core.reward import program_key
 from pipeline.engines.benchmarks import load_benchmark
@@ -39,7 +44,16 @@ from pipeline.stages.sampling import draw_design
 from pipeline.store import Store, round_stats
 from pipeline.studies import headroom as headroom_study
 from pipeline.studies.evaluate import eval_summary
-from pipeline.studies.headroom import analyse, build_runs, markdown, plot_frontier, run_headroom, status
+from pipeline.studies.headroom import (
+    HeadroomReport,
+    analyse,
+    build_runs,
+    learnable,
+    markdown,
+    plot_frontier,
+    run_headroom,
+    status,
+)
 from pipeline.studies.summaries import HeadroomSummary
 
 
@@ -141,34 +155,182 @@ def test_runs_refuses_bad_shapes():
 
 def test_build_runs_keeps_queries_every_design_finished():
     def frame(rows):
-        return pl.DataFrame(rows, schema=["query_id", "slot", "score", "tokens", "part"], orient="row")
-    frames = {"a": frame([("q1", 0, 1.0, 10, "x"), ("q1", 1, 0.0, 12, "x"), ("q2", 0, 1.0, 10, "y"),
-                          ("q2", 1, None, 0, "y")]),  # q2's second run is not final
-              "b": frame([("q1", 0, 0.0, 5, "x"), ("q1", 1, 1.0, 5, "x"), ("q2", 0, 0.0, 5, "y"),
-                          ("q2", 1, 1.0, 5, "y")])}
-    runs, parts, dropped = build_runs(frames, 2)
-    assert runs.queries == ("q1",) and parts == ["x"] and dropped == ["q2"]
+        return pl.DataFrame(rows, schema=["query_id", "slot", "score", "tokens", "part", "prompt"], orient="row")
+    frames = {"a": frame([("q1", 0, 1.0, 10, "x", "one?"), ("q1", 1, 0.0, 12, "x", "one?"),
+                          ("q2", 0, 1.0, 10, "y", "two?"), ("q2", 1, None, 0, "y", "two?")]),  # q2 run 1 not final
+              "b": frame([("q1", 0, 0.0, 5, "x", "one?"), ("q1", 1, 1.0, 5, "x", "one?"),
+                          ("q2", 0, 0.0, 5, "y", "two?"), ("q2", 1, 1.0, 5, "y", "two?")])}
+    runs, parts, texts, dropped = build_runs(frames, 2)
+    assert runs.queries == ("q1",) and parts == ["x"] and texts == ["one?"] and dropped == ["q2"]
     assert runs.scores.tolist() == [[[1.0, 0.0]], [[0.0, 1.0]]] and runs.tokens.tolist() == [[[10, 12]], [[5, 5]]]
     with pytest.raises(ConfigError, match="no query has 3 final runs of every design"):
         build_runs(frames, 3)
 
 
 def test_analyse_gate_and_per_part(tmp_path):
-    out = analyse(abc(), ["x", "y"], "greedy", 0.05)
+    # The learnable room: abc's two queries in two parts make 2 folds, one query each. Means over runs: A q1 1, q2 0;
+    # B q1 0, q2 0.5; C q1 0.5, q2 1. Fold q1 (fitted on q2): solved (mean >= 0.5) on q2: A no, B yes, C yes; one
+    # query, so each design gets its rate: A 0, B 1, C 1 -> B and C tie, B cheaper (50 < 300) -> B: 0 on q1, 50
+    # tokens; the best design on q2 alone is C (1.0): 0.5 on q1, 300 tokens. Fold q2 (fitted on q1): A 1, B 0, C 1
+    # (0.5 solves) -> A (100 < 300): 0 on q2, 100 tokens; best on q1: A (1.0 > 0.5): 0 on q2, 100 tokens.
+    # Router (0 + 0) / 2 = 0 at (50 + 100) / 2 = 75 tokens; best (0.5 + 0) / 2 = 0.25 at 200: room -0.25.
+    out = analyse(abc(), ["x", "y"], "greedy", 0.05, ["one", "two"])
     assert out.best.name == "C" and out.oracle.score == 0.75 and out.gain == 0.0
-    assert not out.passes  # no gain over C at C's budget
+    assert (out.learnable.score, out.learnable.tokens, out.learnable.best_score, out.learnable.best_tokens,
+            out.learnable.gain) == (0.0, 75.0, 0.25, 200.0, -0.25)
+    assert not out.passes and out.gate_on == "learnable"
     assert out.per_part["x"].to_dict() == {"queries": 1, "best": "A", "scores": {"A": 1.0, "B": 0.0, "C": 0.5}}
-    assert analyse(abc(), ["x", "y"], "greedy", 0.0).passes  # a gate of 0 is met by a gain of 0
-    summary = HeadroomSummary(run_id="h", config="h.yaml", split="dev", **out.field_values())
+    assert not out.oracle_in_sample_only  # A's runs agree on both queries, B's and C's on one
+    assert [(r.design, r.same_scores, r.same_runs) for r in out.replay] == [("A", 1.0, 1.0), ("B", 0.5, 0.5),
+                                                                            ("C", 0.5, 0.5)]
+    summary = HeadroomReport(run_id="h", config="h.yaml", split="dev", **out.field_values())
     lines = markdown(summary)
     assert lines[1] == "(a) best single design: C 0.750 at 300 executor tokens per run"
-    assert lines[3] == ("gain (b) - (a): +0.000 [+0.000, +0.000] (95%, queries resampled); gate 0.05 on the point "
-                        "estimate: does not pass: no training run")
-    assert lines[4] == ("largest gain along the frontier: +0.250 at A's budget (100 tokens) over the designs within it "
-                        "(the gate reads it at (a)'s budget)")
-    assert lines[8] == "| A | 0.500 | 100 | yes | n/a | 0.750 | +0.250 |"
+    assert lines[3] == ("gain (b) - (a): +0.000 [+0.000, +0.000] (95%, queries resampled): the oracle chooses on the "
+                        "scores it is judged on, an upper bound; the gate reads (c)")
+    assert lines[4].startswith("runs identical (share of queries, scores): A 100% (100% same tokens too), B 50%")
+    assert lines[4].endswith("; replayed on every query (scores and tokens): A, whose runs cross-fitting cannot tell "
+                             "apart")
+    assert lines[5].startswith("(c) learnable room: learned router fitted on other queries (2 folds) 0.000 at 75 "
+                               "tokens, best single design chosen on the same folds 0.250 at 200: -0.250")
+    assert lines[6].startswith("    per-part router, the same folds:")
+    assert lines[7] == "gate 0.05 on (c)'s point estimate: does not pass: no training run"
+    assert lines[8] == ("largest gain along the frontier: +0.250 at A's budget (100 tokens) over the designs within it "
+                        "((b) reads it at (a)'s budget)")
+    assert lines[12] == "| A | 0.500 | 100 | yes | n/a | 0.750 | +0.250 |"
     fig = plot_frontier(summary, tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 0 and len(fig.axes[0].collections) == 2  # designs, oracle star
+    # a summary written before the learnable room reads back and prints its gate on the oracle, as it was
+    old = HeadroomSummary.from_dict({k: v for k, v in summary.to_dict().items()
+                                     if k not in ("replay", "oracle_in_sample_only", "learnable", "learnable_part",
+                                                  "gate_on")})
+    assert markdown(old)[3] == ("gain (b) - (a): +0.000 [+0.000, +0.000] (95%, queries resampled); gate 0.05 on the "
+                                "point estimate: does not pass: no training run")
+
+
+# ---- replays and the learnable room ---------------------------------------------------------------------------
+
+
+def test_replay_detector_by_hand():
+    # A: both runs the same score and tokens on both queries (a replay): 2/2 and 2/2. B: q1 scores agree (0, 0) but
+    # tokens differ (40, 41); q2 scores differ (1, 0): same scores 1/2, same scores and tokens 0/2.
+    s = np.array([[[1, 1], [0, 0]], [[0, 0], [1, 0]]], dtype=float)
+    t = np.array([[[30, 30], [20, 20]], [[40, 41], [50, 50]]], dtype=float)
+    runs = Runs(("A", "B"), ("q1", "q2"), s, t)
+    assert [(r.design, r.same_scores, r.same_runs) for r in replays(runs)] == [("A", 1.0, 1.0), ("B", 0.5, 0.0)]
+    assert not in_sample_only(runs)
+    s[1, 1] = [1, 1]  # B's q2 agrees too: every design scores the same on every run -> the oracle is in sample
+    replayed = Runs(("A", "B"), ("q1", "q2"), s, t)
+    assert in_sample_only(replayed)
+    assert cross_fit(replayed, "greedy", 0).score == cross_fit(replayed, "greedy", 0, in_sample=True).score
+    # three runs: identical only when all three agree
+    three = Runs(("A",), ("q",), np.array([[[1.0, 1.0, 0.0]]]), np.zeros((1, 1, 3)))
+    assert replays(three)[0].same_scores == 0.0 and not in_sample_only(three)
+
+
+def test_fold_labels_spread_every_part_over_the_folds():
+    parts = ["a"] * 5 + ["b"] * 3
+    labels = fold_labels(parts, 3)
+    # part a dealt to folds 0, 1, 2, 0, 1; part b carries on: 2, 0, 1 -> a: 2, 2, 1 a fold; b: 1 each; sizes 3, 3, 2
+    assert [int((labels[:5] == f).sum()) for f in range(3)] == [2, 2, 1]
+    assert [int((labels[5:] == f).sum()) for f in range(3)] == [1, 1, 1]
+    assert (fold_labels(parts, 3) == labels).all()  # seeded
+    for bad in (1, 9):
+        with pytest.raises(ValueError, match=f"{bad} folds for 8 queries"):
+            fold_labels(parts, bad)
+
+
+def replayed_runs(scores: list[list[float]], tokens: list[float]) -> Runs:
+    """Designs x queries scores, both runs the same (a temperature-0 replay); each design's tokens the same on every
+    query."""
+    s = np.repeat(np.array(scores, dtype=float)[:, :, None], 2, axis=2)
+    t = np.array([np.full(s.shape[1:], x) for x in tokens])
+    return Runs(tuple("AB"[: len(scores)]), tuple(f"q{i}" for i in range(s.shape[1])), s, t)
+
+
+def test_learnable_room_chooses_its_setting_inside_the_fit_folds_by_hand():
+    """A [1, 0, 1], B [0, 1, 0] on q0, q1, q2, one query a fold; setting 0 predicts each design's rate on the fit
+    queries (no text), setting 1 the held-out query's own scores (a peek: a classifier that is always right).
+    Fold q0 (fit q1, q2): inner q1 fitted on q2 -> rates A 1, B 0 -> A, 0 on q1; inner q2 fitted on q1 -> B, 0 on
+    q2: setting 0 totals 0, setting 1 totals 2 -> setting 1: q0 -> A, 1; best on q1, q2: A and B tie at 0.5 (equal
+    tokens) -> A, 1. Fold q1 (fit q0, q2): setting 0 routes inner q0 and q2 to A (rate 1 on the other): 2; setting 1
+    also 2 -> the earlier, setting 0: q1 -> A (rate 1 on q0, q2), 0; best on q0, q2: A, 0. Fold q2: as fold q0,
+    setting 1, 1 and 1. Router 2/3, best 2/3, room 0, every query routed to A; the oracle would be 1.0."""
+    runs = replayed_runs([[1, 0, 1], [0, 1, 0]], [10, 10])
+    scores = runs.scores.mean(axis=2)
+    calls = []
+
+    def predict(fit, held, setting):
+        calls.append((set(fit.tolist()), set(held.tolist())))
+        if setting == 0:
+            return np.tile(scores[:, fit].mean(axis=1), (len(held), 1))
+        return scores[:, held].T
+
+    room = learnable_room(runs, np.array([0, 1, 2]), predict, settings=2)
+    assert (room.score, room.best_score, room.gain, room.settings) == (2 / 3, 2 / 3, 0.0, (1, 0, 1))
+    assert room.chosen == {"A": 1.0} and room.best_chosen == {"A": 1.0} and room.folds == 3
+    assert room.differences.tolist() == [0.0, 0.0, 0.0]
+    assert all(not fit & held for fit, held in calls)  # a query is never in the fit of its own prediction
+    assert len(calls) == 3 * (2 * 2) + 3  # per fold: 2 settings x 2 inner folds, then the fold itself
+    with pytest.raises(ValueError, match="2 fold labels for 3 queries"):
+        learnable_room(runs, np.array([0, 1]), predict)
+
+
+def test_part_room_by_hand():
+    # A [1, 1, 0, 0], B [0, 0, 1, 1], parts x x y y, folds 0 1 0 1, equal tokens. Fold 0 (held q0, q2; fit q1, q3):
+    # x -> A, y -> B: 1 and 1; best on q1, q3: A and B tie at 0.5 -> A: 1 and 0. Fold 1 the same on q1, q3.
+    # Router 1.0, best 0.5, differences [0, 0, 1, 1].
+    runs = replayed_runs([[1, 1, 0, 0], [0, 0, 1, 1]], [10, 10])
+    folds = np.array([0, 1, 0, 1])
+    room = part_room(runs, ["x", "x", "y", "y"], folds)
+    assert (room.score, room.best_score, room.gain) == (1.0, 0.5, 0.5)
+    assert room.differences.tolist() == [0.0, 0.0, 1.0, 1.0] and room.chosen == {"A": 0.5, "B": 0.5}
+    # parts x x y z: a held-out query whose part the fit folds lack gets their best design. Fold 0 (fit q1 in x, q3
+    # in z): q0 (x) -> A, 1; q2 (y: none in the fit) -> the fit's best, A and B tie at 0.5 -> A, 0. Fold 1 (fit q0
+    # in x, q2 in y): q1 -> A, 1; q3 (z: none) -> A, 0. Router 0.5, the same as the best design: differences all 0.
+    room = part_room(runs, ["x", "x", "y", "z"], folds)
+    assert room.score == 0.5 and room.differences.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+MULTIPLY = [f"What is {a} * {b}?" for a, b in [(312, 45), (908, 77), (51, 6001), (77, 123), (611, 42)]]
+STORY = [f"{name} has {a} apples and buys {b} more. How many apples does {name} have?"
+         for name, a, b in [("Ann", 3, 4), ("Tom", 12, 7), ("Sara", 5, 9), ("Ben", 4, 7), ("Kim", 8, 2)]]
+WORD = ((1.0, "word"),)  # the router's one setting in these tests: word n-grams, scikit-learn's default C
+
+
+def test_a_router_the_text_informs_reaches_the_oracle():
+    """A solves the five multiplications, B the five stories, equal tokens. Each of the 5 folds holds one of each
+    kind (the parts), so every fit sees 4 of each and the router sends each held-out query to its winner: 1.0 on
+    every query. The best single design on any fit: A and B tie at 0.5 -> A: 0.5. Room: 0 on the multiplications
+    (A both), +1 on the stories: +0.5, its interval strictly between 0 and 1 (a resample of all five stories or none
+    is rare); the per-part router (parts = kinds) the same. The oracle: 1.0, also +0.5."""
+    runs = replayed_runs([[1] * 5 + [0] * 5, [0] * 5 + [1] * 5], [10, 10])
+    parts = ["mul"] * 5 + ["story"] * 5
+    learned, by_part = learnable(runs, parts, MULTIPLY + STORY, 5, WORD)
+    assert (learned.score, learned.best_score, learned.gain) == (1.0, 0.5, 0.5)
+    assert 0 < learned.gain_interval[0] < 0.5 < learned.gain_interval[1] < 1
+    assert learned.chosen == {"A": 0.5, "B": 0.5} and learned.best_chosen == {"A": 1.0}
+    assert learned.settings == {"word C=1": 1.0} and learned.folds == 5
+    assert (by_part.score, by_part.gain) == (1.0, 0.5)
+    out = analyse(runs, parts, "greedy", 0.5, MULTIPLY + STORY, 5, WORD)
+    assert out.gain == 0.5 and out.learnable.gain == 0.5 and out.passes  # 0.5 >= 0.5: the gate's >= is kept
+
+
+def test_the_gate_follows_the_learnable_room_not_the_oracle():
+    """Every query's text is the same: A solves q0-q6, B q7-q9 (disjoint). Any fit of 8 queries has A solving at
+    least 5 and B at most 3, so the router (which only sees the rates) and the fit folds' best design are A on every
+    fold: router 0.7, best 0.7, room 0 (interval [0, 0]). The oracle, chosen on the scores it is judged on (both runs
+    the same: in sample), reaches 1.0: +0.3 over A, far above the 0.05 gate; the gate does not pass."""
+    runs = replayed_runs([[1] * 7 + [0] * 3, [0] * 7 + [1] * 3], [10, 10])
+    out = analyse(runs, ["p"] * 10, "greedy", 0.05, ["Solve it."] * 10, 5, WORD)
+    assert out.oracle.score == 1.0 and out.gain == pytest.approx(0.3)
+    assert (out.learnable.score, out.learnable.best_score, out.learnable.gain) == (0.7, 0.7, 0.0)
+    assert out.learnable.gain_interval == [0.0, 0.0] and out.learnable_part is None  # one part: no part router
+    assert out.oracle_in_sample_only and not out.passes
+    lines = markdown(HeadroomReport(run_id="h", config="h.yaml", split="dev", **out.field_values()))
+    assert lines[4].startswith("runs identical: every design scored the same on every run of every query")
+    assert lines[4].endswith("so the cross-fitted oracle is the in-sample one")
+    assert lines[6] == "gate 0.05 on (c)'s point estimate: does not pass: no training run"
 
 
 # ---- the study end to end, on a scripted executor ----------------------------------------------------------
@@ -228,7 +390,8 @@ def test_headroom_study_end_to_end(tmp_path, server, monkeypatch):
     assert stored["gain"] == 0.0 and stored["designs"][0]["truncated_share"] == 1.0
     assert list(stored)[:6] == ["run_id", "config", "sets", "split", "design_runs", "dropped"]
     # the record reads back what it wrote (the file is written before the study knows where it is: no `results`)
-    assert HeadroomSummary.read(out / "headroom.json") == dataclasses.replace(s, results=None)
+    assert HeadroomReport.read(out / "headroom.json") == dataclasses.replace(s, results=None)
+    assert stored["gate_on"] == "learnable" and stored["learnable"]["folds"] == 2  # 2 queries: one a fold
     assert pl.read_csv(out / "designs.csv").height == 2 and pl.read_csv(out / "per_query.csv").height == 8
     assert (out / "frontier.png").stat().st_size > 0
     # the readers: the design runs' summaries and round stats carry the share of calls cut at the cap

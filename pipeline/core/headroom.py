@@ -28,15 +28,33 @@ executor tokens t[d, q, r] (`Runs`).
 - **Parts** (`part_router`): with queries from several parts (reasoning-gym families), the router that picks one
   design per part, chosen on run r by its mean score over the part's queries and scored on run r' (cross-fitted as
   the oracle; not budget-bound: its tokens are reported).
+- **Replay** (`replays`, `in_sample_only`): an executor at temperature 0 whose second run replays the first from the
+  reply cache gives every design the same scores on every run, and then choosing on run r and scoring on r' is
+  choosing and scoring on the same numbers: the "cross-fitted" oracle is the in-sample one. Per design, the share of
+  queries whose runs all scored the same (and whose runs also spent the same executor tokens: with 0/1 scores a design
+  that fails a query twice scores the same by chance, the same tokens as well rarely).
+- **Learnable room** (`learnable_room`, `part_room`): what a router fitted on OTHER queries reaches over the best
+  single design. The queries are dealt into k folds (`fold_labels`, each part spread over the folds); for every fold
+  the router is fitted on the other folds and routes the fold's queries, and the best single design is chosen on the
+  same other folds (`best_design` there) and scored on the same held-out queries: neither sees the held-out fold, so
+  their per-query differences (scores are each query's mean over its runs) are a fair paired comparison and a
+  bootstrap over queries gives them an interval. The oracle chooses on the scores it is judged on (in sample, or
+  cross-fitted over runs only): an upper bound no router reaches; the learnable room is what one did reach.
+  The learned router is a `Predict` (a classifier over the query's text: pipeline.studies.router), with one of
+  `settings` (its regularisation, its features) chosen inside the fit folds: each setting routes each inner fold (one
+  of the other folds) fitted on the rest of them, and the best mean routed score wins (ties: the earlier setting);
+  with fewer than two inner folds, the first setting. Not budget-bound: both sides' tokens are reported.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import permutations
 
 import numpy as np
+
+from pipeline.core.router import part_choice, route
 
 EPS = 1e-9  # float slack of the budget comparison: means of integer token counts
 
@@ -234,3 +252,151 @@ def part_router(runs: Runs, parts: Sequence[str], anchor: int) -> tuple[Oracle, 
                     float(runs.tokens[anchor].mean()), len(pairs),
                     {d: float(counts[i] / total) for i, d in enumerate(runs.designs) if counts[i]})
     return oracle, {p: runs.designs[d] for p, d in overall.items()}
+
+
+# ---- replays and the learnable room (module doc) -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One design's runs: the share of queries on which all its runs scored the same (`same_scores`), and on which
+    they also spent the same executor tokens (`same_runs`)."""
+
+    design: str
+    same_scores: float
+    same_runs: float
+
+
+def replays(runs: Runs) -> list[Replay]:
+    """Per design, how often its runs on a query are identical (module doc)."""
+    same_scores = (runs.scores == runs.scores[:, :, :1]).all(axis=2)  # (D, Q)
+    same_tokens = (runs.tokens == runs.tokens[:, :, :1]).all(axis=2)
+    return [Replay(d, float(same_scores[i].mean()), float((same_scores[i] & same_tokens[i]).mean()))
+            for i, d in enumerate(runs.designs)]
+
+
+def in_sample_only(runs: Runs) -> bool:
+    """Every design's runs scored the same on every query: the cross-fitted oracle is then the in-sample one."""
+    return all(r.same_scores == 1.0 for r in replays(runs))
+
+
+def fold_labels(parts: Sequence[str], folds: int, seed: int = 0) -> np.ndarray:
+    """Each query's fold, 0 .. folds-1: part by part (sorted by name), the part's queries in a seeded random order
+    dealt round robin, carrying on from where the previous part stopped, so every fold holds about its share of
+    every part and the folds' sizes differ by at most one."""
+    if not 2 <= folds <= len(parts):
+        raise ValueError(f"fold_labels: {folds} folds for {len(parts)} queries; need 2 <= folds <= queries")
+    rng = np.random.default_rng(seed)
+    labels = np.empty(len(parts), dtype=int)
+    dealt = 0
+    for part in sorted(set(parts)):
+        for q in rng.permutation([i for i, p in enumerate(parts) if p == part]):
+            labels[q] = dealt % folds
+            dealt += 1
+    return labels
+
+
+Predict = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
+"""(fit queries, target queries, setting) -> (targets, designs): each design's predicted chance of solving each target
+query, from a classifier fitted on the fit queries alone (indices into the runs' queries) with setting number
+`setting`."""
+
+
+@dataclass(frozen=True)
+class Room:
+    """A router scored only on queries it was not fitted on (module doc): its mean score and executor tokens per run
+    over all queries (each held out once), the same for the best single design chosen on the same fit folds,
+    `differences` per query (router - that design; their mean is `gain`), the share of queries routed to each design,
+    the share held out under each fold-best design, and each fold's setting (index into the settings)."""
+
+    name: str
+    score: float
+    tokens: float
+    best_score: float
+    best_tokens: float
+    differences: np.ndarray
+    folds: int
+    chosen: dict[str, float]
+    best_chosen: dict[str, float]
+    settings: tuple[int, ...] = ()
+
+    @property
+    def gain(self) -> float:
+        return float(self.differences.mean())
+
+
+def _subset(runs: Runs, queries: np.ndarray) -> Runs:
+    return Runs(runs.designs, tuple(runs.queries[i] for i in queries), runs.scores[:, queries], runs.tokens[:, queries])
+
+
+def _room(name: str, runs: Runs, folds: np.ndarray, choose: Callable[[np.ndarray, np.ndarray], np.ndarray],
+          settings: tuple[int, ...] = ()) -> Room:
+    """Route every fold's queries with `choose(fit, held)` (design per held-out query) and compare with the design
+    best on the fit folds, both scored on the held-out queries (means over runs)."""
+    scores, tokens = runs.scores.mean(axis=2), runs.tokens.mean(axis=2)
+    choice = np.zeros(len(runs.queries), dtype=int)
+    best = np.zeros_like(choice)
+    for fold in np.unique(folds):
+        held, fit = np.flatnonzero(folds == fold), np.flatnonzero(folds != fold)
+        choice[held] = choose(fit, held)
+        best[held] = best_design(_subset(runs, fit))
+    cols = np.arange(len(runs.queries))
+
+    def shares(picks: np.ndarray) -> dict[str, float]:
+        counts = np.bincount(picks, minlength=len(runs.designs))
+        return {d: float(counts[i] / len(picks)) for i, d in enumerate(runs.designs) if counts[i]}
+
+    return Room(name, float(scores[choice, cols].mean()), float(tokens[choice, cols].mean()),
+                float(scores[best, cols].mean()), float(tokens[best, cols].mean()),
+                scores[choice, cols] - scores[best, cols], len(np.unique(folds)), shares(choice), shares(best),
+                settings)
+
+
+def learnable_room(runs: Runs, folds: np.ndarray, predict: Predict, settings: int = 1) -> Room:
+    """The learned router cross-fitted over query folds against the best single design chosen on the same fit folds;
+    the router's setting chosen inside the fit folds (module doc). `folds`: each query's fold (`fold_labels`)."""
+    if len(folds) != len(runs.queries):
+        raise ValueError(f"learnable_room: {len(folds)} fold labels for {len(runs.queries)} queries")
+    if settings < 1:
+        raise ValueError(f"learnable_room: {settings} settings; need at least one")
+    scores, tokens = runs.scores.mean(axis=2), runs.tokens.mean(axis=2)
+    chosen: list[int] = []
+
+    def routed(fit: np.ndarray, held: np.ndarray, setting: int) -> np.ndarray:
+        return route(predict(fit, held, setting), tokens[:, fit].mean(axis=1))
+
+    def setting_for(fit: np.ndarray) -> int:
+        inner = np.unique(folds[fit])
+        if settings == 1 or len(inner) < 2:
+            return 0
+        totals = []
+        for setting in range(settings):
+            total = 0.0
+            for fold in inner:
+                held, rest = fit[folds[fit] == fold], fit[folds[fit] != fold]
+                total += scores[routed(rest, held, setting), held].sum()
+            totals.append(total)
+        return int(np.argmax(totals))  # argmax keeps the first of equals
+
+    def choose(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
+        chosen.append(setting_for(fit))
+        return routed(fit, held, chosen[-1])
+
+    return replace(_room("learned_router", runs, folds, choose), settings=tuple(chosen))
+
+
+def part_room(runs: Runs, parts: Sequence[str], folds: np.ndarray) -> Room:
+    """The per-part router (one design per part, reading the part label: pipeline.core.router.part_choice) fitted
+    on the other folds, against the best single design chosen on them; a held-out query whose part has no query in
+    the fit folds gets that best design."""
+    if not len(parts) == len(folds) == len(runs.queries):
+        raise ValueError(f"part_room: {len(parts)} parts and {len(folds)} fold labels for {len(runs.queries)} queries")
+    scores, tokens = runs.scores.mean(axis=2), runs.tokens.mean(axis=2)
+    labels = np.array(parts, dtype=object)
+
+    def choose(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
+        by_part = part_choice(scores[:, fit], tokens[:, fit], list(labels[fit]))
+        fallback = best_design(_subset(runs, fit))
+        return np.array([by_part.get(p, fallback) for p in labels[held]], dtype=int)
+
+    return _room("part_router", runs, folds, choose)

@@ -8,7 +8,14 @@ the runs, through the normal score stage (resumed like any baseline). The maths 
 best single design, (b) the per-query oracle over designs, cross-fitted (chosen on one run, scored on another) at
 (a)'s executor budget (`headroom.budget_rule`), (c) the score-vs-executor-tokens frontier with the oracle anchored at
 every design, and, with queries from several parts (reasoning-gym families), the best design per part and the
-cross-fitted router over parts. The gate: a task goes on to training only where (b) − (a) >= `headroom.gate`.
+cross-fitted router over parts. Whether each design's runs are replays of each other (a temperature-0 executor
+answering the second run from the reply cache): then the cross-fitted oracle is the in-sample one, and the study says
+so. (c) The learnable room: the project's learned router (TF-IDF + logistic regression per design over the query's
+text, pipeline.studies.router, its setting chosen inside the fit folds from `experiment.router`'s c_grid and
+analyzers) fitted on `headroom.folds` - 1 folds of the queries and scored on the held-out one, minus the best single
+design chosen on the same fit folds, with a bootstrap interval over queries; the same for the per-part router with
+several parts. The gate: a task goes on to training only where (c) >= `headroom.gate` (the point estimate): the room
+a router fitted on other queries did reach, not the oracle's, which chooses on the scores it is judged on.
 
 Only queries that every design ran `reps` times to a final status count (a transient executor failure leaves a query
 out until `pipeline score --only-failed` re-runs it; `dropped` counts them). Outputs under
@@ -22,30 +29,39 @@ import json
 import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
+from itertools import product
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
-from pipeline.config import ConfigError, RunConfig, variant_sets
+from pipeline.config import ConfigError, RouterConfig, RunConfig, variant_sets
 from pipeline.core.headroom import (
+    Room,
     Runs,
     best_design,
     cross_fit,
     design_points,
+    fold_labels,
     frontier,
     gain_per_query,
     gain_within,
+    in_sample_only,
+    learnable_room,
     pareto,
+    part_room,
     part_router,
+    replays,
 )
 from pipeline.core.learning import bootstrap_ci
+from pipeline.core.records import Record
 from pipeline.engines.servers import sharing
 from pipeline.store import Store, store_for
 from pipeline.store.views import TRUNCATED_SHARE_SQL
 from pipeline.studies.baselines import PROGRAM_PREFIX, baseline_run_id, check_method, method_tag, run_baseline
 from pipeline.studies.formatting import num, signed, span
+from pipeline.studies.router import text_chances
 from pipeline.studies.summaries import (
     DesignPoint,
     DesignRow,
@@ -58,6 +74,73 @@ from pipeline.studies.summaries import (
 log = logging.getLogger(__name__)
 
 FRONTIER_PNG = "frontier.png"
+DEFAULT_SETTINGS = ((1.0, "char_wb"),)  # scikit-learn's default C, character n-grams: with no grid given
+
+
+# The records the gate adds to the analysis. They extend pipeline.studies.summaries' headroom records and belong
+# beside them; kept here while that module is being changed elsewhere.
+
+
+@dataclass(kw_only=True)
+class ReplayRow(Record):
+    """One design's runs (pipeline.core.headroom.Replay): the share of queries on which all its runs scored the same,
+    and on which they also spent the same executor tokens."""
+
+    design: str
+    same_scores: float
+    same_runs: float
+
+
+@dataclass(kw_only=True)
+class RoomResult(Record):
+    """A router scored on query folds it was not fitted on (pipeline.core.headroom.Room), against the best single
+    design chosen on the same fit folds: both sides' mean score and executor tokens per run, `gain` (router - that
+    design) with its 95% bootstrap interval over queries, the share of queries routed to each design and held out
+    under each fold-best design, the settings the folds chose (setting -> share of folds), and what it is (`note`)."""
+
+    router: str
+    score: float
+    tokens: float
+    best_score: float
+    best_tokens: float
+    gain: float
+    gain_interval: list[float]
+    folds: int
+    chosen: dict[str, float] = field(default_factory=dict)
+    best_chosen: dict[str, float] = field(default_factory=dict)
+    settings: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass(kw_only=True)
+class GateFields(Record):
+    """What the gate reads beyond the oracle: each design's replay shares, whether the oracle is in sample (every
+    design's runs scored the same on every query), the learnable room of the learned router (`learnable`, the gate's
+    number) and of the per-part router, and the number the gate read (`gate_on`). None where a summary was written
+    before these existed (its gate read the oracle)."""
+
+    replay: list[ReplayRow] = field(default_factory=list)
+    oracle_in_sample_only: bool | None = None
+    learnable: RoomResult | None = None
+    learnable_part: RoomResult | None = None
+    gate_on: str = "oracle"
+    NESTED = {"replay": ReplayRow, "learnable": RoomResult, "learnable_part": RoomResult}
+
+
+@dataclass(kw_only=True)
+class GateAnalysis(GateFields, HeadroomAnalysis):
+    """`HeadroomAnalysis` with the gate's fields (`GateFields`): what `analyse` returns."""
+
+    NESTED = HeadroomAnalysis.NESTED | GateFields.NESTED
+    OPTIONAL = (*HeadroomAnalysis.OPTIONAL, "learnable_part")
+
+
+@dataclass(kw_only=True)
+class HeadroomReport(GateFields, HeadroomSummary):
+    """`HeadroomSummary` with the gate's fields (`GateFields`): headroom.json."""
+
+    NESTED = HeadroomSummary.NESTED | GateFields.NESTED
+    OPTIONAL = (*HeadroomSummary.OPTIONAL, "learnable_part")
 
 
 def headroom_designs(cfg: RunConfig) -> list[str]:
@@ -89,12 +172,12 @@ def headroom_dir(store: Store, run_id: str) -> Path:
 
 def design_rows(store: Store, run_id: str) -> pl.DataFrame:
     """One row per (query, slot = run) of a design's baseline run: its score (invalid: 0; null: not final),
-    executor tokens and part (the procedural task, else the benchmark)."""
+    executor tokens, part (the procedural task, else the benchmark) and the query's text (`prompt`)."""
     return store.sql(
         "SELECT s.query_id, s.slot, s.score, coalesce(s.tokens_in, 0) + coalesce(s.tokens_out, 0) AS tokens, "
-        "coalesce(json_extract_string(q.meta, '$.task'), q.benchmark) AS part "
-        "FROM generation_scores s JOIN (SELECT query_id, any_value(meta) AS meta, any_value(benchmark) AS benchmark "
-        "FROM queries WHERE run_id = $run GROUP BY query_id) q USING (query_id) "
+        "coalesce(json_extract_string(q.meta, '$.task'), q.benchmark) AS part, q.prompt "
+        "FROM generation_scores s JOIN (SELECT query_id, any_value(meta) AS meta, any_value(benchmark) AS benchmark, "
+        "any_value(prompt) AS prompt FROM queries WHERE run_id = $run GROUP BY query_id) q USING (query_id) "
         "WHERE s.run_id = $run AND s.round = 0 AND s.kind = 'workflow' AND s.final ORDER BY s.query_id, s.slot",
         {"run": run_id})
 
@@ -105,9 +188,9 @@ def truncated_share(store: Store, run_id: str) -> float | None:
     return None if df.height == 0 else df["share"][0]
 
 
-def build_runs(frames: dict[str, pl.DataFrame], reps: int) -> tuple[Runs, list[str], list[str]]:
-    """`Runs` over the queries every design ran `reps` times to a final score, their parts, and the queries left out
-    (fewer runs or a run not final in some design)."""
+def build_runs(frames: dict[str, pl.DataFrame], reps: int) -> tuple[Runs, list[str], list[str], list[str]]:
+    """`Runs` over the queries every design ran `reps` times to a final score, their parts, their texts (a frame's
+    `prompt` column; "" without one), and the queries left out (fewer runs or a run not final in some design)."""
     full: dict[str, set[str]] = {}
     for design, df in frames.items():
         done = df.filter(pl.col("score").is_not_null() & (pl.col("slot") < reps))
@@ -122,31 +205,105 @@ def build_runs(frames: dict[str, pl.DataFrame], reps: int) -> tuple[Runs, list[s
     scores = np.zeros((len(designs), len(kept), reps))
     tokens = np.zeros_like(scores)
     parts: dict[str, str] = {}
+    texts: dict[str, str] = {}
     index = {q: i for i, q in enumerate(kept)}
-    for i, design in enumerate(designs):
+    for number, design in enumerate(designs):
         ran = frames[design].filter(pl.col("query_id").is_in(kept) & (pl.col("slot") < reps))
-        for q, slot, score, tok, part in ran.iter_rows():
-            scores[i, index[q], slot], tokens[i, index[q], slot] = score, tok
+        if "prompt" not in ran.columns:
+            ran = ran.with_columns(prompt=pl.lit(""))
+        for q, slot, score, tok, part, text in ran.select("query_id", "slot", "score", "tokens", "part",
+                                                          "prompt").iter_rows():
+            scores[number, index[q], slot], tokens[number, index[q], slot] = score, tok
             parts[q] = part
-    return Runs(designs, tuple(kept), scores, tokens), [parts[q] for q in kept], sorted(every - set(kept))
+            texts[q] = text or texts.get(q, "")
+    return (Runs(designs, tuple(kept), scores, tokens), [parts[q] for q in kept], [texts[q] for q in kept],
+            sorted(every - set(kept)))
 
 
-def analyse(runs: Runs, parts: Sequence[str], rule: str, gate: float) -> HeadroomAnalysis:
-    """Everything the study reports, from the runs (pure apart from the numbers' rounding: none)."""
+def router_settings(cfg: RunConfig) -> list[tuple[float, str]]:
+    """The learned router's settings (C, analyzer) the fit folds choose among: `experiment.router`'s grid (its
+    defaults where the config has no router), in its order (analyzers, then C: as
+    pipeline.studies.router.fit_router tries them on dev)."""
+    router = cfg.experiment.router or RouterConfig()
+    return [(c, analyzer) for analyzer, c in product(router.analyzers, router.c_grid)]
+
+
+def setting_name(setting: tuple[float, str]) -> str:
+    return f"{setting[1]} C={setting[0]:g}"
+
+
+def room_result(room: Room, note: str, settings: Sequence[tuple[float, str]] = ()) -> RoomResult:
+    """A `Room` as the summary's record, its gain's 95% interval from the per-query differences (queries
+    resampled, pipeline.core.learning.bootstrap_ci)."""
+    ci = bootstrap_ci(room.differences)
+    picked = [setting_name(settings[i]) for i in room.settings]
+    return RoomResult(router=room.name, score=room.score, tokens=room.tokens, best_score=room.best_score,
+                      best_tokens=room.best_tokens, gain=room.gain, gain_interval=[ci.lo, ci.hi], folds=room.folds,
+                      chosen=room.chosen, best_chosen=room.best_chosen,
+                      settings={n: picked.count(n) / len(picked) for n in dict.fromkeys(picked)}, note=note)
+
+
+def learnable(runs: Runs, parts: Sequence[str], texts: Sequence[str], folds: int = 5,
+              settings: Sequence[tuple[float, str]] = DEFAULT_SETTINGS) -> tuple[RoomResult, RoomResult | None]:
+    """The learnable room (module doc): the learned router over the query texts (one of `settings`, (C, analyzer),
+    chosen inside the fit folds) and, with several parts, the per-part router, each cross-fitted over `folds` folds
+    of the queries (fewer where there are fewer queries) against the best single design chosen on the same folds."""
+    if len(texts) != len(runs.queries):
+        raise ValueError(f"headroom: {len(texts)} query texts for {len(runs.queries)} queries")
+    if not settings:
+        raise ValueError("headroom: no router setting to fit (experiment.router.c_grid and analyzers)")
+    labels = fold_labels(parts, min(folds, len(runs.queries)))
+    scores = runs.scores.mean(axis=2)
+    fitted: dict[tuple[bytes, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def predict(fit: np.ndarray, held: np.ndarray, setting: int) -> np.ndarray:
+        # one fit predicts every query outside it: the inner fold g of outer fold f and the inner fold f of outer
+        # fold g share their fit (all but f and g), so each such fit is made once (fit and held come sorted)
+        key = (fit.tobytes(), setting)
+        if key not in fitted:
+            rest = np.setdiff1d(np.arange(len(texts)), fit)
+            c, analyzer = settings[setting]
+            fitted[key] = rest, text_chances([texts[i] for i in fit], scores[:, fit], [texts[i] for i in rest], c,
+                                             analyzer)
+        rest, chance = fitted[key]
+        return chance[np.searchsorted(rest, held)]
+
+    count = len(set(labels.tolist()))
+    grid = ", ".join(setting_name(x) for x in settings)
+    learned = room_result(learnable_room(runs, labels, predict, len(settings)),
+                          f"TF-IDF + logistic regression per design over the query text (pipeline.studies.router), "
+                          f"fitted on {count - 1} of {count} query folds and scored on the other, its setting chosen "
+                          f"inside the fit folds among {grid}; against the best single design chosen on the same "
+                          "fit folds", settings)
+    if len(set(parts)) < 2:
+        return learned, None
+    return learned, room_result(part_room(runs, parts, labels),
+                                f"one design per part (reads the part label), chosen on {count - 1} of {count} "
+                                "query folds and scored on the other; against the best single design chosen on the "
+                                "same fit folds")
+
+
+def analyse(runs: Runs, parts: Sequence[str], rule: str, gate: float, texts: Sequence[str], folds: int = 5,
+            settings: Sequence[tuple[float, str]] = DEFAULT_SETTINGS) -> GateAnalysis:
+    """Everything the study reports, from the runs and the queries' parts and texts (pure apart from the numbers'
+    rounding: none). The gate reads the learnable room of the learned router (`learnable`), not the oracle."""
     points = design_points(runs)
     best = best_design(runs)
     oracle = cross_fit(runs, rule, best)
     in_sample = cross_fit(runs, rule, best, in_sample=True)
     front = frontier(runs, rule)
     on_front = pareto(points)
-    ci = bootstrap_ci(gain_per_query(runs, rule, best))  # the gain's 95% interval, queries resampled
-    out = HeadroomAnalysis(
+    interval = bootstrap_ci(gain_per_query(runs, rule, best))  # the oracle's gain's 95% interval, queries resampled
+    learned, by_part = learnable(runs, parts, texts, folds, settings) if len(runs.queries) >= 2 else (None, None)
+    out = GateAnalysis(
         designs=[DesignRow(**asdict(p), pareto=on) for p, on in zip(points, on_front, strict=True)],
         best=DesignPoint(**asdict(points[best])), oracle=OracleResult(**asdict(oracle)),
         oracle_in_sample=OracleResult(**asdict(in_sample)), gain=oracle.score - points[best].score, gate=gate,
-        rule=rule, gain_interval=[ci.lo, ci.hi], passes=oracle.score - points[best].score >= gate,
+        rule=rule, gain_interval=[interval.lo, interval.hi], passes=learned is not None and learned.gain >= gate,
         frontier=[OracleResult(**asdict(o), gain=gain_within(points, o)) for o in front],
-        queries=len(runs.queries), reps=runs.reps)
+        queries=len(runs.queries), reps=runs.reps,
+        replay=[ReplayRow(**asdict(r)) for r in replays(runs)], oracle_in_sample_only=in_sample_only(runs),
+        learnable=learned, learnable_part=by_part, gate_on="learnable")
     if len(set(parts)) > 1:
         router, chosen = part_router(runs, parts, best)
         for part in sorted(set(parts)):
@@ -179,7 +336,7 @@ def stage_status(store: Store, cfg: RunConfig, split: str, reps: int) -> list[di
 
 
 def run_headroom(config: str | Path, call=None, run_id: str | None = None, split: str = "dev",
-                 reps: int | None = None, sets: list[str] | None = None) -> HeadroomSummary:
+                 reps: int | None = None, sets: list[str] | None = None) -> HeadroomReport:
     """Run (or resume) every design on `split` through `call` (a stage caller; default in this process), analyse,
     write the outputs; returns the summary (`analyse` plus run ids, truncation shares, dropped queries, `results`)."""
     from pipeline.stages.rounds import direct_call, study_config
@@ -199,9 +356,10 @@ def run_headroom(config: str | Path, call=None, run_id: str | None = None, split
             log.info("headroom: design %s on %s (%d runs per query)", d, split, reps)
             run_baseline(str(path), d, call, owner(cfg), split, extra)
     frames = {tag: design_rows(store, rid) for tag, rid in runs_of.items()}
-    runs, parts, dropped = build_runs(frames, reps)
-    analysis = analyse(runs, parts, cfg.headroom.budget_rule, cfg.headroom.gate)
-    summary = HeadroomSummary(run_id=cfg.run_id, config=str(path), sets=sets, split=split, design_runs=runs_of,
+    runs, parts, texts, dropped = build_runs(frames, reps)
+    analysis = analyse(runs, parts, cfg.headroom.budget_rule, cfg.headroom.gate, texts, cfg.headroom.folds,
+                       router_settings(cfg))
+    summary = HeadroomReport(run_id=cfg.run_id, config=str(path), sets=sets, split=split, design_runs=runs_of,
                               dropped=dropped, **analysis.field_values())
     for row in summary.designs:
         row.truncated_share = truncated_share(store, runs_of[row.name])
@@ -209,7 +367,7 @@ def run_headroom(config: str | Path, call=None, run_id: str | None = None, split
     return summary
 
 
-def write_outputs(store: Store, summary: HeadroomSummary, runs: Runs) -> Path:
+def write_outputs(store: Store, summary: HeadroomReport, runs: Runs) -> Path:
     """headroom.json, designs.csv, per_query.csv, frontier.png and headroom.md under <store>/headroom/<run_id>/."""
     dest = headroom_dir(store, summary.run_id)
     with store.output_dir(dest) as out:
@@ -225,6 +383,20 @@ def write_outputs(store: Store, summary: HeadroomSummary, runs: Runs) -> Path:
         plot_frontier(summary, out / FRONTIER_PNG)
         (out / "headroom.md").write_text("\n".join(markdown(summary)) + "\n")
     return dest
+
+
+def replay_line(rows: Sequence[ReplayRow], in_sample: bool | None) -> str:
+    """Whether the designs' runs are replays: if every design scored the same on every run of every query, the
+    cross-fitted oracle is the in-sample one."""
+    shares = ", ".join(f"{r.design} {r.same_scores:.0%} ({r.same_runs:.0%} same tokens too)" for r in rows)
+    if in_sample:
+        return (f"runs identical: every design scored the same on every run of every query ({shares}): a replay "
+                "(an executor at temperature 0 answering again from its reply cache), so the cross-fitted oracle is "
+                "the in-sample one")
+    replayed = [r.design for r in rows if r.same_runs == 1.0]
+    return (f"runs identical (share of queries, scores): {shares}"
+            + (f"; replayed on every query (scores and tokens): {', '.join(replayed)}, whose runs cross-fitting "
+               "cannot tell apart" if replayed else ""))
 
 
 def plot_frontier(summary: HeadroomSummary, out: Path):
@@ -249,8 +421,10 @@ def plot_frontier(summary: HeadroomSummary, out: Path):
                  label=f"oracle at the best design's budget: {o.score:.3f} (best {summary.best.score:.3f})")
     axes.set_xlabel("executor tokens per run (mean over queries and runs)")
     axes.set_ylabel(f"score (mean over {summary.queries} {summary.split} queries x {summary.reps} runs)")
-    axes.set_title(f"headroom {summary.run_id}: gain {summary.gain:+.3f}, gate {summary.gate:.2f} "
-                 f"{'passed' if summary.passes else 'not passed'}", fontsize="medium")
+    learned = getattr(summary, "learnable", None)
+    room = "" if learned is None else f", learnable {learned.gain:+.3f}"
+    axes.set_title(f"headroom {summary.run_id}: oracle gain {summary.gain:+.3f}{room}, gate {summary.gate:.2f} "
+                   f"{'passed' if summary.passes else 'not passed'}", fontsize="medium")
     # beside the axes: inside, it hides the designs' labels
     axes.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -258,24 +432,42 @@ def plot_frontier(summary: HeadroomSummary, out: Path):
     return fig
 
 
-def markdown(summary: HeadroomSummary) -> list[str]:
-    """The study as lines of Markdown (the CLI prints them): the gate, the designs' table, per part."""
+def markdown(summary: HeadroomReport) -> list[str]:
+    """The study as lines of Markdown (the CLI prints them): the oracle, whether its runs are replays, the learnable
+    room and the gate, the designs' table, per part. A summary written before the learnable room: its gate line as
+    it read then (on the oracle)."""
     best, oracle, in_sample = summary.best, summary.oracle, summary.oracle_in_sample
     interval = summary.gain_interval  # None in summaries written before the interval existed
+    learned = getattr(summary, "learnable", None)
+    verdict = "PASSES: go on to training" if summary.passes else "does not pass: no training run"
     lines = [f"headroom {summary.run_id} on {summary.split}: {summary.queries} queries x {summary.reps} "
              f"runs ({len(summary.dropped)} left out: not final in every design)",
              f"(a) best single design: {best.name} {best.score:.3f} at {best.tokens:.0f} executor tokens per run",
              f"(b) per-query oracle, cross-fitted ({oracle.rule}, budget {oracle.budget:.0f}): {oracle.score:.3f} at "
-             f"{oracle.tokens:.0f} tokens; in sample (optimistic) {in_sample.score:.3f}",
-             f"gain (b) - (a): {summary.gain:+.3f}"
-             + (f" {span(*interval)} (95%, queries resampled)" if interval is not None else "")
-             + f"; gate {summary.gate:.2f} on the point estimate: "
-             + ("PASSES: go on to training" if summary.passes else "does not pass: no training run")]
+             f"{oracle.tokens:.0f} tokens; in sample (optimistic) {in_sample.score:.3f}"]
+    oracle_gain = (f"{summary.gain:+.3f}" + (f" {span(*interval)} (95%, queries resampled)" if interval is not None
+                                             else ""))
+    if learned is None:
+        lines.append(f"gain (b) - (a): {oracle_gain}; gate {summary.gate:.2f} on the point estimate: {verdict}")
+    else:
+        lines.append(f"gain (b) - (a): {oracle_gain}: the oracle chooses on the scores it is judged on, an upper "
+                     "bound; the gate reads (c)")
+        lines.append(replay_line(summary.replay, summary.oracle_in_sample_only))
+        lines.append(f"(c) learnable room: learned router fitted on other queries ({learned.folds} folds) "
+                     f"{learned.score:.3f} at {learned.tokens:.0f} tokens, best single design chosen on the same "
+                     f"folds {learned.best_score:.3f} at {learned.best_tokens:.0f}: {learned.gain:+.3f} "
+                     f"{span(*learned.gain_interval)} (95%, queries resampled); settings "
+                     + ", ".join(f"{name} {share:.0%}" for name, share in learned.settings.items()))
+        if summary.learnable_part is not None:
+            part = summary.learnable_part
+            lines.append(f"    per-part router, the same folds: {part.score:.3f} at {part.tokens:.0f} tokens: "
+                         f"{part.gain:+.3f} {span(*part.gain_interval)} over the fold-chosen best design")
+        lines.append(f"gate {summary.gate:.2f} on (c)'s point estimate: {verdict}")
     oracle_at = {point.anchor: point for point in summary.frontier}
     if summary.frontier[0].gain is not None:  # summaries written before the column have none
         top = max(summary.frontier, key=lambda point: point.gain)
         lines.append(f"largest gain along the frontier: {top.gain:+.3f} at {top.anchor}'s budget "
-                     f"({top.budget:.0f} tokens) over the designs within it (the gate reads it at (a)'s budget)")
+                     f"({top.budget:.0f} tokens) over the designs within it ((b) reads it at (a)'s budget)")
     lines += ["", "| design | score | executor tokens / run | Pareto | executor calls cut at the cap | oracle at its "
               "budget | oracle - the best design within that budget |", "|---|---|---|---|---|---|---|"]
     for row in summary.designs:
@@ -289,6 +481,6 @@ def markdown(summary: HeadroomSummary) -> list[str]:
         lines += [f"| {part} | {v.queries} | {v.best} | " + " | ".join(f"{v.scores[n]:.3f}" for n in names) + " |"
                   for part, v in summary.per_part.items()]
         router = summary.part_router
-        lines.append(f"router over parts (one design per part, cross-fitted): {router.score:.3f} at "
+        lines.append(f"router over parts (one design per part, cross-fitted over runs): {router.score:.3f} at "
                      f"{router.tokens:.0f} tokens per run")
     return lines

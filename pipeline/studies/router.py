@@ -84,20 +84,31 @@ def chances(train: DesignTable, texts: Sequence[str], inverse_regularisation: fl
     """(len(texts), designs): each design's predicted chance of solving each text, from a TF-IDF + logistic
     regression fitted on train's labels (`solved`), `inverse_regularisation` its C; a design that solves all or none
     of train gets that rate."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
+    return text_chances(train.texts, train.scores, texts, inverse_regularisation, analyzer)
 
-    labels = solved(train.scores)
-    out = np.zeros((len(texts), len(train.designs)))
-    for design in range(len(train.designs)):
+
+def text_chances(fit_texts: Sequence[str], fit_scores: np.ndarray, texts: Sequence[str],
+                 inverse_regularisation: float, analyzer: str) -> np.ndarray:
+    """`chances` from the fit queries' texts and their scores (designs x queries, each a mean over runs). The
+    TF-IDF features are fitted once on the fit texts and shared by every design's regression: each design's
+    TF-IDF + regression pipeline would fit the same features."""
+    labels = solved(np.asarray(fit_scores))
+    if labels.shape[1] != len(fit_texts):
+        raise ValueError(f"router: {len(fit_texts)} fit texts for scores on {labels.shape[1]} queries")
+    out = np.zeros((len(texts), labels.shape[0]))
+    features = None
+    for design in range(labels.shape[0]):
         if labels[design].all() or not labels[design].any():
             out[:, design] = float(labels[design].mean())
             continue
-        model = make_pipeline(TfidfVectorizer(sublinear_tf=True, **ANALYZERS[analyzer]),
-                              LogisticRegression(C=inverse_regularisation, max_iter=2000))
-        model.fit(list(train.texts), labels[design])
-        out[:, design] = model.predict_proba(list(texts))[:, 1]
+        if features is None:  # scikit-learn imported only where a design needs a regression (seconds to import)
+            from sklearn.feature_extraction.text import TfidfVectorizer
+            from sklearn.linear_model import LogisticRegression
+
+            vectorizer = TfidfVectorizer(sublinear_tf=True, **ANALYZERS[analyzer])
+            features = vectorizer.fit_transform(list(fit_texts)), vectorizer.transform(list(texts))
+        model = LogisticRegression(C=inverse_regularisation, max_iter=2000).fit(features[0], labels[design])
+        out[:, design] = model.predict_proba(features[1])[:, 1]
     return out
 
 
