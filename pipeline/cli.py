@@ -76,7 +76,8 @@ def _main(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug l
 def validate(config: Path, sets: SetOpt = None) -> None:
     """Check a config and its task before any compute: the rows, split sizes and label mix, then every row's
     reference answer scored by the task's scorer (anything below 1.0 is a scorer or mapping bug, named with its
-    row). No model is loaded. Exits non-zero on any problem."""
+    row), then how much of the first training prompts a training pass computes once (their common token prefix; the
+    generator's tokenizer, no model). Exits non-zero on any problem."""
     from pipeline.engines.benchmarks import BenchmarkError, load_benchmark
     from pipeline.engines.benchmarks.tasks import check_task
     from pipeline.engines.servers import ServeError, check_served
@@ -113,21 +114,23 @@ def validate(config: Path, sets: SetOpt = None) -> None:
 def _echo_prompt_sharing(cfg, bench) -> None:
     """The token prefix the first training prompts share (a training pass computes it once,
     training.shared_prefix_min), against their mean length; says so where the template puts the query first."""
-    from pipeline.engines.models import load_tokenizer
-    from pipeline.stages.sampling import prompt_sharing
+    from pipeline.api import prompt_sharing
 
     try:
-        sharing = prompt_sharing(cfg, bench.items(), bench.family, load_tokenizer(cfg.generator.model))
+        sharing = prompt_sharing(cfg, bench)
     except Exception as e:  # a hub model out of reach, a prompt folder without a template: the rest still checks
         typer.echo(f"prompt sharing: not measured ({type(e).__name__}: {e})")
+        return
+    if sharing is None:
+        typer.echo(f"prompt sharing: not measured (`pipeline prepare-model {cfg.generator.model}` first)")
         return
     if not sharing.prompts:
         return
     min_prefix = cfg.training.shared_prefix_min
     typer.echo(f"prompt sharing: the first {sharing.prompts} training prompts open with the same {sharing.common} "
-               f"tokens of {sharing.mean:.0f} on average ({sharing.share:.0%}); a training pass computes them once "
-               f"(training.shared_prefix_min {min_prefix})")
-    if sharing.prompts > 1 and (sharing.share < 0.5 or sharing.common < min_prefix):
+               f"tokens of {sharing.mean:.0f} on average ({sharing.share:.0%}); a pass that holds several of them "
+               f"computes those once (training.shared_prefix_min {min_prefix})")
+    if sharing.query_first(min_prefix):
         typer.secho(f"prompt sharing: the template puts the query (or another per-query part) before most of its "
                     f"fixed text: only {sharing.common} of {sharing.mean:.0f} tokens can be computed once a pass; "
                     "put $problem after the fixed parts (contract, designs, examples) to share them",

@@ -191,3 +191,34 @@ def test_pass_slots_count_the_shared_prefix_once():
     assert pass_slots([0, 1], shapes, min_prefix=9) == 32 and pass_slots([0, 1], shapes) == 32
     assert [p.rows for p in pack([[0], [1]], shapes, budget=24, min_prefix=8)] == [[1, 0]]
     assert [p.rows for p in pack([[0], [1]], shapes, budget=24)] == [[1], [0]]
+
+
+def test_validate_measures_the_sharing_a_template_allows(tmp_path, smol_tokenizer):
+    """The shipped workflow template puts the query last: two queries' prompts share everything up to the query
+    (the system turn, the contract, the example, "Task:\\n"). A prompt folder whose template opens with the query
+    shares only the system turn and "Task:\\n", and `query_first` says so. Expected prefixes are counted by tokenizing
+    the rendered text up to the query (the queries differ from their first token on)."""
+    from pipeline.config import RunConfig
+    from pipeline.engines.benchmarks.base import Item
+    from pipeline.engines.prompting import render, workflow_prompt
+    from pipeline.stages.sampling import prompt_sharing
+
+    items = [Item("a", "Alpha plus two?", {}), Item("b", "Beta times three, then four?", {})]
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    (folder / "workflow.txt").write_text("Task:\n$problem\n\n$contract\n\nExample workflow:\n$example\nWrite it.\n")
+    for prompt_dir in (None, str(folder)):
+        cfg = RunConfig.model_validate({"rollout": {"prompt_dir": prompt_dir}})
+        sharing = prompt_sharing(cfg, items, "math", smol_tokenizer)
+        full = [smol_tokenizer(render(smol_tokenizer, workflow_prompt(it.prompt, "math", prompt_dir=prompt_dir),
+                                      None, prompt_dir) + cfg.rollout.workflow_prefix,
+                               add_special_tokens=False)["input_ids"] for it in items]
+        text = render(smol_tokenizer, workflow_prompt("Alpha plus two?", "math", prompt_dir=prompt_dir), None,
+                      prompt_dir)
+        before_query = smol_tokenizer(text[: text.index("Alpha")], add_special_tokens=False)["input_ids"]
+        assert sharing.prompts == 2 and sharing.common == len(before_query)
+        assert sharing.mean == (len(full[0]) + len(full[1])) / 2
+        if prompt_dir is None:
+            assert sharing.share > 0.8 and not sharing.query_first(32)
+        else:
+            assert sharing.share < 0.3 and sharing.query_first(32)

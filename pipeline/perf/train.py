@@ -414,25 +414,27 @@ if __name__ == "__main__":
     main()
 
 
-def _pass_seconds(model, collated, reps: int, train: bool) -> float:
-    """Median wall time of a training step on one pass (forward, ioGRPO-mKL loss, backward) or, `train` False, of a
-    no-grad forward (a π_old / reference pass)."""
+def _pass_seconds(model, batches: list, reps: int, train: bool) -> list[float]:
+    """Per batch, the median wall time of a training step on it (forward, ioGRPO-mKL loss, backward) or, `train`
+    False, of a no-grad forward (a π_old / reference pass); the batches alternate within each rep, so drift on a
+    shared machine hits them alike."""
     with torch.no_grad():
-        old = completion_logprobs(model, collated).detach()
-    times = []
+        olds = [completion_logprobs(model, b).detach() for b in batches]
+    times: list[list[float]] = [[] for _ in batches]
     for rep in range(reps + 1):  # the first is a warm-up
-        model.zero_grad(set_to_none=True)
-        started = time.perf_counter()
-        if train:
-            terms = grpo_mkl_terms(completion_logprobs(model, collated), old, old, collated.advantages,
-                                   collated.completion_mask, BETA, EPS)
-            terms.loss.backward()
-        else:
-            with torch.no_grad():
-                completion_logprobs(model, collated)
-        if rep:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for collated, old, kept in zip(batches, olds, times, strict=True):
+            model.zero_grad(set_to_none=True)
+            started = time.perf_counter()
+            if train:
+                terms = grpo_mkl_terms(completion_logprobs(model, collated), old, old, collated.advantages,
+                                       collated.completion_mask, BETA, EPS)
+                terms.loss.backward()
+            else:
+                with torch.no_grad():
+                    completion_logprobs(model, collated)
+            if rep:
+                kept.append(time.perf_counter() - started)
+    return [statistics.median(t) for t in times]
 
 
 def prefix(config: str | Path = "configs/mixed-choice.yaml", model_ref: str = MODEL, queries: tuple[int, ...] = (1, 4),
@@ -469,8 +471,8 @@ def prefix(config: str | Path = "configs/mixed-choice.yaml", model_ref: str = MO
         shared = shared_prefix([p[:-1] for p in prompts[:n_queries]], min_prefix)
         for layout in layouts:
             old, new = (pass_batch(seqs, tok.pad_token_id or 0, device, layout, m) for m in (0, min_prefix))
-            step = [_pass_seconds(model, b, reps, True) for b in (old, new)]
-            fwd = [_pass_seconds(model, b, reps, False) for b in (old, new)]
+            step = _pass_seconds(model, [old, new], reps, True)
+            fwd = _pass_seconds(model, [old, new], reps, False)
             row = {"layout": layout, "queries": n_queries, "sequences": len(seqs), "prefix_tokens": shared,
                    "mean_prompt_tokens": sum(map(len, prompts[:n_queries])) / n_queries,
                    "slots": {"old": old.slots, "new": new.slots}, "step_s": {"old": step[0], "new": step[1]},

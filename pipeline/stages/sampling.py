@@ -100,6 +100,11 @@ class PromptSharing:
     def share(self) -> float:
         return self.common / self.mean if self.mean else 0.0
 
+    def query_first(self, min_prefix: int) -> bool:
+        """Whether the template leaves most of its fixed text unshared: a per-query part (the query) comes before it,
+        so under half the prompt, or fewer than `min_prefix` tokens (training.shared_prefix_min), is common."""
+        return self.prompts > 1 and (self.share < 0.5 or self.common < min_prefix)
+
 
 def workflow_prompt_ids(cfg: RunConfig, items: Sequence[Item], family: str, tokenizer) -> list[list[int]]:
     """The token ids of the workflow prompts of `items` as round 0's flat rollout renders them (no exemplars; with an
