@@ -24,8 +24,11 @@ from pipeline.store.views import VIEWS
 if TYPE_CHECKING:
     import polars as pl
 
+    from pipeline.config import RunConfig
+    from pipeline.engines.benchmarks.base import Benchmark
     from pipeline.stages.rounds import RoundsSummary
     from pipeline.stages.runner import StageResult
+    from pipeline.stages.sampling import PromptSharing
     from pipeline.studies.baselines import Comparison
     from pipeline.studies.summaries import (
         AblationSummary,
@@ -179,6 +182,19 @@ def experiment_summary(config: str | Path, run_id: str | None = None, sets: Sequ
         return summarise_stored(config, list(sets), run_id)
     cfg = study_config(config, list(sets), run_id)[2]
     return read_summary(store_for(cfg.store), cfg.run_id)
+
+
+def prompt_sharing(cfg: RunConfig, bench: Benchmark, queries: int = 4) -> PromptSharing | None:
+    """How much of the first `queries` training prompts a training pass computes once (their common token prefix
+    against their mean length, rendered as round 0's rollout renders them with the generator's tokenizer;
+    `pipeline.stages.sampling.prompt_sharing`); None for an embedded generator not prepared yet (converting it takes
+    minutes: `pipeline prepare-model`)."""
+    from pipeline.engines.models import embedded_ready, load_tokenizer
+    from pipeline.stages.sampling import prompt_sharing as sharing
+
+    if not embedded_ready(cfg.generator.model):
+        return None
+    return sharing(cfg, bench.items(), bench.family, load_tokenizer(cfg.generator.model), queries)
 
 
 def headroom(config: str | Path, split: str = "dev", reps: int | None = None, run_id: str | None = None,

@@ -77,7 +77,9 @@ def validate(config: Path, sets: SetOpt = None) -> None:
     """Check a config and its task before any compute: the rows, split sizes and label mix, then every row's
     reference answer scored by the task's scorer (anything below 1.0 is a scorer or mapping bug, named with its
     row; identical errors grouped with a count; a scorer failing the same way on its first
-    benchmark.scorer_stop_after calls is called no more). No model is loaded. Exits non-zero on any problem."""
+    benchmark.scorer_stop_after calls is called no more), then how much of the first training prompts a training pass
+    computes once (their common token prefix; the generator's tokenizer, no model). No model is loaded. Exits non-zero
+    on any problem."""
     from pipeline.engines.benchmarks import BenchmarkError, load_benchmark
     from pipeline.engines.benchmarks.tasks import check_task, problem_lines
     from pipeline.engines.servers import ServeError, check_served
@@ -106,9 +108,36 @@ def validate(config: Path, sets: SetOpt = None) -> None:
         raise typer.Exit(1)
     typer.echo(f"references: {check.checked} of {check.checked} score 1.0" if check.checked else
                "references: none scored")
+    _echo_prompt_sharing(cfg, bench)
     typer.echo(f"{config}: ok (run_id={cfg.run_id}, {query_count} {cfg.benchmark.name} queries, "
                f"mode={cfg.rollout.mode}, generator={cfg.generator.model} via {cfg.generator.backend}, "
                f"executor={cfg.executor.kind})")
+
+
+def _echo_prompt_sharing(cfg, bench) -> None:
+    """The token prefix the first training prompts share (a training pass computes it once,
+    training.shared_prefix_min), against their mean length; says so where the template puts the query first."""
+    from pipeline.api import prompt_sharing
+
+    try:
+        sharing = prompt_sharing(cfg, bench)
+    except Exception as e:  # a hub model out of reach, a prompt folder without a template: the rest still checks
+        typer.echo(f"prompt sharing: not measured ({type(e).__name__}: {e})")
+        return
+    if sharing is None:
+        typer.echo(f"prompt sharing: not measured (`pipeline prepare-model {cfg.generator.model}` first)")
+        return
+    if not sharing.prompts:
+        return
+    min_prefix = cfg.training.shared_prefix_min
+    typer.echo(f"prompt sharing: the first {sharing.prompts} training prompts open with the same {sharing.common} "
+               f"tokens of {sharing.mean:.0f} on average ({sharing.share:.0%}); a pass that holds several of them "
+               f"computes those once (training.shared_prefix_min {min_prefix})")
+    if sharing.query_first(min_prefix):
+        typer.secho(f"prompt sharing: the template puts the query (or another per-query part) before most of its "
+                    f"fixed text: only {sharing.common} of {sharing.mean:.0f} tokens can be computed once a pass; "
+                    "put $problem after the fixed parts (contract, designs, examples) to share them",
+                    fg=typer.colors.YELLOW)
 
 
 @app.command(rich_help_panel=SETUP)
@@ -414,6 +443,34 @@ def bench_train(
             echo=typer.echo, group_size=group_size, prompt_layout=prompt_layout, compile_decoder=compile_decoder)
     except (TrlMissing, ValueError) as e:
         _fail(str(e))
+
+
+@bench_app.command("train-prefix")
+def bench_train_prefix(
+    config: Annotated[Path, typer.Argument(help="Run config whose prompts are rendered.")]
+    = Path("configs/mixed-choice.yaml"),
+    model: Annotated[str, typer.Option(help="Model (and tokenizer) of the step, fp32.")]
+    = "embedded:smollm2-135m-instruct",
+    queries: Annotated[str, typer.Option(help="Comma list: queries in one pass.")] = "1,4",
+    per_query: Annotated[int, typer.Option(min=1, help="Completions per query (a group's members).")] = 2,
+    completion_len: Annotated[int, typer.Option(min=2, help="Longest completion; ragged below it.")] = 85,
+    reps: Annotated[int, typer.Option(min=1, help="Timed runs per side (median), after one warm-up.")] = 2,
+    min_prefix: Annotated[int, typer.Option(min=1, help="training.shared_prefix_min of the new side.")] = 32,
+    layout: Annotated[str, typer.Option(help="split, packed, or both (comma list).")] = "split,packed",
+    json_out: JsonOpt = None,
+) -> None:
+    """The shared-prefix saving on a config's own prompts: a training step and a no-grad forward over one pass of
+    its first training queries (random completions), each prompt whole (before) against their common prefix computed
+    once (training.shared_prefix_min)."""
+    import json
+
+    from pipeline.perf.train import prefix
+
+    rows = prefix(config, model, tuple(_ints(queries)), per_query, completion_len, reps, min_prefix,
+                  tuple(x.strip() for x in layout.split(",")), echo=typer.echo)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
 @bench_app.command("train-parity")

@@ -710,6 +710,11 @@ class TrainingConfig(_Strict):
         "attending to them; least memory) or packed (each prompt and its completions in one row under a 4D mask: "
         "one decoder call, no padding between completions; faster on CPU, attention memory quadratic in the row).",
     )
+    shared_prefix_min: int = Field(
+        32, ge=0, description="Prompts of a pass that differ but open alike (a template's fixed text, then the "
+        "query): their common token prefix, from this many tokens, is computed once a pass, forward and backward, "
+        "and each prompt computes only its rest (both layouts; packing counts it once); 0: each prompt whole.",
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     beta: float = Field(0.1, ge=0, description="KL weight β.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip ε.")

@@ -6,6 +6,9 @@ coefficient. Top-N screening keeps overlapping groups, so one generation can be 
 computes it once (`Pass.uniq`) and every row that uses it takes its log-probs (`Pass.take`). The passes of a step
 are packed by padded token count (`pack`): a pass computes each distinct prompt once
 (`pipeline.stages.train.batch.collate`), so its cost is prompts x longest prompt + sequences x longest completion.
+Prompts that differ but open alike (a task's fixed instructions and examples, then the query) share more: with
+`min_prefix` > 0, the prompts' longest common prefix, when it has at least `min_prefix` tokens and the pass holds more
+than one prompt, is computed once and each prompt computes only the rest (`shared_prefix`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Pass", "RowShape", "plan_steps", "step_units", "pack", "logprob_passes", "pass_slots"]
+__all__ = ["Pass", "RowShape", "plan_steps", "step_units", "pack", "logprob_passes", "pass_slots", "common_prefix",
+           "shared_prefix"]
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,34 @@ def _pass(rows: list[int], shapes: Sequence[RowShape]) -> Pass:
     return Pass(rows, uniq, [pos[shapes[r].gen_id] for r in rows])
 
 
-def pass_slots(rows: Sequence[int], shapes: Sequence[RowShape]) -> int:
-    """Token positions a pass over `rows` computes, padding included: each distinct prompt once at the longest
-    prompt's length, each distinct sequence once at the longest completion's."""
-    prompts = {shapes[r].prompt for r in rows}
+def common_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """Length of the longest token prefix all of `prompts` share (0 for none or no prompts)."""
+    if not prompts:
+        return 0
+    first, n = prompts[0], min(map(len, prompts))
+    for other in prompts[1:]:
+        n = next((i for i in range(n) if other[i] != first[i]), n)
+    return n
+
+
+def shared_prefix(prompts: Sequence[Sequence[int]], min_prefix: int) -> int:
+    """Tokens of the distinct `prompts` a pass computes once for all of them: their common prefix when there are at
+    least two prompts, `min_prefix` > 0 and the prefix has at least `min_prefix` tokens, else 0 (each prompt whole:
+    below a few dozen tokens the saving does not pay the extra decoder call)."""
+    if min_prefix <= 0 or len(prompts) < 2:
+        return 0
+    n = common_prefix(prompts)
+    return n if n >= min_prefix else 0
+
+
+def pass_slots(rows: Sequence[int], shapes: Sequence[RowShape], min_prefix: int = 0) -> int:
+    """Token positions a pass over `rows` computes, padding included: the prompts' shared prefix once
+    (`shared_prefix`), each distinct prompt's rest once at the longest rest's length, each distinct sequence once at
+    the longest completion's."""
+    prompts = list({shapes[r].prompt: None for r in rows})
     gens = {shapes[r].gen_id for r in rows}
-    return len(prompts) * max(map(len, prompts), default=0) + \
+    prefix = shared_prefix(prompts, min_prefix)
+    return prefix + len(prompts) * (max(map(len, prompts), default=0) - prefix) + \
         len(gens) * max((shapes[r].completion_len for r in rows), default=0)
 
 
@@ -105,10 +131,11 @@ def step_units(rows: Sequence[int], shapes: Sequence[RowShape], paired: bool = F
     return list(units.values())
 
 
-def pack(units: list[list[int]], shapes: Sequence[RowShape], budget: int) -> list[Pass]:
-    """Units into passes of at most `budget` padded token positions (`pass_slots`; a unit larger than the budget
-    gets a pass of its own). Units are taken by prompt (longest first, so similar lengths meet) and, within a
-    prompt, by completion length (longest first): a pass then shares prompts and pads completions little."""
+def pack(units: list[list[int]], shapes: Sequence[RowShape], budget: int, min_prefix: int = 0) -> list[Pass]:
+    """Units into passes of at most `budget` padded token positions (`pass_slots`, a shared prefix counted once under
+    `min_prefix`; a unit larger than the budget gets a pass of its own). Units are taken by prompt (longest first,
+    so similar lengths meet) and, within a prompt, by completion length (longest first): a pass then shares prompts
+    and pads completions little."""
     first: dict[tuple[int, ...], int] = {}
     for i, unit in enumerate(units):
         first.setdefault(shapes[unit[0]].prompt, i)
@@ -118,14 +145,15 @@ def pack(units: list[list[int]], shapes: Sequence[RowShape], budget: int) -> lis
 
     passes: list[list[int]] = []
     for unit in sorted(units, key=key):
-        if passes and pass_slots(passes[-1] + unit, shapes) <= budget:
+        if passes and pass_slots(passes[-1] + unit, shapes, min_prefix) <= budget:
             passes[-1].extend(unit)
         else:
             passes.append(list(unit))
     return [_pass(rows, shapes) for rows in passes]
 
 
-def logprob_passes(first_step: list[Pass], shapes: Sequence[RowShape], budget: int) -> list[Pass]:
+def logprob_passes(first_step: list[Pass], shapes: Sequence[RowShape], budget: int,
+                   min_prefix: int = 0) -> list[Pass]:
     """The passes of a π_old / reference pass over every distinct sequence: the first optimiser step's passes
     exactly as training runs them, then one row per remaining gen_id, packed. Kernels round differently at another
     padded shape (up to 2e-5 in fp32 here, far more in bf16), so laid out this way the first step computes π_θ
@@ -136,4 +164,4 @@ def logprob_passes(first_step: list[Pass], shapes: Sequence[RowShape], budget: i
         if s.gen_id not in seen:
             seen.add(s.gen_id)
             rest.append([r])
-    return list(first_step) + pack(rest, shapes, budget)
+    return list(first_step) + pack(rest, shapes, budget, min_prefix)

@@ -122,6 +122,13 @@ def gguf_path(name: str) -> Path:
     return assemble_parts(parts, cache_dir() / "gguf" / f"{name}.gguf", spec.size, spec.sha256)
 
 
+def embedded_ready(ref: str) -> bool:
+    """Whether `ref` loads without converting anything first: not an embedded ref, or one already prepared."""
+    if not ref.startswith("embedded:"):
+        return True
+    return (cache_dir() / "models" / ref.split(":", 1)[1] / ".complete").is_file()
+
+
 def prepare_embedded(name: str = "smollm2-135m-instruct", force: bool = False) -> Path:
     """Convert the embedded GGUF into an HF folder under the cache dir (idempotent, atomic)."""
     if name not in EMBEDDED:

@@ -412,3 +412,74 @@ def main(completion_len: int | None = None, **kw) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+def _pass_seconds(model, batches: list, reps: int, train: bool) -> list[float]:
+    """Per batch, the median wall time of a training step on it (forward, ioGRPO-mKL loss, backward) or, `train`
+    False, of a no-grad forward (a π_old / reference pass); the batches alternate within each rep, so drift on a
+    shared machine hits them alike."""
+    with torch.no_grad():
+        olds = [completion_logprobs(model, b).detach() for b in batches]
+    times: list[list[float]] = [[] for _ in batches]
+    for rep in range(reps + 1):  # the first is a warm-up
+        for collated, old, kept in zip(batches, olds, times, strict=True):
+            model.zero_grad(set_to_none=True)
+            started = time.perf_counter()
+            if train:
+                terms = grpo_mkl_terms(completion_logprobs(model, collated), old, old, collated.advantages,
+                                       collated.completion_mask, BETA, EPS)
+                terms.loss.backward()
+            else:
+                with torch.no_grad():
+                    completion_logprobs(model, collated)
+            if rep:
+                kept.append(time.perf_counter() - started)
+    return [statistics.median(t) for t in times]
+
+
+def prefix(config: str | Path = "configs/mixed-choice.yaml", model_ref: str = MODEL, queries: tuple[int, ...] = (1, 4),
+           per_query: int = 2, completion_len: int = 85, reps: int = 2, min_prefix: int = 32,
+           layouts: tuple[str, ...] = ("split", "packed"), echo=print) -> list[dict]:
+    """The shared-prefix saving (training.shared_prefix_min) on a config's own prompts: its first training queries'
+    workflow prompts rendered with `model_ref`'s tokenizer (`pipeline.stages.sampling.workflow_prompt_ids`), each with
+    `per_query` random completions of about `completion_len` tokens, in one pass of `q` queries for each q of
+    `queries`. Per layout, the training step and a no-grad forward with each prompt whole (min_prefix 0: the
+    layout before) and with their common prefix once, fp32 on this machine's CPU or GPU; the ratio new/old."""
+    from pipeline.config import load_config
+    from pipeline.core.packing import shared_prefix
+    from pipeline.engines.benchmarks import load_benchmark
+    from pipeline.engines.models import load_causal_lm, load_tokenizer
+    from pipeline.stages.sampling import workflow_prompt_ids
+
+    cfg = load_config(Path(config), [])
+    bench = load_benchmark(cfg.benchmark)
+    tok = load_tokenizer(model_ref)
+    prompts = workflow_prompt_ids(cfg, bench.items()[: max(queries)], bench.family, tok)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = default_lora(load_causal_lm(model_ref, dtype="float32", device=device)).train()
+    rng = torch.Generator().manual_seed(0)
+    rows = []
+    echo(f"{model_ref} fp32 on {device}: {config}'s prompts, {per_query} completions of ~{completion_len} tokens each;"
+         f" median of {reps} after 1 warm-up")
+    echo(f"{'layout':>6} {'queries':>7} {'prefix':>6} {'prompt':>6} {'step old s':>10} {'step new s':>10} {'ratio':>6} "
+         f"{'fwd old s':>9} {'fwd new s':>9} {'ratio':>6}")
+    for n_queries in queries:
+        seqs = [TrainSequence(f"q{q}s{k}", prompts[q],
+                              torch.randint(100, tok.vocab_size, (_ragged(k, completion_len),), generator=rng).tolist(),
+                              1.0 if k % 2 else -1.0, None)
+                for q in range(n_queries) for k in range(per_query)]
+        shared = shared_prefix([p[:-1] for p in prompts[:n_queries]], min_prefix)
+        for layout in layouts:
+            old, new = (pass_batch(seqs, tok.pad_token_id or 0, device, layout, m) for m in (0, min_prefix))
+            step = _pass_seconds(model, [old, new], reps, True)
+            fwd = _pass_seconds(model, [old, new], reps, False)
+            row = {"layout": layout, "queries": n_queries, "sequences": len(seqs), "prefix_tokens": shared,
+                   "mean_prompt_tokens": sum(map(len, prompts[:n_queries])) / n_queries,
+                   "slots": {"old": old.slots, "new": new.slots}, "step_s": {"old": step[0], "new": step[1]},
+                   "forward_s": {"old": fwd[0], "new": fwd[1]}, "step_ratio": step[1] / step[0],
+                   "forward_ratio": fwd[1] / fwd[0]}
+            rows.append(row)
+            echo(f"{layout:>6} {n_queries:>7} {shared:>6} {row['mean_prompt_tokens']:>6.0f} {step[0]:>10.2f} "
+                 f"{step[1]:>10.2f} {row['step_ratio']:>5.2f}x {fwd[0]:>9.2f} {fwd[1]:>9.2f} "
+                 f"{row['forward_ratio']:>5.2f}x")
+    return rows

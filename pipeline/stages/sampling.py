@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,7 +13,8 @@ from pipeline.engines.generation.base import BLOCK_END
 from pipeline.engines.prompting import Design, design_prefix
 
 if TYPE_CHECKING:
-    from pipeline.config import GeneratorConfig, RolloutConfig
+    from pipeline.config import GeneratorConfig, RolloutConfig, RunConfig
+    from pipeline.engines.benchmarks.base import Item
 
 
 @dataclass
@@ -84,3 +85,48 @@ def batches(requests: list[Request], size: int) -> Iterator[list[Request]]:
 def stops(g: GeneratorConfig, kind: str) -> tuple[str, ...]:
     """A sample's stop strings: a workflow ends where its code block closes (generator.stop_at_block_end)."""
     return (BLOCK_END,) if kind == "workflow" and g.stop_at_block_end else ()
+
+
+@dataclass(frozen=True)
+class PromptSharing:
+    """How much of a config's workflow prompts a training pass can compute once (`pipeline.core.packing
+    .shared_prefix`): the token prefix every rendered prompt opens with, against their mean length."""
+
+    prompts: int
+    common: int  # tokens every prompt opens with
+    mean: float  # the prompts' mean length in tokens
+
+    @property
+    def share(self) -> float:
+        return self.common / self.mean if self.mean else 0.0
+
+    def query_first(self, min_prefix: int) -> bool:
+        """Whether the template leaves most of its fixed text unshared: a per-query part (the query) comes before it,
+        so under half the prompt, or fewer than `min_prefix` tokens (training.shared_prefix_min), is common."""
+        return self.prompts > 1 and (self.share < 0.5 or self.common < min_prefix)
+
+
+def workflow_prompt_ids(cfg: RunConfig, items: Sequence[Item], family: str, tokenizer) -> list[list[int]]:
+    """The token ids of the workflow prompts of `items` as round 0's flat rollout renders them (no exemplars; with an
+    example menu, the design a hash draws for slot 0 unless the policy chooses), assistant turn opened."""
+    from pipeline.engines.prompting import load_design, render, workflow_prompt
+
+    rollout = cfg.rollout
+    menu = [load_design(p) for p in rollout.example_menu]
+    ids = []
+    for item in items:
+        design = None if not menu or rollout.menu_choice == "policy" else \
+            menu[draw_design(rollout.menu_seed, item.id, 0, len(menu))]
+        user = workflow_prompt(item.prompt, family, (), None, None, rollout.prompt_dir, design, menu)
+        text = render(tokenizer, user, None, rollout.prompt_dir) + opening(rollout, design)
+        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids
+
+
+def prompt_sharing(cfg: RunConfig, items: Sequence[Item], family: str, tokenizer, queries: int = 4) -> PromptSharing:
+    """The workflow prompts of the first `queries` of `items` (`workflow_prompt_ids`): their common token prefix and
+    mean length. A template that puts the query before its fixed text shares little."""
+    from pipeline.core.packing import common_prefix
+
+    ids = workflow_prompt_ids(cfg, items[:queries], family, tokenizer)
+    return PromptSharing(len(ids), common_prefix(ids), sum(map(len, ids)) / len(ids) if ids else 0.0)

@@ -15,13 +15,13 @@ its passes (`PlannedStep`); `RefLogprobs` is the pair (π_old, reference) held f
 | `policy.py` | `start_adapter`, `load_policy` (LoRA), `frozen_linears_bf16` |
 | `plan.py` | `step_plan`: the optimiser steps and their passes (`pipeline.core.packing`), `pass_budget` |
 | `batch.py` | a pass's tensors: `Batch` (split layout), `PackedBatch` (packed), `collate`, `pass_batch` |
-| `kvcache.py` | the prompt's keys and values shared by its completions through HF's cache API |
+| `kvcache.py` | the prompt's keys and values shared by its completions through HF's cache API; a shared prefix's once |
 | `logprobs.py` | `completion_logprobs` (π_θ), `reference_logprobs` (no-grad, over passes, gathered over ranks) |
 | `loss.py` | `pass_loss_input`: a pass's `LossInput`; two-level `step_weights`, `kl_masks`, `pass_shares` |
 | `metrics.py` | `StepSums` (one rank's sums over a step's passes), `StepMetrics` (a `train_metrics` row) |
 
 Each token is computed once (docs/performance.md): a step holds whole groups, a pass encodes each distinct prompt once
-and its completions attend to it, a sequence in several rows of a step is computed once and carries the sum of their
+(the prompts' common prefix once, training.shared_prefix_min) and its completions attend to it, a sequence in several rows of a step is computed once and carries the sum of their
 loss terms, and passes are packed by padded tokens. `batch`, `kvcache` and `logprobs` import with torch alone
 (`pipeline bench train` runs them on a bare GPU machine); polars, the store and the config load where used.
 """

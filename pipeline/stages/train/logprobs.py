@@ -53,7 +53,7 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch | PackedBatch, head
         cache = prompt_states(decoder, batch)
         mask = batch.completion_mask.long()
         if cache is not None:
-            mask = torch.cat([batch.prompt_mask.index_select(0, batch.prompt_of), mask], dim=1)
+            mask = torch.cat([batch.context_mask(), mask], dim=1)
         with cache_under_checkpointing(decoder):
             hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
                              past_key_values=cache, use_cache=False).last_hidden_state
@@ -66,11 +66,11 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch | PackedBatch, head
 
 def _pass_logprobs(model: torch.nn.Module, seqs: list[TrainSequence], pass_: Pass, pad_id: int,
                    device: torch.device | str, bf16: bool, disable_adapter: bool,
-                   layout: str) -> dict[str, torch.Tensor]:
+                   layout: str, min_prefix: int) -> dict[str, torch.Tensor]:
     uniq = [seqs[i] for i in pass_.uniq]
     with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16), \
             model.disable_adapter() if disable_adapter else contextlib.nullcontext():
-        lp = completion_logprobs(model, pass_batch(uniq, pad_id, device, layout)).float()
+        lp = completion_logprobs(model, pass_batch(uniq, pad_id, device, layout, min_prefix)).float()
     return {s.gen_id: lp[b, : len(s.completion_ids)].cpu() for b, s in enumerate(uniq)}
 
 
@@ -78,14 +78,16 @@ def _pass_logprobs(model: torch.nn.Module, seqs: list[TrainSequence], pass_: Pas
 def reference_logprobs(model: torch.nn.Module, seqs: list[TrainSequence], passes: list[Pass], pad_id: int,
                        device: torch.device | str, disable_adapter: bool = False, desc: str = "old logprobs",
                        bf16: bool = False, shard: tuple[int, int] = (0, 1),
-                       layout: str = "split", relay: Path | None = None) -> dict[str, torch.Tensor]:
+                       layout: str = "split", relay: Path | None = None,
+                       min_prefix: int = 0) -> dict[str, torch.Tensor]:
     """Per gen_id, completion log-probs (fp32 values) of `model` in eval mode (no dropout) computed on `passes`
     (`pipeline.core.packing.logprob_passes`), under the same bf16 autocast as the training forward when `bf16`: π_old
     and π_θ are then the same computation at the first step (ratio 1, k3 0 before any update), and the pass costs
     half the fp32 time on CPU. A sequence in several passes takes the first pass's value.
     `shard=(rank, n)`: this rank computes passes[rank::n] (its share of the first step is exactly the passes it
     trains, `pipeline.stages.parallel.rank_share`) and the ranks' results are gathered. Rank 0 shows its progress
-    (pipeline.engines.meter; `relay`: the stage call's relay file)."""
+    (pipeline.engines.meter; `relay`: the stage call's relay file). `layout` and `min_prefix` lay passes out as
+    training does (training.prompt_layout, training.shared_prefix_min)."""
     from pipeline.engines.meter import ProgressMeter
     from pipeline.stages.parallel import gather_logprobs
 
@@ -98,7 +100,7 @@ def reference_logprobs(model: torch.nn.Module, seqs: list[TrainSequence], passes
     try:
         for pass_index in mine:
             computed[pass_index] = _pass_logprobs(model, seqs, passes[pass_index], pad_id, device, bf16,
-                                                  disable_adapter, layout)
+                                                  disable_adapter, layout, min_prefix)
             if meter is not None:
                 meter.update()
     finally:

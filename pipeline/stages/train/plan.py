@@ -42,10 +42,12 @@ def pass_budget(train_cfg: TrainingConfig) -> int:
 def step_plan(seqs: list[TrainSequence], train_cfg: TrainingConfig, rng: np.random.Generator,
               paired: bool = False) -> list[PlannedStep]:
     """Every optimiser step's passes: its rows (`pipeline.core.packing.plan_steps`, training.step_order,
-    micro_batch_size x grad_accum rows a step), one unit per distinct sequence (or pair), packed by tokens."""
+    micro_batch_size x grad_accum rows a step), one unit per distinct sequence (or pair), packed by tokens (a shared
+    prompt prefix counted once, training.shared_prefix_min)."""
     shapes = row_shapes(seqs)
     unit = 2 if paired else 1
     epochs = plan_steps(shapes, train_cfg.epochs, train_cfg.micro_batch_size * train_cfg.grad_accum * unit, rng,
                         train_cfg.step_order, unit)
-    return [PlannedStep(e, pack(step_units(rows, shapes, paired), shapes, pass_budget(train_cfg)))
+    return [PlannedStep(e, pack(step_units(rows, shapes, paired), shapes, pass_budget(train_cfg),
+                                train_cfg.shared_prefix_min))
             for e, steps in enumerate(epochs) for rows in steps]

@@ -74,10 +74,10 @@ def reference_passes(setup: TrainSetup) -> RefLogprobs:
     """Step 2: π_old and reference log-probs per gen_id, before any update (`reference_logprobs`)."""
     train_cfg, objective = setup.train_cfg, setup.objective
     passes = logprob_passes(setup.steps[0].passes if setup.steps else [], row_shapes(setup.seqs),
-                            pass_budget(train_cfg))
+                            pass_budget(train_cfg), train_cfg.shared_prefix_min)
     compute = functools.partial(reference_logprobs, setup.model, setup.seqs, pad_id=setup.pad_id,
                                 device=setup.accel.device, bf16=setup.bf16, shard=setup.shard,
-                                layout=train_cfg.prompt_layout,
+                                layout=train_cfg.prompt_layout, min_prefix=train_cfg.shared_prefix_min,
                                 relay=relay_path(setup.ctx.run_id, setup.ctx.round, "train"))
     old = old_logprobs(setup, passes, compute) if objective.needs_old else None
     if not objective.uses_ref or train_cfg.reference == "none":

@@ -126,7 +126,8 @@ def train_pass(setup: TrainSetup, pass_: Pass, step_rows: list[int], real: bool,
     """One forward/backward over a pass's distinct sequences, its rows' loss terms summed (a filler, real=False,
     weighs 0: DDP needs every rank at each all-reduce)."""
     train_cfg, device, seqs = setup.train_cfg, setup.accel.device, setup.seqs
-    batch = pass_batch([seqs[i] for i in pass_.uniq], setup.pad_id, device, train_cfg.prompt_layout)
+    batch = pass_batch([seqs[i] for i in pass_.uniq], setup.pad_id, device, train_cfg.prompt_layout,
+                       train_cfg.shared_prefix_min)
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=setup.bf16):
         logp = setup.policy(batch)
     weights = step_weights(seqs, step_rows, train_cfg)
