@@ -533,16 +533,22 @@ def test_policy_menu_shows_every_design_and_forces_none(tmp_path, fake, monkeypa
     assert df.filter(pl.col("query_id") == "q0")["choice"].to_list() == ["vote", "combined", "own"] * 2
 
 
-def test_choice_step_draws_the_design_token_from_the_labels_then_writes_after_it(tmp_path, fake, monkeypatch):
-    """rollout.choice_step: the engine is asked for the policy's log-probs of exactly the labels' first tokens, each
-    slot's design is drawn from them renormalised and tempered (choice_temperature), then a second call writes the
-    workflow after the drawn token, one prompt a slot; a row's tokens are the two steps' joined, the design token's
-    log-prob the one it was drawn with, and its choice the drawn label's design."""
+def _two_design_menu(tmp_path) -> list[str]:
+    """Two program files of a menu: direct (one executor call) and steps (a constant answer)."""
     menu = []
     for name, body in (("mixed_direct", "return (await llm(problem))[0]"), ("mixed_steps", "return 'steps'")):
         path = tmp_path / f"{name}.py"
         path.write_text(f"# design: {name}\nasync def solve(problem):\n    {body}\n")
         menu.append(str(path))
+    return menu
+
+
+def test_choice_step_draws_the_design_token_from_the_labels_then_writes_after_it(tmp_path, fake, monkeypatch):
+    """rollout.choice_step: the engine is asked for the policy's log-probs of exactly the labels' first tokens, each
+    slot's design is drawn from them renormalised and tempered (choice_temperature), then a second call writes the
+    workflow after the drawn token, one prompt a slot; a row's tokens are the two steps' joined, the design token's
+    log-prob the one it was drawn with, and its choice the drawn label's design."""
+    menu = _two_design_menu(tmp_path)
     gens = fake()
     tok = rollout.load_tokenizer("embedded:smollm2-135m-instruct")
     prefix = "```python\nasync def solve(problem):\n    # design:"
@@ -590,11 +596,7 @@ def test_route_or_write_runs_a_routed_designs_program_and_writes_only_under_own(
     from pipeline.stages.curate import choice_credit_rows, load_round
     from pipeline.stages.train.data import load_sequences
 
-    menu = []
-    for name, body in (("mixed_direct", "return (await llm(problem))[0]"), ("mixed_steps", "return 'steps'")):
-        path = tmp_path / f"{name}.py"
-        path.write_text(f"# design: {name}\nasync def solve(problem):\n    {body}\n")
-        menu.append(str(path))
+    menu = _two_design_menu(tmp_path)
     gens = fake()
     tok = rollout.load_tokenizer("embedded:smollm2-135m-instruct")
     prefix = "```python\nasync def solve(problem):\n    # design:"
