@@ -397,6 +397,22 @@ def bench_train(
         _fail(str(e))
 
 
+@bench_app.command("stages")
+def bench_stages(
+    run_id: Annotated[str, typer.Argument(help="The run (an experiment's seed: <experiment>-s<k>).")],
+    evaluations: Annotated[bool, typer.Option(help="With its evaluation runs (<run>-eval-*).")] = True,
+    store: StoreOpt = None,
+) -> None:
+    """Where a run's wall time went: per round and stage the seconds and share, from its timings.jsonl (a seed's
+    evaluations included)."""
+    from pipeline.perf.stages import main
+
+    try:
+        main(run_id, store or "data/runs", evaluations, echo=typer.echo)
+    except ValueError as e:
+        _fail(str(e))
+
+
 @bench_app.command("train-parity")
 def bench_train_parity(
     arch: Annotated[str, typer.Option(help="Built-in architecture with seeded random weights (qwen2-0.5b: the "

@@ -74,6 +74,7 @@ class ServerSpec:
     port: int | None = None  # None: a free port when it starts
     enforce_eager: bool = True
     lora_rank: int | None = None  # adapters loadable at run time, up to this rank (generator servers)
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes requests share (serve.enable_prefix_caching)
     extra_args: tuple[str, ...] = ()
     start_timeout_s: float = 600.0
 
@@ -82,6 +83,8 @@ class ServerSpec:
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--host", self.host,
                "--port", str(port)]
         cmd += ["--enforce-eager"] if self.enforce_eager else []
+        # said either way: vLLM's own default has changed between versions and platforms
+        cmd += ["--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
         cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)] if self.lora_rank else []
         from pipeline.engines.generation.vllm_offline import cuda_available, no_partial_prefills
 
@@ -127,7 +130,8 @@ def spec_for(cfg: RunConfig, section: str) -> ServerSpec:
 
     common = {"dtype": resolve_dtype(serve.dtype, what=f"{section} server"), "max_model_len": serve.max_model_len,
               "kv_cache_gb": serve.kv_cache_gb, "host": serve.host, "port": serve.port,
-              "enforce_eager": serve.enforce_eager, "start_timeout_s": serve.start_timeout_s}
+              "enforce_eager": serve.enforce_eager, "prefix_caching": serve.enable_prefix_caching,
+              "start_timeout_s": serve.start_timeout_s}
     if section == "executor":
         return ServerSpec(serve.model or part.model, part.model, extra_args=tuple(serve.extra_args), **common)
     # generator: its rows need token ids and processed logprobs (pipeline.engines.generation.openai_server)

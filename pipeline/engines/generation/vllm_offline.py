@@ -52,11 +52,11 @@ def lora_request(adapter: str) -> Any:
 
 def engine_kwargs(model_ref: str, *, dtype: str = "float32", enable_lora: bool = False, max_lora_rank: int = 64,
                   max_model_len: int = 4096, enforce_eager: bool = True, gpu_memory_utilization: float = 0.85,
-                  tensor_parallel_size: int = 1, seed: int = 0) -> dict[str, Any]:
+                  tensor_parallel_size: int = 1, seed: int = 0, enable_prefix_caching: bool = True) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=resolve_model(model_ref), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
         gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size, seed=seed,
-        logprobs_mode="processed_logprobs",
+        logprobs_mode="processed_logprobs", enable_prefix_caching=enable_prefix_caching,
     )
     if enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
