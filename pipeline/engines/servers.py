@@ -19,6 +19,9 @@ lists the model, points the section's base_url at it, and stops it when the stag
   shm_broadcast.SpinCondition), so it costs memory, not CPU, while a stage trains.
 - `check()` runs before anything starts: vLLM installed, the model found, the port free or serving this model;
   each failure is a ServeError that says what to do.
+- Prefix caching (`serve.enable_prefix_caching`, on by default) is said on the command line either way, and
+  `serving` logs each server's hit rate over the block (its /metrics counters at the end less those at the start;
+  a shared server's include whatever else used it meanwhile).
 """
 
 from __future__ import annotations
@@ -348,6 +351,7 @@ def serving(cfg: RunConfig, sections: Iterable[str], log_dir: Path) -> Iterator[
         updates = {}
         for section, server in servers.items():
             server.wait()
+            stack.enter_context(cache_report(server, f"{log_dir.name}: {section} server {server.spec.name}"))
             extra = {"served_model": server.spec.name} if section == "generator" else {}
             # serve: None: the stage sees a plain OpenAI-compatible section (nothing downstream knows about serving)
             part = getattr(cfg, section)
@@ -355,6 +359,20 @@ def serving(cfg: RunConfig, sections: Iterable[str], log_dir: Path) -> Iterator[
             if section == "executor":  # the reply cache keys on what this server loads (pipeline.engines.cache)
                 updates[section]._served_from = part.serve
         yield cfg.model_copy(update=updates)
+
+
+@contextlib.contextmanager
+def cache_report(server: Server, what: str) -> Iterator[None]:
+    """Log the prefix cache's hit rate of `server` over the block (nothing where it has no such counters)."""
+    from pipeline.engines.prefix_cache import read_server
+
+    before = read_server(server.url)
+    try:
+        yield
+    finally:
+        after = read_server(server.url) if before is not None else None
+        if after is not None:
+            log.info("%s: %s", what, (after - before).describe())
 
 
 # ---- one server for all the stages of a command ------------------------------------------------------------------

@@ -23,7 +23,6 @@ here on the step's threads; on a GPU its dense bf16 peak.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -211,18 +210,18 @@ class FlopCount:
         return f
 
 
-def lora_step_flops(n: int, head: int, lora: int, tokens: int, scored: int) -> int:
+def lora_step_flops(matmul: int, head: int, lora: int, tokens: int, scored: int) -> int:
     """Matmul FLOPs of one forward + backward of a LoRA step over a frozen base:
 
         F = 4·(N − head)·T + 4·head·S + 6·L·T
 
-    N matmul parameters (`matmul_params`: the LM head, V·d, counted once), T token positions computed, S positions
-    whose logits are scored (the LM head runs there only), L LoRA parameters. A frozen weight costs 2 per token
-    forward and 2 backward (the gradient of its input, which the adapters below need), and no weight gradient; an
-    adapter x·A·B costs 2 forward, 2 for its input's gradient and 2 for its own. Not counted: attention's score
-    products (they hold no parameters), norms, activations, the embedding lookup; counted but not needed: the first
-    layer's input gradient (about 1/layers of the frozen backward)."""
-    return 4 * (n - head) * tokens + 4 * head * scored + 6 * lora * tokens
+    N = `matmul` parameters (`matmul_params`: the LM head, V·d, counted once), T = `tokens` positions computed,
+    S = `scored` positions whose logits are scored (the LM head runs there only), L = `lora` parameters. A frozen
+    weight costs 2 per token forward and 2 backward (the gradient of its input, which the adapters below need), and no
+    weight gradient; an adapter x·A·B costs 2 forward, 2 for its input's gradient and 2 for its own. Not counted:
+    attention's score products (they hold no parameters), norms, activations, the embedding lookup; counted but not
+    needed: the first layer's input gradient (about 1/layers of the frozen backward)."""
+    return 4 * (matmul - head) * tokens + 4 * head * scored + 6 * lora * tokens
 
 
 def _versions() -> dict:
@@ -332,7 +331,12 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
     fc = FlopCount(matmul_weights, head, base.config.num_hidden_layers, base.config.hidden_size)
     flops = {"6N": fc.per_step(lengths, n_tok), "4N": fc.per_step(lengths, n_tok, per_param=4),
              "6N+attn": fc.per_step(lengths, n_tok, attention=True)}
-    dev_name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+    if device == "cuda":
+        dev_name = torch.cuda.get_device_name()
+    else:  # the CPU kind, its widest vector extension and its cores: utilisations of two kinds do not compare
+        from pipeline.engines.hardware import machine
+
+        dev_name = machine()
     peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in dev_name), None) if device == "cuda" else None
     rate = device_rate(device, weights_dtype, peak_flops)
     precision = ("bf16 autocast over " + ("fp32 master weights (as the trainer)" if weights_dtype == "float32"
@@ -352,13 +356,14 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
         "ratio_tokens_per_s": med["trl"] / med["ours"],
         "versions": _versions(),
     }
-    for k in ("ours", "trl"):
-        result[k] = {"ms_per_step": med[k] * 1e3, "completion_tokens_per_s": n_tok / med[k],
-                     "tokens_per_s": sum(lengths) / med[k],
-                     "peak_memory_gib": peak[k] / 2 ** 30 if device == "cuda" else None,
-                     "mfu": {f: flops[f] / med[k] / peak_flops for f in flops} if peak_flops else None,
-                     "work_flops": work[k], "achieved_flops": work[k] / med[k],
-                     "utilisation": work[k] / med[k] / rate["flops"] if rate else None}
+    for side in ("ours", "trl"):
+        seconds = med[side]
+        result[side] = {"ms_per_step": seconds * 1e3, "completion_tokens_per_s": n_tok / seconds,
+                        "tokens_per_s": sum(lengths) / seconds,
+                        "peak_memory_gib": peak[side] / 2 ** 30 if device == "cuda" else None,
+                        "mfu": {f: flops[f] / seconds / peak_flops for f in flops} if peak_flops else None,
+                        "work_flops": work[side], "achieved_flops": work[side] / seconds,
+                        "utilisation": work[side] / seconds / rate["flops"] if rate else None}
     _print(result, echo)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
