@@ -473,6 +473,43 @@ def bench_train_prefix(
         json_out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
+@bench_app.command("prefix-cache")
+def bench_prefix_cache(
+    config: Annotated[Path, typer.Option(help="Run config whose rollout prompts are sampled (its prompt folder, menu "
+                                         "and benchmark).")] = Path("configs/mixed-choice.yaml"),
+    model: Annotated[str, typer.Option(help="Generator model ref.")] = "embedded:smollm2-135m-instruct",
+    prompts: Annotated[int, typer.Option(min=1, help="Queries (prompts) in the call.")] = 8,
+    n: Annotated[int, typer.Option(min=1, help="Samples per prompt.")] = 4,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Completion cap.")] = 32,
+    reps: Annotated[int, typer.Option(min=1, help="Timed calls per side (best kept), after one warm-up.")] = 2,
+) -> None:
+    """One rollout-like vLLM call (prompts sharing a long opening, n samples each) with prefix caching on and off:
+    wall time and the cache's hit rate of each."""
+    from pipeline.engines.generation import GenerationError
+    from pipeline.perf.prefix_cache import main
+
+    try:
+        main(config, model, prompts, n, max_new_tokens, reps, echo=typer.echo)
+    except (ConfigError, GenerationError) as e:
+        _fail(str(e))
+
+
+@bench_app.command("stages")
+def bench_stages(
+    run_id: Annotated[str, typer.Argument(help="The run (an experiment's seed: <experiment>-s<k>).")],
+    evaluations: Annotated[bool, typer.Option(help="With its evaluation runs (<run>-eval-*).")] = True,
+    store: StoreOpt = None,
+) -> None:
+    """Where a run's wall time went: per round and stage the seconds and share, from its timings.jsonl (a seed's
+    evaluations included)."""
+    from pipeline.perf.stages import main
+
+    try:
+        main(run_id, store or "data/runs", evaluations, echo=typer.echo)
+    except ValueError as e:
+        _fail(str(e))
+
+
 @bench_app.command("train-parity")
 def bench_train_parity(
     arch: Annotated[str, typer.Option(help="Built-in architecture with seeded random weights (qwen2-0.5b: the "

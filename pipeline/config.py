@@ -107,6 +107,9 @@ class ServeConfig(_Strict):
         "left running); null: a free port per stage.",
     )
     enforce_eager: bool = Field(True, description="Skip graph capture (starts faster; CPU has none anyway).")
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV cache of prompt prefixes requests share (vLLM's --enable-prefix-caching); "
+        "the stage's log gives the hit rate.", json_schema_extra=not_hashed("draw"))
     extra_args: list[str] = Field(
         default_factory=list, description="More vLLM server arguments, e.g. [--max-num-seqs, '8'].",
     )
@@ -151,6 +154,9 @@ class GeneratorConfig(_Strict):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: GPU memory fraction.")
     max_model_len: int = Field(4096, gt=0, description="vllm: context length.")
     enforce_eager: bool = Field(True, description="vllm: skip graph capture (fast start).")
+    enable_prefix_caching: bool = Field(
+        True, description="vllm: reuse the KV cache of prompt prefixes requests share (system text, contract, "
+        "designs); the rollout's log gives the hit rate.", json_schema_extra=not_hashed("draw"))
     tensor_parallel_size: int = Field(
         1, gt=0, description="vllm: tensor parallel degree (GPUs per engine); openai endpoints: each server's own "
         "--tensor-parallel-size.",

@@ -62,8 +62,11 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     """The marks give the paths the hand-written lists gave before: the hash's `exclude` (experiment, tracking,
     headroom, training.save_steps and the draw fields) and the resume check's PLAN_ONLY and DRAW_ONLY; the routers
     (experiment.router) came later and are a plan of references like the others, and so is the success criterion
-    (experiment.criterion: it reads the results, it computes none)."""
+    (experiment.criterion: it reads the results, it computes none); the vLLM engines' prefix caching (a prompt's KV
+    blocks reused rather than computed again) later still, a draw like the executor's reply cache."""
     assert not_hashed_paths() == {
+        "generator.enable_prefix_caching": "draw", "generator.serve.enable_prefix_caching": "draw",
+        "executor.serve.enable_prefix_caching": "draw",
         "executor.common_random_numbers": "draw", "executor.seed": "draw", "executor.cache": "draw",
         "scoring.cache_verdicts": "draw", "training.save_steps": "plan", "experiment": "study",
         "experiment.references": "plan", "experiment.references_from": "plan", "experiment.select_split": "plan",
@@ -77,7 +80,8 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     def covered(paths: set[str] | frozenset[str]) -> set[str]:
         return {p for p in leaves if any(p == q or p.startswith(q + ".") for q in paths)}
 
-    draw_then = {"executor.common_random_numbers", "executor.seed", "executor.cache", "scoring.cache_verdicts"}
+    draw_then = {"executor.common_random_numbers", "executor.seed", "executor.cache", "scoring.cache_verdicts",
+                 "generator.enable_prefix_caching"}  # the serve sections' are null by default: no leaves
     plan_then = {"experiment.references", "experiment.references_from", "experiment.shared_base",
                  "experiment.select_split", "experiment.select_queries", "experiment.budget_slack",
                  "experiment.common_random_numbers", "experiment.criterion", "experiment.router", "training.save_steps",
@@ -97,11 +101,22 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     ({"headroom": {"gate": 0.2, "reps": 3}}, False, []),  # a section marked plan as a whole
     ({"training": {"save_steps": 0}}, False, []),
     ({"executor": {"seed": 3, "cache": "off"}, "scoring": {"cache_verdicts": False}}, False, []),  # draw
+    ({"generator": {"enable_prefix_caching": False}}, False, []),  # draw: KV blocks reused or computed again
 ])
 def test_a_mark_decides_the_hash_and_the_resume_check(sets, hashed, refused):
     base, other = RunConfig(), config_from_dict(sets)
     assert (base.config_hash() != other.config_hash()) is hashed
     assert diff_configs(base, other) == refused
+
+
+def test_a_served_sections_prefix_caching_changes_no_hash():
+    """Marked inside a section that is null by default: left out where the section is set."""
+    def served(caching: bool) -> RunConfig:
+        return config_from_dict({"executor": {"kind": "openai", "serve": {"enable_prefix_caching": caching}},
+                                 "generator": {"backend": "openai", "serve": {"enable_prefix_caching": caching}}})
+
+    assert served(True).config_hash() == served(False).config_hash() != RunConfig().config_hash()
+    assert diff_configs(served(True), served(False)) == []
 
 
 def test_a_field_marked_once_is_left_out_of_the_hash_and_the_resume_check():

@@ -35,6 +35,13 @@ def test_flop_count_by_hand():
     assert fc.per_step([5], 2, attention=True) == 228 + 1800
 
 
+def test_lora_step_flops_by_hand():
+    # N = 10 matmul parameters, head 4 of them, L = 3 LoRA parameters, T = 5 tokens, S = 2 scored:
+    # 4·(10 - 4)·5 = 120 frozen body, 4·4·2 = 32 LM head, 6·3·5 = 90 adapters: 242
+    assert bench.lora_step_flops(10, 4, 3, 5, 2) == 242
+    assert bench.lora_step_flops(10, 4, 0, 5, 5) == 4 * 10 * 5  # no adapters, every position scored: 4N·T
+
+
 def test_tiny_arch_bench_writes_json(tmp_path):
     out = tmp_path / "r" / "bench.json"
     lines = []
@@ -46,7 +53,17 @@ def test_tiny_arch_bench_writes_json(tmp_path):
     # token and completion but the last (8 and 1 positions)
     assert r["group_size"] == 2 and r["computed_tokens"] == 7 + 8 + 1
     assert r["params"] == sum(p.numel() for p in bench.build_arch("tiny").parameters())
-    assert r["lora_params"] > 0
+    # tiny (d 64, MLP 128, 2 layers, k/v 32 wide, vocab 1024 tied): per layer q 64·64+64, k and v 64·32+32 each,
+    # o 64·64, MLP 3·64·128, two norms 2·64 = 37,120; ×2 + embedding 65,536 + final norm 64 = 139,840 = N, head 65,536.
+    # LoRA r=16 on q, k, v, o, gate, up, down: 16·(64+64) + 2·16·(64+32) + 16·(64+64) + 3·16·(64+128) = 16,384 a
+    # layer, 32,768 in all
+    assert r["lora_params"] == 32_768
+    # work: ours T = 16 computed positions, TRL T = 25, S = 9 scored:
+    # ours 4·74,304·16 + 4·65,536·9 + 6·32,768·16 = 4,755,456 + 2,359,296 + 3,145,728 = 10,260,480
+    # TRL  4·74,304·25 + 2,359,296 + 6·32,768·25 = 7,430,400 + 2,359,296 + 4,915,200 = 14,704,896
+    assert (r["ours"]["work_flops"], r["trl"]["work_flops"]) == (10_260_480, 14_704_896)
+    assert r["device_rate"]["dtype"] == "float32" and r["device_rate"]["flops"] > 0
+    assert r["ours"]["utilisation"] > 0 and any("utilisation" in s for s in lines)
     for k in ("ours", "trl"):
         assert r[k]["ms_per_step"] > 0 and r[k]["completion_tokens_per_s"] > 0
         assert set(r[k]) >= {"peak_memory_gib", "mfu", "tokens_per_s"}

@@ -140,6 +140,24 @@ def test_equal_prompts_in_a_batch_get_distinct_samples(vgen, hf):
     assert [tuple(c.token_ids) for row in again for c in row] == samples  # seeded: reproducible
 
 
+def test_a_prompt_seen_before_comes_from_the_prefix_cache(vgen, hf):
+    """Prefix caching is on by default and its counters are read: vLLM caches whole KV blocks (`block_size` tokens,
+    128 on CPU) and recomputes a fully cached prompt's last token, so a prompt of L tokens asked again hits
+    floor((L - 1) / block_size) blocks' tokens, and never any the first time (no other prompt shares a block)."""
+    prompt = chat_prompts(hf.tokenizer, ["Count the words: " + " ".join(f"w{i}" for i in range(120))])[0]
+    length = len(vgen.inputs([prompt])[0]["prompt_token_ids"])
+    block = vgen.llm.llm_engine.vllm_config.cache_config.block_size
+    assert length > 2 * block  # two whole blocks at least
+    once = Sampling(n=1, temperature=0.0, max_new_tokens=1)
+    before = vgen.cache_counts()
+    vgen.generate([prompt], once)
+    first = vgen.cache_counts()
+    vgen.generate([prompt], once)
+    second = vgen.cache_counts()
+    assert (first - before).hits == 0 and (first - before).queries == length
+    assert (second - first).hits == (length - 1) // block * block and (second - first).queries == length
+
+
 def test_offline_engine_without_lora_refuses_adapters(engine, adapter):
     gen = VLLMGenerator(MODEL, llm=engine)
     gen.lora_enabled = False

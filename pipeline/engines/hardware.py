@@ -108,19 +108,24 @@ def _gflops(left, right, reps: int, min_s: float = 0.05) -> float:
 
 def measure_cpu(reps: int = 3) -> tuple[float, float]:
     """fp32 and bf16 GFLOP/s of the probe's product on one thread (the threads of the caller are restored)."""
+    return matmul_gflops("float32", 1, reps), matmul_gflops("bfloat16", 1, reps)
+
+
+def matmul_gflops(dtype: str = "float32", threads: int | None = None, reps: int = 3) -> float:
+    """GFLOP/s of the probe's product (PROBE_SHAPE) in `dtype` on `threads` threads (default: as many as torch uses
+    now, as a training step here does); the caller's threads are restored. The rate a step's utilisation is taken
+    against (`pipeline bench train`)."""
     import torch
 
     m, k, n = PROBE_SHAPE
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
     try:
         g = torch.Generator().manual_seed(0)
         a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-        fp32 = _gflops(a, b, reps)
-        bf16 = _gflops(a.bfloat16(), b.bfloat16(), reps)
+        return _gflops(a.to(getattr(torch, dtype)), b.to(getattr(torch, dtype)), reps)
     finally:
-        torch.set_num_threads(threads)
-    return fp32, bf16
+        torch.set_num_threads(before)
 
 
 def _probe_path(key: str) -> Path:

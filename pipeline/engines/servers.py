@@ -19,6 +19,9 @@ lists the model, points the section's base_url at it, and stops it when the stag
   shm_broadcast.SpinCondition), so it costs memory, not CPU, while a stage trains.
 - `check()` runs before anything starts: vLLM installed, the model found, the port free or serving this model;
   each failure is a ServeError that says what to do.
+- Prefix caching (`serve.enable_prefix_caching`, on by default) is said on the command line either way, and
+  `serving` logs each server's hit rate over the block (its /metrics counters at the end less those at the start;
+  a shared server's include whatever else used it meanwhile).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class ServerSpec:
     port: int | None = None  # None: a free port when it starts
     enforce_eager: bool = True
     lora_rank: int | None = None  # adapters loadable at run time, up to this rank (generator servers)
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes requests share (serve.enable_prefix_caching)
     extra_args: tuple[str, ...] = ()
     start_timeout_s: float = 600.0
 
@@ -82,6 +86,8 @@ class ServerSpec:
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--host", self.host,
                "--port", str(port)]
         cmd += ["--enforce-eager"] if self.enforce_eager else []
+        # said either way: vLLM's own default has changed between versions and platforms
+        cmd += ["--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
         cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)] if self.lora_rank else []
         from pipeline.engines.generation.vllm_offline import cuda_available, no_partial_prefills
 
@@ -127,7 +133,8 @@ def spec_for(cfg: RunConfig, section: str) -> ServerSpec:
 
     common = {"dtype": resolve_dtype(serve.dtype, what=f"{section} server"), "max_model_len": serve.max_model_len,
               "kv_cache_gb": serve.kv_cache_gb, "host": serve.host, "port": serve.port,
-              "enforce_eager": serve.enforce_eager, "start_timeout_s": serve.start_timeout_s}
+              "enforce_eager": serve.enforce_eager, "prefix_caching": serve.enable_prefix_caching,
+              "start_timeout_s": serve.start_timeout_s}
     if section == "executor":
         return ServerSpec(serve.model or part.model, part.model, extra_args=tuple(serve.extra_args), **common)
     # generator: its rows need token ids and processed logprobs (pipeline.engines.generation.openai_server)
@@ -344,6 +351,7 @@ def serving(cfg: RunConfig, sections: Iterable[str], log_dir: Path) -> Iterator[
         updates = {}
         for section, server in servers.items():
             server.wait()
+            stack.enter_context(cache_report(server, f"{log_dir.name}: {section} server {server.spec.name}"))
             extra = {"served_model": server.spec.name} if section == "generator" else {}
             # serve: None: the stage sees a plain OpenAI-compatible section (nothing downstream knows about serving)
             part = getattr(cfg, section)
@@ -351,6 +359,20 @@ def serving(cfg: RunConfig, sections: Iterable[str], log_dir: Path) -> Iterator[
             if section == "executor":  # the reply cache keys on what this server loads (pipeline.engines.cache)
                 updates[section]._served_from = part.serve
         yield cfg.model_copy(update=updates)
+
+
+@contextlib.contextmanager
+def cache_report(server: Server, what: str) -> Iterator[None]:
+    """Log the prefix cache's hit rate of `server` over the block (nothing where it has no such counters)."""
+    from pipeline.engines.prefix_cache import read_server
+
+    before = read_server(server.url)
+    try:
+        yield
+    finally:
+        after = read_server(server.url) if before is not None else None
+        if after is not None:
+            log.info("%s: %s", what, (after - before).describe())
 
 
 # ---- one server for all the stages of a command ------------------------------------------------------------------

@@ -13,12 +13,16 @@ MFU counts model FLOPs, the same for both implementations (recomputation under c
 positions that are scored, embedding lookups none. With LoRA the frozen weights get no weight gradient, so the work a
 step needs is nearer 4 per parameter per token: printed too ("4N"). PaLM's attention term, 12·L·d·T per token of a
 T-token sequence (non-causal count), is printed as a third figure.
+
+Utilisation: each side's achieved FLOP/s over the work it computes (`lora_step_flops`: 4 per frozen matmul parameter
+per token, 6 per LoRA parameter per token; ours computes each shared prompt once, TRL every sequence's), against
+the device's rate: on CPU the probe's matrix product of `pipeline bench dtype` in the step's weights dtype, measured
+here on the step's threads; on a GPU its dense bf16 peak.
 """
 
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -206,6 +210,20 @@ class FlopCount:
         return f
 
 
+def lora_step_flops(matmul: int, head: int, lora: int, tokens: int, scored: int) -> int:
+    """Matmul FLOPs of one forward + backward of a LoRA step over a frozen base:
+
+        F = 4·(N − head)·T + 4·head·S + 6·L·T
+
+    N = `matmul` parameters (`matmul_params`: the LM head, V·d, counted once), T = `tokens` positions computed,
+    S = `scored` positions whose logits are scored (the LM head runs there only), L = `lora` parameters. A frozen
+    weight costs 2 per token forward and 2 backward (the gradient of its input, which the adapters below need), and no
+    weight gradient; an adapter x·A·B costs 2 forward, 2 for its input's gradient and 2 for its own. Not counted:
+    attention's score products (they hold no parameters), norms, activations, the embedding lookup; counted but not
+    needed: the first layer's input gradient (about 1/layers of the frozen backward)."""
+    return 4 * (matmul - head) * tokens + 4 * head * scored + 6 * lora * tokens
+
+
 def _versions() -> dict:
     out = {}
     for d in ("torch", "transformers", "peft", "trl", "accelerate"):
@@ -306,39 +324,65 @@ def run(arch: str | None = None, batch: int = BATCH, completion_len: int | None 
                 if rep:
                     times[name].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
+    lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # the work each side computes: ours each shared prompt once, TRL every sequence's (padding not counted)
+    work = {"ours": lora_step_flops(matmul_weights, head, lora, collated.tokens, n_tok),
+            "trl": lora_step_flops(matmul_weights, head, lora, sum(lengths), n_tok)}
     fc = FlopCount(matmul_weights, head, base.config.num_hidden_layers, base.config.hidden_size)
     flops = {"6N": fc.per_step(lengths, n_tok), "4N": fc.per_step(lengths, n_tok, per_param=4),
              "6N+attn": fc.per_step(lengths, n_tok, attention=True)}
-    dev_name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+    if device == "cuda":
+        dev_name = torch.cuda.get_device_name()
+    else:  # the CPU kind, its widest vector extension and its cores: utilisations of two kinds do not compare
+        from pipeline.engines.hardware import machine
+
+        dev_name = machine()
     peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in dev_name), None) if device == "cuda" else None
+    rate = device_rate(device, weights_dtype, peak_flops)
     precision = ("bf16 autocast over " + ("fp32 master weights (as the trainer)" if weights_dtype == "float32"
                                           else "bf16 weights")) if bf16 else f"{weights_dtype}, no autocast"
     result = {
         "device": dev_name, "precision": precision, "model": model_name,
         "params": frozen,
-        "lora_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "lora_params": lora,
         "batch": batch, "batch_kind": batch_kind, "completion_len": completion_len,
         "completion_tokens": n_tok, "tokens": sum(lengths), "computed_tokens": collated.tokens,
         "group_size": group_size,
         "reps": reps,
         "gradient_checkpointing": gradient_checkpointing, "prompt_layout": prompt_layout,
         "compiled_decoder": compile_decoder,
-        "flops_per_step": flops, "peak_bf16_flops": peak_flops,
+        "flops_per_step": flops, "peak_bf16_flops": peak_flops, "device_rate": rate,
         "loss": {"ours": ours_loss[-1], "trl": trl_loss[-1]},
         "ratio_tokens_per_s": med["trl"] / med["ours"],
         "versions": _versions(),
     }
-    for k in ("ours", "trl"):
-        result[k] = {"ms_per_step": med[k] * 1e3, "completion_tokens_per_s": n_tok / med[k],
-                     "tokens_per_s": sum(lengths) / med[k],
-                     "peak_memory_gib": peak[k] / 2 ** 30 if device == "cuda" else None,
-                     "mfu": {f: flops[f] / med[k] / peak_flops for f in flops} if peak_flops else None}
+    for side in ("ours", "trl"):
+        seconds = med[side]
+        result[side] = {"ms_per_step": seconds * 1e3, "completion_tokens_per_s": n_tok / seconds,
+                        "tokens_per_s": sum(lengths) / seconds,
+                        "peak_memory_gib": peak[side] / 2 ** 30 if device == "cuda" else None,
+                        "mfu": {f: flops[f] / seconds / peak_flops for f in flops} if peak_flops else None,
+                        "work_flops": work[side], "achieved_flops": work[side] / seconds,
+                        "utilisation": work[side] / seconds / rate["flops"] if rate else None}
     _print(result, echo)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
         echo(f"  wrote {json_path}")
     return result
+
+
+def device_rate(device: str, weights_dtype: str, peak_flops: float | None) -> dict | None:
+    """What a step's utilisation is taken against: on CPU the probe's product (`pipeline bench dtype`) in the weights'
+    dtype on the threads the step uses, measured now; on a GPU its dense bf16 peak (None where unknown)."""
+    if device == "cuda":
+        return {"flops": peak_flops, "what": "dense bf16 peak"} if peak_flops else None
+    from pipeline.engines.hardware import PROBE_SHAPE, matmul_gflops
+
+    threads = torch.get_num_threads()
+    shape = "x".join(map(str, PROBE_SHAPE))
+    return {"flops": matmul_gflops(weights_dtype, threads) * 1e9, "dtype": weights_dtype, "threads": threads,
+            "what": f"measured {weights_dtype} matmul ({shape}, {threads} threads)"}
 
 
 def _si(x: float) -> str:
@@ -366,6 +410,12 @@ def _print(result: dict, echo) -> None:
     echo(f"  model FLOPs/step {_si(f['6N'])} (6N: 6/param/token, LM head only where scored), "
          f"{_si(f['4N'])} (4N: LoRA, no frozen-weight grads), {_si(f['6N+attn'])} (6N + PaLM "
          f"attention 12·L·d·T)" + ("" if result["peak_bf16_flops"] else "; MFU on CUDA with a known peak only"))
+    rate = result["device_rate"]
+    if rate:
+        sides = " | ".join(f"{k} {_si(result[k]['achieved_flops'])}FLOP/s = {result[k]['utilisation']:.1%}"
+                           for k in ("ours", "trl"))
+        echo(f"  utilisation (4N·T + 4·head·S + 6·LoRA·T over the tokens each side computes): {sides} of "
+             f"{_si(rate['flops'])}FLOP/s ({rate['what']})")
 
 
 def _step_seconds(model, seqs: list[TrainSequence], share: bool, reps: int) -> float:

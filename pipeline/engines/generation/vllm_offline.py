@@ -12,10 +12,18 @@ chunked prefill off and give a step a budget of the whole context, so a prompt i
 step and no sampled token is ever discarded; per-request seeds (reproducible samples) stay. The servers
 (pipeline.engines.servers) do the same: the executor's common random numbers are per-request seeds, and a seeded
 request beside a chunked prefill killed a CPU server's engine.
+
+Prefix caching (`generator.enable_prefix_caching`): on, a prompt's KV blocks that an earlier prompt computed are reused
+(every rollout prompt opens with the same system text, contract and designs). The engine keeps statistics
+(`disable_log_stats=False`) so that `LLM.get_metrics()` holds the cache's counters; `close` logs their hit rate
+(pipeline.engines.prefix_cache); the counters live in the process's Prometheus registry, so of two engines alive at
+once in a process only the later one's are read. With stats on, vLLM also logs a line every 10 s of a long call
+(`VLLM_LOG_STATS_INTERVAL`): prompt and generation tokens/s and the hit rate so far.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +31,9 @@ from typing import Any
 from pipeline.engines.generation.base import Completion, GenerationError, Generator, Sampling, adapter_id
 from pipeline.engines.models import load_tokenizer, resolve_model
 from pipeline.engines.neighbours import mark, unmark, warn_if_shared
+from pipeline.engines.prefix_cache import CacheCounts, from_metrics
+
+log = logging.getLogger(__name__)
 
 
 def import_vllm() -> Any:
@@ -52,11 +63,12 @@ def lora_request(adapter: str) -> Any:
 
 def engine_kwargs(model_ref: str, *, dtype: str = "float32", enable_lora: bool = False, max_lora_rank: int = 64,
                   max_model_len: int = 4096, enforce_eager: bool = True, gpu_memory_utilization: float = 0.85,
-                  tensor_parallel_size: int = 1, seed: int = 0) -> dict[str, Any]:
+                  tensor_parallel_size: int = 1, seed: int = 0, enable_prefix_caching: bool = True) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=resolve_model(model_ref), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
         gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size, seed=seed,
-        logprobs_mode="processed_logprobs",
+        logprobs_mode="processed_logprobs", enable_prefix_caching=enable_prefix_caching,
+        disable_log_stats=False,  # the prefix cache's counters (`cache_counts`) exist only with stats on
     )
     if enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
@@ -69,6 +81,14 @@ def no_partial_prefills(max_model_len: int) -> dict[str, Any]:
     """vLLM engine settings under which a prompt is always prefilled in one step, so no seeded sample is discarded
     (the module doc: torch's CPU generator cannot rewind). For the offline engine and the servers alike, on CPU."""
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+
+
+def cache_counts(llm: Any) -> CacheCounts | None:
+    """The prefix cache's counts of engine `llm` since it started; None where it keeps none (stats off)."""
+    try:
+        return from_metrics(llm.get_metrics())
+    except Exception:  # an AssertionError where stats are off; never worth the caller's work
+        return None
 
 
 def cuda_available() -> bool:
@@ -173,7 +193,13 @@ class VLLMGenerator(Generator):
             rows.append([float(step[t].logprob) for t in token_ids])
         return rows
 
+    def cache_counts(self) -> CacheCounts | None:
+        """Prompt tokens looked up in the prefix cache and found there, since the engine started."""
+        return None if self.llm is None else cache_counts(self.llm)
+
     def close(self) -> None:
+        if self.llm is not None and (counts := self.cache_counts()) is not None:
+            log.info("vLLM generator: %s", counts.describe())
         if self._owned and self.llm is not None:
             shutdown(self.llm)
         self.llm = None

@@ -1,0 +1,97 @@
+"""`pipeline bench prefix-cache`: one rollout-like generation call through the offline vLLM engine with prefix
+caching on and off: wall time, generated tokens and the cache's hit rate of each.
+
+The prompts are a run config's workflow prompts as its rollout renders them (default configs/mixed-choice.yaml: the
+system text, the contract and the menu's three designs with their code, then the query, then the assistant turn's
+opening), for the first queries of its training split, sampled n times each as a rollout does. Every query's prompt
+shares the long opening, and vLLM fans a prompt's n samples out into n requests that share all of it, so most prompt
+tokens can come from the cache. Each timed call starts from an empty cache (`LLM.reset_prefix_cache`), as a
+stage's new engine does; the two engines run one after the other in this process, each its best of `reps` calls
+after a warm-up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.config import load_config
+from pipeline.engines.benchmarks import load_benchmark
+from pipeline.engines.generation import Sampling
+from pipeline.engines.models import load_tokenizer
+from pipeline.engines.prefix_cache import CacheCounts
+from pipeline.engines.prompting import load_design, render, workflow_prompt
+from pipeline.stages.sampling import opening
+
+MODEL = "embedded:smollm2-135m-instruct"
+CONFIG = Path("configs/mixed-choice.yaml")
+
+
+@dataclass(frozen=True)
+class Side:
+    caching: bool
+    wall_s: float  # best of the timed calls
+    generated: int  # completion tokens of a call
+    counts: CacheCounts | None  # the cache's counts over one call (None: the engine keeps none)
+
+
+def rollout_prompts(config: Path, tokenizer, count: int) -> list[str]:
+    """The first `count` training queries' workflow prompts of `config`'s rollout, rendered as the rollout renders
+    them (no exemplars: round 0)."""
+    cfg = load_config(config)
+    bench = load_benchmark(cfg.benchmark)
+    items = bench.items()[:count]  # the train split, as a round's rollout takes it
+    menu = [load_design(p) for p in cfg.rollout.example_menu]
+    prompt_dir = cfg.rollout.prompt_dir
+    return [render(tokenizer, workflow_prompt(it.prompt, bench.family, prompt_dir=prompt_dir, menu=menu), None,
+                   prompt_dir) + opening(cfg.rollout, None) for it in items]
+
+
+def measure(model: str, prompts: list[str], sampling: Sampling, caching: bool, reps: int,
+            max_model_len: int) -> Side:
+    from pipeline.engines.generation.vllm_offline import VLLMGenerator
+
+    gen = VLLMGenerator(model, enable_prefix_caching=caching, max_model_len=max_model_len)
+    try:
+        best, generated, counts = float("inf"), 0, None
+        for rep in range(reps + 1):  # the first call warms up
+            gen.llm.reset_prefix_cache()  # a stage's engine starts empty
+            before = gen.cache_counts()
+            started = time.perf_counter()
+            rows = gen.generate(prompts, sampling)
+            wall = time.perf_counter() - started
+            after = gen.cache_counts()
+            generated = sum(len(c.token_ids) for row in rows for c in row)
+            counts = after - before if before is not None and after is not None else None
+            if rep:
+                best = min(best, wall)
+        return Side(caching, best, generated, counts)
+    finally:
+        gen.close()
+
+
+def main(config: Path = CONFIG, model: str = MODEL, prompts: int = 8, samples: int = 4, max_new_tokens: int = 32,
+         reps: int = 2, max_model_len: int = 2048, echo=print) -> list[Side]:
+    tokenizer = load_tokenizer(model)
+    texts = rollout_prompts(config, tokenizer, prompts)
+    lengths = [len(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
+    shared = len(_common_prefix([tokenizer(t, add_special_tokens=False).input_ids for t in texts]))
+    sampling = Sampling(n=samples, temperature=1.0, max_new_tokens=max_new_tokens, seed=0)
+    echo(f"{model}: {len(texts)} prompts of {config} ({min(lengths)}-{max(lengths)} tokens, {shared} shared by all) "
+         f"x n={samples}, max_new_tokens={max_new_tokens}; best of {reps} calls after a warm-up, each from an empty "
+         "cache")
+    sides = [measure(model, texts, sampling, caching, reps, max_model_len) for caching in (True, False)]
+    for side in sides:
+        cache = side.counts.describe() if side.counts is not None else "no counts"
+        echo(f"  prefix caching {'on ' if side.caching else 'off'}: {side.wall_s:7.2f} s, {side.generated} tokens "
+             f"generated, {cache}")
+    on, off = sides
+    echo(f"  off/on wall time: {off.wall_s / on.wall_s:.2f}x")
+    return sides
+
+
+def _common_prefix(rows: list[list[int]]) -> list[int]:
+    first = rows[0]
+    end = next((i for i in range(len(first)) if any(len(r) <= i or r[i] != first[i] for r in rows)), len(first))
+    return first[:end]
