@@ -394,7 +394,7 @@ def sample_round(ctx: RunContext, sampler: Sampler, bench: Benchmark) -> dict:
     sampler.pools = exemplar_pools(ctx)
     have = sampler.existing()
     todo = sampler.requests(have)
-    sampled, repaired = 0, {}
+    sampled, repaired, cache = 0, {}, None
     with contextlib.ExitStack() as stack:
         gen = start_generator(ctx, sampler, stack) if todo else None
         write_queries(ctx, items)  # after the engine started: a backend that cannot start writes nothing
@@ -402,6 +402,7 @@ def sample_round(ctx: RunContext, sampler: Sampler, bench: Benchmark) -> dict:
         if gen is not None:
             stack.callback(gen.close)
             sampled = _sample_all(ctx, sampler, gen, todo)
+            cache = gen.cache_counts()  # vLLM's prefix cache over the stage's calls, where the engine keeps one
         if cfg.rollout.repair_attempts:
 
             def engine() -> Generator:  # a resumed rollout may have only repairs left: start the engine then
@@ -413,6 +414,8 @@ def sample_round(ctx: RunContext, sampler: Sampler, bench: Benchmark) -> dict:
 
             repaired = {"repair": self_repair(ctx, sampler, engine)}
     counts = rollout_counts(ctx, sampled) | ({"logged_imported": imported} if cfg.rollout.logged else {})
+    if gen is not None and cache is not None and cache.hit_rate is not None:
+        counts["prefix_cache_hit_rate"] = round(cache.hit_rate, 4)
     ctx.finish("rollout", queries=len(items), **counts, **repaired)
     log.info("rollout round %d: %s", ctx.round, counts | repaired)
     return {"queries": len(items), **counts, **repaired}

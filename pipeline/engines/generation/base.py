@@ -139,6 +139,10 @@ class Generator(ABC):
         raise GenerationError(f"the {self.backend} backend cannot read next-token log-probabilities "
                               "(rollout.choice_step); use vllm, hf, or a vLLM server")
 
+    def cache_counts(self):  # noqa: ANN201 - a prefix_cache.CacheCounts where the engine keeps one
+        """The engine's prefix-cache counts since it started (vLLM's); None where it keeps none."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine (GPU memory, server sessions)."""
 
