@@ -464,17 +464,18 @@ if __name__ == "__main__":
     main()
 
 
-def _pass_seconds(model, batches: list, reps: int, train: bool) -> list[float]:
-    """Per batch, the median wall time of a training step on it (forward, ioGRPO-mKL loss, backward) or, `train`
-    False, of a no-grad forward (a π_old / reference pass); the batches alternate within each rep, so drift on a
-    shared machine hits them alike."""
+def _pass_seconds(model, batches: list, reps: int, train: bool) -> list[tuple[float, float]]:
+    """Per batch, the median (wall, CPU) seconds of a training step on it (forward, ioGRPO-mKL loss, backward) or,
+    `train` False, of a no-grad forward (a π_old / reference pass); the batches alternate within each rep, so drift on
+    a shared machine hits them alike. The process's CPU time is the steadier figure where other jobs share the
+    cores (wall time then counts their turns)."""
     with torch.no_grad():
         olds = [completion_logprobs(model, b).detach() for b in batches]
-    times: list[list[float]] = [[] for _ in batches]
+    times: list[list[tuple[float, float]]] = [[] for _ in batches]
     for rep in range(reps + 1):  # the first is a warm-up
         for collated, old, kept in zip(batches, olds, times, strict=True):
             model.zero_grad(set_to_none=True)
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             if train:
                 terms = grpo_mkl_terms(completion_logprobs(model, collated), old, old, collated.advantages,
                                        collated.completion_mask, BETA, EPS)
@@ -483,8 +484,8 @@ def _pass_seconds(model, batches: list, reps: int, train: bool) -> list[float]:
                 with torch.no_grad():
                     completion_logprobs(model, collated)
             if rep:
-                kept.append(time.perf_counter() - started)
-    return [statistics.median(t) for t in times]
+                kept.append((time.perf_counter() - started, time.process_time() - cpu))
+    return [(statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for t in times]
 
 
 def prefix(config: str | Path = "configs/mixed-choice.yaml", model_ref: str = MODEL, queries: tuple[int, ...] = (1, 4),
@@ -511,8 +512,9 @@ def prefix(config: str | Path = "configs/mixed-choice.yaml", model_ref: str = MO
     rows = []
     echo(f"{model_ref} fp32 on {device}: {config}'s prompts, {per_query} completions of ~{completion_len} tokens each;"
          f" median of {reps} after 1 warm-up")
-    echo(f"{'layout':>6} {'queries':>7} {'prefix':>6} {'prompt':>6} {'step old s':>10} {'step new s':>10} {'ratio':>6} "
-         f"{'fwd old s':>9} {'fwd new s':>9} {'ratio':>6}")
+    echo("seconds: wall / CPU of this process; ratio: new / old CPU")
+    echo(f"{'layout':>6} {'queries':>7} {'prefix':>6} {'prompt':>6} {'slots old':>9} {'slots new':>9} "
+         f"{'step old s':>13} {'step new s':>13} {'ratio':>6} {'fwd old s':>13} {'fwd new s':>13} {'ratio':>6}")
     for n_queries in queries:
         seqs = [TrainSequence(f"q{q}s{k}", prompts[q],
                               torch.randint(100, tok.vocab_size, (_ragged(k, completion_len),), generator=rng).tolist(),
@@ -525,11 +527,15 @@ def prefix(config: str | Path = "configs/mixed-choice.yaml", model_ref: str = MO
             fwd = _pass_seconds(model, [old, new], reps, False)
             row = {"layout": layout, "queries": n_queries, "sequences": len(seqs), "prefix_tokens": shared,
                    "mean_prompt_tokens": sum(map(len, prompts[:n_queries])) / n_queries,
-                   "slots": {"old": old.slots, "new": new.slots}, "step_s": {"old": step[0], "new": step[1]},
-                   "forward_s": {"old": fwd[0], "new": fwd[1]}, "step_ratio": step[1] / step[0],
-                   "forward_ratio": fwd[1] / fwd[0]}
+                   "slots": {"old": old.slots, "new": new.slots},
+                   "step_s": {"old": step[0][0], "new": step[1][0]},
+                   "step_cpu_s": {"old": step[0][1], "new": step[1][1]},
+                   "forward_s": {"old": fwd[0][0], "new": fwd[1][0]},
+                   "forward_cpu_s": {"old": fwd[0][1], "new": fwd[1][1]},
+                   "step_ratio": step[1][1] / step[0][1], "forward_ratio": fwd[1][1] / fwd[0][1]}
             rows.append(row)
-            echo(f"{layout:>6} {n_queries:>7} {shared:>6} {row['mean_prompt_tokens']:>6.0f} {step[0]:>10.2f} "
-                 f"{step[1]:>10.2f} {row['step_ratio']:>5.2f}x {fwd[0]:>9.2f} {fwd[1]:>9.2f} "
-                 f"{row['forward_ratio']:>5.2f}x")
+            pair = lambda t: f"{t[0]:6.1f}/{t[1]:6.1f}"  # noqa: E731
+            echo(f"{layout:>6} {n_queries:>7} {shared:>6} {row['mean_prompt_tokens']:>6.0f} {old.slots:>9} "
+                 f"{new.slots:>9} {pair(step[0]):>13} {pair(step[1]):>13} {row['step_ratio']:>5.2f}x "
+                 f"{pair(fwd[0]):>13} {pair(fwd[1]):>13} {row['forward_ratio']:>5.2f}x")
     return rows
