@@ -21,9 +21,10 @@ its passes (`PlannedStep`); `RefLogprobs` is the pair (π_old, reference) held f
 | `metrics.py` | `StepSums` (one rank's sums over a step's passes), `StepMetrics` (a `train_metrics` row) |
 
 Each token is computed once (docs/performance.md): a step holds whole groups, a pass encodes each distinct prompt once
-(the prompts' common prefix once, training.shared_prefix_min) and its completions attend to it, a sequence in several rows of a step is computed once and carries the sum of their
-loss terms, and passes are packed by padded tokens. `batch`, `kvcache` and `logprobs` import with torch alone
-(`pipeline bench train` runs them on a bare GPU machine); polars, the store and the config load where used.
+(the prompts' common prefix once, training.shared_prefix_min) and its completions attend to it, a sequence in several
+rows of a step is computed once and carries the sum of their loss terms, and passes are packed by padded tokens.
+`batch`, `kvcache` and `logprobs` import with torch alone (`pipeline bench train` runs them on a bare GPU machine);
+polars, the store and the config load where used.
 """
 
 from pipeline.core.grpo import grpo_mkl_loss  # the stage's loss, public under the stage's name
