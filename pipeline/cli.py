@@ -243,12 +243,15 @@ def train(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0
 def import_(
     path: Annotated[Path, typer.Argument(help="JSONL of rollouts: query_id, text, prompt_token_ids, token_ids, "
                                          "token_logprobs, score (docs/offline.md).")],
-    run_id: Annotated[str, typer.Option("--run-id", help="The new run that holds them.")],
+    run_id: RunIdOpt = None,
     store: StoreOpt = None,
 ) -> None:
-    """Import rollouts logged elsewhere as a run of the store; a config trains on them via rollout.logged."""
+    """Import rollouts logged elsewhere as a new run of the store (--run-id, required); a config trains on them via
+    rollout.logged."""
     from pipeline import api
 
+    if run_id is None:
+        _fail("pipeline import: name the new run that holds the rows with --run-id")
     try:
         count = api.import_rollouts(path, run_id, store)
     except (OSError, ValueError) as e:

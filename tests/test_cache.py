@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import polars as pl
 import pytest
@@ -268,8 +269,8 @@ def test_a_stage_pointed_at_its_own_server_keeps_the_cache_and_auto_keys_on_the_
     base = model_folder(tmp_path / "base", b"weights A")
     cfg = RunConfig.model_validate({"executor": {"kind": "openai", "model": base, "serve": {"dtype": "auto"}}})
 
-    class FakeServer:
-        base_url, spec = "http://127.0.0.1:9/v1", None
+    class FakeServer:  # what serving() reads of a started server (its /metrics at port 9: nothing listens)
+        base_url, url, spec = "http://127.0.0.1:9/v1", "http://127.0.0.1:9", SimpleNamespace(name="base")
 
         def wait(self):
             pass

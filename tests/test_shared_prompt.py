@@ -237,6 +237,7 @@ class _Tc:
     """The training fields the objectives read."""
 
     beta, clip_eps, kl_mask, loss_norm = 0.1, 0.2, True, "sequence"
+    off_policy, luffy_gamma = "is_clip", 0.1  # logged rows' rule (none here)
 
 
 def test_a_sequence_in_two_groups_carries_both_loss_terms_by_hand():
