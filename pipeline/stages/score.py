@@ -353,29 +353,34 @@ def run_score(ctx: RunContext, only_failed: bool = False, shard: Shard | None = 
 
 def score_workflows(ctx: RunContext, only_failed: bool = False, shard: Shard | None = None) -> dict:
     """Score the round's workflow generations in the sandbox (see the module doc); returns counts."""
-    store, cfg = ctx.store, ctx.cfg
     gens, items, slots = _round_workflows(ctx)
     if shard is not None:
         gens = gens.filter(pl.col("query_id").map_elements(shard.owns, return_dtype=pl.Boolean))
-    transient = transient_statuses(cfg.scoring.retry_timeouts)
-    pairs = list(zip(gens["gen_id"], gens["query_id"], strict=True))
     texts = dict(zip(gens["gen_id"], gens["text"], strict=True))
     diversity = group_diversity(gens)  # groups are (query, parent): a shard holds whole groups
-
-    # --only-failed also re-scores the runs whose task scorer failed; a normal call's retry pass does not (the
-    # function is as broken as it was a moment ago)
-    rerun = transient | set(RESCORED_STATUSES) if only_failed else transient
-
-    def plan_jobs(retry_pass: bool) -> list[Job]:
-        return plan(pairs, latest_attempts(store, ctx.run_id, ctx.round), cfg.scoring.reps, retry_pass, rerun)
-
-    # a normal call runs the missing rows, then gives transient failures (executor down) one new attempt, so a
-    # retried stage heals a short outage by itself; --only-failed does the second pass alone
+    passes, plan_jobs = planned_passes(ctx, gens, only_failed)
     desc = f"score round {ctx.round}" + (f" shard {shard}" if shard is not None else "")
-    ran, counts = asyncio.run(_score_passes(ctx, [True] if only_failed else [False, True], plan_jobs,
+    ran, counts = asyncio.run(_score_passes(ctx, passes, plan_jobs,
                                             lambda: _make_scorer(ctx, items, texts, diversity, slots), desc))
     manifest = "score" if shard is None else shard.manifest("score")
     return {"ran": ran, "ran_by_status": counts, **_tally(ctx, set(texts), manifest)}
+
+
+def planned_passes(ctx: RunContext, gens: pl.DataFrame, only_failed: bool
+                   ) -> tuple[list[bool], Callable[[bool], list[Job]]]:
+    """The stage's passes over `gens` (retry_pass flags) and the runs a pass would do, planned when it starts."""
+    transient = transient_statuses(ctx.cfg.scoring.retry_timeouts)
+    # --only-failed also re-scores the runs whose task scorer failed; a normal call's retry pass does not (the
+    # function is as broken as it was a moment ago)
+    rerun = transient | set(RESCORED_STATUSES) if only_failed else transient
+    pairs = list(zip(gens["gen_id"], gens["query_id"], strict=True))
+
+    def plan_jobs(retry_pass: bool) -> list[Job]:
+        return plan(pairs, latest_attempts(ctx.store, ctx.run_id, ctx.round), ctx.cfg.scoring.reps, retry_pass, rerun)
+
+    # a normal call runs the missing rows, then gives transient failures (executor down) one new attempt, so a
+    # retried stage heals a short outage by itself; --only-failed does the second pass alone
+    return ([True] if only_failed else [False, True]), plan_jobs
 
 
 def nothing_to_score(ctx: RunContext, only_failed: bool = False) -> bool:
@@ -386,12 +391,8 @@ def nothing_to_score(ctx: RunContext, only_failed: bool = False) -> bool:
     gens = ctx.store.read("generations", ctx.run_id, ctx.round).filter(pl.col("kind") == "workflow")
     if gens.height == 0:
         return False
-    transient = transient_statuses(ctx.cfg.scoring.retry_timeouts)
-    rerun = transient | set(RESCORED_STATUSES) if only_failed else transient
-    latest = latest_attempts(ctx.store, ctx.run_id, ctx.round)
-    pairs = list(zip(gens["gen_id"], gens["query_id"], strict=True))
-    return not any(plan(pairs, latest, ctx.cfg.scoring.reps, retry, rerun) for retry in ([True] if only_failed
-                                                                                            else [False, True]))
+    passes, plan_jobs = planned_passes(ctx, gens, only_failed)
+    return not any(plan_jobs(retry_pass) for retry_pass in passes)
 
 
 def finish_score(ctx: RunContext, only_failed: bool = False) -> dict:
