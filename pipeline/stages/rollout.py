@@ -13,7 +13,6 @@ or round 0's generator.adapter, whose path is in `sampling`).
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -307,9 +306,7 @@ def choice_tokens(tokenizer, prefix: str, labels: dict[str, str]) -> dict[str, i
 
 def training_split_ids(bench: Benchmark) -> set[str]:
     """Every query id of the training split, not only the round's (benchmark.max_queries)."""
-    whole = copy.copy(bench)
-    whole.cfg = bench.cfg.model_copy(update={"max_queries": None})
-    return {it.id for it in whole.items()}
+    return {it.id for it in bench.with_config(max_queries=None).items()}
 
 
 def write_queries(ctx: RunContext, items: list[Item]) -> int:
@@ -414,7 +411,7 @@ def sample_round(ctx: RunContext, sampler: Sampler, bench: Benchmark) -> dict:
 
             repaired = {"repair": self_repair(ctx, sampler, engine)}
     counts = rollout_counts(ctx, sampled) | ({"logged_imported": imported} if cfg.rollout.logged else {})
-    if gen is not None and cache is not None and cache.hit_rate is not None:
+    if cache is not None and cache.hit_rate is not None:
         counts["prefix_cache_hit_rate"] = round(cache.hit_rate, 4)
     ctx.finish("rollout", queries=len(items), **counts, **repaired)
     log.info("rollout round %d: %s", ctx.round, counts | repaired)

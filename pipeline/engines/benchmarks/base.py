@@ -118,12 +118,17 @@ class Benchmark(ABC):
         return items[: self.cfg.max_queries] if self.cfg.max_queries else items
 
 
+    def with_config(self, **update: Any) -> Benchmark:
+        """This task with some `benchmark` fields changed (e.g. max_queries=None: a split whole), its loaded state
+        shared."""
+        changed = copy.copy(self)
+        changed.cfg = self.cfg.model_copy(update=update)
+        return changed
+
     def _fresh_test(self) -> list[Item]:
         """benchmark.test_seed: the test split of this task loaded at test_seed, without any item whose normalised
         text is an item of split_seed's (whichever split: the old test split has been read), capped by max_queries."""
-        fresh = copy.copy(self)
-        fresh.cfg = self.cfg.model_copy(update={"split_seed": self.cfg.test_seed, "test_seed": None,
-                                                "max_queries": None})
+        fresh = self.with_config(split_seed=self.cfg.test_seed, test_seed=None, max_queries=None)
         seen = {normalised_text(it.prompt) for it in self.load()}
         items = [it for it in fresh.items("test") if normalised_text(it.prompt) not in seen]
         return items[: self.cfg.max_queries] if self.cfg.max_queries else items
