@@ -90,6 +90,14 @@ def _kl_weights(adv: torch.Tensor, kl_mask: bool | torch.Tensor) -> torch.Tensor
     return torch.where(masked, (adv > 0).to(adv.dtype), torch.ones_like(adv))
 
 
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token min(ρA, clip(ρ, 1-ε, 1+ε)A) and where its clipped branch wins (zero gradient: above 1+ε for
+    A > 0, below 1-ε for A < 0)."""
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    active = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
+    return torch.minimum(ratio * adv, clipped * adv), active
+
+
 def grpo_mkl_terms(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -124,9 +132,7 @@ def grpo_mkl_terms(
     mask = completion_mask.to(logp.dtype)
     adv = advantages.to(logp.dtype).unsqueeze(1)
     ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    pg_tok = torch.minimum(ratio * adv, clipped * adv)
-    active = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
+    pg_tok, active = clipped_surrogate(ratio, adv, clip_eps)
     if off_policy is not None and bool(off_policy.any()):
         if behaviour_logp is None or behaviour_logp.shape != logp.shape:
             raise ValueError("logged rows need behaviour_logp of the [B, T] shape of logp")
@@ -141,7 +147,6 @@ def grpo_mkl_terms(
     w = None if seq_weights is None else seq_weights.to(logp.dtype)
     loss = -reduce_tokens(pg_tok - beta * m * kl_tok, mask, norm, w)
     with torch.no_grad():
-        # the clipped branch wins (and the gradient vanishes) above 1+ε for A > 0 and below 1-ε for A < 0
         clip_frac = (active.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0)
         pg_loss = -reduce_tokens(pg_tok, mask, norm, w)
         kl = reduce_tokens(kl_tok, mask, norm)
@@ -183,10 +188,7 @@ def _is_ratio(logp: torch.Tensor, behaviour_logp: torch.Tensor) -> torch.Tensor:
 def off_is_clip(logp, behaviour_logp, adv, clip_eps: float, gamma: float):
     """PPO's clipped surrogate with the behaviour policy in the ratio: min(ρA, clip(ρ, 1-ε, 1+ε)A), ρ = π_θ/μ
     (importance sampling against the logging policy, truncated as PPO truncates ρ = π_θ/π_old)."""
-    ratio = _is_ratio(logp, behaviour_logp)
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    active = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
-    return torch.minimum(ratio * adv, clipped * adv), active
+    return clipped_surrogate(_is_ratio(logp, behaviour_logp), adv, clip_eps)
 
 
 def off_luffy(logp, behaviour_logp, adv, clip_eps: float, gamma: float):
