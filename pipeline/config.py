@@ -803,23 +803,28 @@ class RouterConfig(_Strict):
     )
 
 
-CRITERION_RULES = ("above", "not_below", "share")  # pipeline.studies.verdict reads them
+CRITERION_RULES = ("above", "not_below", "share", "labels")  # pipeline.studies.verdict reads them
 
 
 def criterion_test(text: str) -> str:
     """`<name>: <reference> <rule>` as written in experiment.criterion, else a ValueError naming what is wrong:
-    `reference` a reference's label or best_fixed, `rule` above, not_below or share:<arm>:<fraction>."""
+    `reference` a reference's label or best_fixed, `rule` above, not_below, share:<arm>:<fraction> or, against
+    part_router only, labels:<parts>."""
     name, sep, rest = text.partition(":")
     words = rest.split()
     rule = words[-1] if len(words) == 2 else ""
     kind, *args = rule.split(":")
-    ok = sep and name.strip() and len(words) == 2 and kind in CRITERION_RULES and (
-        not args if kind != "share" else len(args) == 2 and args[0] != "" and _fraction(args[1]))
+    shape = {"share": lambda: len(args) == 2 and args[0] != "" and _fraction(args[1]),
+             "labels": lambda: len(args) == 1 and args[0].isdigit() and int(args[0]) > 0 and words[0] == "part_router"}
+    ok = sep and name.strip() and len(words) == 2 and kind in CRITERION_RULES and shape.get(kind, lambda: not args)()
     if not ok:
         raise ValueError(f"experiment.criterion {text!r}: write `<name>: <reference> <rule>`, the reference a "
                          "reference's label or best_fixed, the rule above (the interval's lower end above 0), "
-                         "not_below (its upper end at or above 0) or share:<arm>:<fraction> (the mean difference at "
-                         "least that fraction of <arm>'s mean minus the reference's), e.g. `a: best_fixed above`")
+                         "not_below (its upper end at or above 0), share:<arm>:<fraction> (the mean difference at "
+                         "least that fraction of <arm>'s mean minus the reference's), or `part_router labels:<k>` "
+                         "(the policy's likeliest label scores on select_split at least as well as the per-part "
+                         "router's pick on at least k parts; needs experiment.select_eval), e.g. "
+                         "`a: best_fixed above`")
     return text
 
 
@@ -840,7 +845,8 @@ class CriterionConfig(_Strict):
         default_factory=list, description="Every one must hold: `<name>: <reference> <rule>`; reference a "
         "reference's label (program-<stem>, cot_sc, learned_router, part_router, oracle) or best_fixed "
         "(selection.same_budget, else any_budget); rule above (interval's lower end > 0), not_below (upper end "
-        ">= 0) or share:<arm>:<fraction>.",
+        ">= 0), share:<arm>:<fraction>, or `part_router labels:<k>` (the likeliest label on at least k parts scores "
+        "on select_split at least as well as the per-part router's pick: experiment.select_eval).",
     )
     stretch: list[str] = Field(default_factory=list, description="The stretch goal: one of these holding, written "
                                "as in require.")
@@ -890,6 +896,11 @@ class ExperimentConfig(_Strict):
     )
     select_queries: int | None = Field(None, gt=0, description="The first N queries of select_split; null: all.",
                                        json_schema_extra=not_hashed("plan"))
+    select_eval: bool = Field(
+        False, description="Also evaluate each seed's last round on select_split (its first select_queries queries, "
+        "L = eval_l): the arm chosen on dev, and the policy's labels per part against the per-part router's picks.",
+        json_schema_extra=not_hashed("plan"),
+    )
     budget_slack: float = Field(
         0.25, ge=0, description="A reference is at the trained generator's budget when its held-out executor tokens "
         "per query are at most (1 + slack) x those of the last evaluated round (mean over seeds).",
@@ -920,6 +931,13 @@ class ExperimentConfig(_Strict):
     def _router_needs_dev(self) -> ExperimentConfig:
         if self.router is not None and self.select_split is None:
             raise ValueError("experiment.router chooses its settings on dev: set experiment.select_split: dev")
+        if self.select_eval and self.select_split is None:
+            raise ValueError("experiment.select_eval evaluates on select_split: set experiment.select_split: dev")
+        labels = [t for t in (self.criterion.require + self.criterion.stretch if self.criterion else [])
+                  if t.split()[-1].startswith("labels:")]
+        if labels and not (self.select_eval and self.router is not None):
+            raise ValueError(f"experiment.criterion {labels[0]!r} reads the policy's labels on select_split against "
+                             "the per-part router: set experiment.select_eval: true and experiment.router")
         return self
 
 

@@ -70,12 +70,13 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
         "executor.common_random_numbers": "draw", "executor.seed": "draw", "executor.cache": "draw",
         "scoring.cache_verdicts": "draw", "training.save_steps": "plan", "experiment": "study",
         "experiment.references": "plan", "experiment.references_from": "plan", "experiment.select_split": "plan",
-        "experiment.select_queries": "plan", "experiment.budget_slack": "plan", "experiment.shared_base": "plan",
+        "experiment.select_queries": "plan", "experiment.select_eval": "plan", "experiment.budget_slack": "plan",
+        "experiment.shared_base": "plan",
         "experiment.common_random_numbers": "plan", "experiment.criterion": "plan", "experiment.router": "plan",
         "headroom": "plan", "tracking": "study"}
     leaves = _leaves(RunConfig().model_dump(mode="json"))
     under = {s: {p for p in leaves if p.startswith(s + ".")} for s in ("experiment", "headroom")}
-    assert len(under["experiment"]) == 17 and len(under["headroom"]) == 6
+    assert len(under["experiment"]) == 18 and len(under["headroom"]) == 6
 
     def covered(paths: set[str] | frozenset[str]) -> set[str]:
         return {p for p in leaves if any(p == q or p.startswith(q + ".") for q in paths)}
@@ -83,8 +84,9 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     draw_then = {"executor.common_random_numbers", "executor.seed", "executor.cache", "scoring.cache_verdicts",
                  "generator.enable_prefix_caching"}  # the serve sections' are null by default: no leaves
     plan_then = {"experiment.references", "experiment.references_from", "experiment.shared_base",
-                 "experiment.select_split", "experiment.select_queries", "experiment.budget_slack",
-                 "experiment.common_random_numbers", "experiment.criterion", "experiment.router", "training.save_steps",
+                 "experiment.select_split", "experiment.select_queries", "experiment.select_eval",
+                 "experiment.budget_slack", "experiment.common_random_numbers", "experiment.criterion",
+                 "experiment.router", "training.save_steps",
                  "headroom.designs", "headroom.queries", "headroom.reps", "headroom.gate", "headroom.budget_rule",
                  "headroom.folds"}
     assert covered(DRAW_ONLY) == draw_then and covered(PLAN_ONLY) == plan_then

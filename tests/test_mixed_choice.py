@@ -134,3 +134,23 @@ def test_the_second_verdicts_test_split_is_fresh_and_its_train_and_dev_are_mixed
     assert len(fresh) == 120 and not [it.id for it in fresh if it.prompt in old]
     assert not [it.id for it in fresh if it.prompt in committed_prompts()]
     assert min(Counter(it.meta["task"] for it in fresh[: route.experiment.eval_queries]).values()) >= 25
+
+
+def test_the_per_part_table_reads_the_committed_evaluations_labels_odds_and_tokens():
+    """pipeline.studies.choices.part_rows on seed 0's round-1 evaluation: the numbers `pipeline report` shows of it
+    (choice_mix: calendar 68 workflows all declaring direct at 0.067, gsm 48 direct and 2 pot of 50; policy_odds:
+    calendar direct 0.990, products direct 1.0)."""
+    from pipeline.store import Store
+    from pipeline.studies.choices import part_rows
+
+    rows = {r["part"]: r for r in part_rows(Store(ROOT / "data/stores/mixed-choice"), ["mixed-choice-s0-eval-r1"])}
+    assert sorted(rows) == ["calendar_arithmetic", "gsm_symbolic", "products"]
+    cal, gsm, prod = rows["calendar_arithmetic"], rows["gsm_symbolic"], rows["products"]
+    assert cal["workflows"] == 68 and cal["labels"]["mixed_direct"]["share"] == 1.0
+    assert cal["mean_score"] == pytest.approx(0.0674, abs=1e-4) and cal["exec_tokens"] == pytest.approx(16.16, abs=0.01)
+    assert cal["labels"]["mixed_direct"]["odds"] == pytest.approx(0.9905, abs=1e-4)
+    assert cal["labels"]["mixed_pot"] == {"share": 0.0, "mean_score": None, "odds": pytest.approx(0.00143, abs=1e-5)}
+    assert (gsm["workflows"], gsm["labels"]["mixed_direct"]["share"], gsm["labels"]["mixed_pot"]["share"]) == (
+        50, 0.96, 0.04)
+    assert prod["mean_score"] == 1.0 and prod["labels"]["mixed_direct"]["odds"] == 1.0
+    assert cal["gen_tokens"] == pytest.approx(675.76, abs=0.01)  # the prompt (the whole menu) and the completion

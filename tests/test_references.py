@@ -477,7 +477,8 @@ def test_experiment_fits_the_routers_on_train_sets_them_on_dev_and_pairs_the_tra
     for name, fn in (("rollout", with_queries), ("score", by_part)):
         monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(stages.STAGES[name], fn=fn))
     path = _experiment_config(tmp_path, "q", {"seeds": [0], "references": ["io", "cot"], "select_split": "dev",
-                                              "eval_queries": 6, "router": {"designs": ["io", "cot"]}}, rounds=1)
+                                              "eval_queries": 6, "router": {"designs": ["io", "cot"]},
+                                              "select_eval": True}, rounds=1)
     cfg = yaml.safe_load(path.read_text())
     cfg["benchmark"] |= {"tasks": ["chain_sum", "products"], "size": 40, "train_split": "train", "test_share": 0.3,
                          "dev_share": 0.4}
@@ -498,6 +499,14 @@ def test_experiment_fits_the_routers_on_train_sets_them_on_dev_and_pairs_the_tra
     assert against[("io", 0)] == pytest.approx(1 - chain)
     body = json.loads((experiment_dir(Store(tmp_path / "runs"), "q") / "experiment.json").read_text())
     assert "learned_router" in {r["label"] for r in body["references"]}
+    # experiment.select_eval: the last round evaluated on dev too; the labels' check has the per-part router's picks
+    # fitted on train, each scored on dev (1.0: the design that solves the part), and no label of the policy (the
+    # fake samples no design step), so it cannot be read yet
+    assert "q-s0-eval-dev-r0" in {r for r, _ in fake_stages}
+    assert [(a.seed, a.round, a.eval_run_id) for a in out.select_arms] == [(0, 0, "q-s0-eval-dev-r0")]
+    assert [(c.part, c.pick, c.pick_score, c.label, c.met) for c in out.labels] == [
+        ("chain_sum", "io", 1.0, None, None), ("products", "cot", 1.0, None, None)]
+    assert {(p.split, p.round) for p in out.parts} == {("test", -1), ("test", 0), ("dev", 0)}
 
 
 def test_an_unknown_reference_fails_before_any_training(tmp_path):

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError, CriterionConfig, config_from_dict
-from pipeline.studies.summaries import ExperimentSummary, ReferenceArm, RoundDiff, Selection
+from pipeline.studies.choices import likeliest_labels
+from pipeline.studies.summaries import ExperimentSummary, LabelCheck, ReferenceArm, RoundDiff, Selection
 from pipeline.studies.verdict import verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,54 @@ def test_a_reference_not_yet_paired_leaves_the_verdict_unread():
     assert verdict(CRITERION, 1, 0.95, [diff("pot", 0.02, 0.01, 0.04, round=0)], REFS,
                    selection(same="pot")).checks[0].met is None
     assert verdict(None, 1, 0.95, [], REFS, None) is None
+
+
+def test_the_likeliest_label_per_part_against_the_per_part_routers_pick_by_hand():
+    odds = {"calendar": {"direct": 0.2, "pot": 0.5, "own": 0.3},
+            "gsm": {"direct": 0.4, "steps": 0.4, "own": 0.2},  # a tie: the first name, direct
+            "products": {"direct": 0.9, "own": 0.1}}
+    scores = {"calendar": {"direct": 0.27, "pot": 0.20, "steps": 0.25, "own": 0.31},
+              "gsm": {"direct": 0.30, "steps": 0.30, "pot": 0.10},
+              "products": {"direct": 1.0, "own": None}}
+    picks = {"calendar": "direct", "gsm": "steps", "products": "direct", "unseen": "pot"}
+    rows = {r["part"]: r for r in likeliest_labels(odds, scores, picks)}
+    assert (rows["calendar"]["label"], rows["calendar"]["met"]) == ("pot", False)  # 0.20 < direct's 0.27
+    assert (rows["gsm"]["label"], rows["gsm"]["met"]) == ("direct", True)  # 0.30 >= steps' 0.30
+    assert (rows["products"]["label"], rows["products"]["odds"], rows["products"]["met"]) == ("direct", 0.9, True)
+    assert rows["unseen"]["label"] is None and rows["unseen"]["met"] is None  # no evaluation on this part yet
+
+
+def check_c(mets: list[bool | None], parts: int = 2):
+    crit = CriterionConfig(round=1, require=[f"c: part_router labels:{parts}"])
+    labels = [LabelCheck(part=f"p{i}", label="direct", odds=0.5, score=0.5, pick="pot", pick_score=0.4, met=m)
+              for i, m in enumerate(mets)]
+    return verdict(crit, 1, 0.95, [], REFS, None, labels).checks[0]
+
+
+def test_the_labels_rule_counts_the_parts_where_the_label_holds():
+    assert check_c([True, False, True]).met is True  # 2 of 3 parts
+    assert check_c([True, False, False]).met is False  # 1 of 3, and no part left open
+    assert check_c([True, None, False]).met is None  # the open part decides it
+    assert check_c([True, True, None], parts=3).met is None
+    c = check_c([True, False, True])
+    assert (c.mean, c.n, c.result()) == (2.0, 3, "2 of 3 parts")
+    assert check_c([]).met is None and "select_eval" in check_c([]).note
+
+
+@pytest.mark.parametrize("text", ["c: oracle labels:2", "c: part_router labels:0", "c: part_router labels:x"])
+def test_the_labels_rule_names_the_part_router_and_a_count(text):
+    with pytest.raises(ConfigError, match="experiment.criterion"):
+        config_from_dict({"experiment": {"criterion": {"require": [text]}}})
+
+
+def test_the_labels_rule_needs_the_evaluation_on_dev_and_a_router():
+    with pytest.raises(ConfigError, match="select_eval"):
+        config_from_dict({"experiment": {"select_split": "dev", "router": {},
+                                         "criterion": {"require": ["c: part_router labels:2"]}}})
+    with pytest.raises(ConfigError, match="select_split"):
+        config_from_dict({"experiment": {"select_eval": True}})
+    config_from_dict({"experiment": {"select_split": "dev", "select_eval": True, "router": {},
+                                     "criterion": {"require": ["c: part_router labels:2"]}}})
 
 
 @pytest.mark.parametrize("text", ["best_fixed above", "a: best_fixed", "a: best_fixed over", "a: x share:oracle",

@@ -58,6 +58,7 @@ from typing import Any
 import polars as pl
 
 from pipeline.config import ConfigError, RunConfig, load_config, variant_sets
+from pipeline.core.designs import OWN
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
 from pipeline.engines.models import half_weights
 from pipeline.engines.servers import sharing
@@ -72,8 +73,10 @@ from pipeline.studies.baselines import (
     baseline_run_id,
     check_method,
     method_tag,
+    program_parts,
     run_baseline,
 )
+from pipeline.studies.choices import likeliest_labels, part_rows
 from pipeline.studies.evaluate import (
     EVAL_STAGES,
     derived_run_changes,
@@ -90,6 +93,8 @@ from pipeline.studies.summaries import (
     ExperimentArm,
     ExperimentSummary,
     KeptAdapter,
+    LabelCheck,
+    PartRound,
     ReferenceArm,
     RoundDiff,
     SeedDiff,
@@ -356,6 +361,27 @@ def evaluated(store: Store, cfg: RunConfig, seed: int, seeds: list[int]) -> bool
                is not None for k in seed_rounds(cfg, seed, seeds))
 
 
+def select_eval_run(cfg: RunConfig, seed: int) -> str:
+    """The evaluation run of seed `seed`'s last round on `select_split` (experiment.select_eval)."""
+    return eval_run_id(seed_run_id(cfg.run_id, seed), cfg.rounds - 1, cfg.experiment.select_split)
+
+
+def evaluate_on_select(store: Store, cfg: RunConfig, seed_plan: SeedPlan, call) -> None:
+    """experiment.select_eval: seed `seed_plan`'s last round evaluated on `select_split` (its first select_queries
+    queries, L = eval_l, sampled as the held-out evaluations are), unless already scored; the checkpoint restored
+    from the kept adapter first where it is gone (a store cloned from git)."""
+    from pipeline.stages.rounds import restore_kept_checkpoints
+
+    experiment = cfg.experiment
+    if not experiment.select_eval or store.manifest(select_eval_run(cfg, seed_plan.seed), 0, "score") is not None:
+        return
+    restore_kept_checkpoints(store, seed_plan.run_id)
+    log.info("seed %d: evaluating round %d on %s (experiment.select_eval)", seed_plan.seed, cfg.rounds - 1,
+             experiment.select_split)
+    evaluate_tracked(str(store.root), seed_plan.run_id, cfg.rounds - 1, experiment.select_split, call=call,
+                     changes=eval_changes(cfg) | {"benchmark.max_queries": experiment.select_queries})
+
+
 def set_aside_evaluations(store: Store, cfg: RunConfig, seed_plan: SeedPlan, seeds: list[int],
                           lost: int | None) -> list[str]:
     """The evaluation runs of seed `seed_plan`'s checkpoints from round `lost` on, when its rounds are about to train
@@ -403,6 +429,10 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
     # training runs' rewarded samples whose code touched the harness's surface (docs/sandbox.md, scores.flags)
     flagged = {seed_run_id(cfg.run_id, s): flagged_rewarded(store, seed_run_id(cfg.run_id, s)) for s in seeds}
     chosen = selection(store, cfg, arms, refs)
+    select_arms = [ExperimentArm.of(s, cfg.rounds - 1, eval_summary(store, eid)) for s in seeds if
+                   experiment.select_eval and store.manifest(eid := select_eval_run(cfg, s), 0, "score") is not None]
+    parts = part_rounds(store, cfg, seeds, [a.seed for a in select_arms])
+    labels = label_checks(store, cfg, parts)
     return ExperimentSummary(experiment=cfg.run_id, seeds=seeds, rounds=cfg.rounds, split=split,
                              eval_queries=experiment.eval_queries, eval_l=experiment.eval_l,
                              shared_base=experiment.shared_base, arms=arms,
@@ -411,9 +441,60 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
                              per_query=per_query, flagged_rewarded=flagged,
                              adapters=[a for s in seeds if (a := kept_adapter(store, cfg, s)) is not None],
                              verdict=verdict(experiment.criterion, max(eval_rounds(cfg)), experiment.ci_level, against,
-                                             refs, chosen),
+                                             refs, chosen, labels),
                              query_parts=query_parts(store, [a.eval_run_id for a in arms] + [
-                                 r.eval_run_id for r in refs if r.method in experiment.references]))
+                                 r.eval_run_id for r in refs if r.method in experiment.references]),
+                             select_arms=select_arms, parts=parts, labels=labels)
+
+
+def part_rounds(store: Store, cfg: RunConfig, seeds: list[int], select_seeds: list[int]) -> list[PartRound]:
+    """Per split, evaluated round and part, pooled over the seeds evaluated there (pipeline.studies.choices.
+    part_rows): the held-out evaluations of `seeds`, and the last round's on select_split of `select_seeds`."""
+    split, out = cfg.experiment.eval_split, []
+    plans = [(split, k, [(s, eval_run_id(seed_run_id(cfg.run_id, s), k, split)) for s in seeds
+                         if k in seed_rounds(cfg, s, seeds)]) for k in eval_rounds(cfg)]
+    if select_seeds:
+        plans.append((cfg.experiment.select_split, cfg.rounds - 1,
+                      [(s, select_eval_run(cfg, s)) for s in select_seeds]))
+    for on, k, runs in plans:
+        runs = [(s, rid) for s, rid in runs if store.manifest(rid, 0, "score") is not None]
+        out += [PartRound(split=on, round=k, seeds=[s for s, _ in runs], **row)
+                for row in part_rows(store, [rid for _, rid in runs])]
+    return out
+
+
+def label_checks(store: Store, cfg: RunConfig, parts: list[PartRound]) -> list[LabelCheck]:
+    """experiment.select_eval with a router: per part, the policy's likeliest label on select_split (its odds pooled
+    over the seeds' last-round evaluations there) against the per-part router's pick fitted on `router.fit_split`
+    (pipeline.core.router.part_choice), each scored on select_split: a design by its reference run there (the part's
+    queries), `own` by the workflows the generator wrote there. [] until the designs' runs on both splits are
+    finished."""
+    experiment = cfg.experiment
+    if not experiment.select_eval or experiment.router is None:
+        return []
+    from pipeline.core.router import part_choice
+    from pipeline.studies.router import design_table
+
+    methods = router_designs(cfg)
+    tags = [method_tag(m) for m in methods]
+    # a design as the policy's labels name it: a menu program by its file's stem
+    names = {t: program_parts(m)[0].stem if m.startswith(PROGRAM_PREFIX) else m for m, t in zip(methods, tags,
+                                                                                                  strict=True)}
+    fit_on, dev = references(store, cfg, experiment.router.fit_split), references(store, cfg, experiment.select_split)
+    if any(not [a for a in arms if a.label == t and not a.pending] for arms in (fit_on, dev) for t in tags):
+        return []
+    train, chosen_on = design_table(store, fit_on, tags), design_table(store, dev, tags)
+    picks = {p: names[tags[d]] for p, d in part_choice(train.scores, train.tokens, train.parts).items()}
+    scores: dict[str, dict[str, float | None]] = {}
+    for part in picks:
+        cols = [i for i, p in enumerate(chosen_on.parts) if p == part]
+        scores[part] = {names[t]: float(chosen_on.scores[d, cols].mean()) if cols else None for d, t in enumerate(tags)}
+    odds = {}
+    for row in parts:
+        if row.split == experiment.select_split and row.round == cfg.rounds - 1:
+            odds[row.part] = row.odds()
+            scores.setdefault(row.part, {})[OWN] = (row.labels.get(OWN) or {}).get("mean_score")
+    return [LabelCheck(**c) for c in likeliest_labels(odds, scores, picks)]
 
 
 def query_parts(store: Store, runs: list[str]) -> dict[str, str]:
@@ -544,6 +625,9 @@ def status(store: Store, cfg: RunConfig, seeds: list[int]) -> list[dict]:
         runs.append(("train", seed_run_id(cfg.run_id, s), cfg.rounds, ROUND_STAGES, planned_workflows(cfg, "train")))
         runs += [("evaluate", eval_run_id(seed_run_id(cfg.run_id, s), k, split), 1, EVAL_STAGES, held_out)
                  for k in seed_rounds(cfg, s, seeds)]
+        if cfg.experiment.select_eval:
+            runs.append((f"evaluate on {cfg.experiment.select_split}", select_eval_run(cfg, s), 1, EVAL_STAGES,
+                         planned_workflows(cfg, "select")))
     return stage_rows(store, runs + reference_rows(cfg))
 
 
@@ -775,6 +859,10 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 # them in git), and re-entering its rounds would then train them again
                 log.info("seed %d: every evaluation is in the store; not re-entered", seed_plan.seed)
                 keep_adapter(store, cfg, seed_plan.seed)  # where its weights are still here
+                if cfg.experiment.select_eval and store.manifest(select_eval_run(cfg, seed_plan.seed), 0,
+                                                                 "score") is None:
+                    evaluate_on_select(store, cfg, seed_plan, call)  # select_eval set after the seed was evaluated
+                    summary, out = publish(f"after seed {seed_plan.seed} on {cfg.experiment.select_split}")
                 continue
             t_seed = time.perf_counter()
             log.info("seed %d: training run %s (%d rounds)", seed_plan.seed, seed_plan.run_id, cfg.rounds)
@@ -791,6 +879,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                          cfg.experiment.eval_split)
                 evaluate_tracked(str(store.root), seed_plan.run_id, k, cfg.experiment.eval_split, call=call,
                                  changes=eval_changes(cfg))
+            evaluate_on_select(store, cfg, seed_plan, call)
             keep_adapter(store, cfg, seed_plan.seed)
             drop_resume_copies(store, cfg, seed_plan.seed)
             extra["seed_wall_s"][seed_plan.seed] = round(time.perf_counter() - t_seed, 1)

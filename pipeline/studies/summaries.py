@@ -344,13 +344,23 @@ class CriterionCheck(Record):
     note: str = ""
 
     def requirement(self) -> str:
+        if self.rule == "labels":
+            return f"the likeliest label at least the pick on {self.threshold:.0f} or more parts"
         return {"above": "interval above 0", "not_below": "upper end at or above 0"}.get(
             self.rule, f"mean at least {signed(self.threshold)}")
 
+    def result(self) -> str:
+        """What was read: the mean difference and its interval, or for the labels rule the parts where it holds."""
+        if self.rule == "labels":
+            return "n/a" if self.mean is None else f"{self.mean:.0f} of {self.n} parts"
+        return f"{signed(self.mean)} {span(self.lo, self.hi)}"
+
     def line(self) -> str:
         verdict = {True: "met", False: "not met", None: "not readable yet"}[self.met]
-        return (f"({self.name}) minus {self.against or 'n/a'}: {signed(self.mean)} {span(self.lo, self.hi)} over "
-                f"{self.n} pairs; required: {self.requirement()}: {verdict}" + (f" ({self.note})" if self.note else ""))
+        read = (f"the labels on select_split against the per-part router's picks: {self.result()}"
+                if self.rule == "labels" else f"minus {self.against or 'n/a'}: {self.result()} over {self.n} pairs")
+        return (f"({self.name}) {read}; required: {self.requirement()}: {verdict}"
+                + (f" ({self.note})" if self.note else ""))
 
 
 @dataclass(kw_only=True)
@@ -378,6 +388,46 @@ class Verdict(Record):
                 self.stretch_met])
             out += ["    " + c.line() for c in self.stretch]
         return out
+
+
+@dataclass(kw_only=True)
+class PartRound(Record):
+    """One part of one evaluated round on one split, pooled over the seeds' evaluations (pipeline.studies.choices.
+    part_rows): workflows, mean score, executor and generator tokens a workflow (the generator's: prompt and
+    completion), and per label its share of the workflows, their mean score and the policy's mean odds of it."""
+
+    split: str
+    round: int
+    part: str
+    seeds: list[int]
+    workflows: int
+    mean_score: float | None = None
+    exec_tokens: float | None = None
+    gen_tokens: float | None = None
+    labels: dict[str, dict] = field(default_factory=dict)
+
+    def odds(self) -> dict[str, float]:
+        return {lab: v["odds"] for lab, v in self.labels.items() if v.get("odds") is not None}
+
+
+@dataclass(kw_only=True)
+class LabelCheck(Record):
+    """On one part of select_split: the policy's likeliest label (its mean odds over the seeds' last-round
+    evaluations there) and its score, against the per-part router's pick (fitted on train) and its score
+    (pipeline.studies.choices.likeliest_labels); `met`: the label scores at least as well (None: not known yet)."""
+
+    part: str
+    label: str | None
+    odds: float | None
+    score: float | None
+    pick: str
+    pick_score: float | None
+    met: bool | None = None
+
+    def line(self) -> str:
+        word = {True: "at least the pick", False: "below the pick", None: "not readable yet"}[self.met]
+        return (f"{self.part}: likeliest label {self.label or 'n/a'} (odds {num(self.odds)}) scores {num(self.score)}; "
+                f"per-part router's pick {self.pick} {num(self.pick_score)}: {word}")
 
 
 @dataclass(kw_only=True)
@@ -435,11 +485,16 @@ class ExperimentSummary(Record):
     adapters: list[KeptAdapter] = field(default_factory=list)  # each seed's last-round adapter, where kept
     verdict: Verdict | None = None  # experiment.criterion read from `paired_references` (pipeline.studies.verdict)
     query_parts: dict[str, str] = field(default_factory=dict)  # held-out query -> its part (a procedural task)
+    # experiment.select_eval: each seed's last round evaluated on select_split, and the labels' check there
+    select_arms: list[ExperimentArm] = field(default_factory=list)
+    parts: list[PartRound] = field(default_factory=list)  # per split, evaluated round and part, pooled over seeds
+    labels: list[LabelCheck] = field(default_factory=list)
     results: str | None = None  # the folder written; returned, not stored
     wall_s: float | None = None  # stored with the run's facts
     NESTED = {"arms": ExperimentArm, "paired": RoundDiff, "curve": CurvePoint, "references": ReferenceArm,
-              "paired_references": RoundDiff, "selection": Selection, "adapters": KeptAdapter, "verdict": Verdict}
-    OPTIONAL = ("adapters", "verdict", "query_parts", "results", "wall_s")
+              "paired_references": RoundDiff, "selection": Selection, "adapters": KeptAdapter, "verdict": Verdict,
+              "select_arms": ExperimentArm, "parts": PartRound, "labels": LabelCheck}
+    OPTIONAL = ("adapters", "verdict", "query_parts", "select_arms", "parts", "labels", "results", "wall_s")
 
     def headline(self) -> list[str]:
         """Lines a person reads first: per evaluated round and metric, held-out base -> trained with the paired
@@ -455,6 +510,9 @@ class ExperimentSummary(Record):
         lines += [p.versus_reference() for p in self.paired_references if p.metric == "mean_at_l"]
         if self.selection is not None:
             lines += self.selection.lines()
+        lines += [f"seed {a.seed} {round_name(a.round)} on the selection split ({a.eval_run_id}): {a.phrase()}"
+                  for a in self.select_arms]
+        lines += [c.line() for c in self.labels]
         if self.verdict is not None:
             lines += self.verdict.lines()
         if self.flagged_rewarded is not None:  # older summaries lack it
@@ -522,7 +580,30 @@ class ExperimentSummary(Record):
         k = self.compared_round()
         if k is None:
             return "No evaluation in this summary yet."
-        return "\n".join([*self._seeds_markdown(k), "", *self._references_markdown(k), "", *self._verdict_markdown()])
+        parts = ["", *self._parts_markdown()] if self.parts else []
+        labels = ["", *self._labels_markdown()] if self.labels else []
+        return "\n".join([*self._seeds_markdown(k), "", *self._references_markdown(k), *parts, *labels, "",
+                          *self._verdict_markdown()])
+
+    def _parts_markdown(self) -> list[str]:
+        lines = ["| split | round | part | seeds | workflows | mean score | executor tokens a workflow | generator "
+                 "tokens a workflow | per label: odds / share of workflows / mean score |", "|---" * 9 + "|"]
+        for r in self.parts:
+            labels = "; ".join(f"{lab} {num(v.get('odds'))} / {num(v.get('share'))} / {num(v.get('mean_score'))}"
+                               for lab, v in r.labels.items())
+            lines.append(f"| {r.split} | {round_name(r.round)} | {r.part} | {len(r.seeds)} | {r.workflows} | "
+                         f"{num(r.mean_score)} | {num(r.exec_tokens, 0)} | {num(r.gen_tokens, 0)} | {labels} |")
+        return [*lines, "", "Pooled over the seeds evaluated there. Generator tokens: prompt and completion, the "
+                "generator's own compute a workflow; odds: the policy's mean probability of the label (n/a without a "
+                "design step)."]
+
+    def _labels_markdown(self) -> list[str]:
+        word = {True: "yes", False: "no", None: "not yet"}
+        lines = ["| part | the policy's likeliest label (odds) | its score | per-part router's pick | its score | "
+                 "at least the pick |", "|---" * 6 + "|"]
+        lines += [f"| {c.part} | {c.label or 'n/a'} ({num(c.odds)}) | {num(c.score)} | {c.pick} | "
+                  f"{num(c.pick_score)} | {word[c.met]} |" for c in self.labels]
+        return lines
 
     def _seeds_markdown(self, compared: int) -> list[str]:
         arm = {(a.seed, a.round): a for a in self.arms}
@@ -578,9 +659,9 @@ class ExperimentSummary(Record):
             return ["No experiment.criterion: no verdict."]
         word = {True: "yes", False: "no", None: "not yet"}
         lines = [f"| | reference | {round_name(verdict.round)} minus it | required | met |", "|---|---|---|---|---|"]
-        lines += [f"| ({c.name}) | {c.against or 'n/a'}" + (f" ({c.note})" if c.note else "") + f" | {signed(c.mean)} "
-                  f"{span(c.lo, c.hi)} | {c.requirement()} | **{word[c.met]}** |" for c in verdict.checks]
-        lines += [f"| stretch ({c.name}) | {c.against or 'n/a'} | {signed(c.mean)} {span(c.lo, c.hi)} | "
+        lines += [f"| ({c.name}) | {c.against or 'n/a'}" + (f" ({c.note})" if c.note else "") + f" | {c.result()} | "
+                  f"{c.requirement()} | **{word[c.met]}** |" for c in verdict.checks]
+        lines += [f"| stretch ({c.name}) | {c.against or 'n/a'} | {c.result()} | "
                   f"{c.requirement()} | {word[c.met]} |" for c in verdict.stretch]
         said = {True: "met", False: "not met", None: "not readable yet"}[verdict.met]
         return [*lines, "", f"Verdict: criterion {said}"

@@ -8,7 +8,10 @@ seeds, then queries within each drawn seed: pipeline.studies.experiment.paired_i
 - `above`: the interval's lower end is above 0 (the trained generator beats the reference);
 - `not_below`: its upper end is at or above 0 (it is not shown below the reference);
 - `share:<arm>:<fraction>`: the mean difference is at least `fraction` of `arm`'s mean minus the reference's (e.g. a
-  gain over the best single design of at least half the oracle's gain over it).
+  gain over the best single design of at least half the oracle's gain over it);
+- `part_router labels:<k>`: no paired difference but the summary's `labels` (experiment.select_eval): on at least
+  k parts the policy's likeliest label scores on select_split at least as well as the per-part router's pick there
+  (`mean`: the parts where it does; `n`: the parts; unreadable while a part that could decide it is not known).
 
 The reference `best_fixed` is the best fixed workflow chosen on `select_split` at the trained generator's executor
 budget (`selection.same_budget`), and where no reference fits that budget the best at any budget
@@ -20,7 +23,7 @@ and so is the verdict until every required one is.
 from __future__ import annotations
 
 from pipeline.config import CriterionConfig
-from pipeline.studies.summaries import CriterionCheck, ReferenceArm, RoundDiff, Selection, Verdict
+from pipeline.studies.summaries import CriterionCheck, LabelCheck, ReferenceArm, RoundDiff, Selection, Verdict
 
 BEST_FIXED = "best_fixed"
 
@@ -31,7 +34,7 @@ def parse_test(text: str) -> tuple[str, str, str, str | None, float | None]:
     name, _, rest = text.partition(":")
     reference, rule = rest.split()
     kind, *args = rule.split(":")
-    return name.strip(), reference, kind, (args[0] if args else None), (float(args[1]) if args else None)
+    return name.strip(), reference, kind, (args[0] if args else None), (float(args[1]) if len(args) > 1 else None)
 
 
 def best_fixed_label(selection: Selection | None) -> tuple[str | None, str]:
@@ -48,10 +51,26 @@ def best_fixed_label(selection: Selection | None) -> tuple[str | None, str]:
                                   f"on {selection.split} at any budget, which spends more executor")
 
 
+def labels_check(name: str, text: str, parts: int, labels: list[LabelCheck]) -> CriterionCheck:
+    """`part_router labels:<parts>`: read from the summary's per-part label checks."""
+    out = CriterionCheck(name=name, text=text, against="part_router", rule="labels", threshold=float(parts),
+                         n=len(labels))
+    if not labels:
+        out.note = "no label check yet (experiment.select_eval: each seed's last round evaluated on select_split)"
+        return out
+    met, open_ = sum(c.met is True for c in labels), sum(c.met is None for c in labels)
+    out.mean = float(met)
+    out.met = True if met >= parts else (False if met + open_ < parts else None)
+    return out
+
+
 def check(text: str, round_number: int, metric: str, diffs: list[RoundDiff], refs: list[ReferenceArm],
-          selection: Selection | None) -> CriterionCheck:
-    """One comparison, read from the paired differences `diffs` (the summary's `paired_references`)."""
+          selection: Selection | None, labels: list[LabelCheck] | None = None) -> CriterionCheck:
+    """One comparison, read from the paired differences `diffs` (the summary's `paired_references`), or for the
+    labels rule from `labels`."""
     name, reference, kind, arm, fraction = parse_test(text)
+    if kind == "labels":
+        return labels_check(name, text, int(arm), labels or [])
     note = ""
     if reference == BEST_FIXED:
         reference, note = best_fixed_label(selection)
@@ -79,13 +98,14 @@ def check(text: str, round_number: int, metric: str, diffs: list[RoundDiff], ref
 
 
 def verdict(criterion: CriterionConfig | None, last_round: int, level: float, diffs: list[RoundDiff],
-            refs: list[ReferenceArm], selection: Selection | None) -> Verdict | None:
+            refs: list[ReferenceArm], selection: Selection | None,
+            labels: list[LabelCheck] | None = None) -> Verdict | None:
     """The criterion's verdict (None without a criterion): every required comparison, then the stretch's."""
     if criterion is None:
         return None
     round_number = last_round if criterion.round is None else criterion.round
-    checks = [check(t, round_number, criterion.metric, diffs, refs, selection) for t in criterion.require]
-    stretch = [check(t, round_number, criterion.metric, diffs, refs, selection) for t in criterion.stretch]
+    checks = [check(t, round_number, criterion.metric, diffs, refs, selection, labels) for t in criterion.require]
+    stretch = [check(t, round_number, criterion.metric, diffs, refs, selection, labels) for t in criterion.stretch]
     met = None if any(c.met is None for c in checks) else all(c.met for c in checks)
     readable = [c.met for c in stretch if c.met is not None]
     stretch_met = True if any(readable) else (None if not readable or len(readable) < len(stretch) else False)
