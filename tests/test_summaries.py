@@ -121,6 +121,31 @@ def test_the_experiment_prints_its_evaluations_and_headline_as_written_here():
         "flagged rewarded training runs (scores.flags): {'e-s0': 1}"]
 
 
+def test_the_page_prints_the_parts_the_labels_and_the_stages_wall_from_the_summary():
+    s = ExperimentSummary.from_dict(_experiment() | {
+        "parts": [{"split": "dev", "round": 0, "part": "calendar", "seeds": [0, 1], "workflows": 40, "mean_score": 0.3,
+                   "exec_tokens": 120.4, "gen_tokens": 700.6,
+                   "labels": {"direct": {"share": 0.25, "mean_score": 0.2, "odds": 0.3},
+                              "own": {"share": 0.75, "mean_score": 0.333, "odds": 0.7}}}],
+        "labels": [{"part": "calendar", "label": "own", "odds": 0.7, "score": 0.333, "pick": "direct",
+                    "pick_score": 0.27, "met": True}],
+        "stage_walls": [{"part": "train", "run_id": "e-s0", "round": 0, "stage": "rollout", "wall_s": 49.2,
+                         "machine": "AMD EPYC (AVX2, 2 cores)"},
+                        {"part": "train", "run_id": "e-s0", "round": 0, "stage": "train", "wall_s": 3800.0,
+                         "machine": "AMD EPYC (AVX2, 2 cores)"},
+                        {"part": "evaluate", "run_id": "e-s0-eval-r0", "round": 0, "stage": "score", "wall_s": 612.0,
+                         "machine": None}]})
+    page = s.markdown()
+    assert ("| dev | round 0 | calendar | 2 | 40 | 0.300 | 120 | 701 | direct 0.300 / 0.250 / 0.200; own 0.700 / "
+            "0.750 / 0.333 |") in page
+    assert "| calendar | own (0.700) | 0.333 | direct | 0.270 | yes |" in page
+    assert "| run | round | rollout (s) | train (s) | score (s) | machine |" in page
+    assert "| e-s0 | 0 | 49 | 3800 |  | AMD EPYC (AVX2, 2 cores) |" in page
+    assert "| e-s0-eval-r0 | 0 |  |  | 612 | unrecorded |" in page
+    assert "calendar: likeliest label own (odds 0.700) scores 0.333; per-part router's pick direct 0.270: at least " \
+           "the pick" in s.headline()
+
+
 def test_an_experiment_written_before_the_headline_interval_and_the_references_reads_with_n_a():
     old = _experiment()
     for key in ("shared_base", "references", "paired_references", "selection", "flagged_rewarded"):

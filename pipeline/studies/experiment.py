@@ -444,7 +444,9 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
                                              refs, chosen, labels),
                              query_parts=query_parts(store, [a.eval_run_id for a in arms] + [
                                  r.eval_run_id for r in refs if r.method in experiment.references]),
-                             select_arms=select_arms, parts=parts, labels=labels)
+                             select_arms=select_arms, parts=parts, labels=labels,
+                             stage_walls=[{k: r[k] for k in ("part", "run_id", "round", "stage", "wall_s", "machine")}
+                                          for r in status(store, cfg, seeds) if r["done"] and r["wall_s"]])
 
 
 def part_rounds(store: Store, cfg: RunConfig, seeds: list[int], select_seeds: list[int]) -> list[PartRound]:

@@ -489,12 +489,16 @@ class ExperimentSummary(Record):
     select_arms: list[ExperimentArm] = field(default_factory=list)
     parts: list[PartRound] = field(default_factory=list)  # per split, evaluated round and part, pooled over seeds
     labels: list[LabelCheck] = field(default_factory=list)
+    # per run of the plan and stage done: wall seconds and the machine that took them (pipeline.studies.experiment.
+    # status), so that the page's compute is read from the summary too
+    stage_walls: list[dict] = field(default_factory=list)
     results: str | None = None  # the folder written; returned, not stored
     wall_s: float | None = None  # stored with the run's facts
     NESTED = {"arms": ExperimentArm, "paired": RoundDiff, "curve": CurvePoint, "references": ReferenceArm,
               "paired_references": RoundDiff, "selection": Selection, "adapters": KeptAdapter, "verdict": Verdict,
               "select_arms": ExperimentArm, "parts": PartRound, "labels": LabelCheck}
-    OPTIONAL = ("adapters", "verdict", "query_parts", "select_arms", "parts", "labels", "results", "wall_s")
+    OPTIONAL = ("adapters", "verdict", "query_parts", "select_arms", "parts", "labels", "stage_walls", "results",
+                "wall_s")
 
     def headline(self) -> list[str]:
         """Lines a person reads first: per evaluated round and metric, held-out base -> trained with the paired
@@ -582,8 +586,22 @@ class ExperimentSummary(Record):
             return "No evaluation in this summary yet."
         parts = ["", *self._parts_markdown()] if self.parts else []
         labels = ["", *self._labels_markdown()] if self.labels else []
+        walls = ["", *self._walls_markdown()] if self.stage_walls else []
         return "\n".join([*self._seeds_markdown(k), "", *self._references_markdown(k), *parts, *labels, "",
-                          *self._verdict_markdown()])
+                          *self._verdict_markdown(), *walls])
+
+    def _walls_markdown(self) -> list[str]:
+        stages = list(dict.fromkeys(r["stage"] for r in self.stage_walls))
+        runs: dict[tuple[str, str, int], dict] = {}
+        for r in self.stage_walls:
+            runs.setdefault((r["part"], r["run_id"], r["round"]), {})[r["stage"]] = r
+        lines = ["| run | round | " + " | ".join(f"{st} (s)" for st in stages) + " | machine |", "|---" * (
+            len(stages) + 3) + "|"]
+        for (_, rid, k), by_stage in runs.items():
+            machines = ", ".join(sorted({r["machine"] or "unrecorded" for r in by_stage.values()}))
+            lines.append(f"| {rid} | {k} | " + " | ".join(
+                num(by_stage[st]["wall_s"], 0) if st in by_stage else "" for st in stages) + f" | {machines} |")
+        return [*lines, "", "Wall seconds of each stage done (the last attempt that did work), and the machine."]
 
     def _parts_markdown(self) -> list[str]:
         lines = ["| split | round | part | seeds | workflows | mean score | executor tokens a workflow | generator "
