@@ -45,7 +45,6 @@ from pipeline.store import Store, round_stats
 from pipeline.studies import headroom as headroom_study
 from pipeline.studies.evaluate import eval_summary
 from pipeline.studies.headroom import (
-    HeadroomReport,
     analyse,
     build_runs,
     learnable,
@@ -54,7 +53,7 @@ from pipeline.studies.headroom import (
     run_headroom,
     status,
 )
-from pipeline.studies.summaries import HeadroomSummary
+from pipeline.studies.summaries import HeadroomReport, HeadroomSummary
 
 
 def abc() -> Runs:

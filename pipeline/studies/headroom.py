@@ -29,7 +29,7 @@ import json
 import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from itertools import product
 from pathlib import Path
 
@@ -55,7 +55,6 @@ from pipeline.core.headroom import (
     replays,
 )
 from pipeline.core.learning import bootstrap_ci
-from pipeline.core.records import Record
 from pipeline.engines.servers import sharing
 from pipeline.store import Store, store_for
 from pipeline.store.views import TRUNCATED_SHARE_SQL
@@ -65,82 +64,19 @@ from pipeline.studies.router import text_chances
 from pipeline.studies.summaries import (
     DesignPoint,
     DesignRow,
-    HeadroomAnalysis,
+    GateAnalysis,
+    HeadroomReport,
     HeadroomSummary,
     OracleResult,
     PartResult,
+    ReplayRow,
+    RoomResult,
 )
 
 log = logging.getLogger(__name__)
 
 FRONTIER_PNG = "frontier.png"
 DEFAULT_SETTINGS = ((1.0, "char_wb"),)  # scikit-learn's default C, character n-grams: with no grid given
-
-
-# The records the gate adds to the analysis. They extend pipeline.studies.summaries' headroom records and belong
-# beside them; kept here while that module is being changed elsewhere.
-
-
-@dataclass(kw_only=True)
-class ReplayRow(Record):
-    """One design's runs (pipeline.core.headroom.Replay): the share of queries on which all its runs scored the same,
-    and on which they also spent the same executor tokens."""
-
-    design: str
-    same_scores: float
-    same_runs: float
-
-
-@dataclass(kw_only=True)
-class RoomResult(Record):
-    """A router scored on query folds it was not fitted on (pipeline.core.headroom.Room), against the best single
-    design chosen on the same fit folds: both sides' mean score and executor tokens per run, `gain` (router - that
-    design) with its 95% bootstrap interval over queries, the share of queries routed to each design and held out
-    under each fold-best design, the settings the folds chose (setting -> share of folds), and what it is (`note`)."""
-
-    router: str
-    score: float
-    tokens: float
-    best_score: float
-    best_tokens: float
-    gain: float
-    gain_interval: list[float]
-    folds: int
-    chosen: dict[str, float] = field(default_factory=dict)
-    best_chosen: dict[str, float] = field(default_factory=dict)
-    settings: dict[str, float] = field(default_factory=dict)
-    note: str = ""
-
-
-@dataclass(kw_only=True)
-class GateFields(Record):
-    """What the gate reads beyond the oracle: each design's replay shares, whether the oracle is in sample (every
-    design's runs scored the same on every query), the learnable room of the learned router (`learnable`, the gate's
-    number) and of the per-part router, and the number the gate read (`gate_on`). None where a summary was written
-    before these existed (its gate read the oracle)."""
-
-    replay: list[ReplayRow] = field(default_factory=list)
-    oracle_in_sample_only: bool | None = None
-    learnable: RoomResult | None = None
-    learnable_part: RoomResult | None = None
-    gate_on: str = "oracle"
-    NESTED = {"replay": ReplayRow, "learnable": RoomResult, "learnable_part": RoomResult}
-
-
-@dataclass(kw_only=True)
-class GateAnalysis(GateFields, HeadroomAnalysis):
-    """`HeadroomAnalysis` with the gate's fields (`GateFields`): what `analyse` returns."""
-
-    NESTED = HeadroomAnalysis.NESTED | GateFields.NESTED
-    OPTIONAL = (*HeadroomAnalysis.OPTIONAL, "learnable_part")
-
-
-@dataclass(kw_only=True)
-class HeadroomReport(GateFields, HeadroomSummary):
-    """`HeadroomSummary` with the gate's fields (`GateFields`): headroom.json."""
-
-    NESTED = HeadroomSummary.NESTED | GateFields.NESTED
-    OPTIONAL = (*HeadroomSummary.OPTIONAL, "learnable_part")
 
 
 def headroom_designs(cfg: RunConfig) -> list[str]:

@@ -580,15 +580,16 @@ class ExperimentSummary(Record):
     def markdown(self) -> str:
         """The results page's tables, read from the summary: each seed's base model and compared round with the
         paired difference; every reference (fixed designs, routers with their picks) per part with the compared round
-        minus it; the verdict against experiment.criterion."""
-        k = self.compared_round()
-        if k is None:
+        minus it; per part the policy's labels, scores and tokens, and its labels against the per-part router's
+        picks (experiment.select_eval); the verdict against experiment.criterion; each stage's wall time."""
+        compared = self.compared_round()
+        if compared is None:
             return "No evaluation in this summary yet."
         parts = ["", *self._parts_markdown()] if self.parts else []
         labels = ["", *self._labels_markdown()] if self.labels else []
         walls = ["", *self._walls_markdown()] if self.stage_walls else []
-        return "\n".join([*self._seeds_markdown(k), "", *self._references_markdown(k), *parts, *labels, "",
-                          *self._verdict_markdown(), *walls])
+        return "\n".join([*self._seeds_markdown(compared), "", *self._references_markdown(compared), *parts, *labels,
+                          "", *self._verdict_markdown(), *walls])
 
     def _walls_markdown(self) -> list[str]:
         stages = list(dict.fromkeys(r["stage"] for r in self.stage_walls))
@@ -1028,3 +1029,68 @@ class HeadroomSummary(HeadroomAnalysis):
     results: str | None = None
     LEAD = ("run_id", "config", "sets", "split", "design_runs", "dropped")
     OPTIONAL = ("part_router", "results")
+
+
+# ---- the headroom gate's records (pipeline.studies.headroom.analyse): what the gate reads beyond the oracle --------
+
+
+@dataclass(kw_only=True)
+class ReplayRow(Record):
+    """One design's runs (pipeline.core.headroom.Replay): the share of queries on which all its runs scored the same,
+    and on which they also spent the same executor tokens."""
+
+    design: str
+    same_scores: float
+    same_runs: float
+
+
+@dataclass(kw_only=True)
+class RoomResult(Record):
+    """A router scored on query folds it was not fitted on (pipeline.core.headroom.Room), against the best single
+    design chosen on the same fit folds: both sides' mean score and executor tokens per run, `gain` (router - that
+    design) with its 95% bootstrap interval over queries, the share of queries routed to each design and held out
+    under each fold-best design, the settings the folds chose (setting -> share of folds), and what it is (`note`)."""
+
+    router: str
+    score: float
+    tokens: float
+    best_score: float
+    best_tokens: float
+    gain: float
+    gain_interval: list[float]
+    folds: int
+    chosen: dict[str, float] = field(default_factory=dict)
+    best_chosen: dict[str, float] = field(default_factory=dict)
+    settings: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass(kw_only=True)
+class GateFields(Record):
+    """What the gate reads beyond the oracle: each design's replay shares, whether the oracle is in sample (every
+    design's runs scored the same on every query), the learnable room of the learned router (`learnable`, the gate's
+    number) and of the per-part router, and the number the gate read (`gate_on`). None where a summary was written
+    before these existed (its gate read the oracle)."""
+
+    replay: list[ReplayRow] = field(default_factory=list)
+    oracle_in_sample_only: bool | None = None
+    learnable: RoomResult | None = None
+    learnable_part: RoomResult | None = None
+    gate_on: str = "oracle"
+    NESTED = {"replay": ReplayRow, "learnable": RoomResult, "learnable_part": RoomResult}
+
+
+@dataclass(kw_only=True)
+class GateAnalysis(GateFields, HeadroomAnalysis):
+    """`HeadroomAnalysis` with the gate's fields (`GateFields`): what `analyse` returns."""
+
+    NESTED = HeadroomAnalysis.NESTED | GateFields.NESTED
+    OPTIONAL = (*HeadroomAnalysis.OPTIONAL, "learnable_part")
+
+
+@dataclass(kw_only=True)
+class HeadroomReport(GateFields, HeadroomSummary):
+    """`HeadroomSummary` with the gate's fields (`GateFields`): headroom.json."""
+
+    NESTED = HeadroomSummary.NESTED | GateFields.NESTED
+    OPTIONAL = (*HeadroomSummary.OPTIONAL, "learnable_part")
