@@ -47,8 +47,9 @@ def open_store(root: str | Path | None = None) -> Store:
 
 
 def import_rollouts(path: str | Path, run_id: str, store: str | Path | None = None, round: int = 0) -> int:
-    """Rollouts logged elsewhere (JSONL, pipeline.stages.logged.IMPORT_FIELDS) into the store as run `run_id`, for a
-    config's `rollout.logged`; every bad line is reported in one ValueError and nothing is written."""
+    """Rollouts logged elsewhere (JSONL, a JSON array or Parquet; pipeline.stages.logged.IMPORT_FIELDS) into the store
+    as run `run_id`, for a config's `rollout.logged`; every bad row is reported in one ValueError and nothing is
+    written."""
     from pipeline.stages.logged import import_file
 
     return import_file(open_store(store), run_id, str(path), round)

@@ -241,8 +241,8 @@ def train(config: ConfigArg = None, run_id: RunIdOpt = None, round: RoundOpt = 0
 
 @app.command("import", rich_help_panel=SETUP)
 def import_(
-    path: Annotated[Path, typer.Argument(help="JSONL of rollouts: query_id, text, prompt_token_ids, token_ids, "
-                                         "token_logprobs, score (docs/offline.md).")],
+    path: Annotated[Path, typer.Argument(help="Rollouts (JSONL, a JSON array or Parquet): query_id, text, "
+                                         "prompt_token_ids, token_ids, token_logprobs, score (docs/offline.md).")],
     run_id: RunIdOpt = None,
     store: StoreOpt = None,
 ) -> None:

@@ -1,6 +1,7 @@
 """Learning from logged rows (rollout.logged), the design as a commitment (rollout.route_or_write) and the choice's own
 credit (curation.choice_credit): the pure maths against hand-computed values, and the import's refusals."""
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -168,10 +169,14 @@ def test_pipeline_import_reports_every_bad_line_then_writes_rows_a_round_can_tak
     bad.write_text(good + "\n{oops\n" + good.replace('"score": 1', '"score": 2') + "\n"
                    + good.replace('"token_logprobs": [-0.5]', '"token_logprobs": []') + "\n")
     store = Store(str(tmp_path / "store"))
-    with pytest.raises(ValueError, match=r"3 bad lines(.|\n)*line 2: not JSON(.|\n)*line 3: score 2 is not(.|\n)*"
-                                         r"line 4: missing token_logprobs"):
+    with pytest.raises(ValueError, match=r"3 bad rows(.|\n)*bad.jsonl:2: invalid JSON(.|\n)*bad.jsonl:3: score 2 is "
+                                         r"not(.|\n)*bad.jsonl:4: missing token_logprobs"):
         import_file(store, "elsewhere", str(bad))
     assert store.read("generations", "elsewhere", 0).height == 0  # nothing written
+    # the same rows from a Parquet table (what a trainer elsewhere may log) are taken as from JSONL
+    pl.DataFrame([json.loads(good)]).write_parquet(tmp_path / "ok.parquet")
+    assert import_file(store, "from-parquet", str(tmp_path / "ok.parquet")) == 1
+    assert store.read("generations", "from-parquet", 0)["token_logprobs"].to_list() == [[-0.5]]
     ok = tmp_path / "ok.jsonl"
     ok.write_text(good + "\n")
     assert import_file(store, "elsewhere", str(ok)) == 1

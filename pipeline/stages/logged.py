@@ -157,48 +157,42 @@ IMPORT_FIELDS = ("query_id", "text", "prompt_token_ids", "token_ids", "token_log
 
 
 def import_file(store, run_id: str, path: str, round: int = 0) -> int:
-    """`pipeline import`: rollouts logged elsewhere, one JSON object a line with IMPORT_FIELDS (the prompt's and the
+    """`pipeline import`: rollouts logged elsewhere, one record a row with IMPORT_FIELDS (the prompt's and the
     completion's token ids under the generator's tokenizer, the completion's per-token log-probs as sampled, the score
-    in [0, 1]), written as run `run_id` round `round` of the store: a `generations` row (source `imported`) and a
-    `scores` row each. Every bad line is reported in one pass (a ValueError naming the lines) and nothing is written;
-    a run that holds rows already is refused. A config then names the run in `rollout.logged`."""
-    import json
+    in [0, 1]): a JSONL file, a JSON array or a Parquet table (`pipeline.engines.benchmarks.files.read_rows`), written
+    as run `run_id` round `round` of the store: a `generations` row (source `imported`) and a `scores` row each.
+    Every bad row is reported in one pass (a ValueError naming each) and nothing is written; a run that holds rows
+    already is refused. A config then names the run in `rollout.logged`."""
+    from pipeline.engines.benchmarks.files import read_rows
 
     if store.read("generations", run_id, round).height:
         raise ValueError(f"run {run_id!r} round {round} already holds rows in {store.root}; import into a new run id")
     problems, gens, scores = [], [], []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                problems.append(f"line {number}: not JSON ({e.msg})")
-                continue
-            if not isinstance(row, dict):
-                problems.append(f"line {number}: not a JSON object")
-                continue
-            missing = [k for k in IMPORT_FIELDS if row.get(k) in (None, "", [])]
-            if missing:
-                problems.append(f"line {number}: missing {', '.join(missing)}")
-                continue
-            if len(row["token_logprobs"]) != len(row["token_ids"]):
-                problems.append(f"line {number}: {len(row['token_logprobs'])} log-probs for {len(row['token_ids'])} "
-                                "tokens")
-            score = row["score"]
-            if not isinstance(score, int | float) or not 0 <= score <= 1:
-                problems.append(f"line {number}: score {score!r} is not a number in [0, 1]")
-            gid = f"r{round}-{row['query_id']}-imported-{number}"
-            gens.append(dict(gen_id=gid, kind="workflow", query_id=str(row["query_id"]), slot=None,
-                             prompt_text=row.get("prompt_text"), text=row["text"],
-                             prompt_token_ids=row["prompt_token_ids"], token_ids=row["token_ids"],
-                             token_logprobs=row["token_logprobs"], model=row.get("model"), valid=True, attempt=0,
-                             source="imported", logged_from=f"{path}:{number}"))
-            scores.append(dict(gen_id=gid, query_id=str(row["query_id"]), rep=0, attempt=0, status="ok",
-                               score=float(score), metric=float(score)))
+    for number, row in enumerate(read_rows(path, keep_bad=True), 1):
+        where, data = row.where, row.data
+        if row.problem is not None:
+            problems.append(f"{where}: {row.problem}")
+            continue
+        missing = [k for k in IMPORT_FIELDS if data.get(k) is None or (isinstance(data[k], str | list)
+                                                                        and len(data[k]) == 0)]
+        if missing:
+            problems.append(f"{where}: missing {', '.join(missing)}")
+            continue
+        if len(data["token_logprobs"]) != len(data["token_ids"]):
+            problems.append(f"{where}: {len(data['token_logprobs'])} log-probs for {len(data['token_ids'])} tokens")
+        score = data["score"]
+        if not isinstance(score, int | float) or not 0 <= score <= 1:
+            problems.append(f"{where}: score {score!r} is not a number in [0, 1]")
+        gid = f"r{round}-{data['query_id']}-imported-{number}"
+        gens.append(dict(gen_id=gid, kind="workflow", query_id=str(data["query_id"]), slot=None,
+                         prompt_text=data.get("prompt_text"), text=data["text"],
+                         prompt_token_ids=list(data["prompt_token_ids"]), token_ids=list(data["token_ids"]),
+                         token_logprobs=list(data["token_logprobs"]), model=data.get("model"), valid=True, attempt=0,
+                         source="imported", logged_from=where))
+        scores.append(dict(gen_id=gid, query_id=str(data["query_id"]), rep=0, attempt=0, status="ok",
+                           score=float(score), metric=float(score)))
     if problems:
-        raise ValueError(f"{path}: {len(problems)} bad lines, nothing imported:\n  " + "\n  ".join(problems))
+        raise ValueError(f"{path}: {len(problems)} bad rows, nothing imported:\n  " + "\n  ".join(problems))
     if not gens:
         raise ValueError(f"{path}: no rows")
     store.write("generations", gens, run_id, round)
