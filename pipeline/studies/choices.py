@@ -46,13 +46,19 @@ def choice_mix(store: Store, run_id: str) -> pl.DataFrame:
                                                                                                       False])
 
 
-ODDS_SQL = """
+# The label a workflow was made under: a routed row's design (route_or_write runs the design's program), `own` for a
+# workflow the generator wrote after the `own` label; without route_or_write, the design its code declares.
+LABELS_SQL = """
 SELECT g.round, coalesce(json_extract_string(q.meta, '$.task'), '') AS part,
+       CASE WHEN g.source = 'write' THEN 'own' ELSE coalesce(g.choice, 'own') END AS label,
+       s.score, coalesce(s.tokens_in, 0) + coalesce(s.tokens_out, 0) AS exec_tokens,
+       coalesce(len(g.prompt_token_ids), 0) + coalesce(len(g.token_ids), 0) AS gen_tokens,
        json_extract(g.sampling, '$.choice_step.odds') AS odds
 FROM generations g
 JOIN (SELECT round, query_id, any_value(meta) AS meta FROM queries WHERE run_id = $run GROUP BY ALL) q
   USING (round, query_id)
-WHERE g.run_id = $run AND g.kind = 'workflow' AND json_extract(g.sampling, '$.choice_step.odds') IS NOT NULL
+LEFT JOIN generation_scores s ON s.run_id = g.run_id AND s.round = g.round AND s.gen_id = g.gen_id
+WHERE g.run_id = $run AND g.kind = 'workflow'
 """
 
 
@@ -60,7 +66,7 @@ def policy_odds(store: Store, run_id: str) -> pl.DataFrame:
     """Under rollout.choice_step, per round and part: the policy's own mean probability of each design (its odds
     over the labels renormalised, before choice_temperature flattens them for the draw; one read a query, averaged
     over the part's workflows): what training moved, whatever the exploration drew. Empty without a design step."""
-    df = store.sql(ODDS_SQL, {"run": run_id})
+    df = store.sql(LABELS_SQL, {"run": run_id}).filter(pl.col("odds").is_not_null()).select("round", "part", "odds")
     if df.height == 0:
         return pl.DataFrame()
     rows = [{"round": r, "part": part, "design": name, "odds": float(p)}
@@ -72,22 +78,6 @@ def policy_odds(store: Store, run_id: str) -> pl.DataFrame:
 def choice_span(store: Store, run_id: str) -> pl.DataFrame:
     """Per round: the kept GRPO groups and those whose members declare two or more designs."""
     return store.sql(CHOICE_SPAN_SQL, {"run": run_id})
-
-
-# The label a workflow was made under: a routed row's design (route_or_write runs the design's program), `own` for a
-# workflow the generator wrote after the `own` label; without route_or_write, the design its code declares.
-LABELS_SQL = """
-SELECT coalesce(json_extract_string(q.meta, '$.task'), '') AS part,
-       CASE WHEN g.source = 'write' THEN 'own' ELSE coalesce(g.choice, 'own') END AS label,
-       s.score, coalesce(s.tokens_in, 0) + coalesce(s.tokens_out, 0) AS exec_tokens,
-       coalesce(len(g.prompt_token_ids), 0) + coalesce(len(g.token_ids), 0) AS gen_tokens,
-       json_extract(g.sampling, '$.choice_step.odds') AS odds
-FROM generations g
-JOIN (SELECT round, query_id, any_value(meta) AS meta FROM queries WHERE run_id = $run GROUP BY ALL) q
-  USING (round, query_id)
-LEFT JOIN generation_scores s ON s.run_id = g.run_id AND s.round = g.round AND s.gen_id = g.gen_id
-WHERE g.run_id = $run AND g.kind = 'workflow'
-"""
 
 
 def part_rows(store: Store, runs: list[str]) -> list[dict]:

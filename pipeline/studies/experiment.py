@@ -310,13 +310,17 @@ def routers(store: Store, cfg: RunConfig, held_out: list[ReferenceArm]) -> list[
 
     labels = [method_tag(d) for d in router_designs(cfg)]
     fit_on, dev = references(store, cfg, router.fit_split), references(store, cfg, cfg.experiment.select_split)
-    if any(not [a for a in arms if a.label == lab and not a.pending] for arms in (fit_on, dev, held_out)
-           for lab in labels):
+    if not designs_finished(labels, fit_on, dev, held_out):
         log.info("router: the designs' runs on %s, %s and the held-out split are not all finished yet",
                  router.fit_split, cfg.experiment.select_split)
         return []
     arms, _ = router_arms(store, labels, fit_on, dev, held_out, router.c_grid, router.analyzers)
     return arms
+
+
+def designs_finished(labels: list[str], *splits: list[ReferenceArm]) -> bool:
+    """Whether every design of `labels` has a finished run (no pending workflow) among each split's references."""
+    return all(any(a.label == lab and not a.pending for a in arms) for arms in splits for lab in labels)
 
 
 def best_fixed(chosen_on: list[ReferenceArm], held_out: list[ReferenceArm], budget: float | None,
@@ -366,20 +370,21 @@ def select_eval_run(cfg: RunConfig, seed: int) -> str:
     return eval_run_id(seed_run_id(cfg.run_id, seed), cfg.rounds - 1, cfg.experiment.select_split)
 
 
-def evaluate_on_select(store: Store, cfg: RunConfig, seed_plan: SeedPlan, call) -> None:
+def evaluate_on_select(store: Store, cfg: RunConfig, seed_plan: SeedPlan, call) -> bool:
     """experiment.select_eval: seed `seed_plan`'s last round evaluated on `select_split` (its first select_queries
     queries, L = eval_l, sampled as the held-out evaluations are), unless already scored; the checkpoint restored
-    from the kept adapter first where it is gone (a store cloned from git)."""
+    from the kept adapter first where it is gone (a store cloned from git). Returns whether it evaluated."""
     from pipeline.stages.rounds import restore_kept_checkpoints
 
     experiment = cfg.experiment
     if not experiment.select_eval or store.manifest(select_eval_run(cfg, seed_plan.seed), 0, "score") is not None:
-        return
+        return False
     restore_kept_checkpoints(store, seed_plan.run_id)
     log.info("seed %d: evaluating round %d on %s (experiment.select_eval)", seed_plan.seed, cfg.rounds - 1,
              experiment.select_split)
     evaluate_tracked(str(store.root), seed_plan.run_id, cfg.rounds - 1, experiment.select_split, call=call,
                      changes=eval_changes(cfg) | {"benchmark.max_queries": experiment.select_queries})
+    return True
 
 
 def set_aside_evaluations(store: Store, cfg: RunConfig, seed_plan: SeedPlan, seeds: list[int],
@@ -483,7 +488,7 @@ def label_checks(store: Store, cfg: RunConfig, parts: list[PartRound]) -> list[L
     names = {t: program_parts(m)[0].stem if m.startswith(PROGRAM_PREFIX) else m for m, t in zip(methods, tags,
                                                                                                   strict=True)}
     fit_on, dev = references(store, cfg, experiment.router.fit_split), references(store, cfg, experiment.select_split)
-    if any(not [a for a in arms if a.label == t and not a.pending] for arms in (fit_on, dev) for t in tags):
+    if not designs_finished(tags, fit_on, dev):
         return []
     train, chosen_on = design_table(store, fit_on, tags), design_table(store, dev, tags)
     picks = {p: names[tags[d]] for p, d in part_choice(train.scores, train.tokens, train.parts).items()}
@@ -861,9 +866,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 # them in git), and re-entering its rounds would then train them again
                 log.info("seed %d: every evaluation is in the store; not re-entered", seed_plan.seed)
                 keep_adapter(store, cfg, seed_plan.seed)  # where its weights are still here
-                if cfg.experiment.select_eval and store.manifest(select_eval_run(cfg, seed_plan.seed), 0,
-                                                                 "score") is None:
-                    evaluate_on_select(store, cfg, seed_plan, call)  # select_eval set after the seed was evaluated
+                if evaluate_on_select(store, cfg, seed_plan, call):  # select_eval set after the seed was evaluated
                     summary, out = publish(f"after seed {seed_plan.seed} on {cfg.experiment.select_split}")
                 continue
             t_seed = time.perf_counter()
