@@ -889,6 +889,12 @@ class ExperimentConfig(_Strict):
         "rate chosen on dev) share their references. Their benchmark and executor must be this config's.",
         json_schema_extra=not_hashed("plan"),
     )
+    start_from: str | None = Field(
+        None, description="Seed k's round 0 starts from experiment <id>'s seed k: the last round's checkpoint of run "
+        "<id>-s<k> in this store (restored from its kept copy where gone) becomes generator.adapter, so it samples "
+        "round 0, is its π_old and its KL reference; that seed must be trained first. Null: the base model.",
+        json_schema_extra=not_hashed("plan"),
+    )
     select_split: Literal["dev"] | None = Field(
         None, description="Also run every reference on this split and name the best fixed workflow by it: the highest "
         "Mean@L there, at the trained generator's executor budget and at any (test is never used to choose).",

@@ -275,6 +275,7 @@ def test_an_experiment_evaluates_the_base_model_and_the_last_round_unless_the_cu
 
 
 def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fake_stages):
+    from pipeline.store import ADAPTER_FILES
     from pipeline.studies.experiment import experiment_dir, run_experiment
 
     calls = fake_stages
@@ -343,12 +344,20 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
     assert [(x.seed, x.mean) for x in mean[0].per_seed] == [(0, 0.5), (1, 0.75)]
     assert own.references == [] and own.paired_references == [] and not own.shared_base
 
-    # another experiment ("w": another learning rate) borrows x's reference runs: it makes none, pairs with them
+    # another experiment ("w": another learning rate) borrows x's reference runs: it makes none, pairs with them;
+    # and its seed starts from x's same seed (experiment.start_from): the last round's checkpoint of x-s0
     calls.clear()
     borrow = {"references": ["io", program], "references_from": "x", "seeds": [0]}
-    w = _experiment_config(tmp_path, "w", borrow, rounds=1)
+    w = _experiment_config(tmp_path, "w", borrow | {"start_from": "x"}, rounds=1)
     w.write_text(w.read_text() + "training:\n  lr: 1.0e-05\n")
+    with pytest.raises(ConfigError, match="run x-s0 has no checkpoint of its last round 1"):
+        run_experiment(w, direct_call(RetryPolicy(delay_s=0)))  # the fake train stage leaves an empty folder
+    st = Store(tmp_path / "runs")
+    for name in ADAPTER_FILES:
+        (st.checkpoint_dir("x-s0", 1) / name).write_text("{}")
     theirs = run_experiment(w, direct_call(RetryPolicy(delay_s=0)))
+    assert load_config(st.run_dir("w-s0") / "config.yaml").generator.adapter == str(st.checkpoint_dir("x-s0", 1))
+    assert load_config(st.run_dir("w-s0-eval-base") / "config.yaml").generator.adapter is None  # the base model
     assert not any("-baseline-" in r for r, _ in calls)
     borrowed = {r.eval_run_id for r in theirs.references}
     assert borrowed == {"x-baseline-io", "x-baseline-program-expression_eval"}
@@ -362,6 +371,12 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
         run_experiment(_experiment_config(tmp_path, "u", {"references": ["io"], "references_from": "nobody"}),
                        direct_call(RetryPolicy(delay_s=0)))
     assert not (tmp_path / "runs" / "v-s0").exists()  # refused before any work
+    for start, match in (("nobody", "no run nobody-s0 in .*; train seed 0 of experiment nobody first"),
+                         ("u", "an experiment cannot start from its own seeds")):
+        with pytest.raises(ConfigError, match=match):
+            run_experiment(_experiment_config(tmp_path, "u", {"seeds": [0], "start_from": start}),
+                           direct_call(RetryPolicy(delay_s=0)))
+    assert not (tmp_path / "runs" / "u-s0").exists()
 
     # x's own reference reopened with another learning rate (a fixed program trains nothing): reused, not redone
     calls.clear()

@@ -154,10 +154,32 @@ def plan(cfg: RunConfig, seeds: list[int] | None = None) -> list[SeedPlan]:
             if splits_overlap(chooser, other):  # choosing on reported or trained-on queries biases the choice
                 raise ConfigError(f"experiment.select_split {chooser} shares queries with {name} {other}")
     router_designs(cfg)  # a router over designs that are no reference fails now too
+    if (start := cfg.experiment.start_from) is not None and (start == cfg.run_id or cfg.generator.adapter):
+        raise ConfigError(f"experiment.start_from {start}: " + (
+            "an experiment cannot start from its own seeds" if start == cfg.run_id else
+            f"round 0 would also start from generator.adapter {cfg.generator.adapter}; set one of the two"))
     seeds = list(cfg.experiment.seeds if seeds is None else seeds)
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"experiment seeds repeat: {seeds}")
     return [SeedPlan(s, seed_run_id(cfg.run_id, s), seed_changes(s)) for s in seeds]
+
+
+def start_changes(store: Store, cfg: RunConfig, seed: int) -> dict[str, str]:
+    """`experiment.start_from`: seed `seed`'s round 0 starts from the last round's checkpoint of that experiment's
+    seed run (generator.adapter: its sampler, π_old and KL reference), restored from its kept copy where a fresh clone
+    lacks it; {} without start_from. A ConfigError names the run and round when that seed is not trained."""
+    if (start := cfg.experiment.start_from) is None:
+        return {}
+    run = seed_run_id(start, seed)
+    if store.read_config(run) is None:
+        raise ConfigError(f"experiment.start_from {start}: no run {run} in {store.root}; train seed {seed} of "
+                          f"experiment {start} first")
+    last = run_config(store, run).rounds - 1
+    store.restore_checkpoint(run, last)
+    if not store.checkpoint_complete(run, last):
+        raise ConfigError(f"experiment.start_from {start}: run {run} has no checkpoint of its last round {last} "
+                          f"({store.checkpoint_dir(run, last)}); finish seed {seed} of experiment {start} first")
+    return {"generator.adapter": str(store.checkpoint_dir(run, last))}
 
 
 def experiment_dir(store: Store, run_id: str) -> Path:
@@ -877,8 +899,9 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 since = settled_round(store, seed_plan.run_id, cfg.rounds,
                                       run_config(store, seed_plan.run_id).config_hash())
             set_aside_evaluations(store, cfg, seed_plan, order, lost_weights(store, seed_plan.run_id, since))
+            changes = seed_plan.changes | start_changes(store, cfg, seed_plan.seed)
             run_rounds(path, cfg.rounds, seed_plan.run_id, call, keeping(store, cfg, seed_plan.seed, after_round),
-                       sets=variant_sets(seed_plan.changes, before=sets), observer=TRACKERS)
+                       sets=variant_sets(changes, before=sets), observer=TRACKERS)
             for k in seed_rounds(cfg, seed_plan.seed, order):
                 log.info("seed %d: evaluating %s on %s", seed_plan.seed, "the base model" if k < 0 else f"round {k}",
                          cfg.experiment.eval_split)
