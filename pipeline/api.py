@@ -9,6 +9,7 @@ Each function is a thin layer over the internals its docstring names; heavy libr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from pipeline.stages.rounds import RoundsSummary
     from pipeline.stages.runner import StageResult
     from pipeline.stages.sampling import PromptSharing
+    from pipeline.studies.arms import ArmChoice
     from pipeline.studies.baselines import Comparison
     from pipeline.studies.summaries import (
         AblationSummary,
@@ -267,6 +269,28 @@ def compare(run_ids: Sequence[str], store: str | Path | None = None) -> Comparis
     from pipeline.studies.baselines import compare as compare_runs
 
     return compare_runs(open_store(store), list(run_ids))
+
+
+def choose_arm(experiments: Sequence[str], store: str | Path | None = None, seed: int = 0) -> ArmChoice:
+    """The arm a verdict reads among experiments on one task, chosen on dev by a fixed rule
+    (pipeline.studies.arms.choose_arm), read from their summaries and written beside them
+    (<store>/experiments/arms/<a>+<b>....json); a ValueError names an experiment without a summary."""
+    from pipeline.studies.arms import choose_arm as choose
+    from pipeline.studies.experiment import experiment_dir, read_summary
+
+    st = open_store(store)
+    summaries = []
+    for name in experiments:
+        if (summary := read_summary(st, name)) is None:
+            raise ValueError(f"no summary of experiment {name!r} under {st.root}/experiments: run `pipeline experiment "
+                             "CONFIG --report` for it first")
+        summaries.append(summary)
+    choice = choose(summaries, seed)
+    folder, name = experiment_dir(st, "arms"), "+".join(experiments) + ".json"
+    with st.output_dir(folder) as out:
+        (out / name).write_text(json.dumps(choice.to_dict(), indent=1) + "\n")
+    choice.written = str(folder / name)
+    return choice
 
 
 @dataclass(kw_only=True)

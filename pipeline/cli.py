@@ -999,6 +999,28 @@ def compare(
 
 
 @app.command(rich_help_panel=STUDIES)
+def arms(
+    experiments: Annotated[list[str], typer.Argument(help="Experiment run ids on one task (the arms), each with its "
+                                                     "summary in the store.")],
+    seed: Annotated[int, typer.Option(help="The seed whose dev evaluation the rule reads.")] = 0,
+    store: StoreOpt = None,
+) -> None:
+    """The arm a verdict reads, chosen on dev: the highest Mean@L of one seed's last round on the selection split
+    (experiment.select_eval), read from the experiments' summaries, with that arm's verdict; written under
+    <store>/experiments/arms/."""
+    from pipeline import api
+
+    try:
+        choice = api.choose_arm(experiments, store, seed)
+    except ValueError as e:
+        _fail(str(e))
+    for line in choice.lines():
+        typer.echo(line)
+    typer.echo(choice.markdown())
+    typer.echo(f"written: {choice.written}")
+
+
+@app.command(rich_help_panel=STUDIES)
 def evaluate(
     run_id: Annotated[str, typer.Argument(help="The trained run.")],
     round: RoundOpt,

@@ -162,3 +162,54 @@ def test_the_committed_mixed_choice_summary_holds_the_pages_numbers():
     lines = summary.results_lines()
     assert any(line.startswith("reference oracle") and "picks program-mixed_direct 38" in line for line in lines)
     assert any(line.startswith("verdict (round 1") and "criterion not met (negative)" in line for line in lines)
+
+
+def _arm_summary(name, dev, held_out, met, rounds=2):
+    """An experiment summary with seed -> dev Mean@L of its last round (experiment.select_eval), its last round's
+    held-out Mean@L over seeds 0-2, and its verdict."""
+    from pipeline.studies.summaries import CurvePoint, ExperimentArm, Verdict
+
+    last = rounds - 1
+    return ExperimentSummary(
+        experiment=name, seeds=[0, 1, 2], rounds=rounds, split="test", eval_queries=90, eval_l=2,
+        select_arms=[ExperimentArm(seed=s, round=last, eval_run_id=f"{name}-s{s}-eval-dev-r{last}", queries=144,
+                                   mean_at_l=v) for s, v in dev.items()],
+        curve=[CurvePoint(round=-1, metric="mean_at_l", n=270, mean=0.1, lo=0.0, hi=0.2, level=0.95),
+               CurvePoint(round=last, metric="mean_at_l", n=270, mean=held_out, lo=0.0, hi=1.0, level=0.95)],
+        verdict=Verdict(round=last, metric="mean_at_l", level=0.95, met=met))
+
+
+def test_the_arm_is_chosen_by_one_seeds_dev_score_and_its_verdict_is_its_summarys(tmp_path):
+    from pipeline import api
+    from pipeline.store import Store
+    from pipeline.studies.arms import choose_arm
+    from pipeline.studies.experiment import experiment_dir
+
+    a = _arm_summary("a", {0: 0.40, 1: 0.60}, 0.41, False, rounds=1)
+    b = _arm_summary("b", {0: 0.45, 1: 0.30, 2: 0.30}, 0.44, True)
+    c = _arm_summary("c", {0: 0.45}, 0.50, False)
+    choice = choose_arm([a, b, c])
+    # seed 0's dev: a 0.40, b 0.45, c 0.45: b and c tie, b is named first; a's better seed 1 is not the rule
+    assert choice.chosen == "b" and choice.verdict.met is True and choice.waiting_for == []
+    rows = {r.arm: r for r in choice.arms}
+    assert (rows["a"].last_round, rows["a"].dev_mean_at_l, rows["a"].held_out_mean_at_l) == (0, 0.40, 0.41)
+    assert rows["b"].dev_mean_all_seeds == pytest.approx((0.45 + 0.30 + 0.30) / 3) and rows["b"].dev_seeds == [0, 1, 2]
+    assert choose_arm([c, b]).chosen == "c"  # the tie goes to the arm named first
+    assert "| **b** | 0.450 | 0.350 (0, 1, 2) | 0.440 (0, 1, 2) | met |" in choice.markdown()
+    # an arm without seed 0's dev evaluation: no arm is chosen, no verdict read
+    late = choose_arm([a, _arm_summary("d", {1: 0.9}, 0.6, True)])
+    assert late.chosen is None and late.verdict is None and late.waiting_for == ["d"]
+    assert late.lines()[-1] == "no arm chosen: waiting for seed 0's dev evaluation of d"
+    with pytest.raises(ValueError, match="name each experiment once"):
+        choose_arm([a, a])
+
+    # through the API: read from the store's summaries, written beside them
+    store = Store(tmp_path)
+    for s in (a, b):
+        experiment_dir(store, s.experiment).mkdir(parents=True)
+        (experiment_dir(store, s.experiment) / "experiment.json").write_text(json.dumps(s.to_dict()))
+    stored = api.choose_arm(["a", "b"], tmp_path)
+    assert stored.chosen == "b" and stored.written == str(tmp_path / "experiments" / "arms" / "a+b.json")
+    assert json.loads(Path(stored.written).read_text())["chosen"] == "b"
+    with pytest.raises(ValueError, match="no summary of experiment 'c'"):
+        api.choose_arm(["a", "c"], tmp_path)
