@@ -902,6 +902,12 @@ class ExperimentConfig(_Strict):
     )
     select_queries: int | None = Field(None, gt=0, description="The first N queries of select_split; null: all.",
                                        json_schema_extra=not_hashed("plan"))
+    select_references: list[str] | None = Field(
+        None, description="The references that also run on select_split, the candidates for the best fixed workflow "
+        "(null: every reference), e.g. the menu's designs where the criterion names the best single design, so that "
+        "a reference far above the generator's executor budget (CoT-SC) is not run there.",
+        json_schema_extra=not_hashed("plan"),
+    )
     select_eval: bool = Field(
         False, description="Also evaluate each seed's last round on select_split (its first select_queries queries, "
         "L = eval_l): the arm chosen on dev, and the policy's labels per part against the per-part router's picks.",
@@ -939,6 +945,11 @@ class ExperimentConfig(_Strict):
             raise ValueError("experiment.router chooses its settings on dev: set experiment.select_split: dev")
         if self.select_eval and self.select_split is None:
             raise ValueError("experiment.select_eval evaluates on select_split: set experiment.select_split: dev")
+        if self.select_references is not None:
+            if self.select_split is None:
+                raise ValueError("experiment.select_references run on select_split: set experiment.select_split: dev")
+            if stray := [m for m in self.select_references if m not in self.references]:
+                raise ValueError(f"experiment.select_references: {', '.join(stray)} not among experiment.references")
         labels = [t for t in (self.criterion.require + self.criterion.stretch if self.criterion else [])
                   if t.split()[-1].startswith("labels:")]
         if labels and not (self.select_eval and self.router is not None):

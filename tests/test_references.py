@@ -441,7 +441,8 @@ def test_the_routers_designs_run_on_every_split_before_the_other_references(tmp_
     """The order the experiment runs its references in: the router's designs on test, dev and train first (the
     routers and the dev choice need only those), then the other references (cot_sc: dear) on test and dev; `--status`
     lists them so."""
-    from pipeline.studies.experiment import reference_plan, reference_rows
+    from pipeline.studies.experiment import plan as plan_seeds
+    from pipeline.studies.experiment import reference_plan, reference_rows, selection
 
     path = _experiment_config(tmp_path, "p", {"references": ["io", "cot_sc", "cot"], "select_split": "dev",
                                               "select_queries": 5, "router": {"designs": ["io", "cot"],
@@ -461,6 +462,16 @@ def test_the_routers_designs_run_on_every_split_before_the_other_references(tmp_
                     ("reference on train", "p-baseline-train-io", 14),
                     ("reference on train", "p-baseline-train-cot", 14),
                     ("reference", "p-baseline-cot_sc", 4), ("reference on dev", "p-baseline-dev-cot_sc", 10)]
+    # experiment.select_references: the candidates chosen among on dev; cot_sc runs on test only, and the best fixed
+    # workflow's missing candidates are only those
+    designs_only = load_config(path, ["experiment.select_references=[io, cot]"])
+    assert [(m, split) for m, split, _, _ in reference_plan(designs_only)][-1:] == [("cot_sc", "test")]
+    assert [rid for _, rid, _, _, _ in reference_rows(designs_only)][-1] == "p-baseline-cot_sc"
+    assert selection(Store(tmp_path / "runs"), designs_only, [], []).missing == ["io", "cot"]
+    with pytest.raises(ConfigError, match="the router's designs cot must run on dev too"):
+        plan_seeds(load_config(path, ["experiment.select_references=[io]", "benchmark.train_split=train"]))
+    with pytest.raises(ConfigError, match="select_references: pot not among experiment.references"):
+        load_config(path, ["experiment.select_references=[io, pot]"])
 
 
 def test_experiment_fits_the_routers_on_train_sets_them_on_dev_and_pairs_the_trained_arms_with_them(tmp_path,

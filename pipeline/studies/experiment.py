@@ -153,7 +153,10 @@ def plan(cfg: RunConfig, seeds: list[int] | None = None) -> list[SeedPlan]:
         for other, name in ((held_out, "experiment.eval_split"), (train, "benchmark.train_split")):
             if splits_overlap(chooser, other):  # choosing on reported or trained-on queries biases the choice
                 raise ConfigError(f"experiment.select_split {chooser} shares queries with {name} {other}")
-    router_designs(cfg)  # a router over designs that are no reference fails now too
+    designs = router_designs(cfg)  # a router over designs that are no reference fails now too
+    if (chosen := cfg.experiment.select_references) is not None and (left := [d for d in designs if d not in chosen]):
+        raise ConfigError(f"experiment.select_references: the router's designs {', '.join(left)} must run on "
+                          f"{chooser} too (the routers' settings are chosen there)")
     if (start := cfg.experiment.start_from) is not None and (start == cfg.run_id or cfg.generator.adapter):
         raise ConfigError(f"experiment.start_from {start}: " + (
             "an experiment cannot start from its own seeds" if start == cfg.run_id else
@@ -234,12 +237,19 @@ def curve(cfg: RunConfig, seeds: list[int], per_query: list[dict]) -> list[Curve
     return rows
 
 
+def reference_methods(cfg: RunConfig, split: str) -> list[str]:
+    """The `experiment.references` that run on `split`: on select_split those of `select_references` (every one by
+    default), on any other split every one."""
+    setup = cfg.experiment
+    chosen = setup.select_references if split == setup.select_split else None
+    return [m for m in setup.references if chosen is None or m in chosen]
+
+
 def reference_runs(cfg: RunConfig, split: str | None = None) -> dict[str, str]:
-    """method -> the derived run of each `experiment.references` baseline on `split` (default: the held-out one),
-    of `references_from` when set."""
-    owner = cfg.experiment.references_from or cfg.run_id
-    return {m: baseline_run_id(owner, method_tag(m), split or cfg.experiment.eval_split)
-            for m in cfg.experiment.references}
+    """method -> the derived run of each reference that runs on `split` (`reference_methods`; default: the held-out
+    split), of `references_from` when set."""
+    owner, split = cfg.experiment.references_from or cfg.run_id, split or cfg.experiment.eval_split
+    return {m: baseline_run_id(owner, method_tag(m), split) for m in reference_methods(cfg, split)}
 
 
 NOT_COMPUTED = ("executor.serve.port",)  # where a run's executor listened, not what it computed
@@ -319,7 +329,7 @@ def reference_plan(cfg: RunConfig) -> list[tuple[str, str, dict, str]]:
         splits.append((setup.select_split, select_changes(cfg), " (the best fixed workflow is chosen there)"))
     fit = [(setup.router.fit_split, fit_changes(cfg), " (the routers are fitted there)")] if setup.router else []
     first = [(m, *split) for split in splits + fit for m in designs]
-    return first + [(m, *split) for split in splits for m in setup.references if m not in designs]
+    return first + [(m, *split) for split in splits for m in reference_methods(cfg, split[0]) if m not in designs]
 
 
 def routers(store: Store, cfg: RunConfig, held_out: list[ReferenceArm]) -> list[ReferenceArm]:
@@ -378,7 +388,8 @@ def selection(store: Store, cfg: RunConfig, arms: list[ExperimentArm], refs: lis
     done = {r.method for r in chosen_on}
     return replace(best_fixed(chosen_on, refs, mean_or_none(spent), experiment.budget_slack),
                    split=experiment.select_split, last_round=last,
-                   missing=[method_tag(m) for m in experiment.references if m not in done])
+                   missing=[method_tag(m) for m in reference_methods(cfg, experiment.select_split)
+                            if m not in done])
 
 
 def evaluated(store: Store, cfg: RunConfig, seed: int, seeds: list[int]) -> bool:
@@ -666,7 +677,7 @@ def reference_rows(cfg: RunConfig) -> list[PlannedRun]:
     held-out split and `select_split`."""
     setup = cfg.experiment
     splits = (setup.eval_split, setup.select_split)
-    plan = ([(m, s) for s in splits if s for m in setup.references] if setup.references_from
+    plan = ([(m, s) for s in splits if s for m in reference_methods(cfg, s)] if setup.references_from
             else [(m, s) for m, s, _, _ in reference_plan(cfg)])
     planned = dict(zip(splits, (planned_workflows(cfg, "evaluate"), planned_workflows(cfg, "select")), strict=True))
     if setup.router is not None:
