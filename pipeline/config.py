@@ -895,6 +895,12 @@ class ExperimentConfig(_Strict):
         "round 0, is its π_old and its KL reference; that seed must be trained first. Null: the base model.",
         json_schema_extra=not_hashed("plan"),
     )
+    base_from: str | None = Field(
+        None, description="Pair seed k with experiment <id>'s base-model evaluation of seed k (<id>-s<k>-eval-base) "
+        "instead of evaluating the base model again: arms of one study that start from one base model share its "
+        "samples. That evaluation must be finished and made with this experiment's evaluation settings.",
+        json_schema_extra=not_hashed("plan"),
+    )
     select_split: Literal["dev"] | None = Field(
         None, description="Also run every reference on this split and name the best fixed workflow by it: the highest "
         "Mean@L there, at the trained generator's executor budget and at any (test is never used to choose).",
@@ -945,6 +951,9 @@ class ExperimentConfig(_Strict):
             raise ValueError("experiment.router chooses its settings on dev: set experiment.select_split: dev")
         if self.select_eval and self.select_split is None:
             raise ValueError("experiment.select_eval evaluates on select_split: set experiment.select_split: dev")
+        if self.base_from is not None and self.shared_base:
+            raise ValueError("experiment.base_from borrows every seed's base evaluation; experiment.shared_base "
+                             "evaluates the first seed's: set one of the two")
         if self.select_references is not None:
             if self.select_split is None:
                 raise ValueError("experiment.select_references run on select_split: set experiment.select_split: dev")

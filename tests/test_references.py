@@ -345,10 +345,11 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
     assert own.references == [] and own.paired_references == [] and not own.shared_base
 
     # another experiment ("w": another learning rate) borrows x's reference runs: it makes none, pairs with them;
-    # and its seed starts from x's same seed (experiment.start_from): the last round's checkpoint of x-s0
+    # its seed starts from x's same seed (experiment.start_from): the last round's checkpoint of x-s0; and it pairs
+    # with x-s0's base evaluation instead of making its own (experiment.base_from)
     calls.clear()
     borrow = {"references": ["io", program], "references_from": "x", "seeds": [0]}
-    w = _experiment_config(tmp_path, "w", borrow | {"start_from": "x"}, rounds=1)
+    w = _experiment_config(tmp_path, "w", borrow | {"start_from": "x", "base_from": "x"}, rounds=1)
     w.write_text(w.read_text() + "training:\n  lr: 1.0e-05\n")
     with pytest.raises(ConfigError, match="run x-s0 has no checkpoint of its last round 1"):
         run_experiment(w, direct_call(RetryPolicy(delay_s=0)))  # the fake train stage leaves an empty folder
@@ -357,8 +358,19 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
         (st.checkpoint_dir("x-s0", 1) / name).write_text("{}")
     theirs = run_experiment(w, direct_call(RetryPolicy(delay_s=0)))
     assert load_config(st.run_dir("w-s0") / "config.yaml").generator.adapter == str(st.checkpoint_dir("x-s0", 1))
-    assert load_config(st.run_dir("w-s0-eval-base") / "config.yaml").generator.adapter is None  # the base model
-    assert not any("-baseline-" in r for r, _ in calls)
+    assert not any("-baseline-" in r or r == "w-s0-eval-base" for r, _ in calls)
+    assert [(a.seed, a.round, a.eval_run_id) for a in theirs.arms] == [(0, -1, "x-s0-eval-base"),
+                                                                        (0, 0, "w-s0-eval-r0")]
+    assert [(p.base, p.trained) for p in theirs.paired if p.metric == "mean_at_l"] == [(0.5, 1.0)]
+    assert (theirs.base_from, theirs.start_from) == ("x", "x")
+    other_seed = _experiment_config(tmp_path, "t", {"seeds": [1], "base_from": "x"})
+    with pytest.raises(ConfigError, match="its base-model evaluation x-s1-eval-base is not finished"):
+        run_experiment(other_seed, direct_call(RetryPolicy(delay_s=0)))  # x shares seed 0's base: none of seed 1
+    other_cap = _experiment_config(tmp_path, "t", {"seeds": [0], "base_from": "x"})
+    other_cap.write_text(other_cap.read_text() + "executor:\n  max_tokens: 7\n")
+    with pytest.raises(ConfigError, match="x-s0-eval-base was made with other settings .*\\(executor.max_tokens\\)"):
+        run_experiment(other_cap, direct_call(RetryPolicy(delay_s=0)))
+    assert not (tmp_path / "runs" / "t-s0").exists() and not (tmp_path / "runs" / "t-s1").exists()
     borrowed = {r.eval_run_id for r in theirs.references}
     assert borrowed == {"x-baseline-io", "x-baseline-program-expression_eval"}
     against = {(p.reference, p.round): p.mean for p in theirs.paired_references if p.metric == "mean_at_l"}

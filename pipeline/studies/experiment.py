@@ -16,7 +16,10 @@ Summaries written before the headline interval existed lack its keys; readers sh
 
 `experiment.shared_base`: the base model is evaluated once, in the first seed's run with its sampling seed, and its
 per-query numbers are the base of every seed's pairs; this saves one evaluation per extra seed, but the base's own
-sampling noise is then one draw, not resampled across seeds. `experiment.references`: after the seeds, each named
+sampling noise is then one draw, not resampled across seeds. `experiment.base_from` pairs seed k with another
+experiment's evaluation of the base model at seed k (arms of one study), checked to be made with this experiment's
+evaluation settings (`check_base`); `experiment.start_from` starts seed k's round 0 from another experiment's seed k
+(`start_changes`). `experiment.references`: after the seeds, each named
 baseline (pipeline.studies.baselines: a fixed program, task_best or `program:<file>`) runs on the same split,
 queries and L in its derived run `<run_id>-baseline-<method>`; the summary gives it as a reference arm (Mean@L,
 Best@L, Majority@L, tokens per query) with every evaluated round's paired difference to it (pairs over seed x
@@ -157,6 +160,8 @@ def plan(cfg: RunConfig, seeds: list[int] | None = None) -> list[SeedPlan]:
     if (chosen := cfg.experiment.select_references) is not None and (left := [d for d in designs if d not in chosen]):
         raise ConfigError(f"experiment.select_references: the router's designs {', '.join(left)} must run on "
                           f"{chooser} too (the routers' settings are chosen there)")
+    if cfg.experiment.base_from == cfg.run_id:
+        raise ConfigError(f"experiment.base_from {cfg.run_id}: an experiment cannot borrow its own base evaluations")
     if (start := cfg.experiment.start_from) is not None and (start == cfg.run_id or cfg.generator.adapter):
         raise ConfigError(f"experiment.start_from {start}: " + (
             "an experiment cannot start from its own seeds" if start == cfg.run_id else
@@ -189,11 +194,53 @@ def experiment_dir(store: Store, run_id: str) -> Path:
     return store.root / "experiments" / run_id
 
 
-def seed_rounds(cfg: RunConfig, seed: int, seeds: list[int]) -> list[int]:
-    """The rounds evaluated in seed `seed`'s runs: all of `eval_rounds`, but the base model only in the first
-    seed's when `experiment.shared_base` is on."""
+def summary_rounds(cfg: RunConfig, seed: int, seeds: list[int]) -> list[int]:
+    """The rounds whose evaluation of seed `seed` the summary reads: all of `eval_rounds`, but the base model only
+    for the first seed when `experiment.shared_base` is on."""
     shared = cfg.experiment.shared_base and seed != seeds[0]
     return [k for k in eval_rounds(cfg) if not (shared and k == BASE)]
+
+
+def seed_rounds(cfg: RunConfig, seed: int, seeds: list[int]) -> list[int]:
+    """The rounds evaluated in seed `seed`'s runs: `summary_rounds`, less the base model's when another experiment's
+    evaluation of it is borrowed (`experiment.base_from`)."""
+    return [k for k in summary_rounds(cfg, seed, seeds) if not (cfg.experiment.base_from and k == BASE)]
+
+
+def seed_eval_run(cfg: RunConfig, seed: int, k: int, split: str | None = None) -> str:
+    """The evaluation run of seed `seed`'s round `k` (BASE: the base model) on `split` (default: the held-out one):
+    this experiment's, or for the base model `experiment.base_from`'s."""
+    owner = cfg.experiment.base_from if k == BASE and cfg.experiment.base_from else cfg.run_id
+    return eval_run_id(seed_run_id(owner, seed), k, split or cfg.experiment.eval_split)
+
+
+def check_base(store: Store, cfg: RunConfig, config: str | Path, sets: list[str], seed_plan: SeedPlan) -> None:
+    """`experiment.base_from`: the borrowed base-model evaluation of seed `seed_plan` is finished and was made with
+    the settings this experiment's own would have (the seed's config, then the evaluation's changes); a
+    ConfigError naming the run and the fields otherwise, before the seed trains."""
+    if (owner := cfg.experiment.base_from) is None:
+        return
+    from pipeline.config import diff_configs
+    from pipeline.studies.evaluate import frozen_eval_changes
+
+    rid = seed_eval_run(cfg, seed_plan.seed, BASE)
+    if store.manifest(rid, 0, "score") is None:
+        raise ConfigError(f"experiment.base_from {owner}: its base-model evaluation {rid} is not finished under "
+                          f"{store.root}; finish seed {seed_plan.seed} of experiment {owner} first, or drop base_from")
+    seed_sets = variant_sets(seed_plan.changes | start_changes(store, cfg, seed_plan.seed), before=sets)
+    seed_cfg = load_config(config, seed_sets)
+    split = cfg.experiment.eval_split
+    mine = load_config(config, variant_sets(frozen_eval_changes(seed_cfg, BASE, None, split, store)
+                                            | eval_changes(seed_cfg), before=seed_sets))
+    theirs = run_config(store, rid)
+    # the run's own name and the run its exemplars would come from (none are shown: `exemplars`) name runs, not
+    # what the evaluation computes; the plan's sections are each experiment's own, and an evaluation trains nothing
+    changed = [p for p in diff_configs(theirs, mine.model_copy(update={"run_id": theirs.run_id}))
+               if p != "rollout.exemplar_run"
+               and p.split(".")[0] not in ("experiment", "headroom", "tracking", "training", "curation")]
+    if changed:
+        raise ConfigError(f"experiment.base_from {owner}: {rid} was made with other settings than this experiment's "
+                          f"base evaluation would be ({', '.join(changed)}); drop base_from")
 
 
 def query_values(per_query: list[dict], seed: int, round: int, metric: str) -> dict[str, float]:
@@ -449,8 +496,8 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
     split, experiment = cfg.experiment.eval_split, cfg.experiment
     arms, per_query = [], []
     for seed in seeds:
-        for round_number in seed_rounds(cfg, seed, seeds):
-            eid = eval_run_id(seed_run_id(cfg.run_id, seed), round_number, split)
+        for round_number in summary_rounds(cfg, seed, seeds):
+            eid = seed_eval_run(cfg, seed, round_number)
             if not (store.run_dir(eid) / "config.yaml").is_file():
                 continue
             summ = eval_summary(store, eid)
@@ -473,7 +520,8 @@ def summarise(store: Store, cfg: RunConfig, seeds: list[int]) -> ExperimentSumma
     labels = label_checks(store, cfg, parts)
     return ExperimentSummary(experiment=cfg.run_id, seeds=seeds, rounds=cfg.rounds, split=split,
                              eval_queries=experiment.eval_queries, eval_l=experiment.eval_l,
-                             shared_base=experiment.shared_base, arms=arms,
+                             shared_base=experiment.shared_base, base_from=experiment.base_from,
+                             start_from=experiment.start_from, arms=arms,
                              paired=paired, curve=curve(cfg, seeds, per_query), references=refs,
                              paired_references=against, selection=chosen,
                              per_query=per_query, flagged_rewarded=flagged,
@@ -491,8 +539,8 @@ def part_rounds(store: Store, cfg: RunConfig, seeds: list[int], select_seeds: li
     """Per split, evaluated round and part, pooled over the seeds evaluated there (pipeline.studies.choices.
     part_rows): the held-out evaluations of `seeds`, and the last round's on select_split of `select_seeds`."""
     split, out = cfg.experiment.eval_split, []
-    plans = [(split, k, [(s, eval_run_id(seed_run_id(cfg.run_id, s), k, split)) for s in seeds
-                         if k in seed_rounds(cfg, s, seeds)]) for k in eval_rounds(cfg)]
+    plans = [(split, k, [(s, seed_eval_run(cfg, s, k)) for s in seeds if k in summary_rounds(cfg, s, seeds)])
+             for k in eval_rounds(cfg)]
     if select_seeds:
         plans.append((cfg.experiment.select_split, cfg.rounds - 1,
                       [(s, select_eval_run(cfg, s)) for s in select_seeds]))
@@ -902,6 +950,7 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 if evaluate_on_select(store, cfg, seed_plan, call):  # select_eval set after the seed was evaluated
                     summary, out = publish(f"after seed {seed_plan.seed} on {cfg.experiment.select_split}")
                 continue
+            check_base(store, cfg, path, sets, seed_plan)
             t_seed = time.perf_counter()
             log.info("seed %d: training run %s (%d rounds)", seed_plan.seed, seed_plan.run_id, cfg.rounds)
             restore_kept_checkpoints(store, seed_plan.run_id)  # a fresh clone of a store cut off mid-seed

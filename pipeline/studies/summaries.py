@@ -474,6 +474,8 @@ class ExperimentSummary(Record):
     eval_queries: int | None
     eval_l: int
     shared_base: bool = False
+    base_from: str | None = None  # experiment.base_from: whose base-model evaluations the seeds pair with
+    start_from: str | None = None  # experiment.start_from: whose seeds' adapters round 0 started from
     arms: list[ExperimentArm] = field(default_factory=list)
     paired: list[RoundDiff] = field(default_factory=list)
     curve: list[CurvePoint] = field(default_factory=list)
@@ -497,8 +499,8 @@ class ExperimentSummary(Record):
     NESTED = {"arms": ExperimentArm, "paired": RoundDiff, "curve": CurvePoint, "references": ReferenceArm,
               "paired_references": RoundDiff, "selection": Selection, "adapters": KeptAdapter, "verdict": Verdict,
               "select_arms": ExperimentArm, "parts": PartRound, "labels": LabelCheck}
-    OPTIONAL = ("adapters", "verdict", "query_parts", "select_arms", "parts", "labels", "stage_walls", "results",
-                "wall_s")
+    OPTIONAL = ("base_from", "start_from", "adapters", "verdict", "query_parts", "select_arms", "parts", "labels",
+                "stage_walls", "results", "wall_s")
 
     def headline(self) -> list[str]:
         """Lines a person reads first: per evaluated round and metric, held-out base -> trained with the paired
