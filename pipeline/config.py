@@ -1126,13 +1126,20 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def load_yaml(text: str) -> Any:
+    """YAML text as Python data, read by libyaml's parser where PyYAML was built with it and the same safe resolver
+    (the types are resolved in Python either way): about ten times the pure-Python parser's speed, and a study reads
+    its runs' frozen configs hundreds of times."""
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 def _parse_value(raw: str) -> Any:
     """`--set` values are YAML scalars/lists: `3`, `0.1`, `true`, `null`, `[a, b]`, plain strings. An empty value
     (`key=`) is the empty string: YAML would read it as null, and null must be asked for by name."""
     if not raw.strip():
         return raw
     try:
-        return yaml.safe_load(raw)
+        return load_yaml(raw)
     except yaml.YAMLError:
         return raw
 
@@ -1202,7 +1209,7 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pipeline.config import (
     ConfigError,
     RunConfig,
@@ -16,6 +14,7 @@ from pipeline.config import (
     config_from_dict,
     diff_configs,
     load_config,
+    load_yaml,
 )
 from pipeline.store import Store, use_endpoint
 
@@ -55,7 +54,7 @@ def run_config(store: Store, run_id: str) -> RunConfig:
     text = store.read_config(run_id)
     if text is None:
         raise ConfigError(f"run {run_id!r} not found under {store.root}")
-    return config_from_dict(yaml.safe_load(text), str(store.run_dir(run_id) / "config.yaml"))
+    return config_from_dict(load_yaml(text), str(store.run_dir(run_id) / "config.yaml"))
 
 
 def open_run(
@@ -86,7 +85,7 @@ def open_run(
     saved_path = store.run_dir(run_id) / "config.yaml"
     saved_text = store.read_config(run_id)
     if saved_text is not None:
-        frozen = config_from_dict(yaml.safe_load(saved_text) or {}, str(saved_path))
+        frozen = config_from_dict(load_yaml(saved_text) or {}, str(saved_path))
         cfg = config_from_dict(apply_overrides(frozen.model_dump(mode="json"), sets), f"{saved_path} + --set") \
             if sets else frozen
         if given_set is not None:

@@ -28,9 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from pipeline.config import RunConfig, config_from_dict
+from pipeline.config import RunConfig, config_from_dict, load_yaml
 from pipeline.store import Store, round_stats
 from pipeline.studies.evaluate import eval_summary, evaluate_round
 from pipeline.studies.report import stage_timings, status_counts
@@ -122,7 +120,7 @@ def run_trackers(store: Store, run_id: str) -> list[str]:
     text = store.read_config(run_id)
     if text is None:
         raise TrackingError(f"run {run_id!r} not found under {store.root}")
-    return config_from_dict(yaml.safe_load(text) or {}, f"{run_id}/config.yaml").tracking
+    return config_from_dict(load_yaml(text) or {}, f"{run_id}/config.yaml").tracking
 
 
 def sync_run(store: Store, run_id: str, trackers: list[str] | None = None) -> dict[str, str]:
