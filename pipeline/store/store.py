@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -244,6 +245,33 @@ def load_httpfs(con: duckdb.DuckDBPyConnection) -> None:
         raise StoreError(f"s3:// stores read parts through DuckDB's httpfs extension, which did not load ({e}): "
                          f"pip install duckdb-extension-httpfs=={duckdb.__version__} (the pins in pyproject.toml)"
                          ) from e
+
+
+_DATABASE: list[duckdb.DuckDBPyConnection] = []  # the process's in-memory database (`_in_memory`), once made
+_FORKED_AWAY: list[duckdb.DuckDBPyConnection] = []  # a parent's, in a forked child: kept, never used or closed
+_DATABASE_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child makes its own database: the parent's copy (its threads were not forked) is set aside
+    untouched, and the lock is new (another thread may have held it at the fork)."""
+    global _DATABASE_LOCK
+    _FORKED_AWAY.extend(_DATABASE)
+    _DATABASE.clear()
+    _DATABASE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _in_memory() -> duckdb.DuckDBPyConnection:
+    """A new connection (a cursor) to this process's one in-memory DuckDB database. A store query opens one each: a
+    cursor costs microseconds, a new database about 20 ms (a study's summary makes hundreds). Temporary views are
+    their connection's own, so queries on other threads or of other stores never see each other's."""
+    with _DATABASE_LOCK:
+        if not _DATABASE:
+            _DATABASE.append(duckdb.connect())
+        return _DATABASE[0].cursor()
 
 
 class Store:
@@ -512,18 +540,20 @@ class Store:
         return (f"SELECT * FROM read_json({_sql_str(str(folder / '*.jsonl'))}, format = 'newline_delimited', "
                 f"ignore_errors = true, columns = {{{spec}}}) WHERE key IS NOT NULL")
 
-    def _create_views(self, con: duckdb.DuckDBPyConnection, names: frozenset[str] | None = None) -> None:
+    def _create_views(self, con: duckdb.DuckDBPyConnection, names: frozenset[str] | None = None,
+                      temporary: bool = False) -> None:
         """The catalog's views, or only `names` (`views_for`): DuckDB binds a view when it is made, reading every
-        part's schema, which is most of a small query's time."""
+        part's schema, which is most of a small query's time. `temporary`: the connection's own (TEMP) views."""
+        view = "TEMP VIEW" if temporary else "VIEW"
         for t in TABLES:
             if names is None or t in names:
-                con.execute(f"CREATE OR REPLACE VIEW {t} AS {self._view_sql(t)}")
+                con.execute(f"CREATE OR REPLACE {view} {t} AS {self._view_sql(t)}")
         for name, sql in VIEWS.items():  # in dependency order
             if names is None or name in names:
-                con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
+                con.execute(f"CREATE OR REPLACE {view} {name} AS {sql}")
         for kind in CACHE_VIEWS:
             if names is None or f"{kind}_cache" in names:
-                con.execute(f"CREATE OR REPLACE VIEW {kind}_cache AS {self._cache_view_sql(kind)}")
+                con.execute(f"CREATE OR REPLACE {view} {kind}_cache AS {self._cache_view_sql(kind)}")
 
     def _attach_s3(self, con: duckdb.DuckDBPyConnection) -> None:
         """httpfs plus a temporary (in-memory, never persisted) S3 secret for this connection."""
@@ -554,11 +584,16 @@ class Store:
             {"run": run_id, "round": round, "reps": reps, "transient": sorted(transient)})
 
     def connect(self, names: frozenset[str] | None = None) -> duckdb.DuckDBPyConnection:
-        """In-memory connection with the catalog's views, or only `names` (no lock on catalog.duckdb)."""
-        con = duckdb.connect()
+        """In-memory connection with the catalog's views, or only `names` (no lock on catalog.duckdb): locally a new
+        connection to the process's one in-memory database (`_in_memory`) with the views as its own temporary ones;
+        on object storage a database of its own, with httpfs and the S3 secret."""
         if self.remote:
+            con = duckdb.connect()
             self._attach_s3(con)
-        self._create_views(con, names)
+            self._create_views(con, names)
+            return con
+        con = _in_memory()
+        self._create_views(con, names, temporary=True)
         return con
 
     def sql(self, query: str, params: dict[str, Any] | list[Any] | None = None) -> pl.DataFrame:
