@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.config import ConfigError, load_config
 from pipeline.run import open_run
-from pipeline.store import CorruptPartWarning, Store
+from pipeline.store import CorruptPartWarning, Store, StoreError
 from pipeline.store.store import views_for
 
 
@@ -245,3 +245,15 @@ def test_discard_unfinished_removes_only_the_named_tables_and_the_checkpoint(tmp
     assert len(st.parts("train_metrics", "r", 0)) == 1 and st.checkpoint_dir("r", 0).is_dir()
     assert st.discard_unfinished("r", 0, ["train_metrics"], checkpoint=True) == 1
     assert not st.checkpoint_dir("r", 0).exists()
+
+
+def test_a_query_scoped_to_a_run_reads_that_runs_parts_alone(tmp_path):
+    st = Store(tmp_path)
+    st.write("scores", [_score("a", 0, 0, "ok", 1.0), _score("b", 0, 0, "ok", 0.0)], "r1", 0)
+    st.write("scores", [_score("c", 0, 0, "ok", 0.5)], "r2", 1)
+    everything = "SELECT run_id, count(*) AS n FROM latest_scores GROUP BY run_id ORDER BY run_id"
+    assert st.sql(everything).rows() == [("r1", 2), ("r2", 1)]
+    assert st.sql(everything, run="r2").rows() == [("r2", 1)]  # no filter in the query: the views hold r2's rows
+    assert st.sql(everything, run="r3").rows() == []  # a run with no parts: the empty typed views
+    with pytest.raises(StoreError, match="not a run folder's name"):
+        st.sql(everything, run="r1/../*")

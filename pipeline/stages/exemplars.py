@@ -101,7 +101,7 @@ class Pools:
 def pool_rows(store: Store, run_id: str, round: int) -> list[tuple]:
     """(kind, gen_id, query_id, text, score, agent_id) of the scored generations of rounds < round: workflows with
     their score and agent (null when flat), agents with r_i = the mean of their workflows' scores."""
-    return list(store.sql(POOL_SQL, {"run": run_id, "round": round}).iter_rows())
+    return list(store.sql(POOL_SQL, {"run": run_id, "round": round}, run=run_id).iter_rows())
 
 
 def load_pools(store: Store, run_id: str, round: int, r_min_agent: float = 0.0, r_min_workflow: float = 0.0) -> Pools:

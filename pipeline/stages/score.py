@@ -52,7 +52,7 @@ class Job:
 def latest_attempts(store: Store, run_id: str, round: int) -> dict[tuple[str, int], tuple[str, int]]:
     """(gen_id, rep) -> (status, attempt) of the latest attempt (the store's `latest_scores` view)."""
     df = store.sql("SELECT gen_id, rep, status, attempt FROM latest_scores WHERE run_id = $run AND round = $round",
-                   {"run": run_id, "round": round})
+                   {"run": run_id, "round": round}, run=run_id)
     return {(g, r): (s, a) for g, r, s, a in df.iter_rows()}
 
 

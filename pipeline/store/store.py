@@ -514,8 +514,9 @@ class Store:
         return self.scan(table, run_id, round).collect()
 
     # ---- DuckDB ----------------------------------------------------------------------------
-    def _view_sql(self, table: str) -> str:
-        files = self.parts(table)
+    def _view_sql(self, table: str, run: str | None = None) -> str:
+        """The table's view over every run's parts, or over run `run`'s alone."""
+        files = self.parts(table, run)
         good = [p for p in files if self._is_ok(p)]
         cols = ", ".join(f"CAST(NULL AS {_duck_type(f.type)}) AS {f.name}" for f in schema(table))
         empty = f"SELECT {cols}, CAST(NULL AS INTEGER) AS round WHERE false"
@@ -523,7 +524,7 @@ class Store:
             return empty
         opts = "hive_partitioning = true, union_by_name = true, hive_types = {'round': INTEGER}"
         if len(good) == len(files):  # glob: parts written after the refresh are visible too
-            src = f"'{self.root}/*/round=*/{table}/*.parquet'"
+            src = f"'{self.root}/{run or '*'}/round=*/{table}/*.parquet'"
         else:  # a corrupt part would fail the whole glob: list the readable ones
             src = "[" + ", ".join(f"'{p}'" for p in good) + "]"
         # the empty typed relation first: every column of the schema exists even when no part has it yet (parts
@@ -541,13 +542,14 @@ class Store:
                 f"ignore_errors = true, columns = {{{spec}}}) WHERE key IS NOT NULL")
 
     def _create_views(self, con: duckdb.DuckDBPyConnection, names: frozenset[str] | None = None,
-                      temporary: bool = False) -> None:
+                      temporary: bool = False, run: str | None = None) -> None:
         """The catalog's views, or only `names` (`views_for`): DuckDB binds a view when it is made, reading every
-        part's schema, which is most of a small query's time. `temporary`: the connection's own (TEMP) views."""
+        part's schema, which is most of a small query's time. `temporary`: the connection's own (TEMP) views; `run`:
+        the tables' views over that run's parts alone."""
         view = "TEMP VIEW" if temporary else "VIEW"
         for t in TABLES:
             if names is None or t in names:
-                con.execute(f"CREATE OR REPLACE {view} {t} AS {self._view_sql(t)}")
+                con.execute(f"CREATE OR REPLACE {view} {t} AS {self._view_sql(t, run)}")
         for name, sql in VIEWS.items():  # in dependency order
             if names is None or name in names:
                 con.execute(f"CREATE OR REPLACE {view} {name} AS {sql}")
@@ -581,25 +583,30 @@ class Store:
             "WHEN reps_scored < $reps THEN 'unscored' ELSE 'ok' END AS state "
             "FROM generation_scores WHERE run_id = $run AND round = $round "
             "ORDER BY query_id, parent_id NULLS FIRST, slot, gen_id",
-            {"run": run_id, "round": round, "reps": reps, "transient": sorted(transient)})
+            {"run": run_id, "round": round, "reps": reps, "transient": sorted(transient)}, run=run_id)
 
-    def connect(self, names: frozenset[str] | None = None) -> duckdb.DuckDBPyConnection:
+    def connect(self, names: frozenset[str] | None = None, run: str | None = None) -> duckdb.DuckDBPyConnection:
         """In-memory connection with the catalog's views, or only `names` (no lock on catalog.duckdb): locally a new
         connection to the process's one in-memory database (`_in_memory`) with the views as its own temporary ones;
-        on object storage a database of its own, with httpfs and the S3 secret."""
+        on object storage a database of its own, with httpfs and the S3 secret. `run`: the tables hold that run's
+        rows alone."""
+        if run is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._=+-]*", run):
+            raise StoreError(f"run id {run!r}: not a run folder's name")
         if self.remote:
             con = duckdb.connect()
             self._attach_s3(con)
-            self._create_views(con, names)
+            self._create_views(con, names, run=run)
             return con
         con = _in_memory()
-        self._create_views(con, names, temporary=True)
+        self._create_views(con, names, temporary=True, run=run)
         return con
 
-    def sql(self, query: str, params: dict[str, Any] | list[Any] | None = None) -> pl.DataFrame:
+    def sql(self, query: str, params: dict[str, Any] | list[Any] | None = None, run: str | None = None
+            ) -> pl.DataFrame:
         """Run a query over the views it names (`views_for`); `params` binds `$name` parameters (a dict) or `?`
-        ones (a list)."""
-        con = self.connect(views_for(query))
+        ones (a list). `run`: a query that reads one run's rows alone says which, and its views then read that run's
+        parts, not every part of the store (a query's time grows with the store's parts otherwise)."""
+        con = self.connect(views_for(query), run)
         try:
             rel = con.sql(query, params=params)
             return rel.pl() if rel is not None else pl.DataFrame()

@@ -120,7 +120,7 @@ FLAGGED_REWARDED_SQL = "coalesce(flags, '') <> '' AND metric > 0"
 def flagged_rewarded(store, run_id: str) -> int:
     """Latest-attempt runs of `run_id`, all rounds, that were flagged and rewarded (FLAGGED_REWARDED_SQL)."""
     df = store.sql(f"SELECT count(*) AS n FROM latest_scores WHERE run_id = $run AND {FLAGGED_REWARDED_SQL}",
-                   {"run": run_id})
+                   {"run": run_id}, run=run_id)
     return int(df["n"][0])
 
 
@@ -165,7 +165,7 @@ def round_stats(store: Any, run_id: str) -> pl.DataFrame:
     """One row per round: workflows, valid_share, scored, mean_score, best_score, flagged_rewarded (runs whose code
     touches the harness's surface yet passed: see docs/sandbox.md), usage (truncated_share: of the scoring runs'
     executor calls, those with a reply cut at the token cap), tokens per query, groups, training."""
-    return store.sql(ROUND_SQL, {"run": run_id})
+    return store.sql(ROUND_SQL, {"run": run_id}, run=run_id)
 
 
 # Do a round's groups span designs? Per round of a run, of its queries (a GRPO group is a query's workflows),
@@ -196,7 +196,8 @@ ORDER BY round, written_share DESC, design
 
 def design_spread(store: Any, run_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(DESIGN_SPAN_SQL, DESIGN_SHARES_SQL) of one run."""
-    return store.sql(DESIGN_SPAN_SQL, {"run": run_id}), store.sql(DESIGN_SHARES_SQL, {"run": run_id})
+    return (store.sql(DESIGN_SPAN_SQL, {"run": run_id}, run=run_id),
+            store.sql(DESIGN_SHARES_SQL, {"run": run_id}, run=run_id))
 
 
 # What the gradient sees, per round and part of a task mixing generators (`queries.meta.task`; '' for a benchmark
@@ -219,7 +220,7 @@ GROUP BY ALL ORDER BY q.round, q.part
 
 def part_signal(store: Any, run_id: str) -> pl.DataFrame:
     """PART_SIGNAL_SQL of one run."""
-    return store.sql(PART_SIGNAL_SQL, {"run": run_id})
+    return store.sql(PART_SIGNAL_SQL, {"run": run_id}, run=run_id)
 
 
 # Per round, the kept GRPO groups whose members declare at least two different choices: only there does a group's

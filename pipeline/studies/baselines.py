@@ -319,7 +319,7 @@ def _selection_rows(store: Store, run_id: str, tasks: dict[str, str]) -> list[di
         "g.model, g.sampling FROM generation_scores s JOIN (SELECT run_id, round, gen_id, any_value(model) "
         "AS model, any_value(sampling) AS sampling FROM generations GROUP BY ALL) g "
         "USING (run_id, round, gen_id) WHERE s.run_id = $run AND s.round = 0 AND s.kind = 'workflow'",
-        {"run": run_id})
+        {"run": run_id}, run=run_id)
     return [{"task": tasks[q], "label": m, "order": slot, "score": 0.0 if s is None else s, "exec_tokens": float(tok)}
             for q, slot, s, tok, m, prov in scored.iter_rows() if json.loads(prov or "{}").get("query_id") != q]
 
@@ -422,7 +422,7 @@ class Comparison(Record):
 def describe(store: Store, run_id: str) -> str:
     """What wrote a run's workflows: a baseline's (or SMC's) `method`, else the generator and its adapter."""
     df = store.sql("SELECT any_value(sampling) AS sampling FROM generations WHERE run_id = $run AND round = 0 "
-                   "AND kind = 'workflow'", {"run": run_id})
+                   "AND kind = 'workflow'", {"run": run_id}, run=run_id)
     method = json.loads(df["sampling"][0] or "{}").get("method") if df.height else None
     if method:
         return method

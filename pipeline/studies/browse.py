@@ -45,11 +45,12 @@ def workflows(store: Store, run_id: str, round: int, query_id: str | None = None
         "SELECT g.query_id, g.gen_id, g.kind, g.parent_id, g.slot, g.text, g.valid, g.invalid_reason, g.attempt, "
         "s.score, s.llm_calls, s.tokens_in, s.tokens_out FROM generations g LEFT JOIN generation_scores s USING "
         "(run_id, round, gen_id) WHERE g.run_id = $run AND g.round = $round AND ($q IS NULL OR g.query_id = $q) "
-        "ORDER BY g.kind, g.parent_id NULLS FIRST, g.slot, g.attempt, g.gen_id", params)
+        "ORDER BY g.kind, g.parent_id NULLS FIRST, g.slot, g.attempt, g.gen_id", params, run=run_id)
     runs = store.sql("SELECT gen_id, rep, status, answer, error FROM latest_scores WHERE run_id = $run AND "
-                     "round = $round" + only + " ORDER BY gen_id, rep", params)
+                     "round = $round" + only + " ORDER BY gen_id, rep", params, run=run_id)
     groups = store.sql("SELECT group_id, kept, members, advantages FROM groups WHERE run_id = $run AND "
-                       "round = $round AND coalesce(kind, 'group') = 'group'" + only + " ORDER BY group_id", params)
+                       "round = $round AND coalesce(kind, 'group') = 'group'" + only + " ORDER BY group_id", params,
+                       run=run_id)
     member_of: dict[str, list[tuple[str, bool, float | None]]] = {}
     for g in groups.iter_rows(named=True):
         for i, m in enumerate(g["members"] or []):
@@ -132,7 +133,7 @@ def workflow_cards(rows: list[dict], plot_id: str) -> str:
 
 def query_text(store: Store, run_id: str, round: int, query_id: str) -> str:
     q = store.sql("SELECT prompt, reference FROM queries WHERE run_id = $run AND round = $round AND query_id = $q "
-                  "LIMIT 1", {"run": run_id, "round": round, "q": query_id})
+                  "LIMIT 1", {"run": run_id, "round": round, "q": query_id}, run=run_id)
     if not q.height:
         return "<p>(query text not in the store)</p>"
     prompt, ref = q.row(0)
@@ -158,7 +159,7 @@ def round_queries(store: Store, run_id: str, round: int | None = None) -> pl.Dat
         "SELECT round, query_id, count(*) AS workflows, avg(score) AS mean_score, max(score) AS best_score, "
         "avg(CASE WHEN valid THEN 1.0 ELSE 0.0 END) AS valid_share FROM generation_scores WHERE run_id = $run AND "
         "kind = 'workflow' AND ($round IS NULL OR round = $round) GROUP BY round, query_id ORDER BY round, query_id",
-        {"run": run_id, "round": round})
+        {"run": run_id, "round": round}, run=run_id)
 
 
 def index_table(df: pl.DataFrame, links: list[str]) -> str:

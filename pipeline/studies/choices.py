@@ -31,7 +31,7 @@ WHERE g.run_id = $run AND g.kind = 'workflow' AND g.choice IS NOT NULL
 
 def choice_mix(store: Store, run_id: str) -> pl.DataFrame:
     """One row per (round, part, choice); empty for a run whose workflows declare no choice."""
-    df = store.sql(WORKFLOWS_SQL, {"run": run_id})
+    df = store.sql(WORKFLOWS_SQL, {"run": run_id}, run=run_id)
     if df.height == 0:
         return pl.DataFrame()
     df = df.with_columns(pl.col("text").map_elements(lambda t: reply_independent(extract_code(t)) is True,
@@ -66,7 +66,8 @@ def policy_odds(store: Store, run_id: str) -> pl.DataFrame:
     """Under rollout.choice_step, per round and part: the policy's own mean probability of each design (its odds
     over the labels renormalised, before choice_temperature flattens them for the draw; one read a query, averaged
     over the part's workflows): what training moved, whatever the exploration drew. Empty without a design step."""
-    df = store.sql(LABELS_SQL, {"run": run_id}).filter(pl.col("odds").is_not_null()).select("round", "part", "odds")
+    df = store.sql(LABELS_SQL, {"run": run_id}, run=run_id)
+    df = df.filter(pl.col("odds").is_not_null()).select("round", "part", "odds")
     if df.height == 0:
         return pl.DataFrame()
     rows = [{"round": r, "part": part, "design": name, "odds": float(p)}
@@ -77,7 +78,7 @@ def policy_odds(store: Store, run_id: str) -> pl.DataFrame:
 
 def choice_span(store: Store, run_id: str) -> pl.DataFrame:
     """Per round: the kept GRPO groups and those whose members declare two or more designs."""
-    return store.sql(CHOICE_SPAN_SQL, {"run": run_id})
+    return store.sql(CHOICE_SPAN_SQL, {"run": run_id}, run=run_id)
 
 
 def part_rows(store: Store, runs: list[str]) -> list[dict]:
@@ -85,7 +86,7 @@ def part_rows(store: Store, runs: list[str]) -> list[dict]:
     tokens and generator tokens (prompt and completion: the generator's own compute) a workflow, and per label the
     share of workflows made under it, their mean score and the policy's mean odds of it (`policy_odds`' read, over the
     part's workflows; None without a design step). Parts in name order; [] for runs without workflows."""
-    frames = [df for rid in runs if (df := store.sql(LABELS_SQL, {"run": rid})).height]
+    frames = [df for rid in runs if (df := store.sql(LABELS_SQL, {"run": rid}, run=rid)).height]
     if not frames:
         return []
     df = pl.concat(frames)

@@ -237,7 +237,7 @@ def generation_votes(store: Store, run_id: str, round: int, family: str) -> dict
     from pipeline.engines.benchmarks.metrics import vote_key
 
     df = store.sql("SELECT gen_id, rep, status, answer FROM latest_scores WHERE run_id = $run AND round = $round "
-                   "ORDER BY gen_id, rep", {"run": run_id, "round": round})
+                   "ORDER BY gen_id, rep", {"run": run_id, "round": round}, run=run_id)
     votes: dict[str, list[str]] = {}
     for gid, _, status, answer in df.iter_rows():
         key = vote_key(answer, family) if status == "ok" else None
@@ -254,7 +254,8 @@ USAGE_KEYS = ("gen_tokens_in", "gen_tokens_out", "gen_cost_usd", "exec_calls", "
 
 def query_usage(store: Store, run_id: str, round: int = 0) -> dict[str, dict]:
     """query_id -> its row of the store's `query_usage` view (generator and executor tokens and cost)."""
-    df = store.sql("SELECT * FROM query_usage WHERE run_id = $run AND round = $round", {"run": run_id, "round": round})
+    df = store.sql("SELECT * FROM query_usage WHERE run_id = $run AND round = $round", {"run": run_id, "round": round},
+                   run=run_id)
     return {r["query_id"]: {k: r[k] for k in USAGE_KEYS} for r in df.iter_rows(named=True)}
 
 
@@ -297,7 +298,7 @@ def eval_summary(store: Store, eval_id: str) -> EvalSummary:
     per_query = query_metrics(rows)
     usage = query_usage(store, eval_id)
     status = store.sql("SELECT status, count(*) AS n FROM latest_scores WHERE run_id = $run AND round = 0 "
-                       "GROUP BY status ORDER BY status", {"run": eval_id})
+                       "GROUP BY status ORDER BY status", {"run": eval_id}, run=eval_id)
     out = {"eval_run_id": eval_id, **split_summary(per_query),
            **usage_summary([usage[q.query_id] for q in per_query if q.query_id in usage]),
            "status": dict(zip(status["status"].to_list(), status["n"].to_list(), strict=True)),

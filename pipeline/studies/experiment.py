@@ -590,7 +590,7 @@ def query_parts(store: Store, runs: list[str]) -> dict[str, str]:
     that holds a query names it): the per-part tables of `ExperimentSummary.markdown` read them."""
     out: dict[str, str] = {}
     for rid in runs:
-        rows = store.sql(QUERY_PARTS_SQL, {"run": rid})
+        rows = store.sql(QUERY_PARTS_SQL, {"run": rid}, run=rid)
         for row in rows.iter_rows(named=True):
             out.setdefault(row["query_id"], row["part"] or "")
     return dict(sorted(out.items()))

@@ -115,12 +115,13 @@ def design_rows(store: Store, run_id: str) -> pl.DataFrame:
         "FROM generation_scores s JOIN (SELECT query_id, any_value(meta) AS meta, any_value(benchmark) AS benchmark, "
         "any_value(prompt) AS prompt FROM queries WHERE run_id = $run GROUP BY query_id) q USING (query_id) "
         "WHERE s.run_id = $run AND s.round = 0 AND s.kind = 'workflow' AND s.final ORDER BY s.query_id, s.slot",
-        {"run": run_id})
+        {"run": run_id}, run=run_id)
 
 
 def truncated_share(store: Store, run_id: str) -> float | None:
     """Of the run's scoring calls whose truncation was recorded, the share with a reply cut at the token cap."""
-    df = store.sql(f"SELECT {TRUNCATED_SHARE_SQL} AS share FROM latest_scores WHERE run_id = $run", {"run": run_id})
+    df = store.sql(f"SELECT {TRUNCATED_SHARE_SQL} AS share FROM latest_scores WHERE run_id = $run", {"run": run_id},
+                   run=run_id)
     return None if df.height == 0 else df["share"][0]
 
 

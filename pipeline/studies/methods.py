@@ -649,7 +649,7 @@ def design_counts(store: Store, run_id: str, keep: set[str] | None = None) -> di
     `generations.design`, the nearest design of the task's menu by code similarity (`other`: none near enough).
     None for a run without designs: no menu, or fixed programs (task_best, W4S's refined workflow)."""
     df = store.sql("SELECT query_id, design FROM generations WHERE run_id = $run AND round = 0 AND kind = 'workflow' "
-                   "AND design IS NOT NULL", {"run": run_id})
+                   "AND design IS NOT NULL", {"run": run_id}, run=run_id)
     designs = [d for q, d in df.iter_rows() if keep is None or q in keep]
     return dict(sorted(Counter(designs).items())) or None
 

@@ -26,19 +26,19 @@ from pipeline.studies.summaries import ExperimentSummary, ReferenceArm, RoundDif
 def score_distribution(store: Store, run_id: str) -> pl.DataFrame:
     return store.sql(
         "SELECT round, gen_id, score FROM generation_scores WHERE run_id = $run AND kind = 'workflow' "
-        "AND score IS NOT NULL ORDER BY round, gen_id", {"run": run_id})
+        "AND score IS NOT NULL ORDER BY round, gen_id", {"run": run_id}, run=run_id)
 
 
 def status_counts(store: Store, run_id: str) -> pl.DataFrame:
     return store.sql(
         "SELECT round, status, count(*) AS n FROM latest_scores WHERE run_id = $run GROUP BY round, status "
-        "ORDER BY round, status", {"run": run_id})
+        "ORDER BY round, status", {"run": run_id}, run=run_id)
 
 
 def train_curves(store: Store, run_id: str) -> pl.DataFrame:
     return store.sql(
         "SELECT round, step, loss, kl, clip_frac, tokens FROM train_metrics WHERE run_id = $run ORDER BY round, step",
-        {"run": run_id})
+        {"run": run_id}, run=run_id)
 
 
 def write_study(store: Store, dest, name: str, body: dict, markdown: str):
@@ -228,7 +228,7 @@ def design_copies(store: Store, run_id: str) -> pl.DataFrame:
         SELECT g.round, coalesce(json_extract_string(q.meta, '$.task'), '') AS part, g.design, g.text, s.score
         FROM generations g JOIN generation_scores s USING (run_id, round, gen_id)
         LEFT JOIN queries q ON q.run_id = g.run_id AND q.round = g.round AND q.query_id = g.query_id
-        WHERE g.run_id = $run AND g.kind = 'workflow' AND g.design IS NOT NULL""", {"run": run_id})
+        WHERE g.run_id = $run AND g.kind = 'workflow' AND g.design IS NOT NULL""", {"run": run_id}, run=run_id)
     if not rows.height:
         return empty
     copy = [d in menu and similarity(extract_code(t or ""), menu[d]) >= COPY_SIMILARITY

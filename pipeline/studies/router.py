@@ -66,8 +66,8 @@ def design_table(store: Store, arms: Sequence[ReferenceArm], designs: Sequence[s
     common = [q for q in rows[designs[0]] if all(q in rows[d] for d in designs)]
     if not common:
         raise ValueError(f"router: the designs {', '.join(designs)} share no finished query")
-    info = {r["query_id"]: r for r in store.sql(QUERY_SQL, {"run": by_label[designs[0]].eval_run_id}).iter_rows(
-        named=True)}
+    first = by_label[designs[0]].eval_run_id
+    info = {r["query_id"]: r for r in store.sql(QUERY_SQL, {"run": first}, run=first).iter_rows(named=True)}
     scores = np.array([[rows[d][q]["mean_at_l"] for q in common] for d in designs], dtype=float)
     tokens = np.array([[exec_tokens(rows[d][q]) for q in common] for d in designs], dtype=float)
     return DesignTable(tuple(designs), tuple(common), tuple(info[q]["prompt"] for q in common),

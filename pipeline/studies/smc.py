@@ -397,7 +397,7 @@ def executed_per_query(store, run_id: str) -> float:
     sampling spends about the same executor budget."""
     df = store.sql("SELECT avg(n) AS n FROM (SELECT query_id, count(*) AS n FROM (SELECT query_id FROM checks "
                 "WHERE run_id = $run UNION ALL SELECT query_id FROM latest_scores WHERE run_id = $run) GROUP BY 1)",
-                {"run": run_id})
+                {"run": run_id}, run=run_id)
     return float(df["n"][0] or math.nan)
 
 

@@ -57,7 +57,7 @@ class TrackingError(RuntimeError):
 def train_scalars(store: Store, run_id: str) -> list[Scalar]:
     """Per optimiser step; the step counts on over rounds so each round's curve follows the previous one."""
     df = store.sql(f"SELECT {', '.join(TRAIN_COLUMNS)}, tokens, wall_s FROM train_metrics WHERE run_id = $run "
-                   "ORDER BY round, step", {"run": run_id})
+                   "ORDER BY round, step", {"run": run_id}, run=run_id)
     out = []
     for i, r in enumerate(df.iter_rows(named=True)):
         out += [Scalar(f"train/{c}", i, r[c]) for c in TRAIN_COLUMNS if r[c] is not None]
