@@ -278,16 +278,16 @@ def choose_arm(experiments: Sequence[str], store: str | Path | None = None, seed
     from pipeline.studies.arms import choose_arm as choose
     from pipeline.studies.experiment import experiment_dir, read_summary
 
-    st = open_store(store)
+    opened = open_store(store)
     summaries = []
     for name in experiments:
-        if (summary := read_summary(st, name)) is None:
-            raise ValueError(f"no summary of experiment {name!r} under {st.root}/experiments: run `pipeline experiment "
-                             "CONFIG --report` for it first")
+        if (summary := read_summary(opened, name)) is None:
+            raise ValueError(f"no summary of experiment {name!r} under {opened.root}/experiments: run `pipeline "
+                             "experiment CONFIG --report` for it first")
         summaries.append(summary)
     choice = choose(summaries, seed)
-    folder, name = experiment_dir(st, "arms"), "+".join(experiments) + ".json"
-    with st.output_dir(folder) as out:
+    folder, name = experiment_dir(opened, "arms"), "+".join(experiments) + ".json"
+    with opened.output_dir(folder) as out:
         (out / name).write_text(json.dumps(choice.to_dict(), indent=1) + "\n")
     choice.written = str(folder / name)
     return choice

@@ -63,7 +63,9 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     headroom, training.save_steps and the draw fields) and the resume check's PLAN_ONLY and DRAW_ONLY; the routers
     (experiment.router) came later and are a plan of references like the others, and so is the success criterion
     (experiment.criterion: it reads the results, it computes none); the vLLM engines' prefix caching (a prompt's KV
-    blocks reused rather than computed again) later still, a draw like the executor's reply cache."""
+    blocks reused rather than computed again) later still, a draw like the executor's reply cache; where a seed starts
+    from, whose base evaluation it borrows and which references run on dev (start_from, base_from, select_references)
+    later again, plans too."""
     assert not_hashed_paths() == {
         "generator.enable_prefix_caching": "draw", "generator.serve.enable_prefix_caching": "draw",
         "executor.serve.enable_prefix_caching": "draw",
@@ -71,12 +73,13 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
         "scoring.cache_verdicts": "draw", "training.save_steps": "plan", "experiment": "study",
         "experiment.references": "plan", "experiment.references_from": "plan", "experiment.select_split": "plan",
         "experiment.select_queries": "plan", "experiment.select_eval": "plan", "experiment.budget_slack": "plan",
-        "experiment.shared_base": "plan",
+        "experiment.shared_base": "plan", "experiment.start_from": "plan", "experiment.base_from": "plan",
+        "experiment.select_references": "plan",
         "experiment.common_random_numbers": "plan", "experiment.criterion": "plan", "experiment.router": "plan",
         "headroom": "plan", "tracking": "study"}
     leaves = _leaves(RunConfig().model_dump(mode="json"))
     under = {s: {p for p in leaves if p.startswith(s + ".")} for s in ("experiment", "headroom")}
-    assert len(under["experiment"]) == 18 and len(under["headroom"]) == 6
+    assert len(under["experiment"]) == 21 and len(under["headroom"]) == 6
 
     def covered(paths: set[str] | frozenset[str]) -> set[str]:
         return {p for p in leaves if any(p == q or p.startswith(q + ".") for q in paths)}
@@ -86,7 +89,8 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     plan_then = {"experiment.references", "experiment.references_from", "experiment.shared_base",
                  "experiment.select_split", "experiment.select_queries", "experiment.select_eval",
                  "experiment.budget_slack", "experiment.common_random_numbers", "experiment.criterion",
-                 "experiment.router", "training.save_steps",
+                 "experiment.router", "experiment.start_from", "experiment.base_from",
+                 "experiment.select_references", "training.save_steps",
                  "headroom.designs", "headroom.queries", "headroom.reps", "headroom.gate", "headroom.budget_rule",
                  "headroom.folds"}
     assert covered(DRAW_ONLY) == draw_then and covered(PLAN_ONLY) == plan_then
