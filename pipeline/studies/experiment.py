@@ -63,6 +63,7 @@ import polars as pl
 from pipeline.config import ConfigError, RunConfig, load_config, variant_sets
 from pipeline.core.designs import OWN
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
+from pipeline.core.router import part_choice
 from pipeline.engines.models import half_weights
 from pipeline.engines.servers import sharing
 from pipeline.run import run_config
@@ -89,6 +90,7 @@ from pipeline.studies.evaluate import (
     new_problems,
 )
 from pipeline.studies.report import build_experiment_report, stage_timings
+from pipeline.studies.router import design_table, router_arms
 from pipeline.studies.summaries import (
     BASE,
     Candidate,
@@ -385,8 +387,6 @@ def routers(store: Store, cfg: RunConfig, held_out: list[ReferenceArm]) -> list[
     router = cfg.experiment.router
     if router is None:
         return []
-    from pipeline.studies.router import router_arms
-
     labels = [method_tag(d) for d in router_designs(cfg)]
     fit_on, dev = references(store, cfg, router.fit_split), references(store, cfg, cfg.experiment.select_split)
     if not designs_finished(labels, fit_on, dev, held_out):
@@ -560,8 +560,6 @@ def label_checks(store: Store, cfg: RunConfig, parts: list[PartRound]) -> list[L
     experiment = cfg.experiment
     if not experiment.select_eval or experiment.router is None:
         return []
-    from pipeline.core.router import part_choice
-    from pipeline.studies.router import design_table
 
     methods = router_designs(cfg)
     tags = [method_tag(m) for m in methods]
