@@ -60,7 +60,7 @@ from typing import Any
 
 import polars as pl
 
-from pipeline.config import ConfigError, RunConfig, load_config, variant_sets
+from pipeline.config import ConfigError, RunConfig, diff_configs, load_config, variant_sets
 from pipeline.core.designs import OWN
 from pipeline.core.learning import METRICS, bootstrap_ci, hierarchical_ci, paired_differences, seed_intervals
 from pipeline.core.router import part_choice
@@ -87,6 +87,7 @@ from pipeline.studies.evaluate import (
     eval_changes,
     eval_run_id,
     eval_summary,
+    frozen_eval_changes,
     new_problems,
 )
 from pipeline.studies.report import build_experiment_report, stage_timings
@@ -222,9 +223,6 @@ def check_base(store: Store, cfg: RunConfig, config: str | Path, sets: list[str]
     ConfigError naming the run and the fields otherwise, before the seed trains."""
     if (owner := cfg.experiment.base_from) is None:
         return
-    from pipeline.config import diff_configs
-    from pipeline.studies.evaluate import frozen_eval_changes
-
     rid = seed_eval_run(cfg, seed_plan.seed, BASE)
     if store.manifest(rid, 0, "score") is None:
         raise ConfigError(f"experiment.base_from {owner}: its base-model evaluation {rid} is not finished under "
