@@ -485,6 +485,8 @@ def bench_prefix_cache(
     n: Annotated[int, typer.Option(min=1, help="Samples per prompt.")] = 4,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Completion cap.")] = 32,
     reps: Annotated[int, typer.Option(min=1, help="Timed calls per side (best kept), after one warm-up.")] = 2,
+    block_size: Annotated[int | None, typer.Option(min=1, help="Also an engine with this KV block size (tokens; "
+                                                   "a multiple of 32 on CPU), beside vLLM's default.")] = None,
 ) -> None:
     """One rollout-like vLLM call (prompts sharing a long opening, n samples each) with prefix caching on and off:
     wall time and the cache's hit rate of each."""
@@ -492,7 +494,7 @@ def bench_prefix_cache(
     from pipeline.perf.prefix_cache import main
 
     try:
-        main(config, model, prompts, n, max_new_tokens, reps, echo=typer.echo)
+        main(config, model, prompts, n, max_new_tokens, reps, block_size=block_size, echo=typer.echo)
     except (ConfigError, GenerationError) as e:
         _fail(str(e))
 

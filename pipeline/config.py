@@ -157,6 +157,10 @@ class GeneratorConfig(_Strict):
     enable_prefix_caching: bool = Field(
         True, description="vllm: reuse the KV cache of prompt prefixes requests share (system text, contract, "
         "designs); the rollout's log gives the hit rate.", json_schema_extra=not_hashed("draw"))
+    block_size: int | None = Field(
+        None, gt=0, description="vllm: tokens a KV cache block holds. Prefix caching reuses whole blocks, and vLLM's "
+        "CPU default is 128: prompts that share 502 tokens reuse 384 of them; 32 reuses 480 (a multiple of 32 on "
+        "CPU). Null: vLLM's default.", json_schema_extra=not_hashed("draw"))
     tensor_parallel_size: int = Field(
         1, gt=0, description="vllm: tensor parallel degree (GPUs per engine); openai endpoints: each server's own "
         "--tensor-parallel-size.",

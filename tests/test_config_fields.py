@@ -86,14 +86,15 @@ def test_step_order_keeps_groups_whole_or_shuffles_rows():
 
 
 def test_vllm_engine_switches_reach_the_engine(monkeypatch):
-    """generator.enforce_eager and tensor_parallel_size go to the offline vLLM engine as they are."""
+    """generator.enforce_eager, tensor_parallel_size and block_size go to the offline vLLM engine as they are."""
     from pipeline.engines.generation import make_generator, vllm_offline
 
     seen = {}
     monkeypatch.setattr(vllm_offline, "VLLMGenerator", lambda model, **kw: seen.update(kw) or "engine")
-    g = _cfg(generator={"backend": "vllm", "enforce_eager": False, "tensor_parallel_size": 2}).generator
+    g = _cfg(generator={"backend": "vllm", "enforce_eager": False, "tensor_parallel_size": 2, "block_size": 32}
+             ).generator
     assert make_generator(g) == "engine"
-    assert (seen["enforce_eager"], seen["tensor_parallel_size"]) == (False, 2)
+    assert (seen["enforce_eager"], seen["tensor_parallel_size"], seen["block_size"]) == (False, 2, 32)
 
 
 def test_serve_enforce_eager_and_served_model_reach_the_server_command():

@@ -70,6 +70,8 @@ def test_the_offline_engine_is_started_with_the_flag_and_its_stats():
     on, off = engine_kwargs("org/model"), engine_kwargs("org/model", enable_prefix_caching=False)
     assert on["enable_prefix_caching"] is True and off["enable_prefix_caching"] is False
     assert on["disable_log_stats"] is False  # the counters exist only with stats on
+    # the block size is vLLM's own unless set: prefix caching reuses whole blocks
+    assert "block_size" not in on and engine_kwargs("org/model", block_size=32)["block_size"] == 32
 
 
 def test_a_servers_command_line_says_prefix_caching_either_way():

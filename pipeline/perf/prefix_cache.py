@@ -5,7 +5,8 @@ The prompts are a run config's workflow prompts as its rollout renders them (def
 system text, the contract and the menu's three designs with their code, then the query, then the assistant turn's
 opening), for the first queries of its training split, sampled n times each as a rollout does. Every query's prompt
 shares the long opening, and vLLM fans a prompt's n samples out into n requests that share all of it, so most prompt
-tokens can come from the cache. Each timed call starts from an empty cache (`LLM.reset_prefix_cache`), as a
+tokens can come from the cache, in whole KV blocks (`--block-size`: a third engine with that block, beside vLLM's
+default). Each timed call starts from an empty cache (`LLM.reset_prefix_cache`), as a
 stage's new engine does; the two engines run one after the other in this process, each its best of `reps` calls
 after a warm-up.
 """
@@ -31,6 +32,7 @@ CONFIG = Path("configs/mixed-choice.yaml")
 @dataclass(frozen=True)
 class Side:
     caching: bool
+    block_size: int | None  # the engine's KV block (None: vLLM's default, 128 tokens on CPU)
     wall_s: float  # best of the timed calls
     generated: int  # completion tokens of a call
     counts: CacheCounts | None  # the cache's counts over one call (None: the engine keeps none)
@@ -49,10 +51,10 @@ def rollout_prompts(config: Path, tokenizer, count: int) -> list[str]:
 
 
 def measure(model: str, prompts: list[str], sampling: Sampling, caching: bool, reps: int,
-            max_model_len: int) -> Side:
+            max_model_len: int, block_size: int | None = None) -> Side:
     from pipeline.engines.generation.vllm_offline import VLLMGenerator
 
-    gen = VLLMGenerator(model, enable_prefix_caching=caching, max_model_len=max_model_len)
+    gen = VLLMGenerator(model, enable_prefix_caching=caching, max_model_len=max_model_len, block_size=block_size)
     try:
         best, generated, counts = float("inf"), 0, None
         for rep in range(reps + 1):  # the first call warms up
@@ -66,13 +68,13 @@ def measure(model: str, prompts: list[str], sampling: Sampling, caching: bool, r
             counts = after - before if before is not None and after is not None else None
             if rep:
                 best = min(best, wall)
-        return Side(caching, best, generated, counts)
+        return Side(caching, block_size, best, generated, counts)
     finally:
         gen.close()
 
 
 def main(config: Path = CONFIG, model: str = MODEL, prompts: int = 8, samples: int = 4, max_new_tokens: int = 32,
-         reps: int = 2, max_model_len: int = 2048, echo=print) -> list[Side]:
+         reps: int = 2, max_model_len: int = 2048, block_size: int | None = None, echo=print) -> list[Side]:
     tokenizer = load_tokenizer(model)
     texts = rollout_prompts(config, tokenizer, prompts)
     lengths = [len(tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
@@ -81,13 +83,17 @@ def main(config: Path = CONFIG, model: str = MODEL, prompts: int = 8, samples: i
     echo(f"{model}: {len(texts)} prompts of {config} ({min(lengths)}-{max(lengths)} tokens, {shared} shared by all) "
          f"x n={samples}, max_new_tokens={max_new_tokens}; best of {reps} calls after a warm-up, each from an empty "
          "cache")
-    sides = [measure(model, texts, sampling, caching, reps, max_model_len) for caching in (True, False)]
+    plan = [(True, None)] + ([(True, block_size)] if block_size is not None else []) + [(False, None)]
+    sides = [measure(model, texts, sampling, caching, reps, max_model_len, block) for caching, block in plan]
     for side in sides:
         cache = side.counts.describe() if side.counts is not None else "no counts"
-        echo(f"  prefix caching {'on ' if side.caching else 'off'}: {side.wall_s:7.2f} s, {side.generated} tokens "
-             f"generated, {cache}")
-    on, off = sides
-    echo(f"  off/on wall time: {off.wall_s / on.wall_s:.2f}x")
+        block = f", {side.block_size}-token blocks" if side.block_size is not None else ""
+        echo(f"  prefix caching {'on ' if side.caching else 'off'}{block}: {side.wall_s:7.2f} s, {side.generated} "
+             f"tokens generated, {cache}")
+    off = sides[-1]
+    for on in sides[:-1]:
+        block = f" ({on.block_size}-token blocks)" if on.block_size is not None else ""
+        echo(f"  off/on{block} wall time: {off.wall_s / on.wall_s:.2f}x")
     return sides
 
 

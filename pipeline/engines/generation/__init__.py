@@ -28,7 +28,7 @@ def make_generator(cfg: GeneratorConfig, *, enable_lora: bool = False, max_model
             max_lora_rank=cfg.max_lora_rank,
             max_model_len=max_model_len or cfg.max_model_len, enforce_eager=cfg.enforce_eager,
             gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
-            seed=cfg.seed, enable_prefix_caching=cfg.enable_prefix_caching,
+            seed=cfg.seed, enable_prefix_caching=cfg.enable_prefix_caching, block_size=cfg.block_size,
         )
     if cfg.backend == "openai":
         from pipeline.config import server_urls

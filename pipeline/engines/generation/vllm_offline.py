@@ -14,7 +14,9 @@ step and no sampled token is ever discarded; per-request seeds (reproducible sam
 request beside a chunked prefill killed a CPU server's engine.
 
 Prefix caching (`generator.enable_prefix_caching`): on, a prompt's KV blocks that an earlier prompt computed are reused
-(every rollout prompt opens with the same system text, contract and designs). The engine keeps statistics
+(every rollout prompt opens with the same system text, contract and designs), in whole KV blocks: vLLM's CPU
+default block is 128 tokens, so of a shared opening only its whole blocks are reused (`generator.block_size`: 32
+reuses all but the last 31 tokens of it; docs/performance.md). The engine keeps statistics
 (`disable_log_stats=False`) so that `LLM.get_metrics()` holds the cache's counters; `close` logs their hit rate
 (pipeline.engines.prefix_cache); the counters live in the process's Prometheus registry, so of two engines alive at
 once in a process only the later one's are read. With stats on, vLLM also logs a line every 10 s of a long call
@@ -63,13 +65,16 @@ def lora_request(adapter: str) -> Any:
 
 def engine_kwargs(model_ref: str, *, dtype: str = "float32", enable_lora: bool = False, max_lora_rank: int = 64,
                   max_model_len: int = 4096, enforce_eager: bool = True, gpu_memory_utilization: float = 0.85,
-                  tensor_parallel_size: int = 1, seed: int = 0, enable_prefix_caching: bool = True) -> dict[str, Any]:
+                  tensor_parallel_size: int = 1, seed: int = 0, enable_prefix_caching: bool = True,
+                  block_size: int | None = None) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=resolve_model(model_ref), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
         gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size, seed=seed,
         logprobs_mode="processed_logprobs", enable_prefix_caching=enable_prefix_caching,
         disable_log_stats=False,  # the prefix cache's counters (`cache_counts`) exist only with stats on
     )
+    if block_size is not None:  # prefix caching reuses whole blocks (module doc)
+        kwargs["block_size"] = block_size
     if enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
     if not cuda_available():
