@@ -217,17 +217,18 @@ def seed_eval_run(cfg: RunConfig, seed: int, k: int, split: str | None = None) -
     return eval_run_id(seed_run_id(owner, seed), k, split or cfg.experiment.eval_split)
 
 
-def check_base(store: Store, cfg: RunConfig, config: str | Path, sets: list[str], seed_plan: SeedPlan) -> None:
+def check_base(store: Store, cfg: RunConfig, config: str | Path, sets: list[str], seed_plan: SeedPlan,
+               changes: dict[str, Any]) -> None:
     """`experiment.base_from`: the borrowed base-model evaluation of seed `seed_plan` is finished and was made with
-    the settings this experiment's own would have (the seed's config, then the evaluation's changes); a
-    ConfigError naming the run and the fields otherwise, before the seed trains."""
+    the settings this experiment's own would have (the seed's config, its `changes` to CONFIG, then the evaluation's
+    changes); a ConfigError naming the run and the fields otherwise, before the seed trains."""
     if (owner := cfg.experiment.base_from) is None:
         return
     rid = seed_eval_run(cfg, seed_plan.seed, BASE)
     if store.manifest(rid, 0, "score") is None:
         raise ConfigError(f"experiment.base_from {owner}: its base-model evaluation {rid} is not finished under "
                           f"{store.root}; finish seed {seed_plan.seed} of experiment {owner} first, or drop base_from")
-    seed_sets = variant_sets(seed_plan.changes | start_changes(store, cfg, seed_plan.seed), before=sets)
+    seed_sets = variant_sets(changes, before=sets)
     seed_cfg = load_config(config, seed_sets)
     split = cfg.experiment.eval_split
     mine = load_config(config, variant_sets(frozen_eval_changes(seed_cfg, BASE, None, split, store)
@@ -558,7 +559,6 @@ def label_checks(store: Store, cfg: RunConfig, parts: list[PartRound]) -> list[L
     experiment = cfg.experiment
     if not experiment.select_eval or experiment.router is None:
         return []
-
     methods = router_designs(cfg)
     tags = [method_tag(m) for m in methods]
     # a design as the policy's labels name it: a menu program by its file's stem
@@ -946,7 +946,8 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 if evaluate_on_select(store, cfg, seed_plan, call):  # select_eval set after the seed was evaluated
                     summary, out = publish(f"after seed {seed_plan.seed} on {cfg.experiment.select_split}")
                 continue
-            check_base(store, cfg, path, sets, seed_plan)
+            changes = seed_plan.changes | start_changes(store, cfg, seed_plan.seed)
+            check_base(store, cfg, path, sets, seed_plan, changes)
             t_seed = time.perf_counter()
             log.info("seed %d: training run %s (%d rounds)", seed_plan.seed, seed_plan.run_id, cfg.rounds)
             restore_kept_checkpoints(store, seed_plan.run_id)  # a fresh clone of a store cut off mid-seed
@@ -955,7 +956,6 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
                 since = settled_round(store, seed_plan.run_id, cfg.rounds,
                                       run_config(store, seed_plan.run_id).config_hash())
             set_aside_evaluations(store, cfg, seed_plan, order, lost_weights(store, seed_plan.run_id, since))
-            changes = seed_plan.changes | start_changes(store, cfg, seed_plan.seed)
             run_rounds(path, cfg.rounds, seed_plan.run_id, call, keeping(store, cfg, seed_plan.seed, after_round),
                        sets=variant_sets(changes, before=sets), observer=TRACKERS)
             for k in seed_rounds(cfg, seed_plan.seed, order):
