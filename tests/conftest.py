@@ -140,7 +140,8 @@ def vllm_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    """A 2-layer random llama folder with the embedded model's tokenizer (a local model ref)."""
+    """A 2-layer random llama folder with the embedded model's tokenizer (a local model ref). Its context (2048
+    positions, which no weight depends on) holds the prompts the tests send its local executor."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -148,7 +149,7 @@ def tiny_model(tmp_path_factory) -> str:
 
     tok = load_tokenizer("embedded:smollm2-135m-instruct")
     cfg = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+                               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)

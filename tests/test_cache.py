@@ -24,7 +24,15 @@ from test_scoring import make_run, scores
 from pipeline.config import ExecutorConfig, RunConfig, ServeConfig, diff_configs
 from pipeline.engines import cache as cache_mod
 from pipeline.engines.cache import CachedExecutor, ShardCache, VerdictCache, executor_identity
-from pipeline.engines.executors import CallSeeds, Executor, ExecutorReply, LocalExecutor, OpenAIExecutor, SampleSlot
+from pipeline.engines.executors import (
+    CallSeeds,
+    Executor,
+    ExecutorError,
+    ExecutorReply,
+    LocalExecutor,
+    OpenAIExecutor,
+    SampleSlot,
+)
 from pipeline.engines.sandbox import Limits, run_workflow
 from pipeline.run import open_run
 from pipeline.stages.score import run_score
@@ -490,3 +498,22 @@ def test_common_random_numbers_and_the_cache_never_refuse_or_rerun_a_run():
     off = RunConfig.model_validate({"experiment": {"common_random_numbers": False}})
     assert eval_changes(off)["executor.common_random_numbers"] is False
     assert cfg.executor.common_random_numbers is False  # training rollouts: fresh samples unless asked
+
+
+@pytest.mark.slow
+def test_a_local_call_past_the_models_context_is_refused_and_its_batch_runs(tiny_model):
+    """tiny_model's context is 2048 tokens: a prompt of about 2,500 is refused with the numbers, as a server refuses
+    one past its max_model_len, while the call batched beside it is answered as it is alone."""
+    ex = LocalExecutor(ExecutorConfig(kind="local", model=tiny_model, max_tokens=6))
+    long = [{"role": "user", "content": "seven " * 2500}]
+
+    async def go():
+        await ex.start()
+        alone = await ex.complete(MSG)
+        both = await asyncio.gather(ex.complete(long), ex.complete(MSG), return_exceptions=True)
+        return alone, both
+    alone, (refused, answered) = asyncio.run(go())
+    assert isinstance(refused, ExecutorError)
+    assert "and 6 to generate exceed the local executor's context of 2048 tokens" in str(refused)
+    assert answered.texts == alone.texts and answered.tokens_in == alone.tokens_in
+    assert ex.generate_calls == 2  # the refused prompt was never computed: two calls, one each for the short prompt

@@ -126,3 +126,15 @@ def test_a_server_without_metrics_logs_nothing(caplog):
     with caplog.at_level(logging.INFO, logger="pipeline.engines.servers"), servers.cache_report(server, "x"):
         pass
     assert "prefix cache" not in caplog.text
+
+
+def test_the_bench_compares_two_sides_samples_up_to_where_they_part():
+    from pipeline.perf.prefix_cache import agreement
+
+    first = (((1, 2, 3), (-0.5, -1.0, -2.0)), ((4, 5), (-0.1, -0.2)), ((6,), (-3.0,)))
+    # the first sample the same tokens (log-probs 1e-6 and 3e-6 apart); the second parts at its second token, whose
+    # log-probabilities (0.7 apart) are past the parting and so not counted; the third the same, no log-probs kept
+    other = (((1, 2, 3), (-0.500001, -1.0, -2.000003)), ((4, 9), (-0.1, -0.9)), ((6,), ()))
+    same, total, gap = agreement(first, other)
+    assert (same, total) == (2, 3)
+    assert gap == pytest.approx(3e-6, abs=1e-12)

@@ -357,19 +357,43 @@ class LocalExecutor(Executor):
                         request.fut.set_exception(ExecutorError(f"local generate failed: {type(e).__name__}: {e}"))
                 continue
             for request, out in zip(batch, outs, strict=True):
-                if not request.fut.done():
+                if request.fut.done():
+                    continue
+                if isinstance(out, ExecutorError):
+                    request.fut.set_exception(out)
+                else:
                     request.fut.set_result(out)
 
-    def _generate(self, batch: list[_Request]) -> list[ExecutorReply]:
+    def context(self) -> int:
+        """The model's context in tokens (prompt and completion): a call past it is refused, as a server refuses
+        one past its max_model_len; its positions were never trained, and one such prompt in a left-padded batch
+        costs every request beside it its length (a workflow that sent the question 367 times, 9,205 tokens, held
+        another's call for 75 s)."""
+        self._load()
+        return int(getattr(self._model.config, "max_position_embeddings", None) or self._tok.model_max_length)
+
+    def _generate(self, batch: list[_Request]) -> list[ExecutorReply | ExecutorError]:
+        self._load()
+        tok, limit = self._tok, self.context()
+        prompts = [tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False) for r in batch]
+        lengths = [len(tok(p, add_special_tokens=False).input_ids) for p in prompts]
+        fits = [k for k, (r, n) in enumerate(zip(batch, lengths, strict=True)) if n + r.max_tokens <= limit]
+        replies = self._generate_fitting([batch[k] for k in fits], [prompts[k] for k in fits]) if fits else []
+        out: list[ExecutorReply | ExecutorError] = [
+            ExecutorError(f"the prompt's {n} tokens and {r.max_tokens} to generate exceed the local executor's "
+                          f"context of {limit} tokens ({self.cfg.model})") for r, n in zip(batch, lengths, strict=True)]
+        for k, reply in zip(fits, replies, strict=True):
+            out[k] = reply
+        return out
+
+    def _generate_fitting(self, batch: list[_Request], prompts: list[str]) -> list[ExecutorReply]:
         import torch
 
-        self._load()
         tok, model = self._tok, self._model
         temperature, max_tokens = batch[0].key
         greedy = temperature == 0
         # Greedy: one row per request (its n answers are identical); sampling: n rows per request.
         reps = [1 if greedy else r.n for r in batch]
-        prompts = [tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False) for r in batch]
         rows = [p for p, k in zip(prompts, reps, strict=True) for _ in range(k)]
         enc = tok(rows, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         generate_kwargs: dict[str, Any] = {"do_sample": False, "max_new_tokens": max_tokens,

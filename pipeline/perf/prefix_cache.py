@@ -8,7 +8,10 @@ shares the long opening, and vLLM fans a prompt's n samples out into n requests 
 tokens can come from the cache, in whole KV blocks (`--block-size`: a third engine with that block, beside vLLM's
 default). Each timed call starts from an empty cache (`LLM.reset_prefix_cache`), as a
 stage's new engine does; the two engines run one after the other in this process, each its best of `reps` calls
-after a warm-up.
+after a warm-up. Every request is seeded, so the sides draw the same samples where their arithmetic agrees: each side
+after the first says how many of its samples are token for token the first side's, and the largest difference of a
+sampled token's log-probability over the tokens before two samples part (the cache changes the order of floating-point
+sums, not what is computed).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Side:
     wall_s: float  # best of the timed calls
     generated: int  # completion tokens of a call
     counts: CacheCounts | None  # the cache's counts over one call (None: the engine keeps none)
+    samples: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()  # the last call's (token ids, log-probs)
 
 
 def rollout_prompts(config: Path, tokenizer, count: int) -> list[str]:
@@ -56,7 +60,7 @@ def measure(model: str, prompts: list[str], sampling: Sampling, caching: bool, r
 
     gen = VLLMGenerator(model, enable_prefix_caching=caching, max_model_len=max_model_len, block_size=block_size)
     try:
-        best, generated, counts = float("inf"), 0, None
+        best, generated, counts, samples = float("inf"), 0, None, ()
         for rep in range(reps + 1):  # the first call warms up
             gen.llm.reset_prefix_cache()  # a stage's engine starts empty
             before = gen.cache_counts()
@@ -66,9 +70,10 @@ def measure(model: str, prompts: list[str], sampling: Sampling, caching: bool, r
             after = gen.cache_counts()
             generated = sum(len(c.token_ids) for row in rows for c in row)
             counts = after - before if before is not None and after is not None else None
+            samples = tuple((tuple(c.token_ids), tuple(c.token_logprobs or ())) for row in rows for c in row)
             if rep:
                 best = min(best, wall)
-        return Side(caching, block_size, best, generated, counts)
+        return Side(caching, block_size, best, generated, counts, samples)
     finally:
         gen.close()
 
@@ -94,7 +99,28 @@ def main(config: Path = CONFIG, model: str = MODEL, prompts: int = 8, samples: i
     for on in sides[:-1]:
         block = f" ({on.block_size}-token blocks)" if on.block_size is not None else ""
         echo(f"  off/on{block} wall time: {off.wall_s / on.wall_s:.2f}x")
+    for side in sides[1:]:
+        same, total, gap = agreement(sides[0].samples, side.samples)
+        label = f"{side.block_size}-token blocks" if side.block_size is not None else (
+            "caching " + ("on" if side.caching else "off"))
+        echo(f"  {label} against the first side: {same} of {total} samples token for token the same; largest "
+             f"log-probability difference before two samples part {gap:.2e}")
     return sides
+
+
+def agreement(first, other) -> tuple[int, int, float]:
+    """Samples of two sides (the same seeded requests in the same order): how many are the same tokens, of how many,
+    and the largest |difference| of a sampled token's log-probability over the tokens the two agree on before they
+    part (0.0 where no log-probabilities were kept)."""
+    same, gap = 0, 0.0
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(first, other, strict=True):
+        same += ids_a == ids_b
+        for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)):  # up to the shorter
+            if x != y:
+                break
+            if i < len(lp_a) and i < len(lp_b):
+                gap = max(gap, abs(lp_a[i] - lp_b[i]))
+    return same, len(first), gap
 
 
 def _common_prefix(rows: list[list[int]]) -> list[int]:
