@@ -213,7 +213,8 @@ class ExecutorConfig(_Strict):
     _served_from: ServeConfig | None = PrivateAttr(None)
 
     kind: Literal["local", "openai"] = Field(
-        "local", description="local: the embedded model in-process; openai: any OpenAI-compatible server."
+        "local", description="local: the embedded model in-process (a call past the model's context is refused, as a "
+        "server refuses one past its max_model_len); openai: any OpenAI-compatible server."
     )
     model: str = Field("embedded:smollm2-135m-instruct", description="Model ref (local) or served name.")
     base_url: str | None = Field(None, description="openai: base URL, e.g. http://127.0.0.1:8000/v1.")

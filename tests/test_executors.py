@@ -20,6 +20,7 @@ from pipeline.engines.executors import (
     ExecutorReply,
     LocalExecutor,
     OpenAIExecutor,
+    RequestRefused,
     RetryAfterWait,
     SequenceWindow,
     cost_usd,
@@ -217,8 +218,9 @@ def test_fault_is_retried_then_succeeds(server, fault, top_jitter):
 def test_persistent_fault_gives_executor_error(server, fault, top_jitter):
     server.default = fault
     sleeps: list[float] = []
-    with pytest.raises(ExecutorError, match="gave up after 3 attempts"):
+    with pytest.raises(ExecutorError, match="gave up after 3 attempts") as failed:
         complete(executor(server.url, sleeps, max_retries=2, timeout_s=timeout_for(fault)), MSG)
+    assert not failed.value.refused  # an outage: the run waits for a re-score, it is not the workflow's error
     assert len(server.requests) == 3
     assert sleeps == ([1.0, 1.0] if fault == "429" else [0.5, 1.0])  # attempts 0, 1; Retry-After 1 s floors both
 
@@ -245,9 +247,10 @@ def test_connection_refused_is_retried_then_fails(top_jitter):
 
 def test_client_error_is_not_retried(server):
     server.default = "400"
-    with pytest.raises(ExecutorError, match="BadRequestError"):
+    with pytest.raises(RequestRefused, match="BadRequestError") as refused:
         complete(executor(server.url), MSG)
     assert len(server.requests) == 1
+    assert server.url.split("/v1")[0] not in str(refused.value)  # told to the workflow: not the server's address
 
 
 def test_concurrency_limit_and_endpoint_spreading():

@@ -124,10 +124,10 @@ def test_kill_one_rank_fails_the_stage_and_the_retry_resumes(tmp_path, tiny_mode
 
     # Also the data-parallel run's whole check: the retried 2-process run trains the 1-process adapter (a run that
     # starts at step 0 is a resume from nothing, so a separate unkilled 2-process run adds a launch and no check).
-    # 60 steps, progress saved after every 5th: the saved progress is the test's clock, so the kill lands inside
+    # 30 steps, progress saved after every 5th: the saved progress is the test's clock, so the kill lands inside
     # the loop on any CPU (a CPU-seconds trigger landed after the loop on a fast one): at the first saved step at
-    # the latest, with 55 of the 60 steps (each an all-reduce both ranks wait on) still to run
-    ctx = _curated_round(tmp_path, tiny_model, epochs=20, extra=("training.save_steps=5",))
+    # the latest, with 25 of the 30 steps (each an all-reduce both ranks wait on) still to run
+    ctx = _curated_round(tmp_path, tiny_model, epochs=10, extra=("training.save_steps=5",))
     one = _train(ctx, monkeypatch, 1)
     ctx.store.clear_manifest(ctx.run_id, 0, "train")
     saved = progress_path(ctx.store, ctx.run_id, 0)
@@ -145,7 +145,7 @@ def test_kill_one_rank_fails_the_stage_and_the_retry_resumes(tmp_path, tiny_mode
 
     t = threading.Thread(target=attempt)
     t.start()
-    # rank 0 has saved step 5's progress: both ranks are past step 5's all-reduce and 55 steps from the end
+    # rank 0 has saved step 5's progress: both ranks are past step 5's all-reduce and 25 steps from the end
     deadline, victim = time.monotonic() + 300, None
     while victim is None and time.monotonic() < deadline and t.is_alive():
         # the progress saved at step 0 (once the reference passes are done) is not yet inside the loop
@@ -163,11 +163,11 @@ def test_kill_one_rank_fails_the_stage_and_the_retry_resumes(tmp_path, tiny_mode
     assert not ctx.store.checkpoint_complete(ctx.run_id, 0)  # no checkpoint, half-written or whole
     assert ctx.store.read("train_metrics", ctx.run_id, 0).height == 0
     at = torch.load(saved, weights_only=False)["next_step"]
-    assert at % 5 == 0 and 5 <= at < 60, at  # killed inside the loop
+    assert at % 5 == 0 and 5 <= at < 30, at  # killed inside the loop
     # the retry (what RetryPolicy does next) resumes at the saved step and ends with the one-process result
     two = _train(ctx, monkeypatch, 2)
     _assert_same_training(one, two)
-    assert one[0]["steps"] == 60  # 3 steps an epoch (3, 3, 2 micro-batches), 20 epochs
+    assert one[0]["steps"] == 30  # 3 steps an epoch (3, 3, 2 micro-batches), 10 epochs
     assert not saved.exists()
     assert ctx.store.read("checkpoints", ctx.run_id, 0).height == 1  # rank 0 alone wrote the round's rows
     assert ctx.store.manifest(ctx.run_id, 0, "train")["counts"]["processes"] == 2

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipeline.engines.executors import ExecutorReply
+from pipeline.engines.executors import ExecutorReply, RequestRefused
 from pipeline.engines.sandbox import Limits, Sandbox, build_messages, run_test_suite, run_workflow, run_workflow_sync
 
 LIMITS = Limits(timeout_s=5, cpu_s=3, max_llm_calls=3)
@@ -24,13 +24,15 @@ def sb():
 class FakeExecutor:
     """Echoes the conversation; counts tokens as characters; fails on demand."""
 
-    def __init__(self, fail: bool = False):
-        self.fail, self.calls = fail, []
+    def __init__(self, fail: bool = False, refuse: bool = False):
+        self.fail, self.refuse, self.calls = fail, refuse, []
 
     async def complete(self, messages, temperature=None, n=1, max_tokens=None, seed=None):
         self.calls.append({"messages": messages, "temperature": temperature, "n": n})
         if self.fail:
             raise ConnectionError("endpoint down")
+        if self.refuse:
+            raise RequestRefused("the prompt's 9205 tokens and 24 to generate exceed the context of 8192 tokens")
         text = json.dumps(messages)
         return ExecutorReply([f"{i}:{text}" for i in range(n)], tokens_in=len(text), tokens_out=2, cost_usd=0.5)
 
@@ -138,6 +140,19 @@ def test_executor_failure_is_executor_error_even_if_caught(sb):
             "    return 'x'\n")
     r = run(sb, code, executor=FakeExecutor(fail=True))
     assert r.status == "executor_error" and "endpoint down" in r.error
+
+
+def test_a_refused_call_is_the_workflows_error_told_to_it(sb):
+    """A call the executor refuses for what it asks (a prompt past the context) is no outage: the workflow's llm()
+    raises with the reason, and a workflow that does not catch it fails as its own error (scored, never re-scored)."""
+    code = ("async def solve(p):\n    try:\n        await llm('q' * 100000)\n    except Exception as e:\n"
+            "        return str(e)\n")
+    r = run(sb, code, executor=FakeExecutor(refuse=True))
+    assert r.status == "ok" and r.llm_calls == 1
+    assert r.answer == ("the executor refused the call: the prompt's 9205 tokens and 24 to generate exceed the "
+                        "context of 8192 tokens")
+    r = run(sb, "async def solve(p):\n    return (await llm('q'))[0]\n", executor=FakeExecutor(refuse=True))
+    assert r.status == "exec_error" and "the executor refused the call" in r.error
 
 
 def test_run_tests_helper(sb):

@@ -37,6 +37,16 @@ log = logging.getLogger(__name__)
 class ExecutorError(RuntimeError):
     """An executor call failed for good (retries exhausted or a non-retryable error)."""
 
+    refused = False  # RequestRefused: the call's own doing (read by the sandbox's parent without this module)
+
+
+class RequestRefused(ExecutorError):
+    """The executor refused the call for what it asks (a prompt past the model's context: the local executor's own
+    check, a server's 400): the workflow's doing, not an outage. The workflow's llm() raises, and the run is scored
+    as the workflow's error instead of waiting for a re-score that would be refused again."""
+
+    refused = True
+
 
 @dataclass
 class ExecutorReply:
@@ -244,6 +254,12 @@ class OpenAIExecutor(Executor):
                 raise ValueError(f"malformed response: no choices ({str(resp)[:200]})")
         except Exception as e:
             if not retryable(e):
+                import openai
+
+                # 400: what was asked is wrong (vLLM's server: a prompt past max_model_len), not the server; told
+                # to the workflow, so without the server's address
+                if isinstance(e, openai.APIStatusError) and e.status_code == 400:
+                    raise RequestRefused(f"{type(e).__name__}: {e}") from e
                 raise ExecutorError(f"{client.base_url}: {type(e).__name__}: {e}") from e
             raise
         texts = [(c.message.content or "") for c in resp.choices] * (n // asked)
@@ -380,7 +396,7 @@ class LocalExecutor(Executor):
         fits = [k for k, (r, n) in enumerate(zip(batch, lengths, strict=True)) if n + r.max_tokens <= limit]
         replies = self._generate_fitting([batch[k] for k in fits], [prompts[k] for k in fits]) if fits else []
         out: list[ExecutorReply | ExecutorError] = [
-            ExecutorError(f"the prompt's {n} tokens and {r.max_tokens} to generate exceed the local executor's "
+            RequestRefused(f"the prompt's {n} tokens and {r.max_tokens} to generate exceed the local executor's "
                           f"context of {limit} tokens ({self.cfg.model})") for r, n in zip(batch, lengths, strict=True)]
         for k, reply in zip(fits, replies, strict=True):
             out[k] = reply

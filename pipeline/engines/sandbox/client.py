@@ -423,7 +423,10 @@ async def run_workflow(code: str, problem: str, *, executor: Executor | None = N
         waiting["calls"] += 1
         try:
             comp = await executor.complete(msgs, temperature=temperature, n=samples, seed=seed)
-        except Exception as e:  # any executor failure (after its own retries) is transient, not the workflow's
+        except Exception as e:
+            if getattr(e, "refused", False):  # executors.RequestRefused: what the workflow asked for, its error
+                return await reply({"id": rid, "error": f"the executor refused the call: {_truncate(str(e))}"})
+            # any other executor failure (after its own retries) is transient, not the workflow's
             notes["executor_error"] = _truncate(f"{type(e).__name__}: {e}")
             return await reply({"id": rid, "error": "executor error"})
         finally:
