@@ -375,6 +375,11 @@ def test_experiment_references_shared_base_and_borrowed_references(tmp_path, fak
     assert borrowed == {"x-baseline-io", "x-baseline-program-expression_eval"}
     against = {(p.reference, p.round): p.mean for p in theirs.paired_references if p.metric == "mean_at_l"}
     assert against[("io", 0)] == 0.75 and against[(tag, 0)] == 0.25
+    # an arm that samples more in training (`--set rollout.m=3`) still pairs: a reference samples L, as the arm's own
+    # evaluations do, whatever its training rollout's m
+    more = run_experiment(_experiment_config(tmp_path, "s", borrow), direct_call(RetryPolicy(delay_s=0)),
+                          sets=["rollout.m=3"])
+    assert {r.eval_run_id for r in more.references} == {"x-baseline-io", "x-baseline-program-expression_eval"}
     other = _experiment_config(tmp_path, "v", borrow)
     other.write_text(other.read_text() + "executor:\n  max_tokens: 7\n")
     with pytest.raises(ConfigError, match="x-baseline-io has another executor section .*max_tokens"):

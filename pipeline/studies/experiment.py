@@ -324,8 +324,10 @@ def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[
         checks.append((experiment.select_split, variant_sets(select_changes(cfg), before=sets), False))
     for split, extra, required in checks:
         mine = load_config(config, extra)
+        # the evaluation's own changes have the last word over this experiment's --set, as in its evaluation runs
+        # (an arm's `--set rollout.m=6` is its training rollout's; a reference samples L, as its evaluations do)
         wanted = load_config(config, variant_sets(derived_run_changes(split, mine) | eval_changes(mine, policy=False),
-                                                  after=extra))
+                                                  before=extra))
         for m, rid in reference_runs(cfg, split).items():
             if not (store.run_dir(rid) / "config.yaml").is_file():
                 if not required:
