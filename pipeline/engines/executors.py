@@ -396,8 +396,9 @@ class LocalExecutor(Executor):
         fits = [k for k, (r, n) in enumerate(zip(batch, lengths, strict=True)) if n + r.max_tokens <= limit]
         replies = self._generate_fitting([batch[k] for k in fits], [prompts[k] for k in fits]) if fits else []
         out: list[ExecutorReply | ExecutorError] = [
+            # told to the workflow: the numbers, not the model's folder
             RequestRefused(f"the prompt's {n} tokens and {r.max_tokens} to generate exceed the local executor's "
-                          f"context of {limit} tokens ({self.cfg.model})") for r, n in zip(batch, lengths, strict=True)]
+                          f"context of {limit} tokens") for r, n in zip(batch, lengths, strict=True)]
         for k, reply in zip(fits, replies, strict=True):
             out[k] = reply
         return out
