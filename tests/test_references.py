@@ -454,6 +454,25 @@ def test_only_references_runs_the_references_and_no_seed(tmp_path, fake_stages):
         run_experiment(bare, direct_call(RetryPolicy(delay_s=0)), only_references=True)
 
 
+def test_references_an_experiment_makes_sample_l_under_its_own_set_of_rollout_m(tmp_path, fake_stages):
+    """An arm that samples more in training (`--set rollout.m=3`) and makes its own references: each reference samples
+    L (experiment.eval_l 2), as the arm's evaluations do and as a borrowed reference is checked to; the run reopens
+    under the same --set without a refusal. Before, the experiment's --set came after the reference's changes and the
+    reference sampled 3."""
+    from pipeline.studies.experiment import run_experiment
+
+    path = _experiment_config(tmp_path, "q", {"references": ["io"]}, rounds=1)
+    for _ in range(2):  # made, then reopened (the stage is then skipped by its manifest)
+        out = run_experiment(path, direct_call(RetryPolicy(delay_s=0)), only_references=True, sets=["rollout.m=3"])
+        assert [(r.label, r.queries) for r in out.references] == [("io", 2)]
+    store = Store(tmp_path / "runs")
+    assert load_config(store.run_dir("q-baseline-io") / "config.yaml").rollout.m == 2
+    rows = store.sql("SELECT query_id, count(*) AS n FROM generations WHERE run_id = $run GROUP BY query_id",
+                     {"run": "q-baseline-io"}, run="q-baseline-io")
+    assert sorted(rows["n"].to_list()) == [2, 2]
+    assert [r for r, _ in fake_stages] == ["q-baseline-io"]
+
+
 def test_the_routers_designs_run_on_every_split_before_the_other_references(tmp_path):
     """The order the experiment runs its references in: the router's designs on test, dev and train first (the
     routers and the dev choice need only those), then the other references (cot_sc: dear) on test and dev; `--status`

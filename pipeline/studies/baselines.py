@@ -171,23 +171,42 @@ def baseline_changes(frozen: RunConfig, wanted: RunConfig) -> list[str]:
             if p.split(".")[0] not in UNUSED_BY_BASELINES]
 
 
-def open_baseline_run(config: str, method: str, run_id: str | None = None, split: str = "test",
-                      sets: list[str] | None = None, held_out: bool = True) -> RunContext:
-    """Create (first call) or reopen the derived run of `method` on `split`. `held_out`: the experiment's query
-    count and L (as evaluation runs); else CONFIG's own queries (task_best's selection run). A run reopened with
-    `baseline_changes` is refused, naming them."""
+def baseline_sets(config: str | Path, split: str, sets: list[str] | None = None, before: list[str] | None = None,
+                  held_out: bool = True) -> list[str]:
+    """A derived run's `--set` text: a study's own `--set` (`before`: an experiment's, e.g. an arm's training
+    `rollout.m`), then the derived run's changes (its split and one round; `held_out`: the experiment's query count
+    and L, as its evaluation runs), then `sets`, which have the last word (`pipeline baseline --set`)."""
     from pipeline.studies.evaluate import derived_run_changes, eval_changes
 
-    sets = list(sets or [])
-    cfg = load_config(config, sets)
+    before, sets = list(before or []), list(sets or [])
+    cfg = load_config(config, before + sets)
     derived = derived_run_changes(split, cfg) | (eval_changes(cfg, policy=False) if held_out else {})
+    return variant_sets(derived, before=before, after=sets)
+
+
+def reopen_sets(config: str | Path, split: str, sets: list[str] | None = None, before: list[str] | None = None,
+                held_out: bool = True) -> list[str]:
+    """The `--set` text a derived run is reopened with (its stages, a resumed run): `sets` alone, a per-invocation
+    change; under a study's own `--set` (`before`), `baseline_sets`, so the derived run's changes stay over the
+    study's as when the run was made."""
+    return baseline_sets(config, split, sets, before, held_out) if before else list(sets or [])
+
+
+def open_baseline_run(config: str, method: str, run_id: str | None = None, split: str = "test",
+                      sets: list[str] | None = None, held_out: bool = True, before: list[str] | None = None
+                      ) -> RunContext:
+    """Create (first call) or reopen the derived run of `method` on `split` (its `--set` text: `baseline_sets`).
+    `held_out`: the experiment's query count and L (as evaluation runs); else CONFIG's own queries (task_best's
+    selection run). A run reopened with `baseline_changes` is refused, naming them."""
+    sets, before = list(sets or []), list(before or [])
+    cfg = load_config(config, before + sets)
     bid = baseline_run_id(run_id or cfg.run_id, method, split)
     store = store_for(cfg.store)
     if store.read_config(bid) is None:
-        return open_run(config, bid, 0, variant_sets(derived, after=sets))
-    ctx = open_run(None, bid, 0, sets, str(store.root))
+        return open_run(config, bid, 0, baseline_sets(config, split, sets, before, held_out))
+    ctx = open_run(None, bid, 0, reopen_sets(config, split, sets, before, held_out), str(store.root))
     # as open_run: CONFIG matches alone (`sets` then a deliberate per-invocation change) or with `sets`
-    changed = min((baseline_changes(ctx.cfg, load_config(config, variant_sets(derived, after=extra)))
+    changed = min((baseline_changes(ctx.cfg, load_config(config, baseline_sets(config, split, extra, before, held_out)))
                    for extra in ([], sets)), key=len)
     if changed:
         raise ConfigError(f"baseline run {bid!r} was made with other settings ({', '.join(changed)}): use another "
@@ -241,21 +260,23 @@ def write_programs(ctx: RunContext, per_query: dict[str, list[tuple[str, str, di
 
 
 def _score(ctx: RunContext, call, sets: list[str] | None) -> None:
+    """The score stage of a derived run, with `sets` as the run was opened (`open_baseline_run`)."""
     call(stage="score", run_id=ctx.run_id, round=0, store_root=str(ctx.store.root), sets=sets)
 
 
 def run_fixed(config: str, method: str, call, run_id: str | None = None, split: str = "test",
-              sets: list[str] | None = None, program: str | None = None) -> EvalSummary:
+              sets: list[str] | None = None, program: str | None = None, before: list[str] | None = None
+              ) -> EvalSummary:
     """A fixed program's baseline run: L copies of it per held-out query, scored; returns its `eval_summary`.
     `program`: the source of a user-given program (`pipeline baseline --program FILE`), named `method`."""
     from pipeline.studies.evaluate import eval_summary
 
     code = PROGRAMS[method] if program is None else program
-    ctx = open_baseline_run(config, method, run_id, split, sets)
+    ctx = open_baseline_run(config, method, run_id, split, sets, before=before)
     L = ctx.cfg.rollout.m
     queries = write_queries(ctx)
     write_programs(ctx, {q["query_id"]: [(method, code, {"method": method})] * L for q in queries})
-    _score(ctx, call, sets)
+    _score(ctx, call, reopen_sets(config, split, sets, before))
     return eval_summary(ctx.store, ctx.run_id)
 
 
@@ -331,20 +352,22 @@ def selection_split(cfg) -> str:
 
 
 def run_task_best(config: str, call, run_id: str | None = None, split: str = "test", sets: list[str] | None = None,
-                  candidates: list[str] | None = None, max_candidates: int = 16) -> EvalSummary:
+                  candidates: list[str] | None = None, max_candidates: int = 16, before: list[str] | None = None
+                  ) -> EvalSummary:
     """Select each task's best program on CONFIG's training queries, then run it on the held-out split (module
     doc); returns the held-out run's `eval_summary` with `selected` (task -> the winner and its selection score) and
     `selection_run` (the run in which the winners were chosen)."""
     from pipeline.studies.evaluate import eval_summary
 
-    sel = open_baseline_run(config, SELECT, run_id, selection_split(load_config(config, sets)), sets, held_out=False)
+    chosen_on = selection_split(load_config(config, [*(before or []), *(sets or [])]))
+    sel = open_baseline_run(config, SELECT, run_id, chosen_on, sets, held_out=False, before=before)
     progs = candidate_programs(sel.store, list(candidates or []), max_candidates)
     sel_queries = write_queries(sel)
     write_programs(sel, {q["query_id"]: progs for q in sel_queries})
-    _score(sel, call, sets)
+    _score(sel, call, reopen_sets(config, chosen_on, sets, before, held_out=False))
     chosen = select_per_task(_selection_rows(sel.store, sel.run_id, {q["query_id"]: q["task"] for q in sel_queries}))
     by_label = {label: (code, extra) for label, code, extra in progs}
-    ctx = open_baseline_run(config, TASK_BEST, run_id, split, sets)
+    ctx = open_baseline_run(config, TASK_BEST, run_id, split, sets, before=before)
     samples, queries = ctx.cfg.rollout.m, write_queries(ctx)
     missing = sorted({q["task"] for q in queries} - set(chosen))
     if missing:
@@ -356,7 +379,7 @@ def run_task_best(config: str, call, run_id: str | None = None, split: str = "te
         prov = {"method": TASK_BEST, "selected_on": sel.run_id, "selection_mean": win["mean_score"], **extra}
         per_query[q["query_id"]] = [(win["label"], code, prov)] * samples
     write_programs(ctx, per_query)
-    _score(ctx, call, sets)
+    _score(ctx, call, reopen_sets(config, split, sets, before))
     summary = eval_summary(ctx.store, ctx.run_id)
     summary.extra["selected"] = chosen
     summary.extra["selection_run"] = sel.run_id
@@ -372,18 +395,19 @@ def sharing_executor(config: str, run_id: str | None = None, sets: list[str] | N
 
 
 def run_baseline(config: str, method: str, call=None, run_id: str | None = None, split: str = "test",
-                 sets: list[str] | None = None, candidates: list[str] | None = None, max_candidates: int = 16
-                 ) -> EvalSummary:
-    """One baseline's derived run, through `call` (a stage caller; default `pipeline.stages.rounds.direct_call()`)."""
+                 sets: list[str] | None = None, candidates: list[str] | None = None, max_candidates: int = 16,
+                 before: list[str] | None = None) -> EvalSummary:
+    """One baseline's derived run, through `call` (a stage caller; default `pipeline.stages.rounds.direct_call()`).
+    `sets` have the last word; a study's own `--set` goes in `before`, under the run's changes (`baseline_sets`)."""
     from pipeline.stages.rounds import direct_call
 
     check_method(method)
     call = call or direct_call()
     if method.startswith(PROGRAM_PREFIX):
-        return run_fixed(config, method_tag(method), call, run_id, split, sets, program_text(method))
+        return run_fixed(config, method_tag(method), call, run_id, split, sets, program_text(method), before)
     if method == TASK_BEST:
-        return run_task_best(config, call, run_id, split, sets, candidates, max_candidates)
-    return run_fixed(config, method, call, run_id, split, sets)
+        return run_task_best(config, call, run_id, split, sets, candidates, max_candidates, before)
+    return run_fixed(config, method, call, run_id, split, sets, before=before)
 
 
 # ---- side by side ----------------------------------------------------------------------------------------------

@@ -75,6 +75,7 @@ from pipeline.studies.baselines import (
     PROGRAM_PREFIX,
     baseline_changes,
     baseline_run_id,
+    baseline_sets,
     check_method,
     method_tag,
     program_parts,
@@ -83,7 +84,6 @@ from pipeline.studies.baselines import (
 from pipeline.studies.choices import likeliest_labels, part_rows
 from pipeline.studies.evaluate import (
     EVAL_STAGES,
-    derived_run_changes,
     eval_changes,
     eval_run_id,
     eval_summary,
@@ -319,15 +319,14 @@ def check_borrowed(store: Store, cfg: RunConfig, config: str | Path, sets: list[
     ConfigError naming the run and the fields otherwise, or a missing run with the command that makes it. The same
     for its runs on `select_split` that exist (a missing one is listed by `selection`, never chosen)."""
     experiment = cfg.experiment
-    checks = [(experiment.eval_split, sets, True)]
+    checks = [(experiment.eval_split, [], True)]
     if experiment.select_split is not None:
-        checks.append((experiment.select_split, variant_sets(select_changes(cfg), before=sets), False))
-    for split, extra, required in checks:
-        mine = load_config(config, extra)
-        # the evaluation's own changes have the last word over this experiment's --set, as in its evaluation runs
-        # (an arm's `--set rollout.m=6` is its training rollout's; a reference samples L, as its evaluations do)
-        wanted = load_config(config, variant_sets(derived_run_changes(split, mine) | eval_changes(mine, policy=False),
-                                                  before=extra))
+        checks.append((experiment.select_split, variant_sets(select_changes(cfg)), False))
+    for split, changes, required in checks:
+        # the reference's evaluation changes have the last word over this experiment's --set, as where the
+        # experiment makes its references (an arm's `--set rollout.m=6` is its training rollout's; a reference
+        # samples L, as its evaluations do)
+        wanted = load_config(config, baseline_sets(config, split, changes, before=sets))
         for m, rid in reference_runs(cfg, split).items():
             if not (store.run_dir(rid) / "config.yaml").is_file():
                 if not required:
@@ -977,7 +976,9 @@ def run_experiment(config: str | Path, call, seeds: int | None = None, run_id: s
             t_refs = time.perf_counter()
             for method, split, changes, why in [] if cfg.experiment.references_from else reference_plan(cfg):
                 log.info("reference %s on %s%s", method, split, why)
-                run_baseline(str(path), method, call, cfg.run_id, split, variant_sets(changes, before=sets))
+                # the experiment's --set (an arm's training rollout.m) under the reference's evaluation changes, as
+                # in its evaluation runs and in check_borrowed
+                run_baseline(str(path), method, call, cfg.run_id, split, variant_sets(changes), before=sets)
             extra["references_wall_s"] = round(time.perf_counter() - t_refs, 1)
             summary, out = publish("after the references")
     if out is None:  # every seed of the plan was finished already, and no reference to run
