@@ -10,11 +10,20 @@ import json
 import sys
 from functools import cache
 from pathlib import Path
-from typing import Any, ForwardRef, Literal, get_args
+from typing import Annotated, Any, ForwardRef, Literal, get_args
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -802,9 +811,11 @@ class RouterConfig(_Strict):
         default_factory=lambda: [0.1, 1.0, 10.0], min_length=1,
         description="Inverse regularisation strengths of the logistic regressions tried on dev.",
     )
-    analyzers: list[Literal["word", "char_wb"]] = Field(
+    analyzers: list[Annotated[str, StringConstraints(pattern=r"^(word|char_wb|hidden:\d+)$")]] = Field(
         default_factory=lambda: ["word", "char_wb"], min_length=1,
-        description="TF-IDF features tried on dev: word 1-2-grams, or character 2-4-grams within words.",
+        description="Query features tried on dev: TF-IDF of word 1-2-grams (word) or of character 2-4-grams within "
+        "words (char_wb), or hidden:<layer>, generator.model's own hidden states at that layer (0: the token "
+        "embeddings), mean-pooled over the query: a probe (pipeline.engines.hidden).",
     )
 
 

@@ -8,9 +8,10 @@ import math
 import numpy as np
 import pytest
 
+from pipeline.config import ConfigError, config_from_dict
 from pipeline.core.designs import COMBINED, OWN, declared_choice, reply_independent, tempered_draws
 from pipeline.core.router import oracle_choice, part_choice, route, solved
-from pipeline.studies.router import DesignTable, chances, compose, fit_router
+from pipeline.studies.router import DesignTable, chances, compose, describe_features, fit_router
 
 # 3 designs (direct, steps, pot) x 4 queries; tokens make the ties' order visible
 SCORES = np.array([[1.0, 0.0, 0.5, 0.0],
@@ -80,6 +81,59 @@ def test_learned_router_sends_each_kind_of_query_to_the_design_that_solves_it():
 def test_a_design_that_solves_all_or_nothing_gets_its_rate():
     train = table(MULTIPLY, [[1, 1, 1, 1], [0, 0, 0, 0]])
     assert chances(train, ["anything"], 1.0, "char_wb").tolist() == [[1.0, 0.0]]
+
+
+# a probe's features by hand: the first coordinate says "direct solves it", the second "steps does"; the words do not
+FEATURES = {"q one": [3.0, 0.0], "q two": [2.5, 0.2], "q three": [0.1, 3.0], "q four": [0.3, 2.8],
+            "q five": [2.8, 0.1], "q six": [0.0, 2.9]}
+
+
+def test_a_hidden_state_probe_routes_by_the_models_features_and_is_chosen_on_dev_over_tf_idf():
+    """`hidden:<layer>` reads the base model's hidden states at that layer (here a hand table): the dev queries share
+    no word with train (TF-IDF drops the one-letter "q"), so the word router sends both to one design (dev 0.5) and
+    the probe sends each to the design that solves it (dev 1.0): it is the setting chosen on dev."""
+    layers = []
+
+    def embed(texts, layer):
+        layers.append(layer)
+        return np.array([FEATURES[t] for t in texts])
+
+    train = table(["q one", "q two", "q three", "q four"], [[1, 1, 0, 0], [0, 0, 1, 1]])
+    dev = table(["q five", "q six"], [[1, 0], [0, 1]])
+    fit = fit_router(train, dev, [1.0], ["word", "hidden:3"], embed)
+    assert [(s.analyzer, s.dev_mean) for s in fit.tried] == [("word", 0.5), ("hidden:3", 1.0)]
+    assert fit.chosen.analyzer == "hidden:3" and set(layers) == {3}
+    assert describe_features("hidden:3") == "the base model's hidden states (layer 3, mean-pooled over the query, " \
+                                            "standardised)" and describe_features("word") == "TF-IDF (word)"
+    with pytest.raises(ValueError, match="analyzer hidden:3 reads the base model's hidden states; none were given"):
+        chances(train, dev.texts, 1.0, "hidden:3")
+    with pytest.raises(ConfigError, match="analyzers.0: String should match pattern"):
+        config_from_dict({"experiment": {"select_split": "dev", "router": {"analyzers": ["hidden:last"]}}})
+
+
+def test_hidden_states_pool_each_layer_over_the_texts_tokens_and_are_computed_once(tiny_model, tmp_path, monkeypatch):
+    """Layer 0 is the token embeddings: its pooled state is the mean of the text's embedding rows (by hand from the
+    weights). A second reader with the same cache loads no model; a layer past the model's is refused by name."""
+    import torch
+
+    from pipeline.engines.hidden import HiddenStates
+    from pipeline.engines.models import load_causal_lm, load_tokenizer
+
+    states = HiddenStates(tiny_model, tmp_path / "cache")
+    got = states(["What is 312 * 45?", "Ann has 3 apples."], 0)
+    ids = load_tokenizer(tiny_model)("What is 312 * 45?").input_ids
+    weights = load_causal_lm(tiny_model, "float32", "cpu").get_input_embeddings().weight
+    with torch.no_grad():
+        by_hand = weights[ids].mean(dim=0).numpy()
+    assert got.shape == (2, 16) and np.allclose(got[0], by_hand, atol=1e-6)
+    assert not np.allclose(got[0], got[1])
+    last = states(["What is 312 * 45?"], 2)
+    monkeypatch.setattr(HiddenStates, "_load", lambda self: pytest.fail("the cache should have answered"))
+    again = HiddenStates(tiny_model, tmp_path / "cache")
+    assert np.array_equal(again(["What is 312 * 45?"], 2), last) and np.array_equal(again(["Ann has 3 apples."], 0),
+                                                                                      got[1:])
+    with pytest.raises(ValueError, match="layer 3 of .*, which has layers 0 \\(the token embeddings\\) to 2"):
+        again(["What is 312 * 45?"], 3)
 
 
 @pytest.mark.parametrize("text, choice", [

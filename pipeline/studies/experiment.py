@@ -91,7 +91,7 @@ from pipeline.studies.evaluate import (
     new_problems,
 )
 from pipeline.studies.report import build_experiment_report, stage_timings
-from pipeline.studies.router import design_table, router_arms
+from pipeline.studies.router import design_table, embedder, router_arms
 from pipeline.studies.summaries import (
     BASE,
     Candidate,
@@ -393,7 +393,8 @@ def routers(store: Store, cfg: RunConfig, held_out: list[ReferenceArm]) -> list[
         log.info("router: the designs' runs on %s, %s and the held-out split are not all finished yet",
                  router.fit_split, cfg.experiment.select_split)
         return []
-    arms, _ = router_arms(store, labels, fit_on, dev, held_out, router.c_grid, router.analyzers)
+    arms, _ = router_arms(store, labels, fit_on, dev, held_out, router.c_grid, router.analyzers,
+                          embedder(cfg.generator.model, router.analyzers))
     return arms
 
 

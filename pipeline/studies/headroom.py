@@ -60,7 +60,7 @@ from pipeline.store import Store, store_for
 from pipeline.store.views import TRUNCATED_SHARE_SQL
 from pipeline.studies.baselines import PROGRAM_PREFIX, baseline_run_id, check_method, method_tag, run_baseline
 from pipeline.studies.formatting import num, signed, span
-from pipeline.studies.router import text_chances
+from pipeline.studies.router import Embed, embedder, hidden_layer, text_chances
 from pipeline.studies.summaries import (
     DesignPoint,
     DesignRow,
@@ -165,6 +165,11 @@ def router_settings(cfg: RunConfig) -> list[tuple[float, str]]:
     return [(c, analyzer) for analyzer, c in product(router.analyzers, router.c_grid)]
 
 
+def features_named(settings: Sequence[tuple[float, str]]) -> str:
+    """The features the settings try, in words: "TF-IDF" alone where no setting reads hidden states."""
+    return " or ".join(dict.fromkeys("TF-IDF" if hidden_layer(a) is None else "hidden states" for _, a in settings))
+
+
 def setting_name(setting: tuple[float, str]) -> str:
     return f"{setting[1]} C={setting[0]:g}"
 
@@ -181,7 +186,8 @@ def room_result(room: Room, note: str, settings: Sequence[tuple[float, str]] = (
 
 
 def learnable(runs: Runs, parts: Sequence[str], texts: Sequence[str], folds: int = 5,
-              settings: Sequence[tuple[float, str]] = DEFAULT_SETTINGS) -> tuple[RoomResult, RoomResult | None]:
+              settings: Sequence[tuple[float, str]] = DEFAULT_SETTINGS, embed: Embed | None = None
+              ) -> tuple[RoomResult, RoomResult | None]:
     """The learnable room (module doc): the learned router over the query texts (one of `settings`, (C, analyzer),
     chosen inside the fit folds) and, with several parts, the per-part router, each cross-fitted over `folds` folds
     of the queries (fewer where there are fewer queries) against the best single design chosen on the same folds."""
@@ -201,14 +207,15 @@ def learnable(runs: Runs, parts: Sequence[str], texts: Sequence[str], folds: int
             rest = np.setdiff1d(np.arange(len(texts)), fit)
             c, analyzer = settings[setting]
             fitted[key] = rest, text_chances([texts[i] for i in fit], scores[:, fit], [texts[i] for i in rest], c,
-                                             analyzer)
+                                             analyzer, embed)
         rest, chance = fitted[key]
         return chance[np.searchsorted(rest, held)]
 
     count = len(set(labels.tolist()))
     grid = ", ".join(setting_name(x) for x in settings)
     learned = room_result(learnable_room(runs, labels, predict, len(settings)),
-                          f"TF-IDF + logistic regression per design over the query text (pipeline.studies.router), "
+                          f"{features_named(settings)} + logistic regression per design over the query text "
+                          "(pipeline.studies.router), "
                           f"fitted on {count - 1} of {count} query folds and scored on the other, its setting chosen "
                           f"inside the fit folds among {grid}; against the best single design chosen on the same "
                           "fit folds", settings)
@@ -221,9 +228,10 @@ def learnable(runs: Runs, parts: Sequence[str], texts: Sequence[str], folds: int
 
 
 def analyse(runs: Runs, parts: Sequence[str], rule: str, gate: float, texts: Sequence[str], folds: int = 5,
-            settings: Sequence[tuple[float, str]] = DEFAULT_SETTINGS) -> GateAnalysis:
+            settings: Sequence[tuple[float, str]] = DEFAULT_SETTINGS, embed: Embed | None = None) -> GateAnalysis:
     """Everything the study reports, from the runs and the queries' parts and texts (pure apart from the numbers'
-    rounding: none). The gate reads the learnable room of the learned router (`learnable`), not the oracle."""
+    rounding: none). The gate reads the learnable room of the learned router (`learnable`), not the oracle.
+    `embed`: the base model's hidden states, for `hidden:<layer>` settings."""
     points = design_points(runs)
     best = best_design(runs)
     oracle = cross_fit(runs, rule, best)
@@ -231,7 +239,7 @@ def analyse(runs: Runs, parts: Sequence[str], rule: str, gate: float, texts: Seq
     front = frontier(runs, rule)
     on_front = pareto(points)
     interval = bootstrap_ci(gain_per_query(runs, rule, best))  # the oracle's gain's 95% interval, queries resampled
-    learned, by_part = learnable(runs, parts, texts, folds, settings) if len(runs.queries) >= 2 else (None, None)
+    learned, by_part = learnable(runs, parts, texts, folds, settings, embed) if len(runs.queries) >= 2 else (None, None)
     out = GateAnalysis(
         designs=[DesignRow(**asdict(p), pareto=on) for p, on in zip(points, on_front, strict=True)],
         best=DesignPoint(**asdict(points[best])), oracle=OracleResult(**asdict(oracle)),
@@ -294,8 +302,9 @@ def run_headroom(config: str | Path, call=None, run_id: str | None = None, split
             run_baseline(str(path), d, call, owner(cfg), split, extra)
     frames = {tag: design_rows(store, rid) for tag, rid in runs_of.items()}
     runs, parts, texts, dropped = build_runs(frames, reps)
+    settings = router_settings(cfg)
     analysis = analyse(runs, parts, cfg.headroom.budget_rule, cfg.headroom.gate, texts, cfg.headroom.folds,
-                       router_settings(cfg))
+                       settings, embedder(cfg.generator.model, [a for _, a in settings]))
     summary = HeadroomReport(run_id=cfg.run_id, config=str(path), sets=sets, split=split, design_runs=runs_of,
                               dropped=dropped, **analysis.field_values())
     for row in summary.designs:
