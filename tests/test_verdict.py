@@ -164,6 +164,26 @@ def test_the_committed_mixed_choice_summary_holds_the_pages_numbers():
     assert any(line.startswith("verdict (round 1") and "criterion not met (negative)" in line for line in lines)
 
 
+def test_the_committed_mixed_route_b_summary_holds_the_pages_numbers():
+    """docs/results/mixed-route.md reads arm B's references, the learned router's dev choice and B's criterion from
+    this summary: learned router 0.503 (TF-IDF char_wb C=10, 0.538 on dev; the hidden-state probe's best 0.534),
+    per-part router 0.550, oracle 0.612, program of thought 0.387; (a) +0.005 [-0.185, +0.163] not met, (b) -0.110
+    [-0.295, +0.042] met."""
+    path = ROOT / "data/stores/mixed-choice/experiments/mixed-route-b/experiment.json"
+    summary = ExperimentSummary.from_dict(json.loads(path.read_text()))
+    means = {r.label: r.mean_at_l for r in summary.references}
+    for label, page in (("learned_router", 0.503), ("part_router", 0.550), ("oracle", 0.612),
+                        ("program-mixed_pot", 0.387)):
+        assert means[label] == pytest.approx(page, abs=0.002)
+    a, b = summary.verdict.checks[:2]
+    for check, page in ((a, (0.005, -0.185, 0.163)), (b, (-0.110, -0.295, 0.042))):
+        assert (check.mean, check.lo, check.hi) == pytest.approx(page, abs=0.002)
+    assert (a.met, b.met) == (False, True)
+    fit = [line for line in summary.results_lines() if line.startswith("learned_router: chosen on")]
+    assert len(fit) == 1 and "144 dev queries: char_wb C=10 (0.538)" in fit[0]
+    assert "word C=0.1 0.428" in fit[0] and "hidden:24 C=1 0.534" in fit[0]
+
+
 def _arm_summary(name, dev, held_out, met, rounds=2):
     """An experiment summary with seed -> dev Mean@L of its last round (experiment.select_eval), its last round's
     held-out Mean@L over seeds 0-2, and its verdict."""

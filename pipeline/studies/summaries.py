@@ -142,6 +142,17 @@ class ReferenceArm(EvalSummary):
                 f"{', ' + more if more else ''}, executor calls cut at the token cap {num(self.truncated_share)}"
                 + (f"; picks {picks}" if (picks := self.picks()) else ""))
 
+    def fit_line(self) -> str | None:
+        """The learned router's settings as scored on dev (`router.fit`, pipeline.studies.router.fit_router): each
+        one's routing score there and the one chosen; None for any other reference."""
+        fit = (self.extra.get("router") or {}).get("fit")
+        if not fit:
+            return None
+        tried = ", ".join(f"{t['analyzer']} C={t['c']:g} {num(t['dev_mean'])}" for t in fit["tried"])
+        chosen = fit["chosen"]
+        return (f"{self.label}: chosen on {fit['dev_queries']} dev queries: {chosen['analyzer']} C={chosen['c']:g} "
+                f"({num(chosen['dev_mean'])}); every setting's dev score: {tried}")
+
     def picks(self) -> str:
         """A router's choices on the held-out queries, counted (its per-query choice is each row's `design` and the
         summary's `router.choices`); empty for a fixed workflow."""
@@ -561,9 +572,10 @@ class ExperimentSummary(Record):
 
     def results_lines(self) -> list[str]:
         """What `--status` prints of the summary: every reference's held-out line (a router's with its picks), the
-        compared round minus each, the best fixed workflow and the verdict."""
+        learned router's settings on dev, the compared round minus each, the best fixed workflow and the verdict."""
         k = self.compared_round()
         lines = [r.line() for r in self.references]
+        lines += [fit for r in self.references if (fit := r.fit_line())]
         lines += [p.versus_reference() for p in self.paired_references if p.metric == "mean_at_l" and p.round == k]
         if self.selection is not None:
             lines += self.selection.lines()
