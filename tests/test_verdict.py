@@ -133,17 +133,22 @@ def test_the_criterion_is_a_plan_the_hash_leaves_out():
     assert base.config_hash() == judged.config_hash()
 
 
+def _committed(experiment: str, page: dict[str, float]) -> ExperimentSummary:
+    """A committed summary of the mixed-choice store, its references' held-out Mean@L checked against the page's."""
+    path = ROOT / f"data/stores/mixed-choice/experiments/{experiment}/experiment.json"
+    summary = ExperimentSummary.from_dict(json.loads(path.read_text()))
+    means = {r.label: r.mean_at_l for r in summary.references}
+    assert {label: means[label] for label in page} == pytest.approx(page, abs=0.002)
+    return summary
+
+
 def test_the_committed_mixed_choice_summary_holds_the_pages_numbers():
     """docs/results/mixed-choice.md reads its references, routers and verdict from this summary (`pipeline
     experiment configs/mixed-choice.yaml --report`): learned router 0.501, per-part router 0.514, oracle 0.650,
     program of thought 0.443; round 1 minus program of thought -0.043 [-0.092, +0.006], minus the learned router
     -0.102 [-0.158, -0.045]."""
-    path = ROOT / "data/stores/mixed-choice/experiments/mixed-choice/experiment.json"
-    summary = ExperimentSummary.from_dict(json.loads(path.read_text()))
-    means = {r.label: r.mean_at_l for r in summary.references}
-    for label, page in (("learned_router", 0.501), ("part_router", 0.514), ("oracle", 0.650),
-                        ("program-mixed_pot", 0.443)):
-        assert means[label] == pytest.approx(page, abs=0.002)
+    summary = _committed("mixed-choice", {"learned_router": 0.501, "part_router": 0.514, "oracle": 0.650,
+                                          "program-mixed_pot": 0.443})
     learned = next(r for r in summary.references if r.label == "learned_router")
     choices = learned.extra["router"]["choices"]
     assert len(choices) == 90 and {r["query_id"]: r["design"] for r in learned.per_query} == choices
@@ -169,12 +174,8 @@ def test_the_committed_mixed_route_b_summary_holds_the_pages_numbers():
     this summary: learned router 0.503 (TF-IDF char_wb C=10, 0.538 on dev; the hidden-state probe's best 0.534),
     per-part router 0.550, oracle 0.612, program of thought 0.387; (a) +0.005 [-0.185, +0.163] not met, (b) -0.110
     [-0.295, +0.042] met."""
-    path = ROOT / "data/stores/mixed-choice/experiments/mixed-route-b/experiment.json"
-    summary = ExperimentSummary.from_dict(json.loads(path.read_text()))
-    means = {r.label: r.mean_at_l for r in summary.references}
-    for label, page in (("learned_router", 0.503), ("part_router", 0.550), ("oracle", 0.612),
-                        ("program-mixed_pot", 0.387)):
-        assert means[label] == pytest.approx(page, abs=0.002)
+    summary = _committed("mixed-route-b", {"learned_router": 0.503, "part_router": 0.550, "oracle": 0.612,
+                                           "program-mixed_pot": 0.387})
     a, b = summary.verdict.checks[:2]
     for check, page in ((a, (0.005, -0.185, 0.163)), (b, (-0.110, -0.295, 0.042))):
         assert (check.mean, check.lo, check.hi) == pytest.approx(page, abs=0.002)
