@@ -785,6 +785,31 @@ def test_time_left_is_the_mean_of_the_stages_of_a_kind_already_done():
         == (900.0, 1, 0)
 
 
+def test_a_train_stage_with_saved_progress_shows_its_step_and_counts_the_steps_left(tmp_path):
+    """The train stage saves its progress with its step beside it (pipeline.stages.progress); `--status` shows the
+    step and estimates the rest by the share of steps left: a done train stage took 400 s, one saved at step 30 of
+    120 has 3/4 of its steps left (300 s). Cleared with the progress."""
+    from pipeline.stages.progress import clear_progress, save_progress, saved_steps
+    from pipeline.studies.experiment import status_table, time_left
+
+    path = tmp_path / "round=0" / "_train_progress.pt"
+    assert saved_steps(path) is None
+    save_progress(path, {"next_step": 30, "n_steps": 120, "weights": {}})
+    assert saved_steps(path) == (30, 120)
+
+    def row(run, done, wall, saved=None):
+        return {"part": "train", "run_id": run, "round": 0, "stage": "train", "done": done, "wall_s": wall,
+                "saved_step": saved}
+
+    rows = [row("a-s0", True, 400.0), row("a-s1", False, None, saved_steps(path)), row("a-s2", False, None)]
+    assert time_left(rows) == (400.0 * 0.75 + 400.0, 0, 0)
+    assert status_table(rows).select("run_id", "saved").rows() == [
+        ("a-s0", None), ("a-s1", "round 0: step 30 of 120"), ("a-s2", None)]
+    assert "saved" not in status_table([rows[0], rows[2]]).columns  # no progress saved: no column
+    clear_progress(path)
+    assert saved_steps(path) is None and list(path.parent.iterdir()) == []
+
+
 def test_time_left_scales_by_the_workflows_of_a_stage():
     """Done: two evaluation score stages, 600 s for 128 workflows and 300 s for 64: 900 / 192 = 4.6875 s a
     workflow. Left: an evaluation of 32 workflows (150 s), a reference on dev of 64 (by the score stages of any

@@ -458,7 +458,7 @@ def test_a_killed_train_stage_resumes_at_its_last_saved_step(tmp_path, tiny_mode
     from safetensors.torch import load_file
     from test_curate import _ctx
 
-    from pipeline.stages.progress import progress_path
+    from pipeline.stages.progress import progress_path, saved_steps
     from pipeline.stages.train import stage as train
 
     def round_ctx():
@@ -490,13 +490,14 @@ def test_a_killed_train_stage_resumes_at_its_last_saved_step(tmp_path, tiny_mode
         train.run_train(killed)
     saved = progress_path(killed.store, killed.run_id, 0)
     assert torch.load(saved, weights_only=False)["next_step"] == saved_at
+    assert saved_steps(saved) == (saved_at, 5)  # what `--status` reads, without torch
     monkeypatch.setattr(train, "StepMetrics", real_metrics)
     monkeypatch.setattr(train, "reference_passes", lambda s: pytest.fail("π_old recomputed on resume"))
     counts = train.run_train(killed)
     got_loss, got_w = outputs(killed)
     assert counts["steps"] == 5 and got_loss == want_loss and len(set(want_loss)) > 1
     assert got_w.keys() == want_w.keys() and all(torch.equal(got_w[k], want_w[k]) for k in want_w)
-    assert not saved.exists()
+    assert not saved.exists() and saved_steps(saved) is None
 
 
 @pytest.mark.parametrize("schedule, warmup", [("linear", 2), ("cosine", 0), ("constant", 3)])

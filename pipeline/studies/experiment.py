@@ -69,6 +69,7 @@ from pipeline.engines.servers import sharing
 from pipeline.run import run_config
 from pipeline.stages import ROUND_STAGES
 from pipeline.stages.modes import get_mode
+from pipeline.stages.progress import progress_path, saved_steps
 from pipeline.store import ADAPTER_WEIGHTS, KEPT_SOURCE, Store, adapter_complete, store_for, weights_sha256
 from pipeline.store.views import flagged_rewarded
 from pipeline.studies.baselines import (
@@ -755,8 +756,9 @@ PlannedRun = tuple[str, str, int, tuple[str, ...], int | None]  # (part, run id,
 
 def stage_rows(store: Store, runs: list[PlannedRun]) -> list[dict]:
     """`status` rows of planned runs: per round and stage whether it is done (its manifest), its wall seconds (the
-    last run that did work, `stage_timings`) and the round's workflows (its rollout's count once it has one, else
-    the plan's)."""
+    last run that did work, `stage_timings`), the round's workflows (its rollout's count once it has one, else
+    the plan's) and, for a train stage not done, the step its saved progress resumes at (`saved_step`: (next step,
+    the plan's steps), pipeline.stages.progress)."""
     rows = []
     for part, rid, rounds, stages, planned in runs:
         walls = {(r["round"], r["stage"]): (r["wall_s"], r["machine"])
@@ -766,7 +768,9 @@ def stage_rows(store: Store, runs: list[PlannedRun]) -> list[dict]:
             workflows = (done["rollout"] or {}).get("counts", {}).get("workflows", planned)
             rows += [{"part": part, "run_id": rid, "round": k, "stage": st, "done": done[st] is not None,
                       "wall_s": walls.get((k, st), (None, None))[0], "machine": walls.get((k, st), (None, None))[1],
-                      "workflows": workflows} for st in stages]
+                      "workflows": workflows,
+                      "saved_step": saved_steps(progress_path(store, rid, k)) if st == "train" and done[st] is None
+                      else None} for st in stages]
     return rows
 
 
@@ -790,7 +794,8 @@ def time_left(rows: list[dict], machine: str | None = None) -> tuple[float, int,
     `pipeline.engines.hardware.machine()`), the done stages that machine timed come first, kind by kind: machines
     differ by several times (docs/performance.md), and a stage another machine timed is no estimate for this one
     where this one has timed its kind. A done stage without a timing counts 0 s: a fixed program's rollout writes
-    its programs in the command, not as a timed stage."""
+    its programs in the command, not as a timed stage. A train stage with saved progress (`saved_step`) counts the
+    share of its steps left (its passes before step 0 are done by then: an estimate a little high)."""
     walls: dict[tuple, list[float]] = {}
     rates: dict[tuple, list[float]] = {}  # key -> [seconds, workflows] of the done stages counted
     for row in rows:
@@ -812,20 +817,27 @@ def time_left(rows: list[dict], machine: str | None = None) -> tuple[float, int,
             unknown += 1
             continue
         elsewhere += machine is not None and key[-1] != machine
+        share = 1.0 - row["saved_step"][0] / row["saved_step"][1] if row.get("saved_step") else 1.0
         if row.get("workflows") and key in rates:
-            known += rates[key][0] / rates[key][1] * row["workflows"]
+            known += rates[key][0] / rates[key][1] * row["workflows"] * share
         else:
-            known += mean_or_none(walls[key])
+            known += mean_or_none(walls[key]) * share
     return known, unknown, elsewhere
 
 
 def status_table(rows: list[dict]) -> pl.DataFrame:
-    """`status` one line a run, in plan order: its part, stages done of all, and wall minutes spent (done stages)."""
-    df = pl.DataFrame(rows, schema={"part": pl.String, "run_id": pl.String, "round": pl.Int64, "stage": pl.String,
-                                    "done": pl.Boolean, "wall_s": pl.Float64})
-    return (df.group_by("part", "run_id", maintain_order=True)
-            .agg(stages_done=pl.format("{}/{}", pl.col("done").sum(), pl.len()),
-                 minutes=(pl.col("wall_s").filter(pl.col("done")).sum() / 60).round(1)))
+    """`status` one line a run, in plan order: its part, stages done of all, wall minutes spent (done stages) and,
+    where a train stage has saved progress, its round and step (`saved`)."""
+    saved = [f"round {r['round']}: step {r['saved_step'][0]} of {r['saved_step'][1]}" if r.get("saved_step") else None
+             for r in rows]
+    df = pl.DataFrame([r | {"saved": x} for r, x in zip(rows, saved, strict=True)],
+                      schema={"part": pl.String, "run_id": pl.String, "round": pl.Int64, "stage": pl.String,
+                              "done": pl.Boolean, "wall_s": pl.Float64, "saved": pl.String})
+    table = (df.group_by("part", "run_id", maintain_order=True)
+             .agg(stages_done=pl.format("{}/{}", pl.col("done").sum(), pl.len()),
+                  minutes=(pl.col("wall_s").filter(pl.col("done")).sum() / 60).round(1),
+                  saved=pl.col("saved").drop_nulls().first()))
+    return table if table["saved"].null_count() < table.height else table.drop("saved")
 
 
 def paired_interval(pairs: list[tuple[int, str, float]], seeds: list[int], experiment) -> dict:
