@@ -275,7 +275,7 @@ def test_compare_methods_end_to_end_pairs_by_hand_and_resumes(tmp_path, monkeypa
     assert {r["eval_run_id"] for r in body["per_seed"]} <= {r["run_id"] for r in rows}
     assert mm.status("configs/smoke.yaml", ["spogw"], seeds=2, run_id="cm", sets=_sets(tmp_path))[-1] == {
         "part": "evaluate", "run_id": "cm-spogw-s1-eval-r0", "round": 0, "stage": "score", "done": False,
-        "wall_s": None, "machine": None, "workflows": 8}  # seed 1 not run; planned: 2 queries x L = 4
+        "wall_s": None, "machine": None, "workflows": 8, "saved_step": None}  # seed 1 not run: 2 queries x L = 4
     from typer.testing import CliRunner
 
     from pipeline.cli import app
