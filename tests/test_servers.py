@@ -263,6 +263,40 @@ def test_a_command_shares_one_executor_server_with_its_stages_and_stops_it(tmp_p
     assert group_alive(entry["pid"]) == []
 
 
+def test_a_train_stage_runs_without_the_shared_server_which_starts_again_after_it(tmp_path, fake_vllm, monkeypatch):
+    """A train stage needs the memory a served executor holds (the out-of-memory killer took a train stage beside
+    one): while it runs the command's shared server is stopped and unlisted; when it ends another is started and
+    listed, and a stage after it is pointed at that one. A stage other than train leaves the server up."""
+    from pipeline.stages.runner import run_stage
+
+    monkeypatch.delenv(servers.SHARED_ENV, raising=False)
+    ctx = open_run(served_config(tmp_path), round=0)
+    seen = {}
+
+    def fake(name):
+        def fn(ctx, only_failed=False):
+            seen[name] = dict(servers.shared_servers())
+            ctx.finish(name, rows=1)
+            return {"rows": 1}
+        return fn
+
+    for name in ("curate", "train"):
+        monkeypatch.setitem(stages.STAGES, name, dataclasses.replace(stages.STAGES[name], fn=fake(name),
+                                                                     isolated=False, checkpoint=False))
+    with servers.sharing(ctx.cfg, tmp_path / "shared-logs"):
+        (first,) = servers.shared_servers().values()
+        run_stage("curate", "t", 0, str(ctx.store.root))
+        assert seen["curate"] == servers.shared_servers() and group_alive(first["pid"])
+        run_stage("train", "t", 0, str(ctx.store.root))
+        assert seen["train"] == {} and group_alive(first["pid"]) == [] and refused(first["url"] + "/v1")
+        (again,) = servers.shared_servers().values()
+        assert again["pid"] != first["pid"]
+        with serving(ctx.cfg, ["executor"], tmp_path / "score-logs") as served:  # the next stage waits for it
+            assert served.executor.base_url == again["url"] + "/v1"
+            assert servers.served_models(again["url"]) == [EMBEDDED_MODEL]
+    assert servers.SHARED_ENV not in os.environ and group_alive(again["pid"]) == []
+
+
 def test_a_listed_server_that_is_gone_costs_a_start_not_the_stage(tmp_path, fake_vllm, monkeypatch):
     cfg = load_config(served_config(tmp_path))
     key = servers.spec_key(servers.spec_for(cfg, "executor"))

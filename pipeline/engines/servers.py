@@ -419,13 +419,37 @@ def shared_server(spec: ServerSpec) -> Server | None:
     return None
 
 
+@dataclass
+class _Shared:
+    """A server this process shares (`sharing`): what it serves and where it logs, so `released` can start it again."""
+
+    spec: ServerSpec
+    log_file: Path
+    server: Server | None
+
+
+_OWNED: dict[str, _Shared] = {}  # spec key -> the servers this process's `sharing` blocks started
+
+
+def _list(key: str, server: Server | None) -> None:
+    listed = shared_servers()
+    if server is None:
+        listed.pop(key, None)
+    else:
+        listed[key] = {"url": server.url, "pid": server.pgid}
+    if listed:
+        os.environ[SHARED_ENV] = json.dumps(listed)
+    else:
+        os.environ.pop(SHARED_ENV, None)
+
+
 @contextlib.contextmanager
 def sharing(cfg: RunConfig, log_dir: Path) -> Iterator[None]:
     """Start the executor's server (`executor.serve`) unless it is shared already, without waiting for it, and list
     it in PIPELINE_SHARED_SERVERS for the block: the stages started inside it use it (the first waits while it
     starts, so its start overlaps whatever runs before). Stopped and unlisted when the block ends; a block whose
     stages were all done costs a start that is cut short. Not the generator's server: it loads each round's
-    adapter at run time, and its stages are one a round."""
+    adapter at run time, and its stages are one a round. `released` stops it for a block (a train stage)."""
     listed = shared_servers()
     spec = spec_for(cfg, "executor") if cfg.executor.serve is not None else None
     if spec is None or spec_key(spec) in listed or spec.port is not None:  # a fixed port: `launch` reuses it
@@ -433,16 +457,51 @@ def sharing(cfg: RunConfig, log_dir: Path) -> Iterator[None]:
         return
     check(spec)
     before = os.environ.get(SHARED_ENV)
-    server = launch(spec, log_dir / f"{spec.name.replace('/', '_').replace(':', '_')}.log")
-    os.environ[SHARED_ENV] = json.dumps(listed | {spec_key(spec): {"url": server.url, "pid": server.pgid}})
+    key, log_file = spec_key(spec), log_dir / f"{spec.name.replace('/', '_').replace(':', '_')}.log"
+    shared = _OWNED[key] = _Shared(spec, log_file, launch(spec, log_file))
+    _list(key, shared.server)
     try:
         yield
     finally:
+        _OWNED.pop(key, None)
         if before is None:
             os.environ.pop(SHARED_ENV, None)
         else:
             os.environ[SHARED_ENV] = before
-        server.stop()
+        if shared.server is not None:
+            shared.server.stop()
+
+
+@contextlib.contextmanager
+def released() -> Iterator[None]:
+    """The servers this process shares (`sharing`) stopped and unlisted for the block, then started again without
+    waiting (the next stage that calls one waits while it starts, which overlaps what runs before). For a train
+    stage: a served executor holds several GB (its weights and KV cache: 6.3 GB of a 24 GB machine for
+    Qwen2.5-Coder-0.5B in fp32), which the train stage's passes need (the out-of-memory killer took a mixed-route
+    train stage twice beside it). A server that cannot start again is left unlisted: each later stage then starts
+    its own."""
+    stopped = []
+    for key, shared in list(_OWNED.items()):
+        if shared.server is not None:
+            shared.server.stop()
+            shared.server = None
+            _list(key, None)
+            stopped.append(key)
+    if stopped:
+        log.info("stopped the shared executor server for the block (%d)", len(stopped))
+    try:
+        yield
+    finally:
+        for key in stopped:
+            if (shared := _OWNED.get(key)) is None:
+                continue
+            try:
+                shared.server = launch(shared.spec, shared.log_file)
+            except Exception as e:  # a later stage starts its own
+                log.warning("the shared server of %s did not start again (%s); each stage starts its own",
+                            shared.spec.name, e)
+                continue
+            _list(key, shared.server)
 
 
 def server_log_dir(store, run_id: str, name: str) -> Path:

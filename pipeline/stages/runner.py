@@ -40,7 +40,7 @@ from typing import Any
 from pipeline import LOG_FORMAT
 from pipeline.engines.hardware import machine
 from pipeline.engines.neighbours import JOB_ENV, job
-from pipeline.engines.servers import server_log_dir, serving
+from pipeline.engines.servers import released, server_log_dir, serving
 from pipeline.run import RunContext, open_run
 from pipeline.stages import Shard, Stage, get_stage, resolve, served_sections
 from pipeline.store import LeaseHeld, LeaseLost, Store
@@ -234,6 +234,9 @@ def _run_child(stage: str, run_id: str, round: int, store_root: str, sets: list[
         raise StageError(name, round, f"child exited with status {proc.returncode} and no result", transient=False)
 
 
+RELEASES_SERVERS = {"train"}  # stages that call no server and need the machine's memory: shared servers stop
+
+
 def run_stage(stage: str, run_id: str, round: int, store_root: str, sets: list[str] | None = None,
               only_failed: bool = False, isolate: bool | None = None,
               shard: Shard | tuple[int, int] | None = None, wait: bool = False) -> StageResult:
@@ -257,10 +260,14 @@ def run_stage(stage: str, run_id: str, round: int, store_root: str, sets: list[s
     with stage_lease(ctx, spec, this_shard, wait) as lease:
         if (skip := _skip(ctx, spec, this_shard, only_failed)) is not None:  # finished by the holder it waited for
             return skip
-        if spec.isolated if isolate is None else isolate:
-            counts = _run_child(stage, run_id, round, str(ctx.store.root), sets, only_failed, this_shard, lease.fds)
-        else:
-            counts = execute(ctx, spec, **options)
+        # the command's shared executor server is stopped while a train stage runs (its memory and CPU are the
+        # stage's; pipeline.engines.servers.released) and started again, without waiting, once the stage ends
+        with released() if spec.name in RELEASES_SERVERS else contextlib.nullcontext():
+            if spec.isolated if isolate is None else isolate:
+                counts = _run_child(stage, run_id, round, str(ctx.store.root), sets, only_failed, this_shard,
+                                    lease.fds)
+            else:
+                counts = execute(ctx, spec, **options)
     return _result(stage, round, this_shard, False, time.perf_counter() - started, counts)
 
 
