@@ -766,11 +766,10 @@ def stage_rows(store: Store, runs: list[PlannedRun]) -> list[dict]:
         for k in range(rounds):
             done = {st: store.manifest(rid, k, st) for st in dict.fromkeys(("rollout", *stages))}
             workflows = (done["rollout"] or {}).get("counts", {}).get("workflows", planned)
+            saved = saved_steps(progress_path(store, rid, k)) if done.get("train", True) is None else None
             rows += [{"part": part, "run_id": rid, "round": k, "stage": st, "done": done[st] is not None,
                       "wall_s": walls.get((k, st), (None, None))[0], "machine": walls.get((k, st), (None, None))[1],
-                      "workflows": workflows,
-                      "saved_step": saved_steps(progress_path(store, rid, k)) if st == "train" and done[st] is None
-                      else None} for st in stages]
+                      "workflows": workflows, "saved_step": saved if st == "train" else None} for st in stages]
     return rows
 
 
