@@ -55,11 +55,13 @@ class HiddenStates:
         return self._loaded
 
     def __call__(self, texts: Sequence[str], layer: int) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, 0))
         for text in texts:
             if text not in self._seen:
                 self._seen[text] = self._pooled(self._key, text, load=self._load)
-        out = np.stack([self._seen[t] for t in texts]) if texts else np.zeros((0, 0, 0))
-        if out.size and not 0 <= layer < out.shape[1]:
+        out = np.stack([self._seen[t] for t in texts])
+        if not 0 <= layer < out.shape[1]:
             raise ValueError(f"hidden states: layer {layer} of {self.model_ref}, which has layers 0 (the token "
                              f"embeddings) to {out.shape[1] - 1}")
-        return out[:, layer, :] if out.size else np.zeros((0, 0))
+        return out[:, layer, :]

@@ -766,7 +766,7 @@ def stage_rows(store: Store, runs: list[PlannedRun]) -> list[dict]:
         for k in range(rounds):
             done = {st: store.manifest(rid, k, st) for st in dict.fromkeys(("rollout", *stages))}
             workflows = (done["rollout"] or {}).get("counts", {}).get("workflows", planned)
-            saved = saved_steps(progress_path(store, rid, k)) if done.get("train", True) is None else None
+            saved = saved_steps(progress_path(store, rid, k)) if "train" in done and done["train"] is None else None
             rows += [{"part": part, "run_id": rid, "round": k, "stage": st, "done": done[st] is not None,
                       "wall_s": walls.get((k, st), (None, None))[0], "machine": walls.get((k, st), (None, None))[1],
                       "workflows": workflows, "saved_step": saved if st == "train" else None} for st in stages]
@@ -827,9 +827,8 @@ def time_left(rows: list[dict], machine: str | None = None) -> tuple[float, int,
 def status_table(rows: list[dict]) -> pl.DataFrame:
     """`status` one line a run, in plan order: its part, stages done of all, wall minutes spent (done stages) and,
     where a train stage has saved progress, its round and step (`saved`)."""
-    saved = [f"round {r['round']}: step {r['saved_step'][0]} of {r['saved_step'][1]}" if r.get("saved_step") else None
-             for r in rows]
-    df = pl.DataFrame([r | {"saved": x} for r, x in zip(rows, saved, strict=True)],
+    df = pl.DataFrame([r | {"saved": f"round {r['round']}: step {r['saved_step'][0]} of {r['saved_step'][1]}"
+                            if r.get("saved_step") else None} for r in rows],
                       schema={"part": pl.String, "run_id": pl.String, "round": pl.Int64, "stage": pl.String,
                               "done": pl.Boolean, "wall_s": pl.Float64, "saved": pl.String})
     table = (df.group_by("part", "run_id", maintain_order=True)
