@@ -647,6 +647,9 @@ def test_route_or_write_runs_a_routed_designs_program_and_writes_only_under_own(
     seqs, _ = load_sequences(ctx)
     assert {len(q.completion_ids) for q in seqs if q.level == "choice"} == {1}  # the label token alone
     assert all(q.gen_id.endswith("/code") and q.completion_ids == [11, 12] for q in seqs if q.level == "code")
+    # the label's logged log-prob is the draw's, left out of the sampler-trainer mismatch; the code's first is sampled
+    assert {q.drawn_label for q in seqs} == ({True, False} if codes else {True})
+    assert all(q.drawn_label == (q.level == "choice") for q in seqs)
 
 
 def test_example_menu_file_missing_writes_nothing(tmp_path, fake):

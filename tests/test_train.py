@@ -322,6 +322,21 @@ def test_step_weights_and_kl_masks_follow_the_levels():
     assert step_weights(flat, [0], tc) is None and kl_masks(flat, tc) is True
 
 
+def test_logp_mismatch_leaves_out_a_drawn_label_and_logged_rows():
+    """The sampler-trainer mismatch (mean |logged - π_old| a token) counts sampled tokens only: a drawn design label's
+    logged log-prob is the draw's (rollout.choice_step), a logged row's is μ's."""
+    from pipeline.stages.train.metrics import StepSums
+
+    seqs = [TrainSequence("d", [1], [7, 8, 9], 1.0, [-2.0, -0.5, -1.0], drawn_label=True),
+            TrainSequence("s", [1], [7, 8], 1.0, [-0.2, -0.3]),
+            TrainSequence("m", [1], [7], 1.0, [-5.0], off_policy=True)]
+    old = {"d": torch.tensor([-0.1, -0.4, -1.3]), "s": torch.tensor([-0.2, -0.1]), "m": torch.tensor([-0.1])}
+    sums = StepSums()
+    sums.add_mismatch(seqs, old)
+    # d: its label (|-2.0 + 0.1|) left out, then 0.1 + 0.3; s: 0 + 0.2; m: none. 0.6 over 4 tokens
+    assert sums.mismatch_tokens == 4 and sums.logp_mismatch == pytest.approx(0.6 / 4, abs=1e-6)
+
+
 def _random_adapter(model_ref: str, path, dropout: float = 0.05, scale: float = 0.5) -> dict[str, torch.Tensor]:
     """A rank-4 LoRA adapter with random B (it changes outputs), saved with `dropout`; returns its B weights."""
     from peft import LoraConfig, get_peft_model

@@ -27,6 +27,9 @@ class TrainSequence:
     score: float | None = None  # its score in the row (score_dpo's s_w / s_l)
     group_id: str | None = None
     off_policy: bool = False  # a logged row (rollout.logged): `gen_logprobs` are the behaviour policy's, μ
+    # its first token is a design label drawn by rollout.choice_step: its logged log-prob is the draw's (renormalised
+    # over the labels, at choice_temperature), not the policy's, so the sampler-trainer mismatch leaves it out
+    drawn_label: bool = False
 
 
 def split_level(level: str, gen_id: str, prompt: list[int], completion: list[int],
@@ -60,7 +63,7 @@ def load_sequences(ctx: RunContext, kind: str = "group") -> tuple[list[TrainSequ
     members = (groups.select("group_id", "level", "members", pl.col(coef).alias("coef"), "member_scores")
                .explode("members", "coef", "member_scores").rename({"members": "gen_id", "member_scores": "score"}))
     gens = (ctx.store.scan("generations", data_run, ctx.round)
-            .select("gen_id", "query_id", "prompt_token_ids", "token_ids", "token_logprobs", "source")
+            .select("gen_id", "query_id", "prompt_token_ids", "token_ids", "token_logprobs", "source", "sampling")
             .unique("gen_id", keep="first").collect())
     rows = members.join(gens, on="gen_id", how="left", maintain_order="left")
     seqs, bad_groups = [], set()
@@ -78,9 +81,12 @@ def load_sequences(ctx: RunContext, kind: str = "group") -> tuple[list[TrainSequ
         logged = row["source"] == "logged"
         if logged and not (glp and len(glp) == len(comp)):  # refused at import; a row edited since is refused here
             raise ValueError(f"logged row {row['gen_id']} has no behaviour log-probs for its {len(comp)} tokens")
+        # a code-level row holds the label in its prompt: its first token was sampled, not drawn
+        drawn = row["level"] != "code" and '"choice_step"' in (row["sampling"] or "")
         seqs.append(TrainSequence(key, prompt, comp, float(row["coef"]),
                                   list(glp) if glp and len(glp) == len(comp) else None, row["level"],
-                                  None if row["score"] is None else float(row["score"]), row["group_id"], logged))
+                                  None if row["score"] is None else float(row["score"]), row["group_id"], logged,
+                                  drawn))
     if kind == "pair" and bad_groups:
         seqs = [s for s in seqs if s.group_id not in bad_groups]
     if info["sequences_dropped"]:

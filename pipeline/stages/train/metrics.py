@@ -67,8 +67,9 @@ class StepSums:
     def add_mismatch(self, uniq: list[TrainSequence], old: dict[str, torch.Tensor] | None) -> None:
         for s in uniq:
             if s.gen_logprobs is not None and old is not None and not s.off_policy:  # μ is not the sampler's π
-                self.mismatch += float((torch.tensor(s.gen_logprobs) - old[s.gen_id]).abs().sum())
-                self.mismatch_tokens += len(s.gen_logprobs)
+                skip = int(s.drawn_label)  # a drawn label's log-prob is the draw's (TrainSequence.drawn_label)
+                self.mismatch += float((torch.tensor(s.gen_logprobs[skip:]) - old[s.gen_id][skip:]).abs().sum())
+                self.mismatch_tokens += len(s.gen_logprobs) - skip
 
     @property
     def padding_share(self) -> float:
