@@ -9,6 +9,7 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -135,6 +136,23 @@ def test_prompts_spread_with_the_seeds_of_one_server(servers, adapter):
     assert sorted(r["seed"] for r in a.completions + b.completions) == sorted(r["seed"] for r in solo.completions)
     c = rows[0][1]
     assert c.token_logprobs == [-0.5, -0.25] and not c.retokenized and c.finish_reason == "length"
+
+
+def test_two_calls_sampled_as_one_keep_their_seeds(servers):
+    """Sampling.seeds: prompts of two calls sent in one keep the seeds their own calls gave them (rollout.choice_step
+    writes several batches' workflows in one call this way); seeds that do not match the prompts are refused."""
+    solo = servers()
+    with generator(solo.url) as gen:
+        first, second = SAMPLING, replace(SAMPLING, seed=90)
+        apart = gen.generate(PROMPTS[:3], first) + gen.generate(PROMPTS[3:], second)
+        sent_apart = [r["seed"] for r in solo.completions]
+        seeds = tuple(first.prompt_seed(i) for i in range(3)) + tuple(second.prompt_seed(i) for i in range(5))
+        assert seeds[:4] == (5, 7, 9, 90)  # seed + i * n, n = 2
+        merged = gen.generate(PROMPTS, replace(SAMPLING, seeds=seeds))
+        assert ids(merged) == ids(apart)
+        assert sorted(r["seed"] for r in solo.completions[len(sent_apart):]) == sorted(sent_apart)
+        with pytest.raises(GenerationError, match="3 seeds for 8 prompts"):
+            gen.generate(PROMPTS, replace(SAMPLING, seeds=seeds[:3]))
 
 
 def test_light_load_still_reaches_every_endpoint(servers):

@@ -652,6 +652,41 @@ def test_route_or_write_runs_a_routed_designs_program_and_writes_only_under_own(
     assert all(q.drawn_label == (q.level == "choice") for q in seqs)
 
 
+def test_workflows_after_drawn_labels_are_written_across_batches_each_with_its_own_seed(tmp_path, fake, monkeypatch):
+    """rollout.choice_step: where the backend seeds each prompt by itself, the workflows written after several
+    batches' labels are sampled in one call of about batch_size x n of them, each prompt with the seed its own
+    batch's call would give it: the same rows as one call a batch, in fewer calls."""
+    menu = _two_design_menu(tmp_path)
+    monkeypatch.setattr(FakeGen, "next_token_logprobs", lambda self, prompts, ids, adapter=None: [
+        [math.log(1 / 3)] * len(ids) for _ in prompts])
+    # a written workflow returns its prompt's seed: the rows show which seed sampled each
+    monkeypatch.setattr(FakeGen, "_generate", lambda self, prompts, smp, adapter: self.calls.append(
+        (prompts, smp)) or [[Completion(f"\n    return {smp.prompt_seed(i)}\n```", [5], [11, 12], [-0.1, -0.2],
+                                        "stop")] for i in range(len(prompts))])
+    gens = fake()
+    runs = {}
+    for merged in (False, True):
+        monkeypatch.setattr(FakeGen, "per_prompt_seeds", merged)
+        ctx = make_ctx(tmp_path / str(merged), benchmark={"max_queries": 3}, generator={"batch_size": 1},
+                       rollout={"m": 6, "example_menu": menu, "choice_step": True, "choice_temperature": 1.0,
+                                "workflow_prefix": "```python\nasync def solve(problem):\n    # design:",
+                                "route_or_write": True}, training={"old_logprobs": "recompute"})
+        run_rollout(ctx)
+        runs[merged] = ctx.store.read("generations", "t", 0).sort("gen_id")
+    one_a_batch, across = gens[0].calls, gens[1].calls
+    own = runs[True].filter(pl.col("source") == "write")
+    # one query a batch: a call per query with workflows to write, none seeded by prompt
+    assert len(one_a_batch) == own["query_id"].n_unique() == 3 and all(smp.seeds is None for _, smp in one_a_batch)
+    # across batches: a call once the batches drawn hold batch_size x n = 6 workflows to write, then the rest
+    (first, first_sampling), *_ = across
+    assert len(across) < len(one_a_batch) and len(first) >= 6 and len(first_sampling.seeds) == len(first)
+    assert sum(len(p) for p, _ in across) == own.height
+    assert sorted(p for p, _ in one_a_batch for p in p) == sorted(p for p, _ in across for p in p)
+    assert runs[False].select("gen_id", "choice", "text", "token_ids").rows() == \
+        runs[True].select("gen_id", "choice", "text", "token_ids").rows()  # the same draws, the same seeds
+    assert own["text"].str.contains("return").all()
+
+
 def test_example_menu_file_missing_writes_nothing(tmp_path, fake):
     fake()
     ctx = make_ctx(tmp_path, rollout={"example_menu": [str(tmp_path / "nope.py")]})

@@ -4,7 +4,8 @@ Flat (SPOGW): m workflows per query. Two-level: N_A agent plans per query, then 
 One prompt per (query) or (agent), sampled n times; its exemplars are drawn once per prompt.
 Idempotent per (query, parent, slot): gen_ids are deterministic, so a re-run samples only missing slots
 (two-level: missing agents first, then the missing workflows of the agents that exist). Every generation
-call writes one Parquet part, so a crash loses at most the call in flight.
+call writes one Parquet part, so a crash loses at most the call in flight (under rollout.choice_step, the batches
+whose labels are drawn and whose workflows are not written yet: `Sampler.sample`).
 Row conventions: `latency_s` is the call's wall time divided by the samples it returned; `token_logprobs`
 follow pipeline/engines/generation/base.py; `adapter_round` is the round whose checkpoint sampled (null: base model
 or round 0's generator.adapter, whose path is in `sampling`).
@@ -20,7 +21,7 @@ import random
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.core.designs import OWN, declared_choice, nearest_design, tempered_draws, tempered_log_probs
@@ -202,12 +203,13 @@ class Sampler:
         return {"choice_step": {"temperature": ro.choice_temperature or self.cfg.generator.temperature,
                                 "tokens": self.choice_tokens, "odds": completion.extra.get("choice_odds")}}
 
-    def choose_then_write(self, gen: Generator, batch: list[Request], sampling: Sampling,
-                          progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
-        """rollout.choice_step: per slot, the design token drawn from the policy's odds over the labels' first tokens
-        (renormalised over them, at choice_temperature: any temperature, not only what an engine's sampler takes),
-        then the workflow sampled after it (one prompt a slot); each completion is the two steps' tokens joined, the
-        design token's log-prob the one it was drawn with (π_old is recomputed). `progress`: told of each workflow."""
+    def draw_labels(self, gen: Generator, batch: list[Request], sampling: Sampling,
+                    progress: Callable[[int], None] | None = None) -> Drawn:
+        """rollout.choice_step, its first step: per slot, the design token drawn from the policy's odds over the
+        labels' first tokens (renormalised over them, at choice_temperature: any temperature, not only what an
+        engine's sampler takes); its log-prob the one it was drawn with (π_old is recomputed). What is left to write
+        after the labels is `write_after`'s. `progress`: told of each routed label (a whole completion)."""
+        started = time.perf_counter()
         ids, names = list(self.choice_tokens.values()), list(self.choice_tokens)
         temperature = self.cfg.rollout.choice_temperature or sampling.temperature
         odds = gen.next_token_logprobs([r.prompt_text for r in batch], ids, self.sample_adapter)
@@ -227,17 +229,32 @@ class Sampler:
         to_write = [k for k, c in enumerate(picks) if "route" not in c.extra]
         if progress is not None and len(to_write) < len(picks):
             progress(len(picks) - len(to_write))
-        prompts = [batch[k // sampling.n].prompt_text + picks[k].text for k in to_write]
-        written = [comps[0] for comps in gen.generate(prompts, then, self.sample_adapter, progress=progress)] \
-            if prompts else []
-        joined = list(picks)
-        for k, w in zip(to_write, written, strict=True):
-            c = picks[k]
-            joined[k] = Completion(c.text + w.text, c.prompt_token_ids, c.token_ids + w.token_ids,
-                                   None if w.token_logprobs is None else c.token_logprobs + w.token_logprobs,
-                                   w.finish_reason, retokenized=w.prompt_token_ids != c.prompt_token_ids + c.token_ids,
-                                   extra=c.extra)
-        return [joined[i * sampling.n:(i + 1) * sampling.n] for i in range(len(batch))]
+        return Drawn(batch, sampling, picks, to_write, then, time.perf_counter() - started)
+
+    def write_after(self, gen: Generator, drawn: list[Drawn],
+                    progress: Callable[[int], None] | None = None) -> list[list[list[Completion]]]:
+        """rollout.choice_step, its second step: the workflow sampled after each drawn label that is not routed (one
+        prompt a slot), for several batches' draws in one generation call where the backend seeds each prompt by
+        itself (`Generator.per_prompt_seeds`): each prompt keeps the seed its batch's own call gives it, and the
+        call decodes as many workflows as a call without the design step would. Each completion is the two steps'
+        tokens joined. Per batch, per request, its n completions."""
+        prompts = [d.batch[k // d.sampling.n].prompt_text + d.picks[k].text for d in drawn for k in d.to_write]
+        seeds = tuple(d.then.prompt_seed(i) for d in drawn for i in range(len(d.to_write)))
+        then = drawn[0].then if len(drawn) == 1 else replace(drawn[0].then, seeds=seeds)
+        written = iter([comps[0] for comps in gen.generate(prompts, then, self.sample_adapter, progress=progress)]
+                       if prompts else [])
+        out = []
+        for d in drawn:
+            joined = list(d.picks)
+            for k in d.to_write:
+                c, w = d.picks[k], next(written)
+                joined[k] = Completion(c.text + w.text, c.prompt_token_ids, c.token_ids + w.token_ids,
+                                       None if w.token_logprobs is None else c.token_logprobs + w.token_logprobs,
+                                       w.finish_reason,
+                                       retokenized=w.prompt_token_ids != c.prompt_token_ids + c.token_ids,
+                                       extra=c.extra)
+            out.append([joined[i * d.sampling.n:(i + 1) * d.sampling.n] for i in range(len(d.batch))])
+        return out
 
     def rows(self, req: Request, comps: list[Completion], sampling: Sampling, latency: float) -> list[dict]:
         generator = self.cfg.generator
@@ -266,19 +283,60 @@ class Sampler:
         return rows
 
     def sample(self, gen: Generator, requests: list[Request], bar: ProgressMeter) -> int:
-        written = 0
+        """Every request, `generator.batch_size` prompts a call; a call's rows are one Parquet part. Under
+        rollout.choice_step the labels are drawn a batch at a time, and the workflows written after them are sampled
+        once the batches drawn hold as many as a plain call's samples (batch_size x n; `write_after`): a call that
+        writes only a batch's few `own` workflows decodes its longest alone."""
+        written, drawn = 0, []
         for batch in batches(requests, self.cfg.generator.batch_size):
             sampling = self.sampling(batch)
-            t0 = time.perf_counter()
             if self.choice_tokens and batch[0].kind == "workflow":
-                outs = self.choose_then_write(gen, batch, sampling, progress=bar.update)
-            else:
-                outs = gen.generate([r.prompt_text for r in batch], sampling, self.sample_adapter, progress=bar.update)
+                draw = self.draw_labels(gen, batch, sampling, progress=bar.update)
+                if drawn and not mergeable(drawn[0], draw):
+                    written, drawn = written + self.write_drawn(gen, drawn, bar), []
+                drawn.append(draw)
+                if not gen.per_prompt_seeds or sum(len(d.to_write) for d in drawn) >= \
+                        self.cfg.generator.batch_size * sampling.n:
+                    written, drawn = written + self.write_drawn(gen, drawn, bar), []
+                continue
+            t0 = time.perf_counter()
+            outs = gen.generate([r.prompt_text for r in batch], sampling, self.sample_adapter, progress=bar.update)
             latency = (time.perf_counter() - t0) / max(1, sampling.n * len(batch))
-            rows = [row for r, comps in zip(batch, outs, strict=True) for row in self.rows(r, comps, sampling, latency)]
-            self.ctx.store.write("generations", rows, self.ctx.run_id, self.ctx.round)
-            written += len(rows)
-        return written
+            written += self.write_rows(batch, outs, sampling, latency)
+        return written + (self.write_drawn(gen, drawn, bar) if drawn else 0)
+
+    def write_drawn(self, gen: Generator, drawn: list[Drawn], bar: ProgressMeter) -> int:
+        """The workflows after the drawn labels of `drawn`'s batches, then each batch's rows; a row's latency is its
+        batch's label step and its share of the writing call, over the batch's samples."""
+        t0 = time.perf_counter()
+        outs = self.write_after(gen, drawn, progress=bar.update)
+        write_s, total = time.perf_counter() - t0, max(1, sum(len(d.to_write) for d in drawn))
+        return sum(self.write_rows(d.batch, batch_outs, d.sampling,
+                                   (d.label_s + write_s * len(d.to_write) / total) / max(1, len(d.picks)))
+                   for d, batch_outs in zip(drawn, outs, strict=True))
+
+    def write_rows(self, batch: list[Request], outs: list[list[Completion]], sampling: Sampling,
+                   latency: float) -> int:
+        rows = [row for r, comps in zip(batch, outs, strict=True) for row in self.rows(r, comps, sampling, latency)]
+        self.ctx.store.write("generations", rows, self.ctx.run_id, self.ctx.round)
+        return len(rows)
+
+
+@dataclass
+class Drawn:
+    """A batch whose design labels are drawn (`Sampler.draw_labels`): what is left is the workflows after them."""
+
+    batch: list[Request]
+    sampling: Sampling  # the batch's own (stored in its rows)
+    picks: list[Completion]  # per slot, request by request: the label (a routed one is the whole completion)
+    to_write: list[int]  # the picks a workflow is written after
+    then: Sampling  # the writing call's sampling, as the batch alone would sample it
+    label_s: float  # wall seconds of the label step
+
+
+def mergeable(first: Drawn, other: Drawn) -> bool:
+    """Whether two batches' workflows can be written in one call: the same sampling but for the seed."""
+    return replace(first.then, seed=0) == replace(other.then, seed=0)
 
 
 def routed_text(design: Design) -> str:

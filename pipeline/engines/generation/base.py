@@ -45,6 +45,9 @@ class Sampling:
     max_new_tokens: int = 256
     seed: int = 0
     stop: tuple[str, ...] = ()  # a sample ends with the first of these strings it writes (kept in text and tokens)
+    # per prompt, the seed its samples start at (a backend with `per_prompt_seeds`): several calls' prompts sampled in
+    # one engine call each keep the seed their own call gives them; None: prompt i of a call starts at seed + i * n
+    seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:
@@ -52,9 +55,13 @@ class Sampling:
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise GenerationError(f"need temperature >= 0 and 0 < top_p <= 1, got {self}")
 
+    def prompt_seed(self, index: int) -> int:
+        """The seed of prompt `index`'s first sample (sample j of it: + j)."""
+        return self.seeds[index] if self.seeds is not None else self.seed + index * self.n
+
     def to_json(self, **extra: object) -> str:
         """The stored provenance of a sample's parameters (`stop` only where set: rows without one read as before)."""
-        d = {k: v for k, v in asdict(self).items() if k != "stop" or v}
+        d = {k: v for k, v in asdict(self).items() if (k != "stop" or v) and k != "seeds"}
         return json.dumps({**d, "logprobs": "processed", **extra}, sort_keys=True)
 
 
@@ -101,6 +108,9 @@ class Generator(ABC):
     backend: str
     # whether `_generate` takes `progress` and calls it as its requests finish (else a call reports at its end)
     reports_progress: bool = False
+    # whether each prompt's samples follow its own seed whatever else the call holds (`Sampling.seeds`): then several
+    # calls' prompts can be sampled in one call and each draws what its own call would have
+    per_prompt_seeds: bool = False
 
     def generate(self, prompts: list[str], sampling: Sampling, adapter: str | None = None,
                  progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
@@ -108,6 +118,9 @@ class Generator(ABC):
         a rollout's meter; the others, and whatever a backend left untold, at the end of the call)."""
         if not prompts:
             return []
+        if sampling.seeds is not None and (not self.per_prompt_seeds or len(sampling.seeds) != len(prompts)):
+            raise GenerationError(f"Sampling.seeds: {len(sampling.seeds)} seeds for {len(prompts)} prompts on the "
+                                  f"{self.backend} backend (per_prompt_seeds {self.per_prompt_seeds})")
         told, lock = 0, threading.Lock()
 
         def tell(n: int) -> None:  # requests may end on several threads (openai)
@@ -118,8 +131,9 @@ class Generator(ABC):
 
         reporting = {"progress": tell} if progress is not None and self.reports_progress else {}
         if sampling.temperature == 0 and sampling.n > 1:  # engines allow greedy only with n=1: repeat the prompt
-            flat = self._generate([p for p in prompts for _ in range(sampling.n)], replace(sampling, n=1), adapter,
-                                  **reporting)
+            seeds = None if sampling.seeds is None else tuple(s + j for s in sampling.seeds for j in range(sampling.n))
+            flat = self._generate([p for p in prompts for _ in range(sampling.n)], replace(sampling, n=1, seeds=seeds),
+                                  adapter, **reporting)
             out = [[c for row in flat[i : i + sampling.n] for c in row] for i in range(0, len(flat), sampling.n)]
         else:
             out = self._generate(prompts, sampling, adapter, **reporting)

@@ -56,6 +56,7 @@ class Endpoint:
 class OpenAIGenerator(Generator):
     backend = "openai"
     reports_progress = True
+    per_prompt_seeds = True  # each request is its own, seeded by its index or Sampling.seeds
 
     def __init__(self, model_ref: str, urls: str | list[str] | None, served_model: str | None = None,
                  api_key_env: str = "OPENAI_API_KEY", concurrency: int = 8, timeout_s: float = 600.0,
@@ -205,7 +206,7 @@ class OpenAIGenerator(Generator):
         by the index, whichever server takes it)."""
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
         kwargs: dict[str, Any] = dict(model=model, n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                      max_tokens=sampling.max_new_tokens, seed=sampling.seed + index * sampling.n,
+                                      max_tokens=sampling.max_new_tokens, seed=sampling.prompt_seed(index),
                                       logprobs=0)
         if self.is_vllm:
             kwargs.update(prompt=prompt_ids,

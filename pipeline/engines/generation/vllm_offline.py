@@ -140,6 +140,7 @@ def request_bar(progress: Callable[[int], None]) -> Callable[..., Any]:
 class VLLMGenerator(Generator):
     backend = "vllm"
     reports_progress = True
+    per_prompt_seeds = True  # a request's seeded generator is its own (the engine's batch changes no draw)
 
     def __init__(self, model_ref: str, *, llm: Any = None, **engine: Any):
         """`llm`: an already started `vllm.LLM` (shared by tests and the bench); else one is started with
@@ -161,10 +162,11 @@ class VLLMGenerator(Generator):
 
     def params(self, sampling: Sampling, count: int) -> list[Any]:
         """One SamplingParams per prompt: prompt i seeds its n samples with seed + i*n .. seed + i*n + n-1
-        (vLLM gives sample j seed + j), so equal prompts in a batch still get distinct samples."""
+        (vLLM gives sample j seed + j; `Sampling.prompt_seed`), so equal prompts in a batch still get distinct
+        samples."""
         return [self._sampling_params(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
-            seed=sampling.seed + i * sampling.n, logprobs=0, skip_special_tokens=True,
+            seed=sampling.prompt_seed(i), logprobs=0, skip_special_tokens=True,
             stop=list(sampling.stop) or None, include_stop_str_in_output=True,
         ) for i in range(count)]
 
