@@ -509,8 +509,9 @@ class RolloutConfig(_Strict):
         "workflow_prefix is drawn from the generator's odds over the first tokens of the designs' labels (their "
         "names without the prefix all share, as `$designs` shows them), renormalised over them, at "
         "choice_temperature, then the workflow is sampled after it; both are the sample's tokens and train alike "
-        "(training.old_logprobs must be recompute: the log-probability a tempered draw was made with is not the "
-        "policy's). workflow_prefix ends where a label starts, e.g. with `# design:`.",
+        "(the row's first log-prob is the draw's; its `sampling` keeps the policy's own, choice_step.logprob, which "
+        "training.old_logprobs: rollout takes as the label's π_old). workflow_prefix ends where a label starts, e.g. "
+        "with `# design:`.",
     )
     choice_temperature: float | None = Field(
         None, gt=0, le=100, description="choice_step: temperature of the design token: the policy's odds over the "
@@ -1061,10 +1062,6 @@ class ComputeConfig(_Strict):
             raise ValueError(f"training.old_logprobs: rollout needs generator.temperature 1 and top_p 1 (got "
                              f"{g.temperature} and {g.top_p}): otherwise the rollout's log-probs are not the "
                              "policy's; use recompute")
-        if self.rollout.choice_step and self.training.old_logprobs != "recompute":
-            raise ValueError("rollout.choice_step draws the design token from a restricted distribution, whose "
-                             "log-prob the rollout stores; π_old must be the policy's: set training.old_logprobs: "
-                             "recompute")
         if (self.rollout.logged or self.rollout.m == 0) and self.training.old_logprobs != "recompute":
             raise ValueError("rollout.logged rows carry the behaviour policy's log-probs, not π_old's: set "
                              "training.old_logprobs: recompute")

@@ -22,6 +22,7 @@ from pipeline.run import RunContext
 from pipeline.stages import STAGES
 from pipeline.stages.rollout import RolloutError, run_rollout
 from pipeline.stages.sampling import gen_id
+from pipeline.stages.train.data import label_logprob
 from pipeline.store import Store
 
 WORKFLOW = ("```python\nasync def solve(problem):\n    return (await llm([{'role': 'user', 'content': problem}]))[0]\n"
@@ -556,9 +557,9 @@ def test_choice_step_draws_the_design_token_from_the_labels_then_writes_after_it
                 "mixed_steps": tok(prefix + " steps", add_special_tokens=False).input_ids[-1]}
     asked = []
 
-    def odds(self, prompts, token_ids, adapter=None):  # the policy: P(direct) = 0.8, P(steps) = 0.2
+    def odds(self, prompts, token_ids, adapter=None):  # the policy: P(direct) = 0.6, P(steps) = 0.15, others 0.25
         asked.append(list(token_ids))
-        return [[math.log(0.8 if t == expected["mixed_direct"] else 0.2) for t in token_ids] for _ in prompts]
+        return [[math.log(0.6 if t == expected["mixed_direct"] else 0.15) for t in token_ids] for _ in prompts]
 
     def generate(self, prompts, smp, adapter):
         self.calls.append((prompts, smp, adapter))
@@ -574,7 +575,8 @@ def test_choice_step_draws_the_design_token_from_the_labels_then_writes_after_it
     assert len(second) == 8 and smp2.n == 1  # 2 queries x 4 slots, one prompt a slot
     df = ctx.store.read("generations", "t", 0).sort("gen_id")
     by_token = {v: k for k, v in expected.items()}
-    # at temperature 3: P(direct) = 0.8^(1/3) / (0.8^(1/3) + 0.2^(1/3)) = 0.9283 / (0.9283 + 0.5848) = 0.6135
+    # renormalised over the labels 0.8 and 0.2; at temperature 3: P(direct) = 0.8^(1/3) / (0.8^(1/3) + 0.2^(1/3))
+    # = 0.9283 / (0.9283 + 0.5848) = 0.6135
     logp = {"mixed_direct": math.log(0.6135), "mixed_steps": math.log(0.3865)}
     for row in df.iter_rows(named=True):
         design = by_token[row["token_ids"][0]]
@@ -582,11 +584,16 @@ def test_choice_step_draws_the_design_token_from_the_labels_then_writes_after_it
         assert row["token_logprobs"] == pytest.approx([logp[design], -0.1, -0.2], abs=2e-4)  # stored as float32
         step = json.loads(row["sampling"])["choice_step"]  # the policy's own odds, whatever the temperature drew
         assert step["temperature"] == 3.0 and step["odds"] == {"mixed_direct": 0.8, "mixed_steps": 0.2}
+        # and the drawn label's log-prob over the whole vocabulary: the label's π_old (old_logprobs: rollout)
+        assert step["logprob"] == pytest.approx(math.log({"mixed_direct": 0.6, "mixed_steps": 0.15}[design]))
+        assert label_logprob(row["sampling"]) == (step["logprob"], True)
     assert second[0].endswith(prefix + tok.decode([df["token_ids"][0][0]]))
     assert df.row(0, named=True)["retokenized"]  # the fake's step-2 prompt ids are not step 1's plus the drawn token
     assert set(df["choice"]) == {"mixed_direct", "mixed_steps"}  # 8 draws at 0.61 / 0.39: both (seeded)
-    with pytest.raises(ValueError, match="set training.old_logprobs: recompute"):
-        make_ctx(tmp_path, rollout={"example_menu": menu, "choice_step": True}, training={"old_logprobs": "auto"})
+    # a row stored before the policy's log-prob was: a drawn label whose π_old is recomputed
+    assert label_logprob(json.dumps({"choice_step": {"temperature": 3.0}})) == (None, True)
+    assert label_logprob(json.dumps({"temperature": 1.0})) == (None, False)
+    make_ctx(tmp_path, rollout={"example_menu": menu, "choice_step": True}, training={"old_logprobs": "auto"})
 
 
 def test_route_or_write_runs_a_routed_designs_program_and_writes_only_under_own(tmp_path, fake, monkeypatch):
@@ -603,7 +610,7 @@ def test_route_or_write_runs_a_routed_designs_program_and_writes_only_under_own(
     label = {n: tok(prefix + " " + w, add_special_tokens=False).input_ids[-1]
              for n, w in (("mixed_direct", "direct"), ("mixed_steps", "steps"), ("own", "own"))}
     monkeypatch.setattr(FakeGen, "next_token_logprobs", lambda self, prompts, ids, adapter=None: [
-        [math.log(1 / 3)] * len(ids) for _ in prompts])
+        [math.log(0.25)] * len(ids) for _ in prompts])  # renormalised over the three labels: 1/3 each
     monkeypatch.setattr(FakeGen, "_generate", lambda self, prompts, smp, adapter: self.calls.append(prompts) or [
         [Completion("\n    return 'mine'\n```", [5], [11, 12], [-0.1, -0.2], "stop")] for _ in prompts])
     ctx = make_ctx(tmp_path, rollout={"m": 6, "example_menu": menu, "workflow_prefix": prefix, "choice_step": True,
@@ -647,9 +654,10 @@ def test_route_or_write_runs_a_routed_designs_program_and_writes_only_under_own(
     seqs, _ = load_sequences(ctx)
     assert {len(q.completion_ids) for q in seqs if q.level == "choice"} == {1}  # the label token alone
     assert all(q.gen_id.endswith("/code") and q.completion_ids == [11, 12] for q in seqs if q.level == "code")
-    # the label's logged log-prob is the draw's, left out of the sampler-trainer mismatch; the code's first is sampled
-    assert {q.drawn_label for q in seqs} == ({True, False} if codes else {True})
-    assert all(q.drawn_label == (q.level == "choice") for q in seqs)
+    # the label's π_old from the row: the policy's own log-prob (0.25), not the draw's (1/3); the code's as sampled
+    assert all(q.gen_logprobs == pytest.approx([math.log(0.25)]) for q in seqs if q.level == "choice")
+    assert all(q.gen_logprobs == pytest.approx([-0.1, -0.2]) for q in seqs if q.level == "code")
+    assert not any(q.drawn_label for q in seqs)
 
 
 def test_workflows_after_drawn_labels_are_written_across_batches_each_with_its_own_seed(tmp_path, fake, monkeypatch):

@@ -337,6 +337,32 @@ def test_logp_mismatch_leaves_out_a_drawn_label_and_logged_rows():
     assert sums.mismatch_tokens == 4 and sums.logp_mismatch == pytest.approx(0.6 / 4, abs=1e-6)
 
 
+def test_pi_old_from_the_rollout_recomputes_drawn_labels_and_logged_rows():
+    """training.old_logprobs: rollout takes a sequence's logged log-probs as π_old only where they are the policy's:
+    a drawn label stored without the policy's own log-prob (drawn_label) and a logged row (μ's) are recomputed, in
+    the passes that hold them."""
+    from types import SimpleNamespace
+
+    from pipeline.core.packing import Pass
+    from pipeline.stages.train.reference import old_logprobs
+
+    seqs = [TrainSequence("own", [1], [7, 8], 1.0, [-0.3, -0.4]),
+            TrainSequence("drawn", [1], [7], 1.0, [-1.1], drawn_label=True),
+            TrainSequence("mu", [1], [9], 1.0, [-1.0986], off_policy=True)]
+    setup = SimpleNamespace(train_cfg=SimpleNamespace(old_logprobs="rollout"), seqs=seqs)
+    passes = [Pass([0], [0], [0]), Pass([1, 2], [1, 2], [0, 1])]
+    computed = []
+
+    def compute(todo):
+        computed.append([seqs[i].gen_id for p in todo for i in p.uniq])
+        return {seqs[i].gen_id: torch.full((len(seqs[i].completion_ids),), -9.0) for p in todo for i in p.uniq}
+
+    old = old_logprobs(setup, passes, compute)
+    assert computed == [["drawn", "mu"]]  # the first pass's one sequence is the rollout's own
+    assert old["own"].tolist() == pytest.approx([-0.3, -0.4])
+    assert old["drawn"].tolist() == [-9.0] and old["mu"].tolist() == [-9.0]
+
+
 def _random_adapter(model_ref: str, path, dropout: float = 0.05, scale: float = 0.5) -> dict[str, torch.Tensor]:
     """A rank-4 LoRA adapter with random B (it changes outputs), saved with `dropout`; returns its B weights."""
     from peft import LoraConfig, get_peft_model

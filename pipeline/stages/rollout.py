@@ -194,21 +194,25 @@ class Sampler:
                         max_new_tokens=batch[0].max_new_tokens, seed=seed, stop=stops(g, batch[0].kind))
 
     def choice_provenance(self, req: Request, completion: Completion) -> dict:
-        """What a row's `sampling` adds under rollout.choice_step: the design token's temperature and candidates, and
-        the policy's own odds over the designs (renormalised, before the temperature): how the policy's choice moves
-        round over round, whatever the exploration drew."""
+        """What a row's `sampling` adds under rollout.choice_step: the design token's temperature and candidates, the
+        policy's own odds over the designs (renormalised, before the temperature): how the policy's choice moves
+        round over round, whatever the exploration drew; and the drawn label's log-prob under the model's own
+        distribution over the whole vocabulary (`logprob`: π_old of the label, training.old_logprobs: rollout; the
+        row's first token log-prob is the draw's)."""
         if not self.choice_tokens or req.kind != "workflow":
             return {}
         ro = self.cfg.rollout
         return {"choice_step": {"temperature": ro.choice_temperature or self.cfg.generator.temperature,
-                                "tokens": self.choice_tokens, "odds": completion.extra.get("choice_odds")}}
+                                "tokens": self.choice_tokens, "odds": completion.extra.get("choice_odds"),
+                                "logprob": completion.extra.get("label_logprob")}}
 
     def draw_labels(self, gen: Generator, batch: list[Request], sampling: Sampling,
                     progress: Callable[[int], None] | None = None) -> Drawn:
         """rollout.choice_step, its first step: per slot, the design token drawn from the policy's odds over the
         labels' first tokens (renormalised over them, at choice_temperature: any temperature, not only what an
-        engine's sampler takes); its log-prob the one it was drawn with (π_old is recomputed). What is left to write
-        after the labels is `write_after`'s. `progress`: told of each routed label (a whole completion)."""
+        engine's sampler takes); its log-prob the one it was drawn with, the policy's own in the row's `sampling`
+        (`choice_provenance`). What is left to write after the labels is `write_after`'s. `progress`: told of each
+        routed label (a whole completion)."""
         started = time.perf_counter()
         ids, names = list(self.choice_tokens.values()), list(self.choice_tokens)
         temperature = self.cfg.rollout.choice_temperature or sampling.temperature
@@ -223,7 +227,8 @@ class Sampler:
                 # route_or_write: a design's label is the whole completion, and its program is what runs
                 route = {"route": names[index]} if names[index] in self.routes else {}
                 picks.append(Completion(self.tokenizer.decode([ids[index]]), prompt_ids, [ids[index]], [logprob],
-                                        "stop" if route else "length", extra={"choice_odds": own} | route))
+                                        "stop" if route else "length",
+                                        extra={"choice_odds": own, "label_logprob": label_logprobs[index]} | route))
         then = replace(sampling, n=1, max_new_tokens=max(1, sampling.max_new_tokens - 1),
                        seed=derived_seed(sampling.seed, "after the choice"))
         to_write = [k for k, c in enumerate(picks) if "route" not in c.extra]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,8 +28,9 @@ class TrainSequence:
     score: float | None = None  # its score in the row (score_dpo's s_w / s_l)
     group_id: str | None = None
     off_policy: bool = False  # a logged row (rollout.logged): `gen_logprobs` are the behaviour policy's, μ
-    # its first token is a design label drawn by rollout.choice_step: its logged log-prob is the draw's (renormalised
-    # over the labels, at choice_temperature), not the policy's, so the sampler-trainer mismatch leaves it out
+    # its first token is a design label drawn by rollout.choice_step whose row stores only the draw's log-prob
+    # (renormalised over the labels, at choice_temperature), not the policy's: the sampler-trainer mismatch leaves
+    # it out and π_old is recomputed for it (rows that store the policy's, `choice_step.logprob`, carry that instead)
     drawn_label: bool = False
 
 
@@ -42,6 +44,16 @@ def split_level(level: str, gen_id: str, prompt: list[int], completion: list[int
     if level == "code":
         return f"{gen_id}/code", prompt + completion[:1], completion[1:], logprobs[1:] if logprobs else logprobs
     return gen_id, prompt, completion, logprobs
+
+
+def label_logprob(sampling: str | None) -> tuple[float | None, bool]:
+    """(the drawn label's log-prob under the policy's whole vocabulary, whether the row's first token is a label
+    drawn by rollout.choice_step) from a generation's stored `sampling`; the log-prob is None where the row does not
+    store it (rows sampled before it was stored)."""
+    if not sampling or '"choice_step"' not in sampling:
+        return None, False
+    step = json.loads(sampling).get("choice_step") or {}
+    return step.get("logprob"), True
 
 
 def load_sequences(ctx: RunContext, kind: str = "group") -> tuple[list[TrainSequence], dict[str, int]]:
@@ -68,8 +80,12 @@ def load_sequences(ctx: RunContext, kind: str = "group") -> tuple[list[TrainSequ
     rows = members.join(gens, on="gen_id", how="left", maintain_order="left")
     seqs, bad_groups = [], set()
     for row in rows.iter_rows(named=True):
+        policy_label, drawn = label_logprob(row["sampling"])
+        logprobs = row["token_logprobs"]
+        if policy_label is not None and logprobs:  # the label's π_old where the row stores the draw's first
+            logprobs = [policy_label, *logprobs[1:]]
         key, prompt, comp, glp = split_level(row["level"], row["gen_id"], list(row["prompt_token_ids"] or []),
-                                             list(row["token_ids"] or []), row["token_logprobs"])
+                                             list(row["token_ids"] or []), logprobs)
         if not prompt or not comp or len(prompt) >= max_len:
             info["sequences_dropped"] += 1  # no generation row, no tokens, or a prompt longer than the cap
             bad_groups.add(row["group_id"])
@@ -82,7 +98,7 @@ def load_sequences(ctx: RunContext, kind: str = "group") -> tuple[list[TrainSequ
         if logged and not (glp and len(glp) == len(comp)):  # refused at import; a row edited since is refused here
             raise ValueError(f"logged row {row['gen_id']} has no behaviour log-probs for its {len(comp)} tokens")
         # a code-level row holds the label in its prompt: its first token was sampled, not drawn
-        drawn = row["level"] != "code" and '"choice_step"' in (row["sampling"] or "")
+        drawn = drawn and policy_label is None and row["level"] != "code"
         seqs.append(TrainSequence(key, prompt, comp, float(row["coef"]),
                                   list(glp) if glp and len(glp) == len(comp) else None, row["level"],
                                   None if row["score"] is None else float(row["score"]), row["group_id"], logged,

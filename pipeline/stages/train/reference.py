@@ -61,8 +61,9 @@ def old_logprobs(setup: TrainSetup, passes: list[Pass], compute: Callable[..., L
     first step still matches them exactly."""
     if old_source(setup) == "recompute":
         return compute(passes)
+    # a logged row's are μ's, a drawn label's without the policy's own the draw's (TrainSequence): recomputed
     rollout = {q.gen_id: torch.tensor(q.gen_logprobs, dtype=torch.float32)
-               for q in setup.seqs if q.gen_logprobs is not None}
+               for q in setup.seqs if q.gen_logprobs is not None and not q.off_policy and not q.drawn_label}
     todo = [p for p in passes if any(setup.seqs[i].gen_id not in rollout for i in p.uniq)]
     if todo:
         log.info("%d sequences have no rollout log-probs: π_old is recomputed for %d passes",
