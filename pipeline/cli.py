@@ -499,6 +499,26 @@ def bench_prefix_cache(
         _fail(str(e))
 
 
+@bench_app.command("choice-rollout")
+def bench_choice_rollout(
+    config: Annotated[Path, typer.Option(help="Run config with rollout.choice_step (its menu, prompts and "
+                                         "benchmark).")] = Path("configs/mixed-route.yaml"),
+    queries: Annotated[int, typer.Option(min=1, help="Training queries sampled.")] = 36,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="Queries a label batch (default: the config's).")]
+    = None,
+    sets: SetOpt = None,
+) -> None:
+    """A round's rollout under the design step twice on the same queries: the workflows after the labels written one
+    call a batch, then across batches (`Sampler.write_after`): wall, CPU seconds and whether the rows agree."""
+    from pipeline.engines.generation import GenerationError
+    from pipeline.perf.choice_rollout import main
+
+    try:
+        main(config, queries, batch_size, sets, echo=typer.echo)
+    except (ConfigError, GenerationError) as e:
+        _fail(str(e))
+
+
 @bench_app.command("stages")
 def bench_stages(
     run_id: Annotated[str, typer.Argument(help="The run (an experiment's seed: <experiment>-s<k>).")],
