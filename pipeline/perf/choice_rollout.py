@@ -67,13 +67,14 @@ def main(config: Path = CONFIG, queries: int = 36, batch_size: int | None = None
                           f"choice_step {cfg.rollout.choice_step}, backend {cfg.generator.backend})")
     echo(f"{config} with {' '.join('--set ' + s for s in sets)}: {queries} queries, {cfg.generator.batch_size} a "
          f"batch, m = {cfg.rollout.m}, labels at choice temperature {cfg.rollout.choice_temperature}")
+    sides = []
     with tempfile.TemporaryDirectory(prefix="bench-choice-") as tmp:
-        sides = [run_side(config, sets, across, Path(tmp) / ("across" if across else "apart"))
-                 for across in (False, True)]
-    for side in sides:
-        echo(f"  workflows written {'across batches' if side.across else 'one call a batch'}: {side.wall_s:8.1f} s "
-             f"wall, {side.cpu_s:8.1f} s CPU; {side.rows} rows, {side.written} written after their label, "
-             f"{side.generated} tokens generated")
+        for across in (False, True):  # each side said as it ends: a long bench stopped halfway keeps the first
+            side = run_side(config, sets, across, Path(tmp) / ("across" if across else "apart"))
+            sides.append(side)
+            echo(f"  workflows written {'across batches' if side.across else 'one call a batch'}: {side.wall_s:8.1f} "
+                 f"s wall, {side.cpu_s:8.1f} s CPU; {side.rows} rows, {side.written} written after their label, "
+                 f"{side.generated} tokens generated")
     apart, across = sides
     same = sum(a == b for a, b in zip(apart.tokens, across.tokens, strict=True))
     echo(f"  across / apart: wall {across.wall_s / apart.wall_s:.2f}x, CPU {across.cpu_s / apart.cpu_s:.2f}x; "
