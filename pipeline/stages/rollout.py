@@ -249,16 +249,17 @@ class Sampler:
         written = iter([comps[0] for comps in gen.generate(prompts, then, self.sample_adapter, progress=progress)]
                        if prompts else [])
         out = []
-        for d in drawn:
-            joined = list(d.picks)
-            for k in d.to_write:
-                c, w = d.picks[k], next(written)
+        for batch_drawn in drawn:
+            joined = list(batch_drawn.picks)
+            for k in batch_drawn.to_write:
+                c, w = joined[k], next(written)
                 joined[k] = Completion(c.text + w.text, c.prompt_token_ids, c.token_ids + w.token_ids,
                                        None if w.token_logprobs is None else c.token_logprobs + w.token_logprobs,
                                        w.finish_reason,
                                        retokenized=w.prompt_token_ids != c.prompt_token_ids + c.token_ids,
                                        extra=c.extra)
-            out.append([joined[i * d.sampling.n:(i + 1) * d.sampling.n] for i in range(len(d.batch))])
+            n = batch_drawn.sampling.n
+            out.append([joined[i * n:(i + 1) * n] for i in range(len(batch_drawn.batch))])
         return out
 
     def rows(self, req: Request, comps: list[Completion], sampling: Sampling, latency: float) -> list[dict]:
