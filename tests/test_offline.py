@@ -11,7 +11,7 @@ import torch
 
 from pipeline.core.grpo import choice_credit, grpo_mkl_terms, off_policy_surrogate
 from pipeline.stages.logged import LoggedRowError, behaviour_logprobs, import_logged, read_logged
-from pipeline.stages.train.data import split_level
+from pipeline.stages.train.data import row_logprobs, split_level
 from pipeline.store import Store
 
 
@@ -76,6 +76,18 @@ def test_choice_and_code_levels_split_a_route_or_write_completion():
     assert split_level("code", "g", [1, 2], [7, 8, 9], [-0.1, -0.2, -0.3]) == ("g/code", [1, 2, 7], [8, 9],
                                                                              [-0.2, -0.3])
     assert split_level("flat", "g", [1], [7], None) == ("g", [1], [7], None)
+
+
+def test_a_drawn_labels_pi_old_is_the_policys_own_and_a_logged_rows_stays_the_draws():
+    """A design-step row stores the draw's log-prob first (here log 0.5) and the policy's own in its `sampling`
+    (log 0.1): a sampled row trains with the policy's as π_old; a logged row keeps the draw's, its behaviour μ; a row
+    stored without the policy's is a drawn label whose π_old is recomputed."""
+    stored = json.dumps({"choice_step": {"temperature": 8.0, "logprob": math.log(0.1)}})
+    draw = [math.log(0.5), -0.2, -0.3]
+    assert row_logprobs(False, stored, draw) == ([math.log(0.1), -0.2, -0.3], False)
+    assert row_logprobs(True, stored, draw) == (draw, False)
+    assert row_logprobs(False, json.dumps({"choice_step": {"temperature": 8.0}}), draw) == (draw, True)
+    assert row_logprobs(False, json.dumps({"temperature": 1.0}), draw) == (draw, False)
 
 
 # ---- the import ------------------------------------------------------------------------------------------------------

@@ -46,6 +46,18 @@ def split_level(level: str, gen_id: str, prompt: list[int], completion: list[int
     return gen_id, prompt, completion, logprobs
 
 
+def row_logprobs(logged: bool, sampling: str | None,
+                 logprobs: list[float] | None) -> tuple[list[float] | None, bool]:
+    """A generation's log-probs as training reads them, and whether its first token is a design label whose policy
+    log-prob the row does not store (TrainSequence.drawn_label). A sampled row under rollout.choice_step stores the
+    draw's log-prob first and the policy's own in its `sampling`: the policy's is π_old's. A logged row keeps the
+    draw's: it is the behaviour probability μ."""
+    policy_label, drawn = label_logprob(sampling) if not logged else (None, False)
+    if policy_label is None or not logprobs:
+        return logprobs, drawn
+    return [policy_label, *logprobs[1:]], False
+
+
 def label_logprob(sampling: str | None) -> tuple[float | None, bool]:
     """(the drawn label's log-prob under the policy's whole vocabulary, whether the row's first token is a label
     drawn by rollout.choice_step) from a generation's stored `sampling`; the log-prob is None where the row does not
@@ -80,10 +92,8 @@ def load_sequences(ctx: RunContext, kind: str = "group") -> tuple[list[TrainSequ
     rows = members.join(gens, on="gen_id", how="left", maintain_order="left")
     seqs, bad_groups = [], set()
     for row in rows.iter_rows(named=True):
-        policy_label, drawn = label_logprob(row["sampling"])
-        logprobs = row["token_logprobs"]
-        if policy_label is not None and logprobs:  # the label's π_old where the row stores the draw's first
-            logprobs = [policy_label, *logprobs[1:]]
+        logged = row["source"] == "logged"
+        logprobs, drawn = row_logprobs(logged, row["sampling"], row["token_logprobs"])
         key, prompt, comp, glp = split_level(row["level"], row["gen_id"], list(row["prompt_token_ids"] or []),
                                              list(row["token_ids"] or []), logprobs)
         if not prompt or not comp or len(prompt) >= max_len:
@@ -94,11 +104,9 @@ def load_sequences(ctx: RunContext, kind: str = "group") -> tuple[list[TrainSequ
             info["sequences_truncated"] += 1
             comp = comp[: max_len - len(prompt)]
             glp = glp[: len(comp)] if glp else glp
-        logged = row["source"] == "logged"
         if logged and not (glp and len(glp) == len(comp)):  # refused at import; a row edited since is refused here
             raise ValueError(f"logged row {row['gen_id']} has no behaviour log-probs for its {len(comp)} tokens")
-        # a code-level row holds the label in its prompt: its first token was sampled, not drawn
-        drawn = drawn and policy_label is None and row["level"] != "code"
+        drawn = drawn and row["level"] != "code"  # a code-level row holds the label in its prompt
         seqs.append(TrainSequence(key, prompt, comp, float(row["coef"]),
                                   list(glp) if glp and len(glp) == len(comp) else None, row["level"],
                                   None if row["score"] is None else float(row["score"]), row["group_id"], logged,
