@@ -688,8 +688,9 @@ def test_workflows_after_drawn_labels_are_written_across_batches_each_with_its_o
     # across batches: a call once the batches drawn hold batch_size x n = 6 workflows to write, then the rest
     (first, first_sampling), *_ = across
     assert len(across) < len(one_a_batch) and len(first) >= 6 and len(first_sampling.seeds) == len(first)
-    assert sum(len(p) for p, _ in across) == own.height
-    assert sorted(p for p, _ in one_a_batch for p in p) == sorted(p for p, _ in across for p in p)
+    assert sum(len(prompts) for prompts, _ in across) == own.height
+    assert sorted(p for prompts, _ in one_a_batch for p in prompts) == \
+        sorted(p for prompts, _ in across for p in prompts)
     assert runs[False].select("gen_id", "choice", "text", "token_ids").rows() == \
         runs[True].select("gen_id", "choice", "text", "token_ids").rows()  # the same draws, the same seeds
     assert own["text"].str.contains("return").all()
