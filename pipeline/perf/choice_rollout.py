@@ -31,7 +31,7 @@ class Side:
     rows: int
     written: int  # rows whose workflow was written after the label (not routed)
     generated: int  # completion tokens, labels included
-    tokens: tuple[tuple[str, tuple[int, ...]], ...]  # (gen_id, token ids), sorted
+    tokens: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]  # (token ids, their log-probs), by gen_id
 
 
 def run_side(config: Path, sets: list[str], across: bool, root: Path) -> Side:
@@ -54,7 +54,8 @@ def run_side(config: Path, sets: list[str], across: bool, root: Path) -> Side:
     df = ctx.store.read("generations", "bench", 0).sort("gen_id")
     return Side(across, wall, cpu, df.height, int((df["source"] == "write").sum()),
                 int(df["token_ids"].list.len().sum()),
-                tuple(zip(df["gen_id"].to_list(), map(tuple, df["token_ids"].to_list()), strict=True)))
+                tuple((tuple(ids), tuple(lps or ())) for ids, lps in
+                      zip(df["token_ids"].to_list(), df["token_logprobs"].to_list(), strict=True)))
 
 
 def main(config: Path = CONFIG, queries: int = 36, batch_size: int | None = None, sets: list[str] | None = None,
@@ -75,8 +76,10 @@ def main(config: Path = CONFIG, queries: int = 36, batch_size: int | None = None
             echo(f"  workflows written {'across batches' if side.across else 'one call a batch'}: {side.wall_s:8.1f} "
                  f"s wall, {side.cpu_s:8.1f} s CPU; {side.rows} rows, {side.written} written after their label, "
                  f"{side.generated} tokens generated")
+    from pipeline.perf.prefix_cache import agreement
+
     apart, across = sides
-    same = sum(a == b for a, b in zip(apart.tokens, across.tokens, strict=True))
+    same, rows, gap = agreement(apart.tokens, across.tokens)
     echo(f"  across / apart: wall {across.wall_s / apart.wall_s:.2f}x, CPU {across.cpu_s / apart.cpu_s:.2f}x; "
-         f"{same} of {across.rows} rows token for token the same")
+         f"{same} of {rows} rows token for token the same, sampled log-probs within {gap:.1e} before rows part")
     return sides
