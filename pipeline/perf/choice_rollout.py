@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
+from pipeline.perf.prefix_cache import agreement
 
 CONFIG = Path("configs/mixed-route.yaml")
 # arm A's round on the base model: six label draws a query at choice temperature 8, `own` written after its label
@@ -31,7 +32,8 @@ class Side:
     rows: int
     written: int  # rows whose workflow was written after the label (not routed)
     generated: int  # completion tokens, labels included
-    tokens: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]  # (token ids, their log-probs), by gen_id
+    gen_ids: tuple[str, ...]  # sorted
+    tokens: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]  # (token ids, their log-probs), as gen_ids
 
 
 def run_side(config: Path, sets: list[str], across: bool, root: Path) -> Side:
@@ -53,7 +55,7 @@ def run_side(config: Path, sets: list[str], across: bool, root: Path) -> Side:
         VLLMGenerator.per_prompt_seeds = before
     df = ctx.store.read("generations", "bench", 0).sort("gen_id")
     return Side(across, wall, cpu, df.height, int((df["source"] == "write").sum()),
-                int(df["token_ids"].list.len().sum()),
+                int(df["token_ids"].list.len().sum()), tuple(df["gen_id"].to_list()),
                 tuple((tuple(ids), tuple(lps or ())) for ids, lps in
                       zip(df["token_ids"].to_list(), df["token_logprobs"].to_list(), strict=True)))
 
@@ -76,10 +78,11 @@ def main(config: Path = CONFIG, queries: int = 36, batch_size: int | None = None
             echo(f"  workflows written {'across batches' if side.across else 'one call a batch'}: {side.wall_s:8.1f} "
                  f"s wall, {side.cpu_s:8.1f} s CPU; {side.rows} rows, {side.written} written after their label, "
                  f"{side.generated} tokens generated")
-    from pipeline.perf.prefix_cache import agreement
-
     apart, across = sides
-    same, rows, gap = agreement(apart.tokens, across.tokens)
+    # a row counts as the same only under the same gen_id (the same query, sample and draw)
+    paired = [(a, b) for ga, a, gb, b in zip(apart.gen_ids, apart.tokens, across.gen_ids, across.tokens, strict=True)
+              if ga == gb]
+    same, _, gap = agreement([a for a, _ in paired], [b for _, b in paired])
     echo(f"  across / apart: wall {across.wall_s / apart.wall_s:.2f}x, CPU {across.cpu_s / apart.cpu_s:.2f}x; "
-         f"{same} of {rows} rows token for token the same, sampled log-probs within {gap:.1e} before rows part")
+         f"{same} of {across.rows} rows token for token the same, sampled log-probs within {gap:.1e} before rows part")
     return sides
