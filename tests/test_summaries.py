@@ -30,7 +30,13 @@ RUN_FACTS = {"command", "config", "sets", "arm_sets", "seed_wall_s", "references
 
 
 def _committed() -> list[Path]:
-    return sorted([*REPO.glob("docs/*.json"), *REPO.glob("data/stores/*/experiments/*/*.json")])
+    """The studies' summaries; the arms' choices (<store>/experiments/arms/) are a kind of their own, below."""
+    return sorted([*REPO.glob("docs/*.json"), *(p for p in REPO.glob("data/stores/*/experiments/*/*.json")
+                                                if p.parent.name != "arms")])
+
+
+def _arm_choices() -> list[Path]:
+    return sorted(REPO.glob("data/stores/*/experiments/arms/*.json"))
 
 
 def _kind(path: Path) -> type:
@@ -59,6 +65,18 @@ def test_a_committed_study_json_round_trips_byte_for_byte(path):
     assert [a.to_dict() for a in summary.arms] == stored["arms"]
     assert all(isinstance(p, RoundDiff | ArmDiff) and p.n == s["n"] for p, s in zip(summary.paired, stored["paired"],
                                                                                      strict=True))
+
+
+@pytest.mark.parametrize("path", _arm_choices(), ids=lambda p: str(p.relative_to(REPO)))
+def test_a_committed_arms_choice_round_trips_byte_for_byte(path):
+    from pipeline.studies.arms import ArmChoice, ArmRow
+    from pipeline.studies.summaries import Verdict
+
+    text = path.read_text()
+    choice = ArmChoice.read(path)
+    assert json.dumps(choice.to_dict(), indent=1) + "\n" == text and not choice.extra
+    assert all(isinstance(r, ArmRow) and not r.extra for r in choice.arms)
+    assert choice.chosen in {r.arm for r in choice.arms} and isinstance(choice.verdict, Verdict)
 
 
 # ---- the learning experiment -----------------------------------------------------------------------------------------
