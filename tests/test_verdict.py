@@ -185,6 +185,27 @@ def test_the_committed_mixed_route_b_summary_holds_the_pages_numbers():
     assert "word C=0.1 0.428" in fit[0] and "hidden:24 C=1 0.534" in fit[0]
 
 
+def test_the_committed_second_verdict_is_the_pages():
+    """docs/results/mixed-route.md's verdict: arm C chosen on seed 0's dev Mean@2 (C 0.526, B 0.432, A 0.183), its
+    three seeds 0.470 on test; (a) minus program of thought +0.083 [-0.049, +0.186] not met, (b) minus the learned
+    router -0.033 [-0.157, +0.058] met, (c) 3 of 3 parts; negative. The arms' choice carries C's verdict as is."""
+    from pipeline.studies.arms import ArmChoice
+
+    summary = _committed("mixed-route-c", {"learned_router": 0.503, "part_router": 0.550, "program-mixed_pot": 0.387})
+    assert summary.seeds == [0, 1, 2]
+    a, b, c = summary.verdict.checks
+    for check, page in ((a, (0.083, -0.049, 0.186)), (b, (-0.033, -0.157, 0.058))):
+        assert (check.mean, check.lo, check.hi) == pytest.approx(page, abs=0.002)
+    assert (a.met, b.met, c.met, summary.verdict.met, summary.verdict.stretch_met) == (False, True, True, False, False)
+    assert "| 3 seeds (seeds, then queries) | 0.119 | 0.470 | **+0.351 [+0.222, +0.464]** | 217 -> 396 |" in (
+        summary.markdown())
+    choice = ArmChoice.read(ROOT / "data/stores/mixed-choice/experiments/arms/mixed-route-a+mixed-route-b+mixed-route-c"
+                                   ".json")
+    dev = {r.arm: r.dev_mean_at_l for r in choice.arms}
+    assert dev == pytest.approx({"mixed-route-a": 0.183, "mixed-route-b": 0.432, "mixed-route-c": 0.526}, abs=0.0005)
+    assert choice.chosen == "mixed-route-c" and choice.verdict.to_dict() == summary.verdict.to_dict()
+
+
 def _arm_summary(name, dev, held_out, met, rounds=2):
     """An experiment summary with seed -> dev Mean@L of its last round (experiment.select_eval), its last round's
     held-out Mean@L over seeds 0-2, and its verdict."""
