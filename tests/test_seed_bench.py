@@ -5,6 +5,7 @@ the scores. The measurement itself (hours of a real executor) is a bench, in doc
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from test_references import _experiment_config
@@ -12,12 +13,31 @@ from test_references import fake_stages as fake_stages  # the fixture: every sta
 
 from pipeline.perf.seed import VARIANTS, SeedBench, cache_use, run_seed_bench
 from pipeline.run import open_run
+from pipeline.stages import runner
 from pipeline.stages.rounds import direct_call
 from pipeline.stages.runner import RetryPolicy
 from pipeline.store import Store
 
 
-def test_each_variant_runs_the_first_seed_in_its_store_as_the_variant_says(tmp_path, fake_stages):
+class _StageClock:
+    """The runner's clock, each reading half a second later than the last gap: every stage that did work times a
+    different, known number of seconds however fast this machine runs the stand-ins (a fast CPU timed them all at
+    0.0 s, and a ratio of zero totals is undefined)."""
+
+    def __init__(self) -> None:
+        self.t = self.gap = 0.0
+
+    def perf_counter(self) -> float:
+        self.gap += 0.5
+        self.t += self.gap
+        return self.t
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+def test_each_variant_runs_the_first_seed_in_its_store_as_the_variant_says(tmp_path, fake_stages, monkeypatch):
+    monkeypatch.setattr(runner, "time", _StageClock())
     path = _experiment_config(tmp_path, "b", {"seeds": [0, 1], "references": ["io"]}, rounds=2)
     path.write_text(path.read_text().replace("  eval_rounds: all\n", ""))  # the default: the last round only
     out = tmp_path / "bench"

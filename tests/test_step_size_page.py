@@ -1,0 +1,50 @@
+"""docs/results/step-size.md prints its numbers from docs/results/step-size.json: each table row is rebuilt here from
+the file, and the page's verdict is the rule's reading of the file's dev differences."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = (ROOT / "docs" / "results" / "step-size.md").read_text()
+DATA = json.loads((ROOT / "docs" / "results" / "step-size.json").read_text())
+
+
+def signed(x: float) -> str:
+    return f"{x:+.3f}".replace("-", "−")
+
+
+def interval(d: dict) -> str:
+    return f"{signed(d['mean'])} [{signed(d['lo'])}, {signed(d['hi'])}]"
+
+
+@pytest.mark.parametrize("row", DATA["train"], ids=lambda r: r["key"])
+def test_each_train_stage_row_is_the_files(row):
+    line = (f"| {row['label']} | {row['steps']} | {row['stage_s']:,.1f} | {row['ratio']:.3f} | {row['steps_s']:,.1f} | "
+            f"{row['padding_share']:.3f} |")
+    assert line in PAGE
+
+
+def test_the_dev_rows_and_the_verdict_are_the_files():
+    arms, diffs = DATA["dev"]["arms"], DATA["dev"]["diffs"]
+    for key, label in (("mb8", "four groups a step, lr 1e-4"), ("mb8lr4", "four groups a step, lr 4e-4")):
+        assert f"| {label} | {arms[key]['mean_at_l']:.3f} | {interval(diffs[key + '-base'])} |" in PAGE
+    assert f"| one group a step | {arms['base']['mean_at_l']:.3f} | |" in PAGE
+    assert f"| {arms['zero']['mean_at_l']:.3f} | {interval(diffs['zero-base'])} |" in PAGE
+    # the rule, as written before the read: a point estimate of at least -0.05 at one of the lrs, the higher lr's mean
+    passing = [k for k in ("mb8", "mb8lr4") if diffs[k + "-base"]["mean"] >= -0.05]
+    assert passing == ["mb8"] and "at lr 1e-4 passes, by 0.001" in PAGE
+    base_model = arms["zero"]["mean_at_l"]
+    gain = (arms["mb8"]["mean_at_l"] - base_model) / (arms["base"]["mean_at_l"] - base_model)
+    assert f"{round(100 * gain)}% of one group a step's gain" in PAGE
+
+
+def test_the_seed_arithmetic_and_the_bench_are_the_files():
+    seed = DATA["seed_arithmetic"]
+    assert f"seed would take about {round(seed['four_groups_packed_s'], -1):,.0f} s" in PAGE
+    assert f"{seed['at_four_groups_packed']:.2f}x (" in PAGE and f"({seed['at_packed_alone']:.2f}x with" in PAGE
+    four = next(b for b in DATA["prefix_bench"] if b["queries"] == 4)
+    assert f"{four['step_cpu_s']['old']:.1f} s a step whole against {four['step_cpu_s']['new']:.1f} s" in PAGE
+    assert f"**{four['step_ratio']:.2f}x**" in PAGE
+    assert f"{four['slots']['old']:,} against {four['slots']['new']:,}" in PAGE
