@@ -34,7 +34,7 @@ def test_the_dev_rows_and_the_verdict_are_the_files():
     assert f"| {arms['zero']['mean_at_l']:.3f} | {interval(diffs['zero-base'])} |" in PAGE
     # the rule, as written before the read: a point estimate of at least -0.05 at one of the lrs, the higher lr's mean
     passing = [k for k in ("mb8", "mb8lr4") if diffs[k + "-base"]["mean"] >= -0.05]
-    assert passing == ["mb8"] and "at lr 1e-4 passes, by 0.001" in PAGE
+    assert passing == ["mb8"] and "at lr 1e-4 passes on seed 0, by 0.001" in PAGE
     base_model = arms["zero"]["mean_at_l"]
     gain = (arms["mb8"]["mean_at_l"] - base_model) / (arms["base"]["mean_at_l"] - base_model)
     assert f"{round(100 * gain)}% of one group a step's gain" in PAGE
@@ -48,3 +48,18 @@ def test_the_seed_arithmetic_and_the_bench_are_the_files():
     assert f"{four['step_cpu_s']['old']:.1f} s a step whole against {four['step_cpu_s']['new']:.1f} s" in PAGE
     assert f"**{four['step_ratio']:.2f}x**" in PAGE
     assert f"{four['slots']['old']:,} against {four['slots']['new']:,}" in PAGE
+
+
+def test_the_three_seeds_rows_and_their_rule_are_the_files():
+    dev, other = DATA["dev_seeds"], {r["seed"]: r for r in DATA["train_other_seeds"]}
+    assert [s["seed"] for s in dev["seeds"]] == [0, 1, 2]
+    for s in dev["seeds"]:
+        row = f"| {s['seed']} | {s['one_group']:.3f} | {s['four_groups']:.3f} | {interval(s)} |"
+        assert row in PAGE
+        if s["seed"] in other:
+            r = other[s["seed"]]
+            assert f"| {r['ratio']:.3f} packed ({r['mb8packed_s']:,.1f} / {r['base_s']:,.1f} s) |" in PAGE
+    pooled = dev["pooled"]
+    assert pooled["n"] == 270 and f"**{interval(pooled)}**" in PAGE
+    # the second rule keeps four groups a step where the pooled point estimate is at least -0.05
+    assert pooled["mean"] >= -0.05 and "By the second, over three seeds, it stays" in PAGE
