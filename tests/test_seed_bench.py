@@ -20,9 +20,9 @@ from pipeline.store import Store
 
 
 class _StageClock:
-    """The runner's clock, each reading half a second later than the last gap: every stage that did work times a
-    different, known number of seconds however fast this machine runs the stand-ins (a fast CPU timed them all at
-    0.0 s, and a ratio of zero totals is undefined)."""
+    """The runner's clock, each gap between readings half a second longer than the last: every stage that did work
+    times a different, known number of seconds however fast this machine runs the stand-ins (a fast CPU timed them
+    all at 0.0 s, and a ratio of zero totals is undefined)."""
 
     def __init__(self) -> None:
         self.t = self.gap = 0.0
