@@ -6,17 +6,16 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.studies import formatting
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "results" / "step-size.md").read_text()
 DATA = json.loads((ROOT / "docs" / "results" / "step-size.json").read_text())
 
 
-def signed(x: float) -> str:
-    return f"{x:+.3f}".replace("-", "−")
-
-
 def interval(d: dict) -> str:
-    return f"{signed(d['mean'])} [{signed(d['lo'])}, {signed(d['hi'])}]"
+    """The project's `mean [lo, hi]`, with the typographic minus the page is written in."""
+    return f"{formatting.signed(d['mean'])} {formatting.span(d['lo'], d['hi'])}".replace("-", "−")
 
 
 @pytest.mark.parametrize("row", DATA["train"], ids=lambda r: r["key"])
