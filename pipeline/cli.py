@@ -524,13 +524,15 @@ def bench_stages(
     run_id: Annotated[str, typer.Argument(help="The run (an experiment's seed: <experiment>-s<k>).")],
     evaluations: Annotated[bool, typer.Option(help="With its evaluation runs (<run>-eval-*).")] = True,
     store: StoreOpt = None,
+    against: Annotated[str | None, typer.Option(help="Another store holding the same run (a baseline on the same "
+                                                "machine): both seconds and the ratio per stage.")] = None,
 ) -> None:
     """Where a run's wall time went: per round and stage the seconds and share, from its timings.jsonl (a seed's
-    evaluations included)."""
+    evaluations included); with --against, beside the same run in another store, as ratios."""
     from pipeline.perf.stages import main
 
     try:
-        main(run_id, store or "data/runs", evaluations, echo=typer.echo)
+        main(run_id, store or "data/runs", evaluations, echo=typer.echo, against=against)
     except ValueError as e:
         _fail(str(e))
 

@@ -48,3 +48,30 @@ def test_an_unknown_run_is_named(tmp_path):
     assert res.exit_code == 2 and "no run 'nope'" in res.output and "x-s0" in res.output
     empty = CliRunner().invoke(app, ["bench", "stages", "x-s0", "--store", str(tmp_path)])
     assert empty.exit_code == 0 and "no timed stage" in empty.output
+
+
+def test_against_a_baseline_store_each_stage_is_a_ratio(tmp_path):
+    base, new = tmp_path / "base", tmp_path / "new"
+    _run(base, "x-s0", [{"round": 0, "stage": "rollout", "skipped": False, "wall_s": 40.0},
+                        {"round": 0, "stage": "train", "skipped": False, "wall_s": 200.0}])
+    _run(base, "x-s0-eval-r0", [{"round": 0, "stage": "score", "skipped": False, "wall_s": 60.0}])
+    _run(new, "x-s0", [{"round": 0, "stage": "rollout", "skipped": False, "wall_s": 40.0},
+                       {"round": 0, "stage": "train", "skipped": False, "wall_s": 50.0}])
+    _run(new, "x-s0-eval-r0", [{"round": 0, "stage": "score", "skipped": False, "wall_s": 30.0}])
+    _run(new, "x-s0-eval-base", [{"round": 0, "stage": "score", "skipped": False, "wall_s": 5.0},  # not in the base
+                                 {"round": 0, "stage": "rollout", "skipped": False, "wall_s": 5.0}])
+    res = CliRunner().invoke(app, ["bench", "stages", "x-s0", "--store", str(new), "--against", str(base)])
+    assert res.exit_code == 0, res.output
+    rows = [line.split() for line in res.output.splitlines()]
+    assert ["run", "0", "train", "200.0", "50.0", "0.25"] in rows
+    assert ["run", "0", "rollout", "40.0", "40.0", "1.00"] in rows
+    assert ["run", "all", "(total)", "240.0", "90.0", "0.38"] in rows  # 90 / 240 = 0.375
+    assert ["eval-base", "0", "score", "-", "5.0", "-"] in rows
+    assert ["eval-base", "all", "(total)", "-", "10.0", "-"] in rows  # a part the baseline never ran: not 0 s
+    assert ["eval-r0", "0", "score", "60.0", "30.0", "0.50"] in rows
+    by_stage = rows[rows.index(["by", "stage:"]) + 1:]
+    # rollout: 40 against 40 + 5; score: 60 against 30 + 5; the whole: 300 against 130
+    assert by_stage == [["rollout", "40.0", "45.0", "1.12"], ["train", "200.0", "50.0", "0.25"],
+                        ["score", "60.0", "35.0", "0.58"], ["(whole)", "300.0", "130.0", "0.43"]]
+    missing = CliRunner().invoke(app, ["bench", "stages", "x-s0", "--store", str(new), "--against", str(tmp_path)])
+    assert missing.exit_code == 2 and "no run 'x-s0' in store" in missing.output

@@ -1,7 +1,9 @@
 """`pipeline bench stages RUN`: where a run's wall time went, per round and stage, from its timings.jsonl
 (pipeline.stages.runner.record_timing): each stage's seconds and share of the whole. A seed of an experiment
 (`<experiment>-s<k>`) comes with its evaluations (`<seed>-eval-*`, their own runs), so one command gives the seed's
-whole cost. The last attempt of each stage that did work counts (`pipeline.studies.report.stage_timings`)."""
+whole cost. The last attempt of each stage that did work counts (`pipeline.studies.report.stage_timings`).
+With `--against STORE` the same run in another store (a baseline: another commit's or another setting's seed on the
+same machine) stands beside it, and each line says this run's seconds as a ratio of the baseline's."""
 
 from __future__ import annotations
 
@@ -59,12 +61,53 @@ def render(run_id: str, rows: list[StageTime]) -> list[str]:
     return out
 
 
-def main(run_id: str, store_root: str, evaluations: bool = True, echo=print) -> list[StageTime]:
+def render_against(run_id: str, rows: list[StageTime], base: list[StageTime]) -> list[str]:
+    """The run beside its baseline: per (part, round, stage) both seconds and this run's as a ratio of the baseline's
+    ("-" where one side has no such stage), a subtotal per part, each stage's total, and the whole."""
+    def key(r: StageTime) -> tuple[str, str, str]:
+        return r.part, str(r.round), r.stage
+
+    mine, theirs = {key(r): r.wall_s for r in rows}, {key(r): r.wall_s for r in base}
+    machines = sorted({r.machine for r in [*rows, *base] if r.machine})
+    out = [f"{run_id} against its baseline" + (f" on {', '.join(machines)}" if machines else ""),
+           f"{'part':<14} {'round':>5}  {'stage':<10} {'baseline s':>10} {'this s':>9} {'ratio':>6}"]
+
+    def line(part: str, round_: str, stage: str, old: float | None, new: float | None) -> str:
+        ratio = f"{new / old:>6.2f}" if old and new is not None else f"{'-':>6}"
+        return (f"{part:<14} {round_:>5}  {stage:<10} {'-' if old is None else f'{old:.1f}':>10} "
+                f"{'-' if new is None else f'{new:.1f}':>9} {ratio}")
+
+    def total(side: dict[tuple[str, str, str], float], ks: list[tuple[str, str, str]]) -> float | None:
+        """The side's seconds over `ks`; None where it ran none of them (a part not run yet is not 0 s)."""
+        return sum(side[k] for k in ks if k in side) if any(k in side for k in ks) else None
+
+    keys = list(dict.fromkeys([*mine, *theirs]))
+    for part in dict.fromkeys(k[0] for k in keys):
+        ks = [k for k in keys if k[0] == part]
+        out += [line(*k, theirs.get(k), mine.get(k)) for k in ks]
+        if len(ks) > 1:
+            out.append(line(part, "all", "(total)", total(theirs, ks), total(mine, ks)))
+    out.append("by stage:")
+    for stage in dict.fromkeys(k[2] for k in keys):
+        ks = [k for k in keys if k[2] == stage]
+        out.append(line("", "", stage, total(theirs, ks), total(mine, ks)))
+    out.append(line("", "", "(whole)", total(theirs, keys), total(mine, keys)))
+    return out
+
+
+def _rows(store_root: str, run_id: str, evaluations: bool) -> list[StageTime]:
     store = Store(store_root)
     if not store.run_dir(run_id).is_dir():
         known = ", ".join(store.runs()[:10]) or "none"
         raise ValueError(f"no run {run_id!r} in store {store_root} (runs there: {known})")
-    rows = breakdown(store, run_id, evaluations)
-    for text in render(run_id, rows):
+    return breakdown(store, run_id, evaluations)
+
+
+def main(run_id: str, store_root: str, evaluations: bool = True, echo=print,
+         against: str | None = None) -> list[StageTime]:
+    rows = _rows(store_root, run_id, evaluations)
+    lines = render(run_id, rows) if against is None else render_against(run_id, rows, _rows(against, run_id,
+                                                                                             evaluations))
+    for text in lines:
         echo(text)
     return rows
