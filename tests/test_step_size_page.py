@@ -62,3 +62,35 @@ def test_the_three_seeds_rows_and_their_rule_are_the_files():
     assert pooled["n"] == 270 and f"**{interval(pooled)}**" in PAGE
     # the second rule keeps four groups a step where the pooled point estimate is at least -0.05
     assert pooled["mean"] >= -0.05 and "By the second, over three seeds, it stays" in PAGE
+
+
+def test_the_measured_seed_rows_are_the_files():
+    seed = DATA["seed_measured"]
+    label = {("run", 0): "round 0", ("run", 1): "round 1", ("eval-base", 0): "the base model's evaluation",
+             ("eval-r1", 0): "the last round's evaluation"}
+    for r in seed["stages"]:
+        row = (f"| {label[r['part'], r['round']]} | {r['stage']} | {r['one_s']:,.1f} | {r['four_s']:,.1f} | "
+               f"{r['four_s'] / r['one_s']:.2f} |")
+        assert row in PAGE
+    # the totals are the stages' sums plus the curate stages the table leaves out
+    for side in ("one", "four"):
+        summed = sum(r[f"{side}_s"] for r in seed["stages"]) + seed["curate"][f"{side}_s"]
+        assert round(summed, 1) == seed["stages_s"][side]
+    one, four = seed["stages_s"]["one"], seed["stages_s"]["four"]
+    assert f"| **{one:,.1f}** | **{four:,.1f}** | **{four / one:.2f}** |" in PAGE
+    assert f"**The seed took {four / one:.2f}x**" in PAGE
+    # the 0.5x goal: what the train stages would need, given the other stages as measured
+    train = next(b for b in seed["by_stage"] if b["stage"] == "train")
+    rest = four - train["four_s"]
+    prose = " ".join(PAGE.split())  # the page's lines wrap anywhere in a sentence
+    assert f"the other stages, {rest:,.1f} s on the four-group side, are {rest / one:.2f}x" in prose
+    assert f"both train stages in {0.5 * one - rest:.0f} s ({(0.5 * one - rest) / train['one_s']:.2f}x)" in prose
+
+
+def test_the_second_rounds_dev_read_and_its_rule_are_the_files():
+    r = DATA["dev_round1"]
+    assert (r["queries"], r["l"], r["round"]) == (90, 2, 1)
+    assert f"| one group a step | {r['one_group']:.3f} | |" in PAGE
+    assert f"| four groups a step, packed | {r['four_groups']:.3f} | {interval(r)} |" in PAGE
+    # the rule written before the runs: the point estimate at least -0.05 keeps it for two-round runs
+    assert r["passes"] == (r["mean"] >= -0.05) and r["passes"] and f"It stays: **{interval(r)}**" in PAGE
