@@ -83,14 +83,14 @@ def render_against(run_id: str, rows: list[StageTime], base: list[StageTime]) ->
 
     keys = list(dict.fromkeys([*mine, *theirs]))
     for part in dict.fromkeys(k[0] for k in keys):
-        ks = [k for k in keys if k[0] == part]
-        out += [line(*k, theirs.get(k), mine.get(k)) for k in ks]
-        if len(ks) > 1:
-            out.append(line(part, "all", "(total)", total(theirs, ks), total(mine, ks)))
+        in_part = [k for k in keys if k[0] == part]
+        out += [line(*k, theirs.get(k), mine.get(k)) for k in in_part]
+        if len(in_part) > 1:
+            out.append(line(part, "all", "(total)", total(theirs, in_part), total(mine, in_part)))
     out.append("by stage:")
     for stage in dict.fromkeys(k[2] for k in keys):
-        ks = [k for k in keys if k[2] == stage]
-        out.append(line("", "", stage, total(theirs, ks), total(mine, ks)))
+        of_stage = [k for k in keys if k[2] == stage]
+        out.append(line("", "", stage, total(theirs, of_stage), total(mine, of_stage)))
     out.append(line("", "", "(whole)", total(theirs, keys), total(mine, keys)))
     return out
 
