@@ -94,3 +94,24 @@ def test_the_second_rounds_dev_read_and_its_rule_are_the_files():
     assert f"| four groups a step, packed | {r['four_groups']:.3f} | {interval(r)} |" in PAGE
     # the rule written before the runs: the point estimate at least -0.05 keeps it for two-round runs
     assert r["passes"] == (r["mean"] >= -0.05) and r["passes"] and f"It stays: **{interval(r)}**" in PAGE
+
+
+def test_the_bf16_pair_rows_and_its_comparisons_are_the_files():
+    bf16, fp32 = DATA["seed_measured_bf16"], DATA["seed_measured"]
+    label = {("run", 0): "round 0", ("run", 1): "round 1", ("eval-base", 0): "the base model's evaluation",
+             ("eval-r1", 0): "the last round's evaluation"}
+    for r in bf16["stages"]:
+        assert (f"| {label[r['part'], r['round']]} | {r['stage']} | {r['one_s']:,.1f} | {r['four_s']:,.1f} | "
+                f"{r['four_s'] / r['one_s']:.2f} |") in PAGE
+    one, four = bf16["stages_s"]["one"], bf16["stages_s"]["four"]
+    assert f"| **{one:,.1f}** | **{four:,.1f}** | **{four / one:.2f}** |" in PAGE
+    prose = " ".join(PAGE.split())
+    bf16_one = {b["stage"]: b["one_s"] for b in bf16["by_stage"]}
+    fp32_one = {b["stage"]: b["one_s"] for b in fp32["by_stage"]}
+    assert (f"the train stages most ({bf16_one['train'] / fp32_one['train']:.2f}x of their fp32 seconds, the "
+                      f"rollouts {bf16_one['rollout'] / fp32_one['rollout']:.2f}x, the scores "
+                      f"{bf16_one['score'] / fp32_one['score']:.2f}x; the whole one-group seed "
+                      f"{one / fp32['stages_s']['one']:.2f}x)") in prose
+    fp32_share = fp32_one["train"] / fp32["stages_s"]["one"]
+    assert f"({bf16_one['train'] / one:.0%}, against {fp32_share:.0%} in fp32)" in prose
+    assert f"the bf16 seed with four groups a step takes {four / fp32['stages_s']['one']:.2f}x" in prose
