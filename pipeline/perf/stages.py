@@ -106,8 +106,10 @@ def _rows(store_root: str, run_id: str, evaluations: bool) -> list[StageTime]:
 def main(run_id: str, store_root: str, evaluations: bool = True, echo=print,
          against: str | None = None) -> list[StageTime]:
     rows = _rows(store_root, run_id, evaluations)
-    lines = render(run_id, rows) if against is None else render_against(run_id, rows, _rows(against, run_id,
-                                                                                             evaluations))
+    if against is None:
+        lines = render(run_id, rows)
+    else:
+        lines = render_against(run_id, rows, _rows(against, run_id, evaluations))
     for text in lines:
         echo(text)
     return rows
