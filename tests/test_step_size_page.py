@@ -11,11 +11,23 @@ from pipeline.studies import formatting
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "results" / "step-size.md").read_text()
 DATA = json.loads((ROOT / "docs" / "results" / "step-size.json").read_text())
+PROSE = " ".join(PAGE.split())  # the page's lines wrap anywhere in a sentence
 
 
 def interval(d: dict) -> str:
     """The project's `mean [lo, hi]`, with the typographic minus the page is written in."""
     return f"{formatting.signed(d['mean'])} {formatting.span(d['lo'], d['hi'])}".replace("-", "−")
+
+
+def assert_seed_table_is_the_files(seed: dict) -> None:
+    """A measured seed pair's table: each stage's row, both sides' seconds and their ratio, then the seed's total."""
+    label = {("run", 0): "round 0", ("run", 1): "round 1", ("eval-base", 0): "the base model's evaluation",
+             ("eval-r1", 0): "the last round's evaluation"}
+    for r in seed["stages"]:
+        assert (f"| {label[r['part'], r['round']]} | {r['stage']} | {r['one_s']:,.1f} | {r['four_s']:,.1f} | "
+                f"{r['four_s'] / r['one_s']:.2f} |") in PAGE
+    one, four = seed["stages_s"]["one"], seed["stages_s"]["four"]
+    assert f"| **{one:,.1f}** | **{four:,.1f}** | **{four / one:.2f}** |" in PAGE
 
 
 @pytest.mark.parametrize("row", DATA["train"], ids=lambda r: r["key"])
@@ -66,25 +78,18 @@ def test_the_three_seeds_rows_and_their_rule_are_the_files():
 
 def test_the_measured_seed_rows_are_the_files():
     seed = DATA["seed_measured"]
-    label = {("run", 0): "round 0", ("run", 1): "round 1", ("eval-base", 0): "the base model's evaluation",
-             ("eval-r1", 0): "the last round's evaluation"}
-    for r in seed["stages"]:
-        row = (f"| {label[r['part'], r['round']]} | {r['stage']} | {r['one_s']:,.1f} | {r['four_s']:,.1f} | "
-               f"{r['four_s'] / r['one_s']:.2f} |")
-        assert row in PAGE
+    assert_seed_table_is_the_files(seed)
     # the totals are the stages' sums plus the curate stages the table leaves out
     for side in ("one", "four"):
         summed = sum(r[f"{side}_s"] for r in seed["stages"]) + seed["curate"][f"{side}_s"]
         assert round(summed, 1) == seed["stages_s"][side]
     one, four = seed["stages_s"]["one"], seed["stages_s"]["four"]
-    assert f"| **{one:,.1f}** | **{four:,.1f}** | **{four / one:.2f}** |" in PAGE
     assert f"**The seed took {four / one:.2f}x**" in PAGE
     # the 0.5x goal: what the train stages would need, given the other stages as measured
     train = next(b for b in seed["by_stage"] if b["stage"] == "train")
     rest = four - train["four_s"]
-    prose = " ".join(PAGE.split())  # the page's lines wrap anywhere in a sentence
-    assert f"the other stages, {rest:,.1f} s on the four-group side, are {rest / one:.2f}x" in prose
-    assert f"both train stages in {0.5 * one - rest:.0f} s ({(0.5 * one - rest) / train['one_s']:.2f}x)" in prose
+    assert f"the other stages, {rest:,.1f} s on the four-group side, are {rest / one:.2f}x" in PROSE
+    assert f"both train stages in {0.5 * one - rest:.0f} s ({(0.5 * one - rest) / train['one_s']:.2f}x)" in PROSE
 
 
 def test_the_second_rounds_dev_read_and_its_rule_are_the_files():
@@ -98,20 +103,14 @@ def test_the_second_rounds_dev_read_and_its_rule_are_the_files():
 
 def test_the_bf16_pair_rows_and_its_comparisons_are_the_files():
     bf16, fp32 = DATA["seed_measured_bf16"], DATA["seed_measured"]
-    label = {("run", 0): "round 0", ("run", 1): "round 1", ("eval-base", 0): "the base model's evaluation",
-             ("eval-r1", 0): "the last round's evaluation"}
-    for r in bf16["stages"]:
-        assert (f"| {label[r['part'], r['round']]} | {r['stage']} | {r['one_s']:,.1f} | {r['four_s']:,.1f} | "
-                f"{r['four_s'] / r['one_s']:.2f} |") in PAGE
+    assert_seed_table_is_the_files(bf16)
     one, four = bf16["stages_s"]["one"], bf16["stages_s"]["four"]
-    assert f"| **{one:,.1f}** | **{four:,.1f}** | **{four / one:.2f}** |" in PAGE
-    prose = " ".join(PAGE.split())
     bf16_one = {b["stage"]: b["one_s"] for b in bf16["by_stage"]}
     fp32_one = {b["stage"]: b["one_s"] for b in fp32["by_stage"]}
     assert (f"the train stages most ({bf16_one['train'] / fp32_one['train']:.2f}x of their fp32 seconds, the "
-                      f"rollouts {bf16_one['rollout'] / fp32_one['rollout']:.2f}x, the scores "
-                      f"{bf16_one['score'] / fp32_one['score']:.2f}x; the whole one-group seed "
-                      f"{one / fp32['stages_s']['one']:.2f}x)") in prose
+            f"rollouts {bf16_one['rollout'] / fp32_one['rollout']:.2f}x, the scores "
+            f"{bf16_one['score'] / fp32_one['score']:.2f}x; the whole one-group seed "
+            f"{one / fp32['stages_s']['one']:.2f}x)") in PROSE
     fp32_share = fp32_one["train"] / fp32["stages_s"]["one"]
-    assert f"({bf16_one['train'] / one:.0%}, against {fp32_share:.0%} in fp32)" in prose
-    assert f"the bf16 seed with four groups a step takes {four / fp32['stages_s']['one']:.2f}x" in prose
+    assert f"({bf16_one['train'] / one:.0%}, against {fp32_share:.0%} in fp32)" in PROSE
+    assert f"the bf16 seed with four groups a step takes {four / fp32['stages_s']['one']:.2f}x" in PROSE
