@@ -160,6 +160,11 @@ class GeneratorConfig(_Strict):
         8, gt=0, description="Prompts per generation call; openai: also the most requests in flight on each "
         "endpoint; vllm: a call decodes until its longest sample ends, so fewer, larger calls take fewer steps.",
     )
+    call_samples: int | None = Field(
+        256, gt=0, description="vllm and openai backends: the samples one call gathers from several batches, each "
+        "prompt keeping its batch's seed (the same draws), so one batch's longest samples decode beside the next's; "
+        "a crash loses the call in flight. Null: batch_size x n, a batch a call.",
+        json_schema_extra=not_hashed("draw"))
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: GPU memory fraction.")
     max_model_len: int = Field(4096, gt=0, description="vllm: context length.")
     enforce_eager: bool = Field(True, description="vllm: skip graph capture (fast start).")

@@ -696,6 +696,51 @@ def test_workflows_after_drawn_labels_are_written_across_batches_each_with_its_o
     assert own["text"].str.contains("return").all()
 
 
+def test_batches_join_in_calls_of_call_samples_each_prompt_with_its_own_batch_seed(tmp_path, fake, monkeypatch):
+    """generator.call_samples: where the backend seeds each prompt by itself, one call samples several batches (one
+    query a batch, m = 2: two batches hold 4 samples), each prompt with the seed its own batch's call gives it: the
+    same rows in fewer calls; a crash in the second call keeps the first call's batches, and a re-run samples the
+    rest."""
+    def seeded(self, prompts, smp, adapter):  # each sample returns its own seed: the rows show which seed drew it
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise RuntimeError("crash")
+        self.calls.append((prompts, smp))
+        return [[Completion(f"```python\nasync def solve(problem):\n    return {smp.prompt_seed(i) + j}\n```", [5],
+                            [11, 12 + j], [-0.1, -0.2], "stop") for j in range(smp.n)] for i in range(len(prompts))]
+
+    monkeypatch.setattr(FakeGen, "_generate", seeded)
+    runs = {}
+    for joined in (False, True):
+        gens = fake()
+        monkeypatch.setattr(FakeGen, "per_prompt_seeds", joined)
+        ctx = make_ctx(tmp_path / str(joined), benchmark={"max_queries": 3},
+                       generator={"batch_size": 1, "call_samples": 4}, rollout={"m": 2})
+        run_rollout(ctx)
+        runs[joined] = (gens[-1].calls, ctx.store.read("generations", "t", 0).sort("gen_id"))
+    (apart, rows_apart), (across, rows_across) = runs[False], runs[True]
+    assert len(apart) == 3 and all(smp.seeds is None for _, smp in apart)  # one call a query
+    (first, first_smp), (second, second_smp) = across
+    assert len(first) == 2 and len(second) == 1 and second_smp.seeds is None
+    # prompt i of a batch starts at its call's seed + i * n; each batch here holds one prompt
+    assert first_smp.seeds == (apart[0][1].seed, apart[1][1].seed) and first_smp.n == 2
+    assert first == apart[0][0] + apart[1][0] and second == apart[2][0]
+    assert rows_apart.height == 6 and rows_apart.select("gen_id", "text", "token_ids").rows() == \
+        rows_across.select("gen_id", "text", "token_ids").rows()
+    # a crash in the second call: the first call's two batches are in the store, the re-run samples the third
+    monkeypatch.setattr(FakeGen, "per_prompt_seeds", True)
+    gens = fake(fail_after=1)
+    ctx = make_ctx(tmp_path / "crash", benchmark={"max_queries": 3},
+                   generator={"batch_size": 1, "call_samples": 4}, rollout={"m": 2})
+    with pytest.raises(RuntimeError, match="crash"):
+        run_rollout(ctx)
+    assert ctx.store.read("generations", "t", 0)["query_id"].unique().sort().to_list() == ["q0", "q1"]
+    fake()
+    run_rollout(ctx)
+    assert [len(prompts) for prompts, _ in gens[-1].calls] == [1]
+    assert ctx.store.read("generations", "t", 0).sort("gen_id").select("gen_id", "text").rows() == \
+        rows_across.select("gen_id", "text").rows()
+
+
 def test_example_menu_file_missing_writes_nothing(tmp_path, fake):
     fake()
     ctx = make_ctx(tmp_path, rollout={"example_menu": [str(tmp_path / "nope.py")]})

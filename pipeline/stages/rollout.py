@@ -4,8 +4,8 @@ Flat (SPOGW): m workflows per query. Two-level: N_A agent plans per query, then 
 One prompt per (query) or (agent), sampled n times; its exemplars are drawn once per prompt.
 Idempotent per (query, parent, slot): gen_ids are deterministic, so a re-run samples only missing slots
 (two-level: missing agents first, then the missing workflows of the agents that exist). Every generation
-call writes one Parquet part, so a crash loses at most the call in flight (under rollout.choice_step, the batches
-whose labels are drawn and whose workflows are not written yet: `Sampler.sample`).
+batch writes one Parquet part when its call ends, so a crash loses at most the call in flight (its batches; under
+rollout.choice_step also the batches whose labels are drawn and whose workflows are not written yet: `Sampler.sample`).
 Row conventions: `latency_s` is the call's wall time divided by the samples it returned; `token_logprobs`
 follow pipeline/engines/generation/base.py; `adapter_round` is the round whose checkpoint sampled (null: base model
 or round 0's generator.adapter, whose path is in `sampling`).
@@ -289,27 +289,46 @@ class Sampler:
         return rows
 
     def sample(self, gen: Generator, requests: list[Request], bar: ProgressMeter) -> int:
-        """Every request, `generator.batch_size` prompts a call; a call's rows are one Parquet part. Under
-        rollout.choice_step the labels are drawn a batch at a time, and the workflows written after them are sampled
-        once the batches drawn hold as many as a plain call's samples (batch_size x n; `write_after`): a call that
-        writes only a batch's few `own` workflows decodes its longest alone."""
-        written, drawn = 0, []
+        """Every request, `generator.batch_size` prompts a batch. Where the backend seeds each prompt by itself
+        (`Generator.per_prompt_seeds`), several batches are sampled in one call of about `call_samples` samples, each
+        prompt with the seed its own batch's call gives it: a call decodes until its longest sample ends, so a call
+        of one small batch decodes its tail at a small batch. Under rollout.choice_step the labels are drawn a batch
+        at a time and the workflows written after them are what the calls join (`write_after`). A call's batches are
+        written when it ends: a crash loses at most the call in flight."""
+        written, drawn, plain = 0, [], []
         for batch in batches(requests, self.cfg.generator.batch_size):
             sampling = self.sampling(batch)
             if self.choice_tokens and batch[0].kind == "workflow":
                 draw = self.draw_labels(gen, batch, sampling, progress=bar.update)
-                if drawn and not mergeable(drawn[0], draw):
+                if drawn and not mergeable(drawn[0].then, draw.then):
                     written, drawn = written + self.write_drawn(gen, drawn, bar), []
                 drawn.append(draw)
-                if not gen.per_prompt_seeds or sum(len(d.to_write) for d in drawn) >= \
-                        self.cfg.generator.batch_size * sampling.n:
+                if not gen.per_prompt_seeds or sum(len(d.to_write) for d in drawn) >= self.call_samples(sampling):
                     written, drawn = written + self.write_drawn(gen, drawn, bar), []
                 continue
-            t0 = time.perf_counter()
-            outs = gen.generate([r.prompt_text for r in batch], sampling, self.sample_adapter, progress=bar.update)
-            latency = (time.perf_counter() - t0) / max(1, sampling.n * len(batch))
-            written += self.write_rows(batch, outs, sampling, latency)
-        return written + (self.write_drawn(gen, drawn, bar) if drawn else 0)
+            if plain and not mergeable(plain[0][1], sampling):
+                written, plain = written + self.write_plain(gen, plain, bar), []
+            plain.append((batch, sampling))
+            if not gen.per_prompt_seeds or sum(len(b) * s.n for b, s in plain) >= self.call_samples(sampling):
+                written, plain = written + self.write_plain(gen, plain, bar), []
+        return (written + (self.write_drawn(gen, drawn, bar) if drawn else 0)
+                + (self.write_plain(gen, plain, bar) if plain else 0))
+
+    def call_samples(self, sampling: Sampling) -> int:
+        """The samples a call gathers before it starts (generator.call_samples; unset: one batch's)."""
+        return self.cfg.generator.call_samples or self.cfg.generator.batch_size * sampling.n
+
+    def write_plain(self, gen: Generator, plain: list[tuple[list[Request], Sampling]], bar: ProgressMeter) -> int:
+        """Batches without a design step, in one call (each prompt keeps its own batch's seed), then each batch's
+        rows; a row's latency is the call's wall time over its samples."""
+        prompts = [r.prompt_text for batch, _ in plain for r in batch]
+        first = plain[0][1]
+        sampling = first if len(plain) == 1 else replace(
+            first, seeds=tuple(s.prompt_seed(i) for batch, s in plain for i in range(len(batch))))
+        t0 = time.perf_counter()
+        outs = iter(gen.generate(prompts, sampling, self.sample_adapter, progress=bar.update))
+        latency = (time.perf_counter() - t0) / max(1, sampling.n * len(prompts))
+        return sum(self.write_rows(batch, [next(outs) for _ in batch], s, latency) for batch, s in plain)
 
     def write_drawn(self, gen: Generator, drawn: list[Drawn], bar: ProgressMeter) -> int:
         """The workflows after the drawn labels of `drawn`'s batches, then each batch's rows; a row's latency is its
@@ -340,9 +359,9 @@ class Drawn:
     label_s: float  # wall seconds of the label step
 
 
-def mergeable(first: Drawn, other: Drawn) -> bool:
-    """Whether two batches' workflows can be written in one call: the same sampling but for the seed."""
-    return replace(first.then, seed=0) == replace(other.then, seed=0)
+def mergeable(first: Sampling, other: Sampling) -> bool:
+    """Whether two batches can be sampled in one call: the same sampling but for the seed."""
+    return replace(first, seed=0) == replace(other, seed=0)
 
 
 def routed_text(design: Design) -> str:
