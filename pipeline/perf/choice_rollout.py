@@ -6,7 +6,8 @@ cores), the rows and workflows written and the tokens generated, and the second 
 for token the first's (each prompt keeps its seed; the engine's batch changes the order of floating-point sums only).
 
 Where a batch draws few `own` labels, a call that writes only its workflows decodes them at a small batch and its
-longest alone; across batches the call decodes about batch_size x n of them, as a call without the design step does.
+longest alone; across batches a call decodes up to `generator.call_samples` of them, as a call without the design step
+does.
 """
 
 from __future__ import annotations
