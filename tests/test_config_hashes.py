@@ -64,12 +64,13 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     (experiment.router) came later and are a plan of references like the others, and so is the success criterion
     (experiment.criterion: it reads the results, it computes none); the vLLM engines' prefix caching (a prompt's KV
     blocks reused rather than computed again, and the KV block they are reused in) later still, a draw like the
-    executor's reply cache; where a seed starts
+    executor's reply cache, and so is how many samples a generation call gathers (each prompt keeps its seed); where
+    a seed starts
     from, whose base evaluation it borrows and which references run on dev (start_from, base_from, select_references)
     later again, plans too."""
     assert not_hashed_paths() == {
         "generator.enable_prefix_caching": "draw", "generator.serve.enable_prefix_caching": "draw",
-        "generator.block_size": "draw",
+        "generator.block_size": "draw", "generator.call_samples": "draw",
         "executor.serve.enable_prefix_caching": "draw",
         "executor.common_random_numbers": "draw", "executor.seed": "draw", "executor.cache": "draw",
         "scoring.cache_verdicts": "draw", "training.save_steps": "plan", "experiment": "study",
@@ -87,7 +88,8 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
         return {p for p in leaves if any(p == q or p.startswith(q + ".") for q in paths)}
 
     draw_then = {"executor.common_random_numbers", "executor.seed", "executor.cache", "scoring.cache_verdicts",
-                 "generator.enable_prefix_caching", "generator.block_size"}  # the serve sections' are null by default
+                 "generator.enable_prefix_caching", "generator.block_size",
+                 "generator.call_samples"}  # the serve sections' are null by default
     plan_then = {"experiment.references", "experiment.references_from", "experiment.shared_base",
                  "experiment.select_split", "experiment.select_queries", "experiment.select_eval",
                  "experiment.budget_slack", "experiment.common_random_numbers", "experiment.criterion",
