@@ -119,6 +119,11 @@ class ServeConfig(_Strict):
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV cache of prompt prefixes requests share (vLLM's --enable-prefix-caching); "
         "the stage's log gives the hit rate.", json_schema_extra=not_hashed("draw"))
+    ngram_speculation: int | None = Field(
+        None, gt=0, description="Speculative decoding by prompt lookup (vLLM's ngram method): this many tokens a step "
+        "proposed from the request's own prompt and output, kept where the model's own choice agrees; a greedy "
+        "executor's replies are unchanged up to rounding. Executor only. Null: off.",
+        json_schema_extra=not_hashed("draw"))
     extra_args: list[str] = Field(
         default_factory=list, description="More vLLM server arguments, e.g. [--max-num-seqs, '8'].",
     )
@@ -208,6 +213,9 @@ class GeneratorConfig(_Strict):
     def _one_server_setting(self) -> GeneratorConfig:
         if self.serve is not None:
             _check_served("generator", self.backend == "openai", "backend: openai", self.base_url, self.endpoints)
+            if self.serve.ngram_speculation is not None:
+                raise ValueError("generator.serve.ngram_speculation: the generator's samples and their log-probs "
+                                 "under speculative decoding are not checked; set it on executor.serve")
         elif self.backend == "openai" and bool(self.base_url) == bool(self.endpoints):
             raise ValueError(
                 "backend openai needs either generator.base_url (one server) or generator.endpoints (a list), "

@@ -110,6 +110,24 @@ def test_serve_enforce_eager_and_served_model_reach_the_server_command():
     assert cmd[cmd.index("--served-model-name") + 1] == "policy"  # the name its requests use
 
 
+def test_ngram_speculation_reaches_the_executor_server_and_is_refused_on_the_generators():
+    """executor.serve.ngram_speculation: k adds vLLM's n-gram proposer with k tokens a step to the executor server's
+    command (n-grams of 2-4 tokens); off by default; a served generator refuses it (its samples' log-probs under
+    speculation are not checked)."""
+    import json
+
+    from pipeline.config import ConfigError
+    from pipeline.engines.servers import spec_for
+
+    cmd = spec_for(_cfg(executor={"kind": "openai", "serve": {"ngram_speculation": 3}}), "executor").command("/m", 1)
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    assert "--speculative-config" not in spec_for(_cfg(executor={"kind": "openai", "serve": {}}), "executor").command(
+        "/m", 1)
+    with pytest.raises(ConfigError, match="generator.serve.ngram_speculation"):
+        _cfg(generator={"backend": "openai", "served_model": "p", "serve": {"ngram_speculation": 3}})
+
+
 def test_budget_slack_sets_which_reference_is_at_the_budget():
     """A reference is at the trained generator's budget B = 100 when its tokens are at most (1 + slack) B: the best
     one on the choosing split spends 120, so it is at the budget with slack 0.25 and not with 0.1 (then the runner-up

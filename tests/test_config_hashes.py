@@ -71,7 +71,8 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     assert not_hashed_paths() == {
         "generator.enable_prefix_caching": "draw", "generator.serve.enable_prefix_caching": "draw",
         "generator.block_size": "draw", "generator.call_samples": "draw",
-        "executor.serve.enable_prefix_caching": "draw",
+        "executor.serve.enable_prefix_caching": "draw", "executor.serve.ngram_speculation": "draw",
+        "generator.serve.ngram_speculation": "draw",
         "executor.common_random_numbers": "draw", "executor.seed": "draw", "executor.cache": "draw",
         "scoring.cache_verdicts": "draw", "training.save_steps": "plan", "experiment": "study",
         "experiment.references": "plan", "experiment.references_from": "plan", "experiment.select_split": "plan",

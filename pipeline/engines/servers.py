@@ -22,6 +22,9 @@ lists the model, points the section's base_url at it, and stops it when the stag
 - Prefix caching (`serve.enable_prefix_caching`, on by default) is said on the command line either way, and
   `serving` logs each server's hit rate over the block (its /metrics counters at the end less those at the start;
   a shared server's include whatever else used it meanwhile).
+- `executor.serve.ngram_speculation` (off by default) starts the executor's server with vLLM's n-gram proposer
+  (prompt lookup, n-grams of 2-4 tokens): a greedy reply's tokens are the model's own, proposed several a step
+  (docs/performance.md, "A call of several batches").
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class ServerSpec:
     enforce_eager: bool = True
     lora_rank: int | None = None  # adapters loadable at run time, up to this rank (generator servers)
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes requests share (serve.enable_prefix_caching)
+    ngram_speculation: int | None = None  # tokens proposed a step by prompt lookup (serve.ngram_speculation)
     extra_args: tuple[str, ...] = ()
     start_timeout_s: float = 600.0
 
@@ -89,6 +93,10 @@ class ServerSpec:
         # said either way: vLLM's own default has changed between versions and platforms
         cmd += ["--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
         cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)] if self.lora_rank else []
+        if self.ngram_speculation:
+            cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens":
+                                                        self.ngram_speculation, "prompt_lookup_max": 4,
+                                                        "prompt_lookup_min": 2})]
         from pipeline.engines.generation.vllm_offline import cuda_available, no_partial_prefills
 
         if not cuda_available():  # seeded requests (common random numbers) must never meet a chunked prefill
@@ -136,7 +144,8 @@ def spec_for(cfg: RunConfig, section: str) -> ServerSpec:
               "enforce_eager": serve.enforce_eager, "prefix_caching": serve.enable_prefix_caching,
               "start_timeout_s": serve.start_timeout_s}
     if section == "executor":
-        return ServerSpec(serve.model or part.model, part.model, extra_args=tuple(serve.extra_args), **common)
+        return ServerSpec(serve.model or part.model, part.model, ngram_speculation=serve.ngram_speculation,
+                          extra_args=tuple(serve.extra_args), **common)
     # generator: its rows need token ids and processed logprobs (pipeline.engines.generation.openai_server)
     return ServerSpec(serve.model or part.model, part.served_model or part.model, lora_rank=part.max_lora_rank,
                       extra_args=("--logprobs-mode", "processed_logprobs", *serve.extra_args), **common)
