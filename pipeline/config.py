@@ -122,7 +122,7 @@ class ServeConfig(_Strict):
     ngram_speculation: int | None = Field(
         None, gt=0, description="Speculative decoding by prompt lookup (vLLM's ngram method): this many tokens a step "
         "proposed from the request's own prompt and output, kept where the model's own choice agrees; a greedy "
-        "executor's replies are unchanged up to rounding. Executor only. Null: off.",
+        "executor's replies are unchanged up to rounding (measured at temperature 0 only). Executor only. Null: off.",
         json_schema_extra=not_hashed("draw"))
     extra_args: list[str] = Field(
         default_factory=list, description="More vLLM server arguments, e.g. [--max-num-seqs, '8'].",
