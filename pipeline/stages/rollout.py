@@ -244,8 +244,7 @@ class Sampler:
         call decodes as many workflows as a call without the design step would. Each completion is the two steps'
         tokens joined. Per batch, per request, its n completions."""
         prompts = [d.batch[k // d.sampling.n].prompt_text + d.picks[k].text for d in drawn for k in d.to_write]
-        seeds = tuple(d.then.prompt_seed(i) for d in drawn for i in range(len(d.to_write)))
-        then = drawn[0].then if len(drawn) == 1 else replace(drawn[0].then, seeds=seeds)
+        then = one_call_sampling([(d.then, len(d.to_write)) for d in drawn])
         written = iter([comps[0] for comps in gen.generate(prompts, then, self.sample_adapter, progress=progress)]
                        if prompts else [])
         out = []
@@ -322,9 +321,7 @@ class Sampler:
         """Batches without a design step, in one call (each prompt keeps its own batch's seed), then each batch's
         rows; a row's latency is the call's wall time over its samples."""
         prompts = [r.prompt_text for batch, _ in plain for r in batch]
-        first = plain[0][1]
-        sampling = first if len(plain) == 1 else replace(
-            first, seeds=tuple(s.prompt_seed(i) for batch, s in plain for i in range(len(batch))))
+        sampling = one_call_sampling([(s, len(batch)) for batch, s in plain])
         t0 = time.perf_counter()
         outs = iter(gen.generate(prompts, sampling, self.sample_adapter, progress=bar.update))
         latency = (time.perf_counter() - t0) / max(1, sampling.n * len(prompts))
@@ -362,6 +359,15 @@ class Drawn:
 def mergeable(first: Sampling, other: Sampling) -> bool:
     """Whether two batches can be sampled in one call: the same sampling but for the seed."""
     return replace(first, seed=0) == replace(other, seed=0)
+
+
+def one_call_sampling(parts: list[tuple[Sampling, int]]) -> Sampling:
+    """The sampling of one call that holds several batches' prompts (each batch's sampling and its prompt count, in
+    the call's order): each prompt keeps the seed its own batch's call gives it; one batch's is its own."""
+    first = parts[0][0]
+    if len(parts) == 1:
+        return first
+    return replace(first, seeds=tuple(s.prompt_seed(i) for s, count in parts for i in range(count)))
 
 
 def routed_text(design: Design) -> str:
