@@ -64,8 +64,8 @@ def test_what_is_not_hashed_is_what_the_lists_of_then_named():
     (experiment.router) came later and are a plan of references like the others, and so is the success criterion
     (experiment.criterion: it reads the results, it computes none); the vLLM engines' prefix caching (a prompt's KV
     blocks reused rather than computed again, and the KV block they are reused in) later still, a draw like the
-    executor's reply cache, and so is how many samples a generation call gathers (each prompt keeps its seed); where
-    a seed starts
+    executor's reply cache, and so are how many samples a generation call gathers (each prompt keeps its seed) and
+    the served executor's n-gram speculation (a greedy reply's tokens proposed several a step); where a seed starts
     from, whose base evaluation it borrows and which references run on dev (start_from, base_from, select_references)
     later again, plans too."""
     assert not_hashed_paths() == {
